@@ -1,0 +1,1 @@
+"""Evaluation harness (quantkit.eval): accuracy loss against the unquantized model."""

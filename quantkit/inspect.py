@@ -1,0 +1,41 @@
+"""What a checkpoint or artifact is, read only from its self-describing files."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from quantkit.artifact import MANIFEST_FILE, REPORT_FILE
+
+
+def describe(model_dir: str | Path) -> dict:
+    model_dir = Path(model_dir)
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{model_dir} has no config.json")
+    config = json.loads(config_path.read_text())
+    quant = config.get("quantization_config") or {}
+    weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+    info = {
+        "path": str(model_dir),
+        "model_type": config.get("model_type"),
+        "layers": config.get("num_hidden_layers"),
+        "hidden_size": config.get("hidden_size"),
+        "heads (q/kv)": f"{config.get('num_attention_heads')}/{config.get('num_key_value_heads')}",
+        "vocab_size": config.get("vocab_size"),
+        "sparse_config": bool(config.get("sparse_config")),
+        "quantization": (f"{quant.get('quant_method')} {quant.get('bits')}-bit g{quant.get('group_size')} "
+                         f"{'sym' if quant.get('sym') else 'asym'}") if quant else "none",
+        "weights_mb": round(weights / 2**20, 1),
+    }
+    manifest_path = model_dir / MANIFEST_FILE
+    if manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text())
+        errors = [max(e["errors"].values()) for e in manifest["layer_errors"]]
+        info.update({"recipe": manifest["recipe"]["name"], "quantkit_version": manifest["quantkit_version"],
+                     "run_fingerprint": manifest["fingerprints"]["run"][:16],
+                     "max_layer_rel_error": max(errors) if errors else None})
+    report_path = model_dir / REPORT_FILE
+    if report_path.is_file():
+        report = json.loads(report_path.read_text())
+        info.update({"quantize_seconds": report["seconds"], "peak_rss_mb": report["peak_rss_mb"]})
+    return info

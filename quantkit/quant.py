@@ -1,0 +1,193 @@
+"""The neutral quantized-tensor record and the uniform integer grid that every algorithm shares.
+
+Algorithms (RTN, GPTQ, AWQ) produce a ``QuantizedTensor``; formats only turn that record into bytes
+and back. The grid follows the reference GPTQ quantizer (IST-DASLab ``quant.py``, AutoGPTQ): per
+group and output row, ``q = clamp(round(w / scale) + zero, 0, maxq)`` and ``w ≈ (q - zero) * scale``.
+Parameter search (``find_group_params``) and rounding (``quantize_codes``) are separate functions
+because the GPTQ solver picks parameters per group but rounds one column at a time.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+SUPPORTED_BITS = (2, 3, 4, 8)
+SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)  # -1: one group spanning every input channel
+
+# Smallest positive float16 (subnormal): scales below it would round to 0 in the checkpoint.
+_MIN_FP16_SCALE = 2.0**-24
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    bits: int
+    group_size: int
+    sym: bool
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS:
+            raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {self.bits!r}")
+        if isinstance(self.group_size, bool) or self.group_size not in SUPPORTED_GROUP_SIZES:
+            raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {self.group_size!r}")
+        if not isinstance(self.sym, bool):
+            raise ValueError(f"sym must be a bool, got {self.sym!r}")
+
+    @property
+    def maxq(self) -> int:
+        return 2**self.bits - 1
+
+    def num_groups(self, in_features: int) -> int:
+        """Groups per output row; a ragged last group counts (576 channels at g128 -> 5)."""
+        return 1 if self.group_size == -1 else math.ceil(in_features / self.group_size)
+
+
+def default_g_idx(in_features: int, group_size: int) -> Tensor:
+    """Group of each input channel without act-order: ``k // group_size`` (all 0 for group_size -1)."""
+    if in_features < 1:
+        raise ValueError(f"in_features must be positive, got {in_features}")
+    if group_size == -1:
+        return torch.zeros(in_features, dtype=torch.int32)
+    return torch.div(torch.arange(in_features, dtype=torch.int32), group_size, rounding_mode="floor")
+
+
+def group_slices(in_features: int, group_size: int) -> list[slice]:
+    """Input-channel ranges of the natural (non-act-order) groups, the last one possibly narrower."""
+    width = in_features if group_size == -1 else group_size
+    return [slice(start, min(start + width, in_features)) for start in range(0, in_features, width)]
+
+
+def require_finite(weights: Tensor) -> None:
+    bad = (~torch.isfinite(weights)).sum().item()
+    if bad:
+        raise ValueError(
+            f"cannot quantize weights of shape {tuple(weights.shape)}: {bad} value(s) are NaN or Inf"
+        )
+
+
+class GroupParams(NamedTuple):
+    """Grid of one group, one entry per output row (float32; scale values are exact float16)."""
+
+    scale: Tensor
+    zero: Tensor  # integers in [0, maxq]
+
+
+def find_group_params(weights: Tensor, config: QuantConfig) -> GroupParams:
+    """Scale and zero point per row of ``weights`` [rows, group_width], reference-GPTQ semantics.
+
+    The range always includes 0. Sym: ``zero = 2^(bits-1)``, ``scale = 2·max|w| / maxq``, except that a
+    row with no negative value keeps ``xmin = 0`` (``scale = max / maxq``), as the reference does.
+    Asym: ``scale = (xmax - xmin) / maxq``, ``zero = round(-xmin / scale)``. An all-zero row gets the
+    range [-1, 1]. The scale is rounded to float16 *before* the zero point and the codes are derived,
+    so the stored checkpoint dequantizes to exactly the weights the algorithm saw.
+    """
+    if weights.dim() != 2 or weights.shape[1] == 0:
+        raise ValueError(f"expected a [rows, group_width] weight slice, got shape {tuple(weights.shape)}")
+    w = weights.to(torch.float32)
+    require_finite(w)
+    xmin = w.amin(dim=1).clamp(max=0.0)
+    xmax = w.amax(dim=1).clamp(min=0.0)
+    if config.sym:
+        xmax = torch.maximum(-xmin, xmax)
+        xmin = torch.where(xmin < 0, -xmax, xmin)
+    empty = (xmin == 0) & (xmax == 0)
+    xmin = torch.where(empty, -1.0, xmin)
+    xmax = torch.where(empty, 1.0, xmax)
+
+    scale16 = ((xmax - xmin) / config.maxq).clamp(min=_MIN_FP16_SCALE).to(torch.float16)
+    if not torch.isfinite(scale16).all():
+        raise ValueError(
+            f"weight range up to {float(xmax.max()):.4g} / down to {float(xmin.min()):.4g} "
+            "gives a scale beyond float16's range (65504)"
+        )
+    scale = scale16.to(torch.float32)
+    if config.sym:
+        zero = torch.full_like(scale, float((config.maxq + 1) // 2))
+    else:
+        zero = torch.round(-xmin / scale).clamp(0, config.maxq)
+    return GroupParams(scale, zero)
+
+
+def _per_row(param: Tensor, like: Tensor) -> Tensor:
+    """Broadcast a per-row parameter [rows] over a column [rows] or a block [rows, cols]."""
+    return param.reshape(-1, *([1] * (like.dim() - 1)))
+
+
+def quantize_codes(weights: Tensor, params: GroupParams, maxq: int) -> Tensor:
+    """Integer codes (as float32) of ``weights`` [rows] or [rows, cols] on the grid ``params``."""
+    w = weights.to(torch.float32)
+    scale, zero = _per_row(params.scale, w), _per_row(params.zero, w)
+    return torch.clamp(torch.round(w / scale) + zero, 0, maxq)
+
+
+def dequantize_codes(codes: Tensor, params: GroupParams) -> Tensor:
+    """``(codes - zero) * scale`` in float32: the same arithmetic as ``QuantizedTensor.dequantize``."""
+    c = codes.to(torch.float32)
+    return (c - _per_row(params.zero, c)) * _per_row(params.scale, c)
+
+
+def fake_quantize(weights: Tensor, params: GroupParams, maxq: int) -> Tensor:
+    return dequantize_codes(quantize_codes(weights, params, maxq), params)
+
+
+def _check_tensor(tensor: Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {tensor.dtype}")
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
+
+
+@dataclass(eq=False)
+class QuantizedTensor:
+    """One quantized linear weight, independent of any checkpoint format.
+
+    ``codes`` uint8 [N, K] in the original input-channel order; ``scales`` float16 [G, N];
+    ``zeros`` uint8 [G, N] (the true integer zero point, no GPTQ-v1 offset); ``g_idx`` int32 [K]
+    (group of each input channel; non-monotonic under act-order).
+    """
+
+    codes: Tensor
+    scales: Tensor
+    zeros: Tensor
+    g_idx: Tensor
+    config: QuantConfig
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.config, QuantConfig):
+            raise TypeError(f"config must be a QuantConfig, got {type(self.config).__name__}")
+        if not isinstance(self.codes, Tensor) or self.codes.dim() != 2 or 0 in self.codes.shape:
+            shape = tuple(self.codes.shape) if isinstance(self.codes, Tensor) else type(self.codes).__name__
+            raise ValueError(f"codes must be a non-empty [N, K] tensor, got {shape}")
+        n, k = self.codes.shape
+        groups = self.config.num_groups(k)
+        _check_tensor(self.codes, "codes", torch.uint8, (n, k))
+        _check_tensor(self.scales, "scales", torch.float16, (groups, n))
+        _check_tensor(self.zeros, "zeros", torch.uint8, (groups, n))
+        _check_tensor(self.g_idx, "g_idx", torch.int32, (k,))
+        maxq = self.config.maxq
+        if int(self.codes.max()) > maxq:
+            raise ValueError(f"codes exceed maxq={maxq} for {self.config.bits}-bit: max {int(self.codes.max())}")
+        if int(self.zeros.max()) > maxq:
+            raise ValueError(f"zeros exceed maxq={maxq} for {self.config.bits}-bit: max {int(self.zeros.max())}")
+        if int(self.g_idx.min()) < 0 or int(self.g_idx.max()) >= groups:
+            raise ValueError(
+                f"g_idx values must lie in [0, {groups}), got [{int(self.g_idx.min())}, {int(self.g_idx.max())}]"
+            )
+        if not (torch.isfinite(self.scales).all() and (self.scales > 0).all()):
+            raise ValueError("scales must be finite and positive")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The weight [N, K]: ``(codes - zeros[g_idx].T) * scales[g_idx].T`` in float32, then cast."""
+        g = self.g_idx.long()
+        zeros = self.zeros[g].T.to(torch.float32)
+        scales = self.scales[g].T.to(torch.float32)
+        return ((self.codes.to(torch.float32) - zeros) * scales).to(dtype)

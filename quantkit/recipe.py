@@ -1,0 +1,141 @@
+"""Recipes: YAML files that name a pipeline's steps and parameters, validated against one schema.
+
+A recipe is data. The schema below is the single list of what a recipe may say; an unknown key or a
+bad value is an error that names the key and the file, before any work starts.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from quantkit.algorithms import ALGORITHMS
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used as written."""
+
+
+@dataclass(frozen=True)
+class Field:
+    kind: type
+    default: Any = None
+    required: bool = False
+    choices: tuple | None = None
+    check: Callable[[Any], bool] | None = None
+    rule: str = ""  # what `check` demands, for the error message
+    help: str = ""
+
+
+def _positive(v) -> bool:
+    return v > 0
+
+
+FORMATS = ("gptq",)
+
+SCHEMA: dict[str, Any] = {
+    "name": Field(str, required=True, help="recipe name, as `quantkit quantize --recipe NAME`"),
+    "description": Field(str, required=True, help="one line: what the recipe is for"),
+    "algorithm": Field(str, required=True, choices=tuple(ALGORITHMS), help="quantization algorithm"),
+    "format": Field(str, default="gptq", choices=FORMATS, help="checkpoint format written"),
+    "compute_dtype": Field(str, default="bfloat16", choices=("bfloat16", "float32"),
+                           help="dtype of calibration forwards (bf16 uses AMX; statistics accumulate in fp32)"),
+    "quant": {
+        "bits": Field(int, required=True, choices=(2, 3, 4, 8)),
+        "group_size": Field(int, default=128, choices=(-1, 32, 64, 128)),
+        "sym": Field(bool, default=True),
+    },
+    "calibration": {
+        "source": Field(str, default="default", help="corpus or mix name, local file, or hf:<dataset>"),
+        "n_samples": Field(int, default=128, check=_positive, rule="> 0"),
+        "seq_len": Field(int, default=512, check=lambda v: v >= 16, rule=">= 16"),
+        "seed": Field(int, default=0),
+        "chat": Field(bool, default=False, help="wrap each sample in the chat template"),
+        "batch_size": Field(int, default=8, check=_positive, rule="> 0",
+                            help="samples per forward batch (memory, not results)"),
+    },
+}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A validated recipe with every default filled in."""
+
+    values: dict
+    source: str  # file it came from, for messages
+
+    def __getitem__(self, key: str):
+        return self.values[key]
+
+    @property
+    def name(self) -> str:
+        return self.values["name"]
+
+    def fingerprint(self) -> str:
+        """SHA-256 of the canonical settings (name and description do not change results)."""
+        settings = {k: v for k, v in self.values.items() if k not in ("name", "description")}
+        return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+
+
+def _validate(raw: Any, schema: dict, where: str, source: str) -> dict:
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{source}: '{where or 'recipe'}' must be a mapping, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(schema))
+    if unknown:
+        known = ", ".join(sorted(schema))
+        raise RecipeError(f"{source}: unknown key '{where}{unknown[0]}' (allowed here: {known})")
+    out = {}
+    for key, spec in schema.items():
+        path = f"{where}{key}"
+        if isinstance(spec, dict):
+            out[key] = _validate(raw.get(key, {}), spec, f"{path}.", source)
+            continue
+        if key not in raw:
+            if spec.required:
+                raise RecipeError(f"{source}: missing required key '{path}'")
+            out[key] = spec.default
+            continue
+        value = raw[key]
+        # bool is an int subclass in Python: reject `bits: true` and `sym: 1` alike.
+        if type(value) is not spec.kind:
+            raise RecipeError(f"{source}: '{path}' must be {spec.kind.__name__}, got {value!r}")
+        if spec.choices is not None and value not in spec.choices:
+            raise RecipeError(f"{source}: '{path}' = {value!r} is not one of {list(spec.choices)}")
+        if spec.check is not None and not spec.check(value):
+            raise RecipeError(f"{source}: '{path}' = {value!r} must be {spec.rule}")
+        out[key] = value
+    return out
+
+
+def builtin_dir() -> Path:
+    return Path(str(resources.files("quantkit.recipes")))
+
+
+def builtin_names() -> list[str]:
+    return sorted(p.stem for p in builtin_dir().glob("*.yaml"))
+
+
+def load_recipe(name_or_path: str | Path) -> Recipe:
+    """Load a built-in recipe by name, or a YAML file by path."""
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml"):
+        path = builtin_dir() / f"{name_or_path}.yaml"
+        if not path.is_file():
+            raise RecipeError(f"unknown recipe '{name_or_path}'; built-in recipes: {', '.join(builtin_names())}")
+    if not path.is_file():
+        raise RecipeError(f"recipe file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: not valid YAML: {e}") from e
+    return Recipe(_validate(raw, SCHEMA, "", str(path)), str(path))
+
+
+def purpose(path: Path) -> str:
+    """The one-line purpose a recipe states in its `description`."""
+    return yaml.safe_load(path.read_text()).get("description", "")

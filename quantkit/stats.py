@@ -1,0 +1,40 @@
+"""Second-moment statistics of a linear layer's inputs: H = 2/n · Σ xᵀx over calibration tokens.
+
+GPTQ needs H as its Hessian, and every method's reconstruction error ‖(W − Ŵ)X‖² is
+tr(ΔW H ΔWᵀ)·n/2, so one accumulator serves both. Prefix-aware GPTQ excludes the first
+``skip_prefix`` positions of every calibration sequence, which is why inputs keep their
+[batch, seq, features] shape until here.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class InputStats:
+    """Accumulates H = 2/n Σ xᵀx in float32 from inputs in any dtype."""
+
+    def __init__(self, features: int, skip_prefix: int = 0):
+        self.hessian = torch.zeros(features, features, dtype=torch.float32)
+        self.tokens = 0
+        self.skip_prefix = skip_prefix
+
+    def add(self, x: torch.Tensor) -> None:
+        """x: [batch, seq, features]; positions < skip_prefix of each sequence are left out."""
+        if x.dim() != 3:
+            raise ValueError(f"expected inputs [batch, seq, features], got shape {tuple(x.shape)}")
+        rows = x[:, self.skip_prefix:, :].reshape(-1, x.shape[-1])
+        if rows.shape[0] == 0:
+            return
+        # One matmul per batch in the input dtype (bf16 runs on AMX and accumulates in fp32 inside
+        # the kernel); the running sum across batches is kept in fp32.
+        total = self.tokens + rows.shape[0]
+        self.hessian.mul_(self.tokens / total).add_((rows.T @ rows).float(), alpha=2.0 / total)
+        self.tokens = total
+
+
+def relative_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor) -> float:
+    """‖(W − Ŵ)X‖² / ‖WX‖² on the inputs summarised by H (both [N, K], H [K, K])."""
+    w = weight.float()
+    delta = w - approx.float()
+    denom = ((w @ hessian) * w).double().sum().item()
+    return ((delta @ hessian) * delta).double().sum().item() / denom if denom > 0 else 0.0

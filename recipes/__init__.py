@@ -1,0 +1,1 @@
+"""quantkit recipes ship as package data."""

@@ -1,0 +1,69 @@
+"""The command line on a tiny checkpoint: help everywhere, tables and JSON, clear failures."""
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from quantkit.cli import main
+from quantkit.models.fixtures import write_tiny_checkpoint
+
+RECIPE = """\
+name: tiny-rtn
+description: RTN on a tiny checkpoint
+algorithm: rtn
+quant: {bits: 8, group_size: 64, sym: false}
+calibration: {n_samples: 2, seq_len: 32}
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", num_hidden_layers=2)
+
+
+@pytest.mark.parametrize("command", [[], ["quantize"], ["eval"], ["eval", "ppl"], ["eval", "kld"], ["inspect"],
+                                     ["recipes"], ["default-model"]])
+def test_help_everywhere(command):
+    result = CliRunner().invoke(main, command + ["--help"])
+    assert result.exit_code == 0 and "Usage:" in result.output
+
+
+def test_recipes_lists_builtin_with_purpose():
+    result = CliRunner().invoke(main, ["recipes", "--json"])
+    listing = json.loads(result.output)
+    assert "RTN" in listing["rtn-w4g128"]
+
+
+def test_quantize_inspect_eval_round_trip(tiny, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(RECIPE)
+    text = tmp_path / "heldout.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    out = tmp_path / "q"
+    runner = CliRunner()
+    result = runner.invoke(main, ["quantize", "--recipe", str(recipe), "--model", str(tiny), "--out", str(out),
+                                  "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "max rel. error" in result.output and f"wrote {out}" in result.output
+
+    info = json.loads(runner.invoke(main, ["inspect", str(out), "--json"]).output)
+    assert info["quantization"] == "gptq 8-bit g64 asym" and info["recipe"] == "tiny-rtn"
+
+    result = runner.invoke(main, ["eval", "kld", "--model", str(out), "--ref", str(tiny), "--data", str(text),
+                                  "--window", "64", "--json"])
+    assert result.exit_code == 0, result.output
+    kl = json.loads(result.output)
+    assert 0 < kl["mean_kl"] < 1e-2 and kl["top1_agreement"] > 0.9  # 8-bit loses almost nothing
+
+    again = runner.invoke(main, ["quantize", "--recipe", str(recipe), "--model", str(tiny), "--out", str(out)])
+    assert again.exit_code == 1 and "already exists" in again.output
+
+
+def test_failures_are_one_clear_line(tiny, tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(main, ["quantize", "--recipe", "no-such-recipe", "--model", str(tiny), "--out",
+                                  str(tmp_path / "q")])
+    assert result.exit_code == 1 and "unknown recipe 'no-such-recipe'" in result.output
+    assert "Traceback" not in result.output
+    result = runner.invoke(main, ["eval", "ppl", "--model", str(tmp_path / "missing")])
+    assert result.exit_code == 1 and "not found" in result.output

@@ -1,0 +1,138 @@
+"""The layer-wise engine on tiny random MiniCPM checkpoints: artifacts, determinism, resume, bad input."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from quantkit.artifact import REPORT_FILE, staging_dir
+from quantkit.checkpoint import CheckpointError
+from quantkit.engine import EngineError, quantize
+from quantkit.loading import load_model
+from quantkit.models.fixtures import write_tiny_checkpoint
+from quantkit.models.layers import LINEARS
+from quantkit.recipe import RecipeError, load_recipe
+
+RECIPE = """\
+name: tiny-rtn
+description: RTN on a tiny checkpoint
+algorithm: rtn
+quant: {bits: 4, group_size: 128, sym: true}
+calibration: {n_samples: 4, seq_len: 64, batch_size: 3}
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", num_hidden_layers=3)
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory):
+    path = tmp_path_factory.mktemp("recipe") / "tiny-rtn.yaml"
+    path.write_text(RECIPE)
+    return load_recipe(path)
+
+
+def _artifact_bytes(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.name != REPORT_FILE}
+
+
+def test_artifact_is_complete_and_loads(tiny, recipe, tmp_path):
+    out = tmp_path / "q"
+    report = quantize(tiny, recipe, out, progress=False)
+    assert len(report.layers) == 3 and not staging_dir(out).exists()
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["bits"] == 4 and config["quantization_config"]["quant_method"] == "gptq"
+    assert (out / "tokenizer.json").read_bytes() == (tiny / "tokenizer.json").read_bytes()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert "model.layers.2.mlp.down_proj.qweight" in index["weight_map"]
+    # RTN W4 on Gaussian weights: every linear loses some, none loses most of its output energy.
+    for layer in report.layers:
+        assert set(layer.errors) == set(LINEARS)
+        assert all(1e-4 < e < 0.05 for e in layer.errors.values()), layer.errors
+
+    model, reference = load_model(out), load_model(tiny)
+    for name, w in reference.state_dict().items():
+        if name.endswith(("q_proj.weight", "down_proj.weight")):
+            q = model.state_dict()[name]
+            assert not torch.equal(q, w)
+            assert (q - w).abs().max() < w.abs().max() / 7  # within half a 4-bit step of the group max
+    ids = torch.arange(1, 40)[None]
+    assert torch.isfinite(model(ids).logits).all()
+
+
+def test_same_inputs_give_identical_bytes_and_resume_matches(tiny, recipe, tmp_path):
+    straight, resumed = tmp_path / "a", tmp_path / "b"
+    quantize(tiny, recipe, straight, progress=False)
+    partial = quantize(tiny, recipe, resumed, progress=False, stop_after_layers=1)
+    assert len(partial.layers) == 1 and staging_dir(resumed).is_dir() and not resumed.exists()
+    with pytest.raises(EngineError, match="--resume"):
+        quantize(tiny, recipe, resumed, progress=False)
+    report = quantize(tiny, recipe, resumed, progress=False, resume=True)
+    assert report.resumed_from_layer == 1 and [r.index for r in report.layers] == [1, 2]
+    assert _artifact_bytes(straight) == _artifact_bytes(resumed)
+
+
+def test_resume_refuses_a_different_recipe(tiny, recipe, tmp_path):
+    out = tmp_path / "q"
+    quantize(tiny, recipe, out, progress=False, stop_after_layers=1)
+    other = tmp_path / "other.yaml"
+    other.write_text(RECIPE.replace("bits: 4", "bits: 8"))
+    with pytest.raises(EngineError, match="different model, recipe"):
+        quantize(tiny, load_recipe(other), out, progress=False, resume=True)
+
+
+def test_existing_output_directory_is_refused(tiny, recipe, tmp_path):
+    out = tmp_path / "q"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(EngineError, match="already exists"):
+        quantize(tiny, recipe, out, progress=False)
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_unknown_recipe_key_names_key_and_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(RECIPE.replace("sym: true", "sym: true, grup_size: 64"))
+    with pytest.raises(RecipeError, match=r"bad\.yaml.*quant\.grup_size"):
+        load_recipe(path)
+    path.write_text(RECIPE.replace("bits: 4", "bits: 5"))
+    with pytest.raises(RecipeError, match=r"quant\.bits.*5"):
+        load_recipe(path)
+
+
+def _broken_copy(tiny: Path, tmp_path: Path, edit) -> Path:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for p in tiny.iterdir():
+        (broken / p.name).write_bytes(p.read_bytes())
+    tensors = load_file(str(broken / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(broken / "model.safetensors"))
+    return broken
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), "lacks tensor 'model.layers.1.mlp.up_proj.weight'"),
+    (lambda t: t["model.layers.2.self_attn.k_proj.weight"].view(-1).__setitem__(7, float("nan")), "NaN"),
+    (lambda t: t.__setitem__("model.layers.0.mlp.down_proj.weight",
+                             t["model.layers.0.mlp.down_proj.weight"][:, :-8].contiguous()), "has shape"),
+])
+def test_bad_checkpoints_fail_before_writing(tiny, recipe, tmp_path, edit, message):
+    broken = _broken_copy(tiny, tmp_path, edit)
+    out = tmp_path / "q"
+    with pytest.raises(EngineError, match=message):
+        quantize(broken, recipe, out, progress=False)
+    assert not out.exists() and not staging_dir(out).exists()
+
+
+def test_corrupt_safetensors_is_a_clear_error(tiny, recipe, tmp_path):
+    broken = _broken_copy(tiny, tmp_path, lambda t: None)
+    data = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
+    out = tmp_path / "q"
+    with pytest.raises(CheckpointError, match="corrupt safetensors"):
+        quantize(broken, recipe, out, progress=False)
+    assert not out.exists() and not staging_dir(out).exists()

@@ -1,0 +1,45 @@
+"""quantkit.kernels and quantkit.eval import from the editable install and from a built wheel,
+and neither install creates top-level `kernels` or `eval` modules."""
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE = ("import quantkit.kernels, quantkit.eval, quantkit.recipes, quantkit.calib_data, importlib.util;"
+         "print(quantkit.kernels.__file__); print(quantkit.eval.__file__);"
+         "print(importlib.util.find_spec('kernels') is None and importlib.util.find_spec('eval') is None)")
+
+
+def _probe(env=None) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, cwd="/",
+                         check=True)
+    return out.stdout.split()
+
+
+def test_editable_install_maps_folders():
+    kernels_file, eval_file, no_top_level = _probe()
+    assert Path(kernels_file) == REPO / "kernels" / "__init__.py"
+    assert Path(eval_file) == REPO / "eval" / "__init__.py"
+    assert no_top_level == "True"
+
+
+@pytest.mark.slow
+def test_built_wheel_contains_and_imports_subpackages(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(REPO)],
+                   check=True, capture_output=True)
+    wheel = next(tmp_path.glob("quantkit-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "quantkit/kernels/__init__.py" in names and "quantkit/eval/ppl.py" in names
+    assert "quantkit/recipes/rtn-w4g128.yaml" in names
+    assert not any(n.startswith(("kernels/", "eval/")) for n in names)
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True, capture_output=True)
+    kernels_file, eval_file, no_top_level = _probe({**os.environ, "PYTHONPATH": str(target)})
+    assert Path(kernels_file) == target / "quantkit" / "kernels" / "__init__.py"
+    assert Path(eval_file) == target / "quantkit" / "eval" / "__init__.py"
+    assert no_top_level == "True"

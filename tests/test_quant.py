@@ -1,0 +1,147 @@
+import pytest
+import torch
+
+from quantkit.quant import (
+    QuantConfig,
+    QuantizedTensor,
+    default_g_idx,
+    dequantize_codes,
+    fake_quantize,
+    find_group_params,
+    group_slices,
+    quantize_codes,
+)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"bits": 5, "group_size": 128, "sym": True}, "bits"),
+    ({"bits": True, "group_size": 128, "sym": True}, "bits"),
+    ({"bits": 4, "group_size": 100, "sym": True}, "group_size"),
+    ({"bits": 4, "group_size": 0, "sym": True}, "group_size"),
+    ({"bits": 4, "group_size": 128, "sym": 1}, "sym"),
+])
+def test_config_rejects_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        QuantConfig(**kwargs)
+
+
+def test_config_maxq_and_groups():
+    assert [QuantConfig(b, 128, True).maxq for b in (2, 3, 4, 8)] == [3, 7, 15, 255]
+    assert QuantConfig(4, 128, True).num_groups(576) == 5
+    assert QuantConfig(4, -1, True).num_groups(576) == 1
+    assert QuantConfig(4, 32, True).num_groups(576) == 18
+
+
+def test_default_g_idx_ragged_last_group():
+    g_idx = default_g_idx(576, 128)
+    assert g_idx.dtype == torch.int32
+    assert torch.bincount(g_idx.long()).tolist() == [128, 128, 128, 128, 64]
+    assert torch.equal(default_g_idx(576, -1), torch.zeros(576, dtype=torch.int32))
+    slices = group_slices(576, 128)
+    assert [(s.start, s.stop) for s in slices] == [(0, 128), (128, 256), (256, 384), (384, 512), (512, 576)]
+    assert [(s.start, s.stop) for s in group_slices(576, -1)] == [(0, 576)]
+
+
+def test_sym_params_follow_reference_quirks():
+    cfg = QuantConfig(4, 128, True)
+    w = torch.tensor([
+        [-1.5, 0.75, 0.0],   # mixed signs: scale = 2*1.5/15
+        [0.3, 1.5, 0.0],     # no negatives: xmin stays 0, scale = 1.5/15
+        [0.0, 0.0, 0.0],     # all zero: range [-1, 1]
+    ])
+    p = find_group_params(w, cfg)
+    expected = torch.tensor([3.0 / 15, 1.5 / 15, 2.0 / 15]).half().float()
+    assert torch.equal(p.scale, expected)
+    assert torch.equal(p.zero, torch.full((3,), 8.0))
+
+
+def test_asym_params_include_zero_in_range():
+    cfg = QuantConfig(4, 128, False)
+    w = torch.tensor([
+        [-1.0, 2.0],    # scale 3/15, zero round(1/scale16)
+        [0.5, 1.5],     # all positive: xmin forced to 0 -> zero 0
+        [-3.0, -1.0],   # all negative: xmax forced to 0 -> zero 15
+    ])
+    p = find_group_params(w, cfg)
+    scale16 = torch.tensor([3.0 / 15, 1.5 / 15, 3.0 / 15]).half().float()
+    assert torch.equal(p.scale, scale16)
+    assert p.zero.tolist() == [torch.round(1.0 / scale16[0]).item(), 0.0, 15.0]
+
+
+def test_scales_are_float16_values_before_codes():
+    torch.manual_seed(0)
+    w = torch.randn(64, 128)
+    p = find_group_params(w, QuantConfig(4, 128, False))
+    assert torch.equal(p.scale.half().float(), p.scale)
+    codes = quantize_codes(w, p, 15)
+    # The codes are computed against the rounded scale: recomputing them from it changes nothing.
+    assert torch.equal(codes, torch.clamp(torch.round(w / p.scale[:, None]) + p.zero[:, None], 0, 15))
+
+
+def test_tiny_and_huge_scales():
+    cfg = QuantConfig(8, 128, True)
+    tiny = find_group_params(torch.tensor([[1e-12, -1e-12]]), cfg)
+    assert tiny.scale.item() == 2.0**-24  # smallest float16, never 0
+    with pytest.raises(ValueError, match="float16"):
+        find_group_params(torch.tensor([[1e7, -1e7]]), cfg)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_weights_rejected(bad):
+    w = torch.randn(4, 32)
+    w[2, 5] = bad
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        find_group_params(w, QuantConfig(4, 32, True))
+
+
+def test_column_and_block_rounding_agree():
+    torch.manual_seed(1)
+    w = torch.randn(16, 32)
+    p = find_group_params(w, QuantConfig(3, 32, False))
+    block = quantize_codes(w, p, 7)
+    columns = torch.stack([quantize_codes(w[:, j], p, 7) for j in range(32)], dim=1)
+    assert torch.equal(block, columns)
+    assert torch.equal(fake_quantize(w, p, 7), dequantize_codes(block, p))
+
+
+def _random_record(config, n=8, k=96, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    groups = config.num_groups(k)
+    return QuantizedTensor(
+        codes=torch.randint(0, config.maxq + 1, (n, k), generator=gen, dtype=torch.uint8),
+        scales=(torch.rand(groups, n, generator=gen) + 0.01).half(),
+        zeros=torch.randint(0, config.maxq + 1, (groups, n), generator=gen, dtype=torch.uint8),
+        g_idx=default_g_idx(k, config.group_size),
+        config=config,
+    )
+
+
+def test_dequantize_formula_with_permuted_g_idx():
+    cfg = QuantConfig(4, 32, False)
+    qt = _random_record(cfg)
+    qt.g_idx = qt.g_idx[torch.randperm(96, generator=torch.Generator().manual_seed(3))]
+    w = qt.dequantize()
+    for k in (0, 17, 95):
+        g = int(qt.g_idx[k])
+        expected = (qt.codes[:, k].float() - qt.zeros[g].float()) * qt.scales[g].float()
+        assert torch.equal(w[:, k], expected)
+    assert qt.dequantize(torch.bfloat16).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("codes", torch.zeros(8, 96, dtype=torch.int32), "codes must be torch.uint8"),
+    ("codes", torch.full((8, 96), 16, dtype=torch.uint8), "codes exceed maxq=15"),
+    ("scales", torch.ones(3, 8, dtype=torch.float32), "scales must be torch.float16"),
+    ("scales", torch.ones(2, 8, dtype=torch.float16), r"scales must have shape \(3, 8\)"),
+    ("scales", torch.zeros(3, 8, dtype=torch.float16), "finite and positive"),
+    ("zeros", torch.full((3, 8), 200, dtype=torch.uint8), "zeros exceed"),
+    ("g_idx", torch.zeros(95, dtype=torch.int32), r"g_idx must have shape \(96,\)"),
+    ("g_idx", torch.full((96,), 3, dtype=torch.int32), r"g_idx values must lie in \[0, 3\)"),
+])
+def test_record_validation(field, value, message):
+    qt = _random_record(QuantConfig(4, 32, True))
+    fields = {name: getattr(qt, name) for name in ("codes", "scales", "zeros", "g_idx", "config")}
+    fields[field] = value
+    with pytest.raises(ValueError, match=message):
+        QuantizedTensor(**fields)
+
