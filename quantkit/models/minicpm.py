@@ -1,0 +1,270 @@
+"""Native MiniCPM4 / MiniCPM4.1 causal LM (dense attention), loadable without trust_remote_code.
+
+Tensor names match the official checkpoints (see quantkit/models/layers.py). What differs from a
+plain Llama, all per the official modeling_minicpm.py:
+- μP scalings: embeddings × scale_emb, each residual branch × scale_depth/√L, and
+  logits = lm_head(h / (hidden_size / dim_model_base)) returned as float32;
+- RMSNorm casts back to the input dtype *before* multiplying by its weight;
+- RoPE is applied in float32 and may be LongRoPE (per-frequency factors and an attention factor
+  that multiplies both cos and sin).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import slice_logits_to_keep
+from transformers.utils.output_capturing import capture_outputs
+
+from quantkit.models.configuration_minicpm import MiniCPMConfig
+
+# query [B, Hq, T, d], key/value [B, Hkv, S, d] (KV heads not repeated), mask, softmax scale
+# -> [B, Hq, T, d]. The mask is None (causal when T > 1, aligned to the first key), or a boolean
+# (True = attend) or additive float mask broadcastable to [B, Hq, T, S].
+AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float], torch.Tensor]
+
+
+def dense_attention(query, key, value, attention_mask, scaling):
+    """Exact softmax attention through PyTorch SDPA (the default core; InfLLM v2 replaces it)."""
+    return F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        is_causal=attention_mask is None and query.shape[2] > 1,
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+
+
+class MiniCPMRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        variance = hidden_states.float().pow(2).mean(-1, keepdim=True)
+        normalized = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return normalized.to(hidden_states.dtype) * self.weight
+
+
+class MiniCPMRotaryEmbedding(nn.Module):
+    """Half-split RoPE, optionally LongRoPE. cos/sin are computed on the fly from the config (no
+    buffers), so the module is exact on any device, including models built on the meta device."""
+
+    def __init__(self, config: MiniCPMConfig):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.base = config.rope_theta
+        self.max_position_embeddings = config.max_position_embeddings
+        scaling = config.rope_scaling
+        self.short_factor = scaling["short_factor"] if scaling else None
+        self.long_factor = scaling["long_factor"] if scaling else None
+        self.original_max_position_embeddings = (
+            scaling["original_max_position_embeddings"] if scaling else config.max_position_embeddings
+        )
+        ratio = self.max_position_embeddings / self.original_max_position_embeddings
+        self.attention_factor = (
+            math.sqrt(1 + math.log(ratio) / math.log(self.original_max_position_embeddings)) if ratio > 1 else 1.0
+        )
+
+    def _position_factors(self, position_ids: torch.Tensor) -> list[float] | None:
+        # The official code picks the factor set by the length its cos/sin cache covers: at least
+        # max_position_embeddings, extended when a position runs past it.
+        if self.short_factor is None:
+            return None
+        covered = max(self.max_position_embeddings, int(position_ids.max()) + 1)
+        return self.long_factor if covered > self.original_max_position_embeddings else self.short_factor
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [B, T] -> (cos, sin), each [B, T, head_dim] in x.dtype."""
+        device = x.device
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim))
+        positions = position_ids.to(device=device, dtype=torch.float32)[..., None]
+        factors = self._position_factors(position_ids)
+        if factors is not None:
+            positions = positions * (1.0 / torch.tensor(factors, dtype=torch.float32, device=device))
+        freqs = positions * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_factor
+        sin = emb.sin() * self.attention_factor
+        return cos.to(x.dtype), sin.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """states [B, H, T, d]; cos/sin [B, T, d]. Rotates in float32, returns states' dtype."""
+    cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
+    rotated = states.float() * cos + rotate_half(states.float()) * sin
+    return rotated.to(states.dtype)
+
+
+class MiniCPMAttention(nn.Module):
+    def __init__(self, config: MiniCPMConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.scaling = self.head_dim**-0.5
+        bias = config.attention_bias
+        q_width = config.num_attention_heads * self.head_dim
+        kv_width = config.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_width, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=bias)
+        self.o_proj = nn.Linear(q_width, config.hidden_size, bias=bias)
+        self.core: AttentionCore = dense_attention
+
+    def _heads(self, projected: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = projected.shape
+        return projected.view(batch, length, -1, self.head_dim).transpose(1, 2)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None):
+        cos, sin = position_embeddings
+        query = apply_rotary(self._heads(self.q_proj(hidden_states)), cos, sin)
+        key = apply_rotary(self._heads(self.k_proj(hidden_states)), cos, sin)
+        value = self._heads(self.v_proj(hidden_states))
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+        attended = self.core(query, key, value, attention_mask, self.scaling)
+        return self.o_proj(attended.transpose(1, 2).flatten(2))
+
+
+class MiniCPMMLP(nn.Module):
+    def __init__(self, config: MiniCPMConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MiniCPMDecoderLayer(nn.Module):
+    def __init__(self, config: MiniCPMConfig, layer_idx: int):
+        super().__init__()
+        self.residual_scale = config.residual_scale
+        self.self_attn = MiniCPMAttention(config, layer_idx)
+        self.mlp = MiniCPMMLP(config)
+        self.input_layernorm = MiniCPMRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = MiniCPMRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
+        attended = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask, past_key_values)
+        hidden_states = hidden_states + attended * self.residual_scale
+        transformed = self.mlp(self.post_attention_layernorm(hidden_states))
+        return hidden_states + transformed * self.residual_scale
+
+
+class MiniCPMPreTrainedModel(PreTrainedModel):
+    config_class = MiniCPMConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["MiniCPMDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _can_record_outputs = {"hidden_states": MiniCPMDecoderLayer}
+
+
+class MiniCPMModel(MiniCPMPreTrainedModel):
+    def __init__(self, config: MiniCPMConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(MiniCPMDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = MiniCPMRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = MiniCPMRotaryEmbedding(config)
+        self.post_init()
+
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is None:
+            # Official behaviour: only token embeddings get the μP multiplier, not passed-in embeddings.
+            inputs_embeds = self.embed_tokens(input_ids) * self.config.scale_emb
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        if position_ids is None:
+            seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(seen, seen + inputs_embeds.shape[1], device=inputs_embeds.device)[None]
+
+        mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
+        hidden_states = inputs_embeds
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, position_embeddings, mask, past_key_values)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+
+
+class MiniCPMForCausalLM(MiniCPMPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: MiniCPMConfig):
+        super().__init__(config)
+        self.model = MiniCPMModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def logits_from_hidden(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Float32 logits from hidden states that already went through the final norm."""
+        return self.lm_head(hidden_states / self.config.logit_divisor).float()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        logits = self.logits_from_hidden(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+        )

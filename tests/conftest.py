@@ -1,0 +1,49 @@
+"""Shared pytest fixtures: tiny random MiniCPM checkpoint folders.
+
+The folders are session-scoped and shared between tests: treat them as read-only (write outputs
+to ``tmp_path``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+import quantkit  # noqa: F401  (registers MiniCPM with the transformers Auto classes)
+from quantkit.models.fixtures import write_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_factory(tmp_path_factory) -> Callable[..., Path]:
+    """``make(**kwargs)`` -> a folder from ``write_tiny_checkpoint(**kwargs)``, written once per kwargs."""
+    written: dict[str, Path] = {}
+
+    def make(**kwargs) -> Path:
+        key = repr(sorted(kwargs.items()))
+        if key not in written:
+            written[key] = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_minicpm"), **kwargs)
+        return written[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_checkpoint_factory) -> Path:
+    """Default tiny checkpoint: 2 layers, hidden 256, GQA 16:1, untied, LongRoPE, float32."""
+    return tiny_checkpoint_factory()
+
+
+@pytest.fixture(scope="session")
+def tiny_tied_checkpoint(tiny_checkpoint_factory) -> Path:
+    """As ``tiny_checkpoint`` but with lm_head tied to the embeddings (no lm_head.weight stored)."""
+    return tiny_checkpoint_factory(tied=True)
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    """The embedded default model (SmolLM2-135M-Instruct as MiniCPM), from the user's quantkit cache:
+    fetched and converted on first use, then shared with `make demo`."""
+    from quantkit.models import zoo
+
+    return zoo.ensure_model(progress=False)

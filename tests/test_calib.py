@@ -1,0 +1,318 @@
+"""Calibration data: the shipped files, the loader, calibration sets and held-out tokens."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import struct
+import subprocess
+import sys
+import zlib
+from importlib import resources
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+from quantkit import calib
+from quantkit.calib_data import build
+
+CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
+
+
+def _byte_level_bpe(add_bos: bool) -> PreTrainedTokenizerFast:
+    """A small byte-level BPE trained on the bundled text: lossless decode, so rows can be traced."""
+    model = Tokenizer(models.BPE())
+    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    model.train_from_iterator([d[:1500] for d in calib.load_documents("default")], trainer)
+    if add_bos:
+        model.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=model, bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return _byte_level_bpe(add_bos=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_without_bos():
+    return _byte_level_bpe(add_bos=False)
+
+
+def _text(path_or_name: str) -> str:
+    return resources.files(calib.DATA_PACKAGE).joinpath(path_or_name).read_text("utf-8")
+
+
+# --- shipped files --------------------------------------------------------------------------
+
+def test_manifest_matches_shipped_files():
+    manifest = json.loads(_text("manifest.json"))
+    assert manifest["document_separator"] == calib.DOCUMENT_SEPARATOR
+    registered = {c.file: name for name, c in {**calib.CORPORA, **calib.HELDOUT}.items()}
+    assert set(manifest["files"]) == set(registered)
+    for file, entry in manifest["files"].items():
+        content = resources.files(calib.DATA_PACKAGE).joinpath(file).read_bytes()
+        assert hashlib.sha256(content).hexdigest() == entry["sha256"], file
+        assert len(content) == entry["bytes"] <= build.MAX_FILE_BYTES
+        assert len(calib.load_documents(registered[file])) == entry["documents"]
+        assert entry["role"] == ("heldout" if registered[file] in calib.HELDOUT else "calibration")
+        assert entry["license"] and entry["source"]["version"] and entry["method"]
+
+
+def test_heldout_text_shares_no_200_char_span_with_calibration():
+    calibration = [_text(c.file) for c in calib.CORPORA.values()]
+    rng = random.Random(7)
+    for corpus in calib.HELDOUT.values():
+        heldout = _text(corpus.file)
+        for _ in range(150):
+            start = rng.randrange(len(heldout) - build.HELDOUT_SPAN)
+            span = heldout[start:start + build.HELDOUT_SPAN]
+            assert not any(span in text for text in calibration), (corpus.file, span)
+
+
+def test_sotu_cleaning_keeps_inserted_words_and_drops_notes():
+    raw = ("Thank you. [Laughter] We [Ukrainian] people [Applause] and [Alejandra; White House "
+           "correction] met. [At this point, the President paused.] Done .\n\n\n[1.] First.")
+    assert build.clean_address(raw) == "Thank you. We Ukrainian people and Alejandra met. Done.\n\n1. First."
+
+
+def test_help_page_parser_keeps_only_visible_main_text():
+    page = ('<header><button>模块</button></header><aside>目录</aside>'
+            '<div id="DisplayArea"><h1>标题文字</h1><p>选择<span hidden="true">偏好设置</span>'
+            '<span>工具 - 选项</span>。</p><script>var x;</script><div><p>第二段</p></div></div>'
+            '<footer><p>Title is: x</p></footer>')
+    parser = build.HelpPageText()
+    parser.feed(page)
+    parser.close()
+    assert parser.paragraphs == ["标题文字", "选择工具 - 选项。", "第二段"]
+    assert build.is_cjk_dense("这是一个足够长的中文段落。") and not build.is_cjk_dense("Dim x As 整数")
+
+
+def _r_character_vector(strings: list[str | None]) -> bytes:
+    blob = b"X\n" + struct.pack(">iii", 3, 0x040201, 0x030500) + struct.pack(">i", 5) + b"UTF-8"
+    blob += struct.pack(">ii", build.R_CHARACTER_VECTOR, len(strings))
+    for s in strings:
+        if s is None:
+            blob += struct.pack(">ii", 9, build.R_NA_LENGTH)
+        else:
+            data = s.encode("utf-8")
+            blob += struct.pack(">ii", 0x00040009, len(data)) + data
+    return blob
+
+
+def test_r_lazyload_reader_round_trip(tmp_path):
+    vectors = [["EMMA", "", "By Jane Austen", "café"], ["PERSUASION", None, "line"]]
+    db = b""
+    for vector in vectors:
+        raw = _r_character_vector(vector)
+        db += struct.pack(">i", len(raw)) + zlib.compress(raw)
+    (tmp_path / "Rdata.rdb").write_bytes(db)
+    assert build.read_r_lazyload_db(tmp_path / "Rdata.rdb") == [vectors[0], ["PERSUASION", "", "line"]]
+    with pytest.raises(ValueError, match="character vector"):
+        build.read_r_character_vector(_r_character_vector(["x"]).replace(
+            struct.pack(">ii", build.R_CHARACTER_VECTOR, 1), struct.pack(">ii", 19, 1)))
+    assert build.unwrap_lines(["Chapter 1", "", "It is a", "truth.", "", "", "Next"]) == \
+        "Chapter 1\n\nIt is a truth.\n\nNext"
+
+
+# --- load_documents ---------------------------------------------------------------------------
+
+def test_load_local_files(tmp_path):
+    plain = tmp_path / "plain.txt"
+    plain.write_text("one document\n\nwith two paragraphs\n", encoding="utf-8")
+    assert calib.load_documents(str(plain)) == ["one document\n\nwith two paragraphs"]
+    bundled_layout = tmp_path / "docs.txt"
+    bundled_layout.write_text(calib.format_documents(["first", "second\nline"]), encoding="utf-8")
+    assert calib.load_documents(str(bundled_layout)) == ["first", "second\nline"]
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text('{"text": "alpha"}\n\n{"text": "beta", "id": 2}\n', encoding="utf-8")
+    assert calib.load_documents(str(jsonl)) == ["alpha", "beta"]
+    import pyarrow
+    import pyarrow.parquet
+
+    parquet = tmp_path / "docs.parquet"
+    pyarrow.parquet.write_table(pyarrow.table({"text": ["gamma", "", "delta"]}), parquet)
+    assert calib.load_documents(str(parquet)) == ["gamma", "delta"]
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(ValueError, match="unknown calibration source 'wikitext'"):
+        calib.load_documents("wikitext")
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        calib.load_documents(str(tmp_path / "missing.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"body": "no text"}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        calib.load_documents(str(bad))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n", encoding="utf-8")
+    with pytest.raises(ValueError, match="holds no text"):
+        calib.load_documents(str(empty))
+    with pytest.raises(ValueError, match="hf:<dataset>"):
+        calib.load_documents("hf:")
+    with pytest.raises(ValueError, match="separator"):
+        calib.format_documents(["a" + calib.DOCUMENT_SEPARATOR + "b"])
+
+
+def test_hf_source_parsing_and_offline_error(monkeypatch):
+    import datasets
+
+    calls = []
+
+    def fake_load(name, config, split):
+        calls.append((name, config, split))
+        return datasets.Dataset.from_dict({"text": ["", "row one", "  ", "row two"]})
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    assert calib.load_documents("hf:wikitext:wikitext-2-raw-v1:test") == ["row one", "row two"]
+    assert calib.load_documents("hf:user/corpus") == ["row one", "row two"]
+    assert calls == [("wikitext", "wikitext-2-raw-v1", "test"), ("user/corpus", None, "train")]
+    monkeypatch.undo()
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(RuntimeError, match="cannot load Hugging Face dataset 'wikitext'.*work offline"):
+        calib.load_documents("hf:wikitext:wikitext-2-raw-v1:test")
+
+
+# --- calibration_set --------------------------------------------------------------------------
+
+def test_shape_bos_and_description(tokenizer):
+    cs = calib.calibration_set(tokenizer, "default", n_samples=20, seq_len=96)
+    assert cs.input_ids.shape == (20, 96) and cs.input_ids.dtype == torch.long
+    assert (cs.input_ids[:, 0] == tokenizer.bos_token_id).all()
+    assert (cs.input_ids[:, 1:] != tokenizer.bos_token_id).all()  # rows were never concatenated
+    described = cs.describe()
+    assert described == {"source": "default", "n_samples": 20, "seq_len": 96, "seed": 0, "chat": False,
+                         "rows_per_source": cs.rows_per_source(), "tokens": 20 * 96,
+                         "fingerprint": cs.fingerprint}
+    assert re.fullmatch(r"[0-9a-f]{64}", cs.fingerprint)
+
+
+def test_tokenizer_without_bos_gets_none(tokenizer_without_bos):
+    cs = calib.calibration_set(tokenizer_without_bos, "en", n_samples=6, seq_len=64)
+    assert (cs.input_ids != tokenizer_without_bos.bos_token_id).all()
+
+
+def test_same_seed_same_rows_other_seed_other_rows(tokenizer):
+    first = calib.calibration_set(tokenizer, "default", n_samples=12, seq_len=64, seed=3)
+    again = calib.calibration_set(tokenizer, "default", n_samples=12, seq_len=64, seed=3)
+    other = calib.calibration_set(tokenizer, "default", n_samples=12, seq_len=64, seed=4)
+    assert torch.equal(first.input_ids, again.input_ids) and first.fingerprint == again.fingerprint
+    assert not torch.equal(first.input_ids, other.input_ids) and first.fingerprint != other.fingerprint
+    shorter = calib.calibration_set(tokenizer, "default", n_samples=12, seq_len=63, seed=3)
+    assert shorter.fingerprint != first.fingerprint
+
+
+FINGERPRINT_SCRIPT = """
+import sys
+from transformers import PreTrainedTokenizerFast
+from quantkit.calib import calibration_set
+tokenizer = PreTrainedTokenizerFast.from_pretrained(sys.argv[1])
+print(calibration_set(tokenizer, "default", n_samples=8, seq_len=64, seed=5).fingerprint)
+"""
+
+
+def test_fingerprint_independent_of_hash_randomisation(tokenizer, tmp_path):
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = PreTrainedTokenizerFast.from_pretrained(tmp_path)
+    expected = calib.calibration_set(reloaded, "default", n_samples=8, seq_len=64, seed=5).fingerprint
+    # This process hashes with its own random salt; the child with a fixed, different one.
+    child = subprocess.run([sys.executable, "-c", FINGERPRINT_SCRIPT, str(tmp_path)], check=True,
+                           env={**os.environ, "PYTHONHASHSEED": "12345"}, capture_output=True,
+                           text=True, timeout=120)
+    assert child.stdout.strip() == expected
+
+
+def test_local_file_fingerprint_depends_on_content_not_path(tokenizer, tmp_path):
+    text = "\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog." for i in range(200))
+    (tmp_path / "a.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "b.txt").write_text(text, encoding="utf-8")
+    a = calib.calibration_set(tokenizer, str(tmp_path / "a.txt"), n_samples=4, seq_len=32)
+    b = calib.calibration_set(tokenizer, str(tmp_path / "b.txt"), n_samples=4, seq_len=32)
+    assert torch.equal(a.input_ids, b.input_ids) and a.fingerprint == b.fingerprint
+
+
+def test_rows_are_disjoint_and_start_at_paragraphs(tokenizer, tmp_path):
+    text = "\n\n".join(f"Paragraph {i}: calibration text, numbered so rows can be traced." for i in range(400))
+    path = tmp_path / "numbered.txt"
+    path.write_text(text, encoding="utf-8")
+    cs = calib.calibration_set(tokenizer, str(path), n_samples=12, seq_len=48, seed=1)
+    seen: set[int] = set()
+    for row in cs.input_ids:
+        decoded = tokenizer.decode(row[1:])
+        assert decoded.startswith("Paragraph ")
+        numbers = {int(n) for n in re.findall(r"Paragraph (\d+):", decoded)}
+        assert numbers and not numbers & seen
+        seen |= numbers
+
+
+def test_long_paragraph_files_start_rows_at_lines(tokenizer, tmp_path):
+    path = tmp_path / "lines.txt"
+    path.write_text("\n".join(f"line {i} of one long block of text" for i in range(300)), encoding="utf-8")
+    cs = calib.calibration_set(tokenizer, str(path), n_samples=10, seq_len=40)
+    assert all(tokenizer.decode(row[1:]).startswith("line ") for row in cs.input_ids)
+
+
+def test_mix_proportions_and_row_provenance(tokenizer):
+    cs = calib.calibration_set(tokenizer, "default", n_samples=40, seq_len=64, seed=2)
+    assert cs.rows_per_source() == {name: round(40 * share)
+                                    for name, share in calib.MIXES["default"].items()}
+    corpus_text = {name: _text(calib.CORPORA[name].file) for name in calib.CORPORA}
+    for row, name in zip(cs.input_ids, cs.row_sources):
+        opening = tokenizer.decode(row[1:])[:40]
+        assert opening in corpus_text[name], (name, opening)
+    assert calib._allocate({"a": 0.5, "b": 0.25, "c": 0.25}, 7) == {"a": 3, "b": 2, "c": 2}
+    assert calib._allocate(calib.MIXES["default"], 10) == {"en": 4, "zh": 4, "code": 1, "math": 1}
+    assert calib._allocate(calib.MIXES["default"], 2) == {"en": 1, "zh": 1}
+
+
+def test_chat_wraps_each_row_as_a_user_turn(tokenizer):
+    cs = calib.calibration_set(tokenizer, "en", n_samples=4, seq_len=64, chat=True)
+    for row in cs.input_ids:
+        assert row[0] == tokenizer.bos_token_id and (row[1:] != tokenizer.bos_token_id).all()
+        assert tokenizer.decode(row).startswith("<s><|user|>\n")
+    plain = calib.calibration_set(tokenizer, "en", n_samples=4, seq_len=64)
+    assert plain.fingerprint != cs.fingerprint
+    no_template = _byte_level_bpe(add_bos=True)
+    no_template.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        calib.calibration_set(no_template, "en", n_samples=2, seq_len=16, chat=True)
+
+
+def test_calibration_errors(tokenizer, tmp_path):
+    with pytest.raises(ValueError, match="held-out"):
+        calib.calibration_set(tokenizer, "austen", n_samples=2, seq_len=16)
+    with pytest.raises(ValueError, match="unknown calibration source"):
+        calib.calibration_set(tokenizer, "wikitext2", n_samples=2, seq_len=16)
+    small = tmp_path / "small.txt"
+    small.write_text("just a few words\n\nand a few more", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"yields only 0 disjoint sequences of 64 tokens, but 3"):
+        calib.calibration_set(tokenizer, str(small), n_samples=3, seq_len=64)
+    with pytest.raises(ValueError, match="n_samples >= 1"):
+        calib.calibration_set(tokenizer, "en", n_samples=0)
+
+
+# --- heldout_tokens ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(calib.HELDOUT))
+def test_heldout_tokens_prefix_matches_full_tokenization(tokenizer, name):
+    full = calib.heldout_tokens(tokenizer, name)
+    assert full.dim() == 1 and full.dtype == torch.long and full[0] == tokenizer.bos_token_id
+    assert full.numel() > 50_000
+    prefix = calib.heldout_tokens(tokenizer, name, max_tokens=3_000)
+    assert torch.equal(prefix, full[:3_000])
+
+
+def test_heldout_tokens_refuses_calibration_text(tokenizer):
+    with pytest.raises(ValueError, match="calibration text"):
+        calib.heldout_tokens(tokenizer, "en")
+    with pytest.raises(ValueError, match="max_tokens"):
+        calib.heldout_tokens(tokenizer, "austen", max_tokens=0)
