@@ -11,10 +11,11 @@ import torch
 
 
 class InputStats:
-    """Accumulates H = 2/n Σ xᵀx in float32 from inputs in any dtype."""
+    """Accumulates H = 2/n Σ xᵀx and the per-channel mean |x| (AWQ's activation scale) in float32."""
 
     def __init__(self, features: int, skip_prefix: int = 0):
         self.hessian = torch.zeros(features, features, dtype=torch.float32)
+        self.abs_mean = torch.zeros(features, dtype=torch.float32)
         self.tokens = 0
         self.skip_prefix = skip_prefix
 
@@ -29,6 +30,7 @@ class InputStats:
         # the kernel); the running sum across batches is kept in fp32.
         total = self.tokens + rows.shape[0]
         self.hessian.mul_(self.tokens / total).add_((rows.T @ rows).float(), alpha=2.0 / total)
+        self.abs_mean.mul_(self.tokens / total).add_(rows.float().abs().sum(0), alpha=1.0 / total)
         self.tokens = total
 
 

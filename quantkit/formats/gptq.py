@@ -87,7 +87,7 @@ def unpack_cols(words: Tensor, bits: int) -> Tensor:
     return unpack_rows(words.T, bits).T.contiguous()
 
 
-def _key(prefix: str, name: str) -> str:
+def tensor_key(prefix: str, name: str) -> str:
     if prefix.endswith("."):
         raise ValueError(f"prefix is a module name without a trailing dot, got {prefix!r}")
     return f"{prefix}.{name}" if prefix else name
@@ -114,10 +114,10 @@ def gptq_tensors(qt: QuantizedTensor, prefix: str) -> dict[str, Tensor]:
     bits = qt.config.bits
     check_packable(k, n, qt.config, prefix)
     return {
-        _key(prefix, "qweight"): pack_rows(qt.codes.T, bits),
-        _key(prefix, "qzeros"): pack_cols(qt.zeros.to(torch.int64) - V1_ZERO_OFFSET, bits),
-        _key(prefix, "scales"): qt.scales.contiguous(),
-        _key(prefix, "g_idx"): qt.g_idx.contiguous(),
+        tensor_key(prefix, "qweight"): pack_rows(qt.codes.T, bits),
+        tensor_key(prefix, "qzeros"): pack_cols(qt.zeros.to(torch.int64) - V1_ZERO_OFFSET, bits),
+        tensor_key(prefix, "scales"): qt.scales.contiguous(),
+        tensor_key(prefix, "g_idx"): qt.g_idx.contiguous(),
     }
 
 
@@ -139,7 +139,7 @@ def read_gptq_tensors(tensors: Mapping[str, Tensor], prefix: str, config: QuantC
     """Exact inverse of ``gptq_tensors``: validates each tensor, then decodes zeros per field."""
     bits = config.bits
     per_run, words_per_run = _run(bits)
-    keys = {name: _key(prefix, name) for name in TENSOR_NAMES}
+    keys = {name: tensor_key(prefix, name) for name in TENSOR_NAMES}
     qweight = _fetch(tensors, keys["qweight"], torch.int32)
     if qweight.dim() != 2 or qweight.shape[0] % words_per_run:
         raise ValueError(
