@@ -8,19 +8,20 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 from pathlib import Path
 
 import torch
 
 from quantkit import atomic
-from quantkit.checkpoint import INDEX_FILE, SINGLE_FILE
+from quantkit.checkpoint import INDEX_FILE, SINGLE_FILES
 
 PROGRESS_FILE = "progress.json"
 MANIFEST_FILE = "quantkit.json"
 REPORT_FILE = "quantize_report.json"  # timings and memory: the only file that differs between runs
 
 # Files of the source checkpoint that the artifact replaces rather than copies.
-_NOT_COPIED = {"config.json", INDEX_FILE, SINGLE_FILE, "quantize_config.json", MANIFEST_FILE, REPORT_FILE}
+_NOT_COPIED = {"config.json", INDEX_FILE, *SINGLE_FILES, "quantize_config.json", MANIFEST_FILE, REPORT_FILE}
 
 
 def staging_dir(out_dir: Path) -> Path:
@@ -54,19 +55,21 @@ class ArtifactWriter:
         atomic.write_json(self.staging / PROGRESS_FILE, {"fingerprint": fingerprint, "layer_errors": layer_errors})
 
     def finish(self, source_dir: Path, out_dir: Path, config: dict, quantize_config: dict,
-               manifest: dict, report: dict) -> None:
-        from safetensors import safe_open
-
-        weight_map, total_size = {}, 0
-        for index in range(self.total):
-            path = self.shard_path(index)
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
+               manifest: dict, report: dict, weights_file: str | None = None) -> None:
+        """Write the index (or merge the shards into ``weights_file``), configs and copies; publish."""
+        shards = [self.shard_path(index) for index in range(self.total)]
+        if weights_file is None:
+            weight_map, total_size = {}, 0
+            for path in shards:
+                for name, (dtype, shape) in _header(path).items():
                     weight_map[name] = path.name
-                    t = f.get_slice(name)
-                    total_size += _nbytes(t.get_dtype(), t.get_shape())
-        atomic.write_json(self.staging / INDEX_FILE, {"metadata": {"total_size": total_size},
-                                                      "weight_map": dict(sorted(weight_map.items()))})
+                    total_size += _nbytes(dtype, shape)
+            atomic.write_json(self.staging / INDEX_FILE, {"metadata": {"total_size": total_size},
+                                                          "weight_map": dict(sorted(weight_map.items()))})
+        else:
+            merge_safetensors(shards, self.staging / weights_file)
+            for path in shards:
+                path.unlink()
         atomic.write_json(self.staging / "config.json", config)
         atomic.write_json(self.staging / "quantize_config.json", quantize_config)
         atomic.write_json(self.staging / MANIFEST_FILE, manifest)
@@ -77,6 +80,43 @@ class ArtifactWriter:
                 shutil.copyfile(path, self.staging / path.name)
         (self.staging / PROGRESS_FILE).unlink()
         atomic.publish_dir(self.staging, out_dir)
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
+    """The JSON header of a safetensors file and the offset where its data starts."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(length)), 8 + length
+
+
+def _header(path: Path) -> dict[str, tuple[str, list[int]]]:
+    header, _ = _read_header(path)
+    return {name: (h["dtype"], h["shape"]) for name, h in header.items() if name != "__metadata__"}
+
+
+def merge_safetensors(paths: list[Path], out: Path) -> None:
+    """Concatenate safetensors files into one, streaming the tensor bytes (never all in memory)."""
+    entries, offset = {}, 0
+    for path in paths:
+        header, _ = _read_header(path)
+        for name, info in sorted(header.items()):
+            if name == "__metadata__":
+                continue
+            size = info["data_offsets"][1] - info["data_offsets"][0]
+            entries[name] = (path, info, offset, size)
+            offset += size
+    header = {"__metadata__": {"format": "pt"}}
+    header.update({name: {"dtype": info["dtype"], "shape": info["shape"], "data_offsets": [start, start + size]}
+                   for name, (_, info, start, size) in sorted(entries.items())})
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the format pads the header to 8-byte alignment
+    with atomic.atomic_path(out) as tmp, open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for name, (path, info, _, size) in sorted(entries.items(), key=lambda e: e[1][2]):
+            _, data_start = _read_header(path)
+            with open(path, "rb") as src:
+                src.seek(data_start + info["data_offsets"][0])
+                f.write(src.read(size))
 
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}

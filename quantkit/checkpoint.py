@@ -14,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+SINGLE_FILES = (SINGLE_FILE, "model_gptq.safetensors")  # the second is CPM.cu's Marlin checkpoint
 
 
 class CheckpointError(ValueError):
@@ -38,8 +39,8 @@ class CheckpointReader:
             except (json.JSONDecodeError, KeyError) as e:
                 raise CheckpointError(f"{index}: corrupt index ({e})") from e
             return {name: self.directory / file for name, file in weight_map.items()}
-        single = self.directory / SINGLE_FILE
-        if not single.is_file():
+        single = next((self.directory / f for f in SINGLE_FILES if (self.directory / f).is_file()), None)
+        if single is None:
             if any(self.directory.glob("*.bin")) or any(self.directory.glob("*.pt")):
                 raise CheckpointError(f"{self.directory} holds only pickle weights (.bin/.pt); quantkit reads "
                                       "safetensors only. Convert them first with a trusted tool.")

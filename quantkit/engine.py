@@ -24,9 +24,11 @@ from quantkit import calib
 from quantkit.algorithms import ALGORITHMS
 from quantkit.artifact import ArtifactWriter, staging_dir
 from quantkit.checkpoint import CheckpointReader
-from quantkit.formats import gptq
+from quantkit.algorithms.smooth import smooth_layer
+from quantkit.formats import FORMATS, Format
 from quantkit.models import MiniCPMConfig, MiniCPMDecoderLayer, MiniCPMRotaryEmbedding
-from quantkit.models.layers import EMBEDDING, FINAL_NORM, LINEARS, LM_HEAD, SEQUENTIAL_GROUPS, layer_prefix
+from quantkit.models.layers import (EMBEDDING, FINAL_NORM, LINEARS, LM_HEAD, SEQUENTIAL_GROUPS, layer_prefix,
+                                    scaling_groups_for)
 from quantkit.quant import QuantConfig
 from quantkit.recipe import Recipe
 from quantkit.stats import InputStats, relative_error
@@ -84,16 +86,21 @@ class LayerRunner:
         return out
 
     @torch.no_grad()
-    def input_stats(self, hidden: torch.Tensor, linear_name: str, skip_prefix: int) -> InputStats:
-        """Statistics of the inputs that reach ``linear_name`` (stops each forward right there)."""
-        linear = self.layer.get_submodule(linear_name)
-        stats = InputStats(linear.in_features, skip_prefix)
+    def input_stats(self, hidden: torch.Tensor, linear_names: tuple[str, ...],
+                    skip_prefix: int) -> dict[str, InputStats]:
+        """Statistics of the inputs reaching each linear (named in forward order); each forward
+        stops as soon as the last of them has been reached."""
+        stats, handles = {}, []
+        for name in linear_names:
+            linear = self.layer.get_submodule(name)
+            stats[name] = InputStats(linear.in_features, skip_prefix)
 
-        def capture(_module, args):
-            stats.add(args[0])
-            raise _StopForward
+            def capture(_module, args, name=name):
+                stats[name].add(args[0])
+                if name == linear_names[-1]:
+                    raise _StopForward
 
-        handle = linear.register_forward_pre_hook(capture)
+            handles.append(linear.register_forward_pre_hook(capture))
         try:
             for batch in self._batches(hidden):
                 try:
@@ -101,7 +108,8 @@ class LayerRunner:
                 except _StopForward:
                     pass
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
         return stats
 
 
@@ -135,8 +143,8 @@ def expected_shapes(config: MiniCPMConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def validate_checkpoint(reader: CheckpointReader, config: MiniCPMConfig, qconfig: QuantConfig,
-                        progress: bool = False) -> None:
+def validate_checkpoint(reader: CheckpointReader, config: MiniCPMConfig, qconfig: QuantConfig, fmt: Format,
+                        desc_act: bool, progress: bool = False) -> None:
     """Refuse a bad checkpoint before any work starts: missing tensors, wrong shapes, NaN/Inf
     values, and shapes the format cannot pack."""
     shapes = expected_shapes(config)
@@ -148,7 +156,7 @@ def validate_checkpoint(reader: CheckpointReader, config: MiniCPMConfig, qconfig
                               f"the config implies {list(shape)}")
     for linear in LINEARS:
         out_features, in_features = shapes[f"{layer_prefix(0)}{linear}.weight"]
-        gptq.check_packable(in_features, out_features, qconfig, linear)
+        fmt.check(qconfig, in_features, out_features, desc_act, linear)
     for name in tqdm(list(shapes), desc="check weights", unit="tensor", disable=not progress, leave=False):
         t = reader.get(name)
         if t.is_floating_point() and not torch.isfinite(t).all():
@@ -179,8 +187,8 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
     reader = CheckpointReader(model_dir)
     config = MiniCPMConfig.from_pretrained(model_dir)
     qconfig = QuantConfig(**recipe["quant"])
-    validate_checkpoint(reader, config, qconfig, progress)
-    algorithm = ALGORITHMS[recipe["algorithm"]]
+    fmt = FORMATS[recipe["format"]]
+    validate_checkpoint(reader, config, qconfig, fmt, recipe["gptq"]["desc_act"], progress)
     dtype = getattr(torch, recipe["compute_dtype"])
 
     from transformers import AutoTokenizer
@@ -216,29 +224,16 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
     bar = tqdm(layers, desc=f"quantize {recipe.name}", unit="layer", disable=not progress)
     for index in bar:
         layer_started = time.perf_counter()
-        source = _layer_tensors(reader, index)
         if index < done:  # finished before the interruption: replay it from its shard
-            layer = _build_layer(config, index, _dequantized(writer, index, source, qconfig), dtype)
+            layer = _build_layer(config, index, _replayed(writer, index, config, qconfig, fmt), dtype)
             hidden = LayerRunner(layer, position_embeddings, cal["batch_size"]).forward(hidden)
             continue
-        layer = _build_layer(config, index, source, dtype)
-        runner = LayerRunner(layer, position_embeddings, cal["batch_size"])
-        shard, errors = {n: t for n, t in source.items() if not _is_linear_weight(n, index)}, {}
-        for group in SEQUENTIAL_GROUPS:
-            stats = runner.input_stats(hidden, group[0], skip_prefix=0)
-            for name in group:
-                weight = source[f"{layer_prefix(index)}{name}.weight"].float()
-                qt = algorithm(weight, stats, qconfig)
-                approx = qt.dequantize(torch.float32)
-                errors[name] = relative_error(weight, approx, stats.hessian)
-                layer.get_submodule(name).weight.data = approx.to(dtype)
-                shard.update(gptq.gptq_tensors(qt, f"{layer_prefix(index)}{name}"))
-        hidden = runner.forward(hidden)
+        job = _LayerJob(config, index, recipe, qconfig, dtype, position_embeddings)
+        shard, errors, alphas, hidden = job.run(_layer_tensors(reader, index), hidden, fmt)
         writer.write_shard(index, shard)
-        layer_errors.append({"layer": index, "errors": errors})
+        layer_errors.append({"layer": index, "errors": errors, "smoothing_alpha": alphas})
         writer.write_progress(fingerprint, layer_errors)
-        seconds = time.perf_counter() - layer_started
-        report.layers.append(LayerReport(index, round(seconds, 3), errors))
+        report.layers.append(LayerReport(index, round(time.perf_counter() - layer_started, 3), errors))
         bar.set_postfix(err=f"{max(errors.values()):.2e}")
 
     report.seconds = round(time.perf_counter() - started, 3)
@@ -247,9 +242,14 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
         return report
 
     source_config = json.loads((model_dir / "config.json").read_text())
-    quantization_config = gptq.quantization_config(qconfig, quantizer=f"quantkit:{quantkit.__version__}")
+    settings = recipe["gptq"]
+    uses_gptq = recipe["algorithm"] == "gptq"
+    quantization_config = fmt.quantization_config(
+        qconfig, desc_act=uses_gptq and settings["desc_act"], static_groups=uses_gptq and settings["static_groups"],
+        damp_percent=settings["damp_percent"] if uses_gptq else None, quantizer=f"quantkit:{quantkit.__version__}")
     manifest = {
         "quantkit_version": quantkit.__version__,
+        "format": fmt.name,
         "recipe": recipe.values,
         "fingerprints": {"model": model_fingerprint, "recipe": recipe.fingerprint(),
                          "calibration": calibration.fingerprint, "run": fingerprint},
@@ -257,22 +257,81 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
         "layer_errors": layer_errors,
     }
     writer.finish(model_dir, out_dir, {**source_config, "quantization_config": quantization_config},
-                  quantization_config, manifest, report.to_dict())
+                  quantization_config, manifest, report.to_dict(), weights_file=fmt.weights_file)
     return report
+
+
+class _LayerJob:
+    """Quantize one decoder layer: optional smoothing, then the sequential groups in order."""
+
+    def __init__(self, config: MiniCPMConfig, index: int, recipe: Recipe, qconfig: QuantConfig, dtype,
+                 position_embeddings):
+        self.config, self.index, self.recipe, self.qconfig, self.dtype = config, index, recipe, qconfig, dtype
+        self.prefix = layer_prefix(index)
+        self.position_embeddings = position_embeddings
+        self.skip_prefix = recipe["prefix_tokens"]
+
+    def _runner(self, source: dict) -> LayerRunner:
+        layer = _build_layer(self.config, self.index, source, self.dtype)
+        return LayerRunner(layer, self.position_embeddings, self.recipe["calibration"]["batch_size"])
+
+    def smooth(self, source: dict, hidden: torch.Tensor) -> tuple[dict, dict[str, float]]:
+        """Fold AWQ scales into an fp32 copy of the layer; the unquantized function is unchanged."""
+        groups = scaling_groups_for(self.config.num_attention_heads, self.config.num_key_value_heads)
+        stats = self._runner(source).input_stats(hidden, tuple(g.linears[0] for g in groups), self.skip_prefix)
+        layer = _build_layer(self.config, self.index, source, torch.float32)
+        searches = smooth_layer(layer, stats, self.qconfig, self.config.num_attention_heads,
+                                self.config.num_key_value_heads, self.recipe["smooth"]["grid"])
+        smoothed = {self.prefix + name: t.to(source[self.prefix + name].dtype)
+                    for name, t in layer.state_dict().items()}
+        return smoothed, {name: search.alpha for name, search in searches.items()}
+
+    def run(self, source: dict, hidden: torch.Tensor, fmt: Format):
+        alphas = {}
+        if self.recipe["smooth"]["enabled"]:
+            source, alphas = self.smooth(source, hidden)
+        runner = self._runner(source)
+        algorithm = ALGORITHMS[self.recipe["algorithm"]]
+        records, errors = {}, {}
+        for group in SEQUENTIAL_GROUPS:
+            stats = runner.input_stats(hidden, (group[0],), self.skip_prefix)[group[0]]
+            for name in group:
+                weight = source[f"{self.prefix}{name}.weight"].float()
+                records[name] = algorithm(weight, stats, self.qconfig, self.recipe.values)
+                approx = records[name].dequantize(torch.float32)
+                errors[name] = relative_error(weight, approx, stats.hessian)
+                runner.layer.get_submodule(name).weight.data = approx.to(self.dtype)
+        shard = {n: t for n, t in source.items() if not _is_linear_weight(n, self.index)}
+        shard.update(fmt.write_layer(records, self.prefix))
+        return shard, errors, alphas, runner.forward(hidden)
 
 
 def _is_linear_weight(name: str, index: int) -> bool:
     return name in {f"{layer_prefix(index)}{linear}.weight" for linear in LINEARS}
 
 
-def _dequantized(writer: ArtifactWriter, index: int, source: dict, qconfig: QuantConfig) -> dict:
-    """The layer as the engine ran it after quantization: fake-quantized linears from its shard."""
+def linear_shapes(config: MiniCPMConfig) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each linear of a decoder layer."""
+    shapes = expected_shapes(config)
+    return {linear: shapes[f"{layer_prefix(0)}{linear}.weight"] for linear in LINEARS}
+
+
+def _replayed(writer: ArtifactWriter, index: int, config: MiniCPMConfig, qconfig: QuantConfig, fmt: Format) -> dict:
+    """A finished layer as the run used it: its shard's tensors with the linears dequantized."""
     from safetensors.torch import load_file
 
     shard = load_file(str(writer.shard_path(index)))
-    tensors = dict(source)
-    for linear in LINEARS:
-        prefix = f"{layer_prefix(index)}{linear}"
-        tensors[prefix + ".weight"] = gptq.read_gptq_tensors(shard, prefix, qconfig).dequantize(torch.float32)
-    return tensors
+    return dequantize_layer(shard, index, config, qconfig, fmt)
 
+
+def dequantize_layer(tensors: dict, index: int, config: MiniCPMConfig, qconfig: QuantConfig, fmt: Format) -> dict:
+    """Layer ``index``'s tensors with its quantized linears replaced by dequantized weights."""
+    prefix = layer_prefix(index)
+    records = fmt.read_layer(tensors, prefix, qconfig, linear_shapes(config))
+    layer = {n: t for n, t in tensors.items() if n.startswith(prefix) and not _is_packed(n)}
+    layer.update({f"{prefix}{name}.weight": qt.dequantize(torch.float32) for name, qt in records.items()})
+    return layer
+
+
+def _is_packed(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in ("qweight", "qzeros", "scales", "g_idx")

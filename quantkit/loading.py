@@ -10,44 +10,46 @@ from pathlib import Path
 
 import torch
 
+from quantkit.artifact import MANIFEST_FILE
 from quantkit.checkpoint import CheckpointReader
-from quantkit.formats import gptq
+from quantkit.engine import dequantize_layer
+from quantkit.formats import FORMATS, Format, gptq
 from quantkit.models import MiniCPMConfig, MiniCPMForCausalLM
-from quantkit.models.layers import LINEARS, layer_prefix
 
 
-def quantization_method(model_dir: str | Path) -> str | None:
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return (config.get("quantization_config") or {}).get("quant_method")
+def artifact_format(model_dir: Path, config: MiniCPMConfig) -> Format | None:
+    """The format of a quantized checkpoint: from quantkit's manifest, else GPTQ if it says so."""
+    manifest = model_dir / MANIFEST_FILE
+    if manifest.is_file():
+        return FORMATS[json.loads(manifest.read_text())["format"]]
+    method = (getattr(config, "quantization_config", None) or {}).get("quant_method")
+    if method is None:
+        return None
+    if method != "gptq":
+        raise ValueError(f"{model_dir}: quantization method '{method}' is not supported yet")
+    return FORMATS["gptq"]
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> MiniCPMForCausalLM:
     model_dir = Path(model_dir)
     reader = CheckpointReader(model_dir)
     config = MiniCPMConfig.from_pretrained(model_dir)
-    method = quantization_method(model_dir)
-    if method not in (None, "gptq"):
-        raise ValueError(f"{model_dir}: quantization method '{method}' is not supported yet")
+    fmt = artifact_format(model_dir, config)
     state = {name: reader.get(name) for name in reader.names}
-    if method == "gptq":
+    if fmt is not None:
         qconfig, _ = gptq.parse_quantization_config(config.quantization_config)
         for index in range(config.num_hidden_layers):
-            for linear in LINEARS:
-                prefix = f"{layer_prefix(index)}{linear}"
-                qt = gptq.read_gptq_tensors(state, prefix, qconfig)
-                for suffix in gptq.TENSOR_NAMES:
-                    state.pop(f"{prefix}.{suffix}")
-                state[prefix + ".weight"] = qt.dequantize(torch.float32)
+            layer = dequantize_layer(state, index, config, qconfig, fmt)
+            prefix = f"model.layers.{index}."
+            state = {n: t for n, t in state.items() if not n.startswith(prefix)} | layer
         config.quantization_config = None
     model = MiniCPMForCausalLM(config).to(dtype)
-    missing = set(model.state_dict()) - set(state)
+    expected = set(model.state_dict())
     if config.tie_word_embeddings:
-        missing.discard("lm_head.weight")
-    if missing:
-        raise ValueError(f"{model_dir}: missing tensors {sorted(missing)[:5]}")
-    unexpected = set(state) - set(model.state_dict())
-    if unexpected:
-        raise ValueError(f"{model_dir}: unexpected tensors {sorted(unexpected)[:5]}")
+        expected.discard("lm_head.weight")
+    missing, unexpected = expected - set(state), set(state) - set(model.state_dict())
+    if missing or unexpected:
+        raise ValueError(f"{model_dir}: missing tensors {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     model.load_state_dict(state, strict=False)
     if config.tie_word_embeddings:
         model.tie_weights()

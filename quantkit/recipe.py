@@ -15,6 +15,7 @@ from typing import Any, Callable
 import yaml
 
 from quantkit.algorithms import ALGORITHMS
+from quantkit.formats import FORMATS
 
 
 class RecipeError(ValueError):
@@ -36,19 +37,31 @@ def _positive(v) -> bool:
     return v > 0
 
 
-FORMATS = ("gptq",)
 
 SCHEMA: dict[str, Any] = {
     "name": Field(str, required=True, help="recipe name, as `quantkit quantize --recipe NAME`"),
     "description": Field(str, required=True, help="one line: what the recipe is for"),
     "algorithm": Field(str, required=True, choices=tuple(ALGORITHMS), help="quantization algorithm"),
-    "format": Field(str, default="gptq", choices=FORMATS, help="checkpoint format written"),
+    "format": Field(str, default="gptq", choices=tuple(FORMATS), help="checkpoint format written"),
+    "prefix_tokens": Field(int, default=0, check=lambda v: v >= 0, rule=">= 0",
+                           help="P-GPTQ: leave the first N positions of every calibration sequence out of "
+                                "the statistics (the forward pass still runs on all tokens)"),
     "compute_dtype": Field(str, default="bfloat16", choices=("bfloat16", "float32"),
                            help="dtype of calibration forwards (bf16 uses AMX; statistics accumulate in fp32)"),
     "quant": {
         "bits": Field(int, required=True, choices=(2, 3, 4, 8)),
         "group_size": Field(int, default=128, choices=(-1, 32, 64, 128)),
         "sym": Field(bool, default=True),
+    },
+    "gptq": {
+        "damp_percent": Field(float, default=0.01, check=lambda v: 0 < v < 1, rule="in (0, 1)"),
+        "block_size": Field(int, default=128, choices=(32, 64, 128, 256)),
+        "desc_act": Field(bool, default=False, help="act-order: columns by descending Hessian diagonal"),
+        "static_groups": Field(bool, default=False, help="group parameters from the unmodified weights"),
+    },
+    "smooth": {
+        "enabled": Field(bool, default=False, help="AWQ-style smoothing before quantizing (S-P-GPTQ)"),
+        "grid": Field(int, default=20, check=_positive, rule="> 0", help="exponent grid points in [0, 1)"),
     },
     "calibration": {
         "source": Field(str, default="default", help="corpus or mix name, local file, or hf:<dataset>"),

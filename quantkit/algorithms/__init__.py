@@ -1,7 +1,8 @@
 """Quantization algorithms, one module each, behind one signature.
 
 An algorithm maps (weight [N, K] in float32, the statistics of the linear's calibration inputs,
-QuantConfig) to a QuantizedTensor. Adding one is a module plus a line in ALGORITHMS.
+QuantConfig, the recipe's settings) to a QuantizedTensor. Adding one is a module plus a line in
+ALGORITHMS.
 """
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ from typing import Callable
 
 from torch import Tensor
 
+from quantkit.algorithms.gptq import gptq_quantize
 from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.quant import QuantConfig, QuantizedTensor
 from quantkit.stats import InputStats
 
-Algorithm = Callable[[Tensor, InputStats, QuantConfig], QuantizedTensor]
+Algorithm = Callable[[Tensor, InputStats, QuantConfig, dict], QuantizedTensor]
 
 ALGORITHMS: dict[str, Algorithm] = {
-    "rtn": lambda weight, stats, config: rtn_quantize(weight, config),
+    "rtn": lambda weight, stats, config, settings: rtn_quantize(weight, config),
+    "gptq": lambda weight, stats, config, settings: gptq_quantize(weight, stats.hessian, config, **settings["gptq"]),
 }

@@ -1,1 +1,78 @@
-"""Checkpoint formats: each converts ``quantkit.quant.QuantizedTensor`` records to tensors/bytes and back."""
+"""Checkpoint formats: each converts ``QuantizedTensor`` records to tensors and back.
+
+The registry below is what the engine, the loader and the CLI see: one entry per format, each a
+constraint check (run before quantization starts), a layer writer, a layer reader that is its exact
+inverse, and the ``quantization_config`` the format's consumers read. Adding a format is a module
+plus one entry here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import Tensor
+
+from quantkit.formats import cpmcu, gptq, marlin
+from quantkit.quant import QuantConfig, QuantizedTensor, default_g_idx
+
+Shapes = Mapping[str, tuple[int, int]]  # linear name -> (out_features, in_features)
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    summary: str
+    check: Callable[[QuantConfig, int, int, bool, str], None]  # (config, K, N, desc_act, linear name)
+    write_layer: Callable[[Mapping[str, QuantizedTensor], str], dict[str, Tensor]]  # (records, "model.layers.i.")
+    read_layer: Callable[[Mapping[str, Tensor], str, QuantConfig, Shapes], dict[str, QuantizedTensor]]
+    quantization_config: Callable[..., dict[str, Any]]
+    weights_file: str | None = None  # a single weights file the consumer insists on (else sharded + index)
+
+
+def _gptq_check(config: QuantConfig, k: int, n: int, desc_act: bool, name: str) -> None:
+    gptq.check_packable(k, n, config, name)
+
+
+def _gptq_write(records: Mapping[str, QuantizedTensor], prefix: str) -> dict[str, Tensor]:
+    return {key: t for name, qt in records.items() for key, t in gptq.gptq_tensors(qt, prefix + name).items()}
+
+
+def _gptq_read(tensors: Mapping[str, Tensor], prefix: str, config: QuantConfig, shapes: Shapes):
+    return {name: gptq.read_gptq_tensors(tensors, prefix + name, config) for name in shapes}
+
+
+def _symmetric_record(codes: Tensor, scales: Tensor, config: QuantConfig) -> QuantizedTensor:
+    """Marlin stores neither zero points (always 8) nor g_idx (natural order): restore them."""
+    zeros = torch.full_like(scales, marlin.ZERO_POINT, dtype=torch.uint8)
+    return QuantizedTensor(codes, scales, zeros, default_g_idx(codes.shape[1], config.group_size), config)
+
+
+def _marlin_check(config: QuantConfig, k: int, n: int, desc_act: bool, name: str) -> None:
+    marlin.check_marlin(config, k, n, desc_act, name=name)
+
+
+def _marlin_write(records: Mapping[str, QuantizedTensor], prefix: str) -> dict[str, Tensor]:
+    return {key: t for name, qt in records.items() for key, t in marlin.marlin_tensors(qt, prefix + name).items()}
+
+
+def _marlin_read(tensors: Mapping[str, Tensor], prefix: str, config: QuantConfig, shapes: Shapes):
+    return {name: _symmetric_record(*marlin.read_marlin_tensors(tensors, prefix + name, k, n, config.group_size),
+                                    config)
+            for name, (n, k) in shapes.items()}
+
+
+def _cpmcu_read(tensors: Mapping[str, Tensor], prefix: str, config: QuantConfig, shapes: Shapes):
+    parts = cpmcu.read_cpmcu_layer(tensors, prefix, shapes, config.group_size)
+    return {name: _symmetric_record(codes, scales, config) for name, (codes, scales) in parts.items()}
+
+
+FORMATS: dict[str, Format] = {
+    "gptq": Format("gptq", "AutoGPTQ/GPTQModel checkpoint_format 'gptq' (vLLM, transformers, GPTQModel)",
+                   _gptq_check, _gptq_write, _gptq_read, gptq.quantization_config),
+    "marlin": Format("marlin", "Marlin W4A16 tile layout (vLLM gptq_marlin after repack, IST-DASLab kernels)",
+                     _marlin_check, _marlin_write, _marlin_read, marlin.quantization_config),
+    "cpmcu": Format("cpmcu", "CPM.cu model_gptq.safetensors: fused qkv/gate_up Marlin tensors",
+                    _marlin_check, cpmcu.cpmcu_layer_tensors, _cpmcu_read, marlin.quantization_config,
+                    weights_file="model_gptq.safetensors"),
+}

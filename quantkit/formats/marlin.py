@@ -171,7 +171,8 @@ def read_marlin_tensors(tensors: Mapping[str, Tensor], prefix: str, in_features:
     return unpack_codes(qweight, in_features, out_features), unpermute_scales(scales)
 
 
-def quantization_config(config: QuantConfig, *, damp_percent: float | None = None, true_sequential: bool = True,
+def quantization_config(config: QuantConfig, *, desc_act: bool = False, static_groups: bool = True,
+                        damp_percent: float | None = None, true_sequential: bool = True,
                         quantizer: str | None = None) -> dict[str, Any]:
     """``config.json["quantization_config"]`` of a Marlin (CPM.cu) checkpoint.
 
@@ -179,7 +180,8 @@ def quantization_config(config: QuantConfig, *, damp_percent: float | None = Non
     reads ``group_size`` from it, and its converter insists on a top-level ``static_groups: true``
     (its guarantee of natural group order, which every Marlin record has). vLLM's legacy
     ``"marlin"`` method would instead want tensors named ``B``/``s`` and is gone from recent vLLM.
+    ``static_groups`` is accepted for the formats' common signature: Marlin groups always are.
     """
-    _enforce(_CONFIG_RULES, _Facts(config.bits, config.sym, config.group_size, False, 0, 0), "quantization_config")
+    _enforce(_CONFIG_RULES, _Facts(config.bits, config.sym, config.group_size, desc_act, 0, 0), "quantization_config")
     return gptq.quantization_config(config, desc_act=False, static_groups=True, damp_percent=damp_percent,
                                     true_sequential=true_sequential, quantizer=quantizer)

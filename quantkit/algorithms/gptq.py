@@ -1,0 +1,214 @@
+"""GPTQ: quantize a linear weight column by column, compensating each rounding error in later columns.
+
+Semantics follow the reference solver (IST-DASLab ``gptq.py``, AutoGPTQ): float32 math; dead input
+channels get ``H[i, i] = 1`` and zero weight; dampening ``damp_percent × mean(diag H)``; lazy batch
+updates in blocks; act-order (``desc_act``) and ``static_groups``. Group parameters are found when a
+group starts, on its columns with every earlier column's compensation applied (the reference reads
+block-stale weights for groups that start inside a block; with group = block = 128 both agree).
+
+One reformulation, mathematically identical: the reference uses U, the upper Cholesky factor of H⁻¹
+(factorise, invert, factorise). Here ``H = V Vᵀ`` with V upper triangular, so ``U = V⁻¹``: one
+Cholesky factorisation of the reversed H, about a third of the work at K = 16384 and no explicit
+inverse. Inside a block the reference recursion runs with ``U_bb = V_bb⁻¹`` (a small triangular
+inverse). A block's start state, the reference's ``W_b - E_<b U_<b,b``, equals
+``W_b + Δ_<b V_<b,b U_bb`` with ``Δ = W - Q`` the finished columns' residuals, one matrix product.
+"""
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from quantkit.quant import (
+    GroupParams,
+    QuantConfig,
+    QuantizedTensor,
+    default_g_idx,
+    dequantize_codes,
+    find_group_params,
+    group_slices,
+    quantize_codes,
+    require_finite,
+)
+
+logger = logging.getLogger(__name__)
+
+# When H + damp·I is not positive definite in float32, retry with the damping multiplied by this,
+# at most DAMP_RETRIES times (0.01 -> 0.1 -> 1 -> 10 from the default), then give up.
+DAMP_GROWTH = 10.0
+DAMP_RETRIES = 3
+# Rows per rank-1-update sub-block inside a block; divides every supported group size.
+SUB_BLOCK = 16
+
+
+class GPTQSolution(NamedTuple):
+    quantized: QuantizedTensor
+    weight: Tensor  # [N, K] float32: the fake-quantized weights the solver propagated errors against
+    damp_percent: float  # dampening actually used (larger than requested if retries were needed)
+
+
+def gptq_quantize(
+    weight: Tensor,
+    hessian: Tensor,
+    config: QuantConfig,
+    *,
+    damp_percent: float = 0.01,
+    block_size: int = 128,
+    desc_act: bool = False,
+    static_groups: bool = False,
+) -> QuantizedTensor:
+    """GPTQ-quantize ``weight`` [N, K] against ``hessian`` [K, K] (H = 2/n Σ xᵀx of its inputs)."""
+    return gptq_solve(
+        weight, hessian, config,
+        damp_percent=damp_percent, block_size=block_size, desc_act=desc_act, static_groups=static_groups,
+    ).quantized
+
+
+def gptq_solve(
+    weight: Tensor,
+    hessian: Tensor,
+    config: QuantConfig,
+    *,
+    damp_percent: float = 0.01,
+    block_size: int = 128,
+    desc_act: bool = False,
+    static_groups: bool = False,
+) -> GPTQSolution:
+    """As ``gptq_quantize``, also returning the solver's fake-quantized weights and the damping used."""
+    _validate(weight, hessian, config, damp_percent, block_size)
+    n, k = weight.shape
+    w = weight.detach().to(torch.float32, copy=True)
+    require_finite(w)
+    diag = hessian.diagonal().to(torch.float32)
+    dead = diag == 0
+    w[:, dead] = 0.0
+    order = torch.argsort(diag.masked_fill(dead, 1.0), descending=True, stable=True) if desc_act else torch.arange(k)
+    grid = _Grid(w, order, config, up_front=static_groups or config.group_size == -1)
+    factor, used_damp = _hessian_factor(hessian, order, dead, damp_percent)
+
+    work = w[:, order].T.contiguous()  # [K, N]: one row per input channel, in processing order
+    del w
+    residual = work.clone()  # row j: the original w[j] until column j is done, then w[j] - q[j]
+    codes = torch.empty(k, n, dtype=torch.uint8)
+    for start in range(0, k, block_size):
+        stop = min(start + block_size, k)
+        block = work[start:stop]  # a view: updates land in ``work``
+        u_block = torch.linalg.solve_triangular(factor[start:stop, start:stop], torch.eye(stop - start), upper=True)
+        if start:
+            block.addmm_(u_block.T, factor[:start, start:stop].T @ residual[:start])
+        codes[start:stop] = _quantize_block(block, u_block, start, grid)
+        residual[start:stop] -= block
+
+    weight_hat = torch.empty(n, k, dtype=torch.float32)
+    weight_hat[:, order] = work.T
+    original_codes = torch.empty(n, k, dtype=torch.uint8)
+    original_codes[:, order] = codes.T
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[order] = grid.position_group.to(torch.int32)
+    quantized = QuantizedTensor(
+        original_codes, grid.scales.to(torch.float16), grid.zeros.to(torch.uint8), g_idx, config
+    )
+    return GPTQSolution(quantized, weight_hat, used_damp)
+
+
+class _Grid:
+    """Every group's scale and zero point ([groups, N]) and the group of each processing position."""
+
+    def __init__(self, w: Tensor, order: Tensor, config: QuantConfig, up_front: bool):
+        k = w.shape[1]
+        natural_groups = default_g_idx(k, config.group_size).long()
+        self.config = config
+        self.scales = torch.empty(config.num_groups(k), w.shape[0], dtype=torch.float32)
+        self.zeros = torch.empty_like(self.scales)
+        self.group_starts: set[int] = set()
+        if up_front:  # from the unmodified weights in natural column order, whatever the processing order
+            self.position_group = natural_groups[order]
+            for group, columns in enumerate(group_slices(k, config.group_size)):
+                self.scales[group], self.zeros[group] = find_group_params(w[:, columns], config)
+        else:  # groups are consecutive processing positions, found as each one starts
+            self.position_group = natural_groups
+            self.group_starts = {columns.start for columns in group_slices(k, config.group_size)}
+
+    def params(self, position: int, rows: Tensor) -> GroupParams:
+        """Parameters for the column at ``position``; ``rows`` [>= group width, N] start at it."""
+        group = int(self.position_group[position])
+        if position in self.group_starts:
+            width = min(self.config.group_size, len(self.position_group) - position)
+            self.scales[group], self.zeros[group] = find_group_params(rows[:width].T, self.config)
+        return GroupParams(self.scales[group], self.zeros[group])
+
+
+def _quantize_block(block: Tensor, u_block: Tensor, start: int, grid: _Grid) -> Tensor:
+    """Quantize ``block`` [B, N] in place to its fake-quantized rows; return their codes (uint8).
+
+    The reference recursion, with the rank-1 updates confined to sub-blocks of SUB_BLOCK rows and each
+    finished sub-block applied to the rest of the block in one product. Sub-blocks divide the group
+    size, so a group's rows have every earlier error applied when its parameters are found.
+    """
+    width = block.shape[0]
+    codes = torch.empty(block.shape, dtype=torch.uint8)
+    scaled_errors = torch.empty_like(block)
+    maxq = grid.config.maxq
+    for sub_start in range(0, width, SUB_BLOCK):
+        sub_stop = min(sub_start + SUB_BLOCK, width)
+        for c in range(sub_start, sub_stop):
+            params = grid.params(start + c, block[c:])
+            column_codes = quantize_codes(block[c], params, maxq)
+            fake = dequantize_codes(column_codes, params)
+            torch.div(block[c] - fake, u_block[c, c], out=scaled_errors[c])
+            block[c + 1:sub_stop].addr_(u_block[c, c + 1:sub_stop], scaled_errors[c], alpha=-1.0)
+            block[c] = fake
+            codes[c] = column_codes
+        block[sub_stop:].addmm_(u_block[sub_start:sub_stop, sub_stop:].T, scaled_errors[sub_start:sub_stop], alpha=-1.0)
+    return codes
+
+
+def _validate(weight: Tensor, hessian: Tensor, config: QuantConfig, damp_percent: float, block_size: int) -> None:
+    if not isinstance(config, QuantConfig):
+        raise TypeError(f"config must be a QuantConfig, got {type(config).__name__}")
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or 0 in weight.shape:
+        shape = tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
+        raise ValueError(f"expected a linear weight [out_features, in_features], got shape {shape}")
+    k = weight.shape[1]
+    if not isinstance(hessian, Tensor) or tuple(hessian.shape) != (k, k):
+        shape = tuple(hessian.shape) if isinstance(hessian, Tensor) else type(hessian).__name__
+        raise ValueError(f"hessian must have shape {(k, k)} to match weight {tuple(weight.shape)}, got {shape}")
+    if not torch.isfinite(hessian).all():
+        raise ValueError(f"hessian of shape {(k, k)} contains NaN or Inf")
+    if not (isinstance(damp_percent, (int, float)) and 0 < damp_percent < float("inf")):
+        raise ValueError(f"damp_percent must be a positive finite number, got {damp_percent!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if config.group_size != -1 and block_size % config.group_size:
+        # A group must never straddle blocks, so that its parameters see every earlier column's error.
+        raise ValueError(f"block_size {block_size} must be a multiple of group_size {config.group_size}")
+
+
+def _hessian_factor(hessian: Tensor, order: Tensor, dead: Tensor, damp_percent: float) -> tuple[Tensor, float]:
+    """Upper triangular V with ``H = V Vᵀ`` for the damped H in processing order, and the damping used.
+
+    V is the ordinary lower Cholesky factor of H with rows and columns reversed, read back reversed.
+    """
+    reverse = order.flip(0)
+    h = hessian[reverse[:, None], reverse[None, :]].to(torch.float32)  # a copy: the caller's H is untouched
+    diagonal = h.diagonal().clone()
+    diagonal[dead[reverse]] = 1.0
+    mean_diagonal = diagonal.mean()
+    damp = float(damp_percent)
+    for _ in range(DAMP_RETRIES + 1):
+        h.diagonal().copy_(diagonal + damp * mean_diagonal)
+        lower, info = torch.linalg.cholesky_ex(h)
+        if info.item() == 0:
+            break
+        damp *= DAMP_GROWTH
+    else:
+        raise ValueError(
+            f"hessian of shape {tuple(h.shape)} is not positive definite even with damp_percent="
+            f"{damp / DAMP_GROWTH:g} (tried {damp_percent:g} x {DAMP_GROWTH:g}^0..{DAMP_RETRIES})"
+        )
+    if damp != damp_percent:
+        logger.warning("hessian %s needed damp_percent=%g (requested %g)", tuple(h.shape), damp, damp_percent)
+    del h
+    return lower.flip(0, 1), damp

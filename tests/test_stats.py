@@ -1,0 +1,82 @@
+import pytest
+import torch
+
+from quantkit.stats import InputStats, relative_error
+
+FEATURES = 96
+SHAPES = [(2, 40), (3, 17), (1, 64)]  # [batch, seq] of successive calibration batches
+
+
+def _batches(seed=0):
+    """Correlated inputs whose first position is 30x larger, like the attention-sink tokens P-GPTQ drops."""
+    g = torch.Generator().manual_seed(seed)
+    mixing = torch.randn(FEATURES, FEATURES, generator=g) / 10
+    batches = [torch.randn(b, s, FEATURES, generator=g) @ mixing for b, s in SHAPES]
+    for x in batches:
+        x[:, 0] *= 30
+    return batches
+
+
+def _direct_hessian(batches, skip_prefix=0):
+    rows = torch.cat([x[:, skip_prefix:].reshape(-1, FEATURES) for x in batches]).double()
+    return 2.0 / rows.shape[0] * rows.T @ rows, rows.shape[0]
+
+
+def _accumulate(batches, skip_prefix=0, dtype=torch.float32):
+    stats = InputStats(FEATURES, skip_prefix=skip_prefix)
+    for x in batches:
+        stats.add(x.to(dtype))
+    return stats
+
+
+def _relative(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("skip_prefix", [0, 4])
+def test_hessian_equals_direct_float64(skip_prefix):
+    # skip_prefix=4 is the P-GPTQ definition: H built from X[:, 4:] of every sequence.
+    batches = _batches()
+    stats = _accumulate(batches, skip_prefix)
+    expected, tokens = _direct_hessian(batches, skip_prefix)
+    assert stats.tokens == tokens == sum(b * (s - skip_prefix) for b, s in SHAPES)
+    assert stats.hessian.dtype == torch.float32
+    assert (stats.hessian.double() - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+
+
+def test_prefix_positions_really_dropped():
+    batches = _batches()
+    with_prefix, without = _accumulate(batches, 0).hessian, _accumulate(batches, 4).hessian
+    # The 30x first positions dominate the full Hessian's diagonal; without them it shrinks > 10x.
+    assert (with_prefix.diagonal() > 10 * without.diagonal()).all()
+    short = InputStats(FEATURES, skip_prefix=4)
+    short.add(torch.randn(2, 4, FEATURES))  # nothing left after the prefix
+    assert short.tokens == 0 and not short.hessian.any()
+
+
+def test_bf16_inputs_close_to_float32():
+    # Each batch's xᵀx comes back from the bf16 matmul rounded to bf16 (8-bit mantissa); measured
+    # over 4 seeds: 0.17 % (same values in fp32) and 0.28 % (original fp32 inputs), Frobenius-relative.
+    batches = _batches()
+    bf16 = _accumulate(batches, dtype=torch.bfloat16).hessian
+    same_values = _accumulate([x.bfloat16().float() for x in batches]).hessian
+    original = _accumulate(batches).hessian
+    assert _relative(bf16, same_values) < 3e-3
+    assert _relative(bf16, original) < 5e-3
+
+
+def test_relative_error_matches_direct_output_error():
+    batches = _batches()
+    hessian = _accumulate(batches).hessian
+    x = torch.cat([b.reshape(-1, FEATURES) for b in batches]).double()
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(32, FEATURES, generator=g)
+    approx = w + 0.01 * torch.randn(32, FEATURES, generator=g)
+    direct = ((w.double() - approx.double()) @ x.T).square().sum() / (w.double() @ x.T).square().sum()
+    assert relative_error(w, approx, hessian) == pytest.approx(direct.item(), rel=1e-5)
+    assert relative_error(w, w, hessian) == 0.0
+
+
+def test_rejects_unbatched_inputs():
+    with pytest.raises(ValueError, match=r"expected inputs \[batch, seq, features\], got shape \(10, 96\)"):
+        InputStats(FEATURES).add(torch.randn(10, FEATURES))
