@@ -43,6 +43,8 @@ class LayerReport:
     index: int
     seconds: float
     errors: dict[str, float]  # linear name -> ‖ΔW X‖²/‖W X‖² on the calibration inputs
+    stats_seconds: float = 0.0  # forward passes and statistics: grows with calibration tokens
+    solve_seconds: float = 0.0  # smoothing search and the algorithm: independent of them
 
 
 @dataclass
@@ -233,7 +235,8 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
         writer.write_shard(index, shard)
         layer_errors.append({"layer": index, "errors": errors, "smoothing_alpha": alphas})
         writer.write_progress(fingerprint, layer_errors)
-        report.layers.append(LayerReport(index, round(time.perf_counter() - layer_started, 3), errors))
+        report.layers.append(LayerReport(index, round(time.perf_counter() - layer_started, 3), errors,
+                                         round(job.stats_seconds, 3), round(job.solve_seconds, 3)))
         bar.set_postfix(err=f"{max(errors.values()):.2e}")
 
     report.seconds = round(time.perf_counter() - started, 3)
@@ -270,6 +273,13 @@ class _LayerJob:
         self.prefix = layer_prefix(index)
         self.position_embeddings = position_embeddings
         self.skip_prefix = recipe["prefix_tokens"]
+        self.stats_seconds = self.solve_seconds = 0.0
+
+    def _stats(self, runner: "LayerRunner", hidden: torch.Tensor, names: tuple[str, ...]) -> dict[str, InputStats]:
+        started = time.perf_counter()
+        stats = runner.input_stats(hidden, names, self.skip_prefix)
+        self.stats_seconds += time.perf_counter() - started
+        return stats
 
     def _runner(self, source: dict) -> LayerRunner:
         layer = _build_layer(self.config, self.index, source, self.dtype)
@@ -278,10 +288,12 @@ class _LayerJob:
     def smooth(self, source: dict, hidden: torch.Tensor) -> tuple[dict, dict[str, float]]:
         """Fold AWQ scales into an fp32 copy of the layer; the unquantized function is unchanged."""
         groups = scaling_groups_for(self.config.num_attention_heads, self.config.num_key_value_heads)
-        stats = self._runner(source).input_stats(hidden, tuple(g.linears[0] for g in groups), self.skip_prefix)
+        stats = self._stats(self._runner(source), hidden, tuple(g.linears[0] for g in groups))
+        started = time.perf_counter()
         layer = _build_layer(self.config, self.index, source, torch.float32)
         searches = smooth_layer(layer, stats, self.qconfig, self.config.num_attention_heads,
                                 self.config.num_key_value_heads, self.recipe["smooth"]["grid"])
+        self.solve_seconds += time.perf_counter() - started
         smoothed = {self.prefix + name: t.to(source[self.prefix + name].dtype)
                     for name, t in layer.state_dict().items()}
         return smoothed, {name: search.alpha for name, search in searches.items()}
@@ -294,16 +306,21 @@ class _LayerJob:
         algorithm = ALGORITHMS[self.recipe["algorithm"]]
         records, errors = {}, {}
         for group in SEQUENTIAL_GROUPS:
-            stats = runner.input_stats(hidden, (group[0],), self.skip_prefix)[group[0]]
+            stats = self._stats(runner, hidden, (group[0],))[group[0]]
             for name in group:
                 weight = source[f"{self.prefix}{name}.weight"].float()
+                started = time.perf_counter()
                 records[name] = algorithm(weight, stats, self.qconfig, self.recipe.values)
+                self.solve_seconds += time.perf_counter() - started
                 approx = records[name].dequantize(torch.float32)
                 errors[name] = relative_error(weight, approx, stats.hessian)
                 runner.layer.get_submodule(name).weight.data = approx.to(self.dtype)
         shard = {n: t for n, t in source.items() if not _is_linear_weight(n, self.index)}
         shard.update(fmt.write_layer(records, self.prefix))
-        return shard, errors, alphas, runner.forward(hidden)
+        started = time.perf_counter()
+        hidden = runner.forward(hidden)
+        self.stats_seconds += time.perf_counter() - started
+        return shard, errors, alphas, hidden
 
 
 def _is_linear_weight(name: str, index: int) -> bool:

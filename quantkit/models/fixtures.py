@@ -7,6 +7,7 @@ byte-level BPE tokenizer with the MiniCPM4.1 chat template) that ``AutoModelForC
 from __future__ import annotations
 
 import math
+import zlib
 from pathlib import Path
 
 import torch
@@ -161,28 +162,83 @@ def _tiny_config(tokenizer: Tokenizer, *, tied, longrope, num_hidden_layers, hid
     )
 
 
-def _random_weights(config: MiniCPMConfig, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Weights scaled so activations stay O(1): linears ~ N(0, 1/fan_in), embeddings ~ N(0, 1/scale_emb²),
-    norm weights ~ 1 + N(0, 0.1²) (not all ones, so a misplaced norm weight shows), o_proj bias 0."""
-    generator = torch.Generator().manual_seed(seed)
+def _random_tensor(name: str, shape: torch.Size, config: MiniCPMConfig, generator: torch.Generator) -> torch.Tensor:
+    """Scaled so activations stay O(1): linears ~ N(0, 1/fan_in), embeddings ~ N(0, 1/scale_emb²), norm
+    weights ~ 1 + N(0, 0.1²) (not all ones, so a misplaced norm weight shows), o_proj bias 0."""
+    noise = torch.randn(shape, generator=generator)
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * noise
+    if name.endswith("o_proj.bias"):
+        return torch.zeros(shape)
+    if name.endswith(".bias"):
+        return 0.1 * noise
+    if name == "model.embed_tokens.weight":
+        return noise / config.scale_emb
+    return noise / math.sqrt(shape[1])
+
+
+def _weight_shapes(config: MiniCPMConfig) -> dict[str, torch.Size]:
     shapes = {name: tensor.shape for name, tensor in meta_model(config).state_dict().items()}
     if config.tie_word_embeddings:
         del shapes["lm_head.weight"]
-    weights = {}
+    return shapes
+
+
+def _random_weights(config: MiniCPMConfig, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    shapes = _weight_shapes(config)
+    return {name: _random_tensor(name, shapes[name], config, generator).to(dtype) for name in sorted(shapes)}
+
+
+def _write_support_files(path: Path, config: MiniCPMConfig, tokenizer: Tokenizer) -> None:
+    """config.json, generation config and the tokenizer files that go beside the weights."""
+    config_dict = config.to_diff_dict()
+    config_dict.pop("transformers_version")  # keep the files independent of the installed version
+    write_json(path / "config.json", config_dict)
+    write_json(
+        path / "generation_config.json",
+        {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id},
+    )
+    write_text(path / "tokenizer.json", tokenizer.to_str(pretty=True))
+    write_json(
+        path / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<s>",
+            "eos_token": "<|im_end|>",
+            "unk_token": "<unk>",
+            "chat_template": CHAT_TEMPLATE,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": config.max_position_embeddings,
+        },
+    )
+
+
+def write_sharded_checkpoint(path, config: MiniCPMConfig, *, seed: int = 0, progress: bool = False) -> Path:
+    """A random checkpoint of any size (e.g. ``minicpm41_8b_config()``), written one decoder layer per
+    shard so that it is never whole in memory; each tensor's generator is seeded from its name."""
+    from tqdm.auto import tqdm
+
+    from quantkit.checkpoint import INDEX_FILE
+
+    path = Path(path)
+    shapes = _weight_shapes(config)
+    shards: dict[str, list[str]] = {}
     for name in sorted(shapes):
-        noise = torch.randn(shapes[name], generator=generator)
-        if name.endswith("norm.weight"):
-            value = 1.0 + 0.1 * noise
-        elif name.endswith("o_proj.bias"):
-            value = torch.zeros(shapes[name])
-        elif name.endswith(".bias"):
-            value = 0.1 * noise
-        elif name == "model.embed_tokens.weight":
-            value = noise / config.scale_emb
-        else:
-            value = noise / math.sqrt(shapes[name][1])
-        weights[name] = value.to(dtype)
-    return weights
+        part = name.split(".")[2] if name.startswith("model.layers.") else "rest"
+        shards.setdefault(part, []).append(name)
+    weight_map = {}
+    for number, (part, names) in enumerate(tqdm(sorted(shards.items()), desc="write shards", disable=not progress)):
+        file = f"model-{number + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for name in names:
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            tensors[name] = _random_tensor(name, shapes[name], config, generator).to(config.dtype)
+            weight_map[name] = file
+        save_safetensors(path / file, tensors, metadata={"format": "pt"})
+    write_json(path / INDEX_FILE, {"metadata": {}, "weight_map": weight_map})
+    _write_support_files(path, config, build_tiny_tokenizer())
+    return path
 
 
 def write_tiny_checkpoint(
@@ -211,25 +267,6 @@ def write_tiny_checkpoint(
         num_key_value_heads=num_key_value_heads, head_dim=head_dim, vocab_size=vocab_size,
         attention_bias=attention_bias, sparse_config=sparse_config, dtype=dtype,
     )
-    config_dict = config.to_diff_dict()
-    config_dict.pop("transformers_version")  # keep the files independent of the installed version
-    write_json(path / "config.json", config_dict)
     save_safetensors(path / "model.safetensors", _random_weights(config, seed, dtype), metadata={"format": "pt"})
-    write_json(
-        path / "generation_config.json",
-        {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id},
-    )
-    write_text(path / "tokenizer.json", tokenizer.to_str(pretty=True))
-    write_json(
-        path / "tokenizer_config.json",
-        {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": "<s>",
-            "eos_token": "<|im_end|>",
-            "unk_token": "<unk>",
-            "chat_template": CHAT_TEMPLATE,
-            "clean_up_tokenization_spaces": False,
-            "model_max_length": config.max_position_embeddings,
-        },
-    )
+    _write_support_files(path, config, tokenizer)
     return path

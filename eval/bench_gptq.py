@@ -1,0 +1,127 @@
+"""`make bench-gptq`: RTN, GPTQ, P-GPTQ and S-P-GPTQ side by side, in one run, same calibration tokens.
+
+Each variant is quantized in its own process under `/usr/bin/time -v` (wall time and peak RSS of
+that process alone, not inherited from this one), then evaluated against the unquantized model
+on the same held-out tokens: perplexity, KL divergence and top-1 agreement. Peers that run in
+their own environment (GPTQModel) join through `--peer NAME=COMMAND` lines that write a GPTQ
+checkpoint into the directory given as `{out}`.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import click
+import torch
+import yaml
+
+from quantkit.recipe import builtin_dir
+from quantkit.table import format_table
+
+METHODS = {"RTN": "rtn-w4g128", "GPTQ": "gptq-w4g128", "P-GPTQ": "p-gptq-w4g128", "S-P-GPTQ": "s-p-gptq-w4g128"}
+
+
+@dataclass
+class Row:
+    method: str
+    bits: int
+    perplexity: float
+    delta_ppl_pct: float
+    mean_kl: float
+    top1: float
+    seconds: float
+    peak_rss_mb: float
+
+
+def timed(command: list[str], log: Path) -> tuple[float, float]:
+    """Run a command under /usr/bin/time -v; return (wall seconds, peak RSS MB) of that process."""
+    with open(log, "w") as f:
+        subprocess.run(["/usr/bin/time", "-v", *command], stdout=f, stderr=subprocess.STDOUT, check=True)
+    text = log.read_text()
+    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)", text).group(1)
+    seconds = sum(float(part) * 60 ** i for i, part in enumerate(reversed(wall.split(":"))))
+    rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", text).group(1))
+    return seconds, rss_kb / 1024
+
+
+def variant_recipe(name: str, bits: int, n_samples: int, seq_len: int, directory: Path) -> Path:
+    raw = yaml.safe_load((builtin_dir() / f"{name}.yaml").read_text())
+    raw["quant"]["bits"] = bits
+    raw["calibration"].update(n_samples=n_samples, seq_len=seq_len)
+    raw["name"] = f"{name.replace('w4', f'w{bits}')}"
+    path = directory / f"{raw['name']}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+@click.command()
+@click.option("--model", default="default", show_default=True)
+@click.option("--bits", "bit_widths", multiple=True, type=int, default=(4, 3), show_default=True)
+@click.option("--n-samples", default=128, show_default=True)
+@click.option("--seq-len", default=512, show_default=True)
+@click.option("--max-tokens", default=8192, show_default=True, help="Held-out tokens for ppl/KL.")
+@click.option("--out", default="out/bench-gptq", show_default=True, type=click.Path(path_type=Path))
+@click.option("--peer", "peers", multiple=True, help="NAME=COMMAND producing a GPTQ checkpoint in {out} "
+              "(run with {model}, {bits}, {n_samples}, {seq_len} substituted).")
+def main(model, bit_widths, n_samples, seq_len, max_tokens, out, peers):
+    """Quantize the model with every method at each bit width and compare them in one table."""
+    from transformers import AutoTokenizer
+
+    from quantkit import calib
+    from quantkit.cli import _resolve_model
+    from quantkit.eval.kld import kl_divergence
+    from quantkit.eval.ppl import perplexity
+    from quantkit.loading import load_model
+
+    model_dir = _resolve_model(model)
+    out.mkdir(parents=True, exist_ok=True)
+    tokens = calib.heldout_tokens(AutoTokenizer.from_pretrained(model_dir), name="austen", max_tokens=max_tokens)
+    reference = load_model(model_dir)
+    fp = perplexity(reference, tokens, window=2048)
+    rows = [Row("FP", 32, fp.perplexity, 0.0, 0.0, 1.0, 0.0, 0.0)]
+    for bits in bit_widths:
+        jobs = {method: None for method in METHODS}
+        jobs.update(dict(peer.split("=", 1) for peer in peers))
+        for method, peer_command in jobs.items():
+            artifact = out / f"{method.lower()}-w{bits}g128"
+            if artifact.exists():
+                subprocess.run(["rm", "-rf", str(artifact)], check=True)
+            if peer_command is None:
+                recipe = variant_recipe(METHODS[method], bits, n_samples, seq_len, out)
+                command = [sys.executable, "-m", "quantkit.cli", "quantize", "--recipe", str(recipe),
+                           "--model", str(model_dir), "--out", str(artifact), "--no-progress"]
+            else:
+                command = shlex.split(peer_command.format(model=model_dir, bits=bits, n_samples=n_samples,
+                                                          seq_len=seq_len, out=artifact))
+            click.echo(f"[{method} W{bits}] {' '.join(command)}", err=True)
+            seconds, rss = timed(command, out / f"{method.lower()}-w{bits}.log")
+            kl = kl_divergence(load_model(artifact), reference, tokens, window=2048)
+            rows.append(Row(method, bits, kl.perplexity, 100 * (kl.perplexity / fp.perplexity - 1), kl.mean_kl,
+                            kl.top1_agreement, round(seconds, 1), round(rss, 0)))
+    baseline = {r.bits: r.mean_kl for r in rows if r.method == "GPTQ"}
+    table = format_table(
+        ["method", "bits", "ppl", "Δppl %", "mean KL", "KL / GPTQ", "top-1", "quantize s", "peak RSS MB"],
+        [[r.method, r.bits, r.perplexity, r.delta_ppl_pct, r.mean_kl,
+          r.mean_kl / baseline[r.bits] if r.bits in baseline else "", r.top1, r.seconds, r.peak_rss_mb]
+         for r in rows])
+    header = (f"model {model_dir.name}; calibration {n_samples} x {seq_len} tokens (default mix, seed 0); "
+              f"held-out Austen, {fp.tokens} scored tokens, window 2048; machine: {machine()}")
+    (out / "bench.json").write_text(json.dumps({"setup": header, "rows": [asdict(r) for r in rows]}, indent=2))
+    (out / "bench.md").write_text(f"{header}\n\n```\n{table}\n```\n")
+    click.echo(f"{header}\n\n{table}")
+
+
+if __name__ == "__main__":
+    main()
