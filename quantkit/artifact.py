@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from quantkit import atomic
-from quantkit.checkpoint import INDEX_FILE, SINGLE_FILES
+from quantkit.checkpoint import INDEX_FILE, SINGLE_FILES, read_header
 
 PROGRESS_FILE = "progress.json"
 MANIFEST_FILE = "quantkit.json"
@@ -82,15 +82,8 @@ class ArtifactWriter:
         atomic.publish_dir(self.staging, out_dir)
 
 
-def _read_header(path: Path) -> tuple[dict, int]:
-    """The JSON header of a safetensors file and the offset where its data starts."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(length)), 8 + length
-
-
 def _header(path: Path) -> dict[str, tuple[str, list[int]]]:
-    header, _ = _read_header(path)
+    header, _ = read_header(path)
     return {name: (h["dtype"], h["shape"]) for name, h in header.items() if name != "__metadata__"}
 
 
@@ -98,7 +91,7 @@ def merge_safetensors(paths: list[Path], out: Path) -> None:
     """Concatenate safetensors files into one, streaming the tensor bytes (never all in memory)."""
     entries, offset = {}, 0
     for path in paths:
-        header, _ = _read_header(path)
+        header, _ = read_header(path)
         for name, info in sorted(header.items()):
             if name == "__metadata__":
                 continue
@@ -113,7 +106,7 @@ def merge_safetensors(paths: list[Path], out: Path) -> None:
     with atomic.atomic_path(out) as tmp, open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
         for name, (path, info, _, size) in sorted(entries.items(), key=lambda e: e[1][2]):
-            _, data_start = _read_header(path)
+            _, data_start = read_header(path)
             with open(path, "rb") as src:
                 src.seek(data_start + info["data_offsets"][0])
                 f.write(src.read(size))

@@ -22,10 +22,12 @@ from quantkit.quant import QuantConfig
 from quantkit.stats import InputStats
 
 CONFIG = QuantConfig(4, 64, False)
-# The bfloat16 error matmul is within ~3e-4 of float32 on these shapes; 2e-3 leaves margin.
+# The bfloat16 error matmul is within 6e-4 of the float64 explicit-X error here (measured); 2e-3 leaves margin.
 ERROR_RTOL = 2e-3
-# Folding changes float32 rounding only: outputs agree to ~1e-6 of their magnitude (measured ≤ 3e-7).
-FUNCTION_RTOL = 1e-5
+# Folding changes float32 rounding only. Max deviation / max |output|, measured: one decoder layer
+# 5e-7; the logits of the 2-layer model with 20× norm channels 8e-6.
+LAYER_RTOL = 5e-6
+LOGITS_RTOL = 5e-5
 OUTLIERS = slice(0, 8)  # channels whose activations are made 20× larger
 
 
@@ -50,14 +52,14 @@ def _input_ids(model, seed=0):
 
 def _collect_stats(model, input_ids) -> list[dict[str, InputStats]]:
     """Per layer, statistics of each scaling group's input, from one forward of the unsmoothed model."""
-    per_layer, handles = [], []
-    for layer in model.model.layers:
-        stats = {}
-        for group in SCALING_GROUPS:
-            linear = layer.get_submodule(group.linears[0])
-            stats[group.linears[0]] = InputStats(linear.in_features)
-            handles.append(linear.register_forward_pre_hook(lambda _m, args, s=stats[group.linears[0]]: s.add(args[0])))
-        per_layer.append(stats)
+    layers = model.model.layers
+    firsts = [group.linears[0] for group in SCALING_GROUPS]
+    per_layer = [{name: InputStats(layer.get_submodule(name).in_features) for name in firsts} for layer in layers]
+    handles = [
+        layer.get_submodule(name).register_forward_pre_hook(lambda _module, args, s=stats: s.add(args[0]))
+        for layer, layer_stats in zip(layers, per_layer)
+        for name, stats in layer_stats.items()
+    ]
     with torch.no_grad():
         model(input_ids)
     for handle in handles:
@@ -70,10 +72,8 @@ def _logits(model, input_ids):
         return model(input_ids).logits
 
 
-def _assert_same_function(before, after):
-    scale = before.abs().max().item()
-    print("FUNC", (after - before).abs().max().item() / scale)
-    assert (after - before).abs().max().item() <= FUNCTION_RTOL * scale
+def _assert_same_function(before, after, rtol):
+    assert (after - before).abs().max().item() <= rtol * before.abs().max().item()
 
 
 def _outlier_inputs(tokens=512, features=320, seed=0) -> torch.Tensor:
@@ -121,7 +121,7 @@ def test_ragged_groups_and_sym_grid_match_the_explicit_error():
     weights = [torch.randn(64, 288, generator=_generator(3)) / 17]
     config = QuantConfig(3, 128, True)
     result = search_scale(weights, stats, config, grid=10)
-    delta = round_to_nearest(weights[0] * result.scale, config) / result.scale - weights[0]
+    delta = rtn_quantize(weights[0] * result.scale, config).dequantize() / result.scale - weights[0]
     explicit = (2.0 / 512) * ((x.double() @ delta.double().T) ** 2).sum().item()
     assert result.error == pytest.approx(explicit, rel=ERROR_RTOL)
     assert result.error < result.rtn_error
@@ -172,7 +172,7 @@ def test_folded_scales_keep_the_decoder_layer_output(tiny_checkpoint_factory, mh
             apply_scale(layer, group, torch.exp(torch.randn(features, generator=_generator(10 + i))))
         after = layer(hidden, position_embeddings)
     assert len(groups) == (4 if mha else 3)
-    _assert_same_function(before, after)
+    _assert_same_function(before, after, LAYER_RTOL)
 
 
 def test_apply_scale_divides_previous_op_and_multiplies_columns(tiny_checkpoint_factory):
@@ -218,7 +218,7 @@ def test_smooth_layer_keeps_model_logits_and_beats_rtn(tiny_checkpoint_factory, 
         # The norm-fed groups see the outlier channels; measured 0.46-0.49× RTN's error.
         assert results[Q].error < 0.6 * results[Q].rtn_error and results[Q].alpha > 0
         assert results[GATE].error < 0.6 * results[GATE].rtn_error and results[GATE].alpha > 0
-    _assert_same_function(before, _logits(model, input_ids))
+    _assert_same_function(before, _logits(model, input_ids), LOGITS_RTOL)
 
 
 def test_smooth_layer_is_deterministic(tiny_checkpoint_factory):
@@ -254,5 +254,8 @@ def test_bad_inputs_raise_clear_errors(tiny_checkpoint_factory):
         search_scale([torch.ones(4, 256), torch.ones(4, 128)], stats, CONFIG)
     with pytest.raises(ValueError, match="grid must be a positive int"):
         search_scale([torch.ones(4, 256)], stats, CONFIG, grid=0)
+    before = copy.deepcopy(layer.state_dict())
     with pytest.raises(ValueError, match=f"no input statistics for '{GATE}'"):
         smooth_layer(layer, {Q: stats}, CONFIG, 16, 1)
+    for name, tensor in layer.state_dict().items():
+        assert torch.equal(tensor, before[name]), name  # refused before any group was folded

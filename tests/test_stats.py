@@ -47,8 +47,8 @@ def test_hessian_equals_direct_float64(skip_prefix):
 def test_prefix_positions_really_dropped():
     batches = _batches()
     with_prefix, without = _accumulate(batches, 0).hessian, _accumulate(batches, 4).hessian
-    # The 30x first positions dominate the full Hessian's diagonal; without them it shrinks > 10x.
-    assert (with_prefix.diagonal() > 10 * without.diagonal()).all()
+    # The 30x first positions (6 of 195 tokens) dominate the full Hessian: its trace is 23x larger.
+    assert with_prefix.trace() > 20 * without.trace()
     short = InputStats(FEATURES, skip_prefix=4)
     short.add(torch.randn(2, 4, FEATURES))  # nothing left after the prefix
     assert short.tokens == 0 and not short.hessian.any()

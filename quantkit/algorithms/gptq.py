@@ -16,7 +16,8 @@ inverse). A block's start state, the reference's ``W_b - E_<b U_<b,b``, equals
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
+from contextlib import contextmanager
+from typing import Iterator, NamedTuple
 
 import torch
 from torch import Tensor
@@ -98,7 +99,8 @@ def gptq_solve(
         u_block = torch.linalg.solve_triangular(factor[start:stop, start:stop], torch.eye(stop - start), upper=True)
         if start:
             block.addmm_(u_block.T, factor[:start, start:stop].T @ residual[:start])
-        codes[start:stop] = _quantize_block(block, u_block, start, grid)
+        with _single_threaded():
+            codes[start:stop] = _quantize_block(block, u_block, start, grid)
         residual[start:stop] -= block
 
     weight_hat = torch.empty(n, k, dtype=torch.float32)
@@ -138,6 +140,20 @@ class _Grid:
             width = min(self.config.group_size, len(self.position_group) - position)
             self.scales[group], self.zeros[group] = find_group_params(rows[:width].T, self.config)
         return GroupParams(self.scales[group], self.zeros[group])
+
+
+@contextmanager
+def _single_threaded() -> Iterator[None]:
+    """The column loop is a chain of small dependent ops: thread hand-offs cost more than they save.
+
+    Measured at 4096 x 4096 on 2 busy cores: 3.9-5.9 s with one thread against 6.5-37 s with two.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _quantize_block(block: Tensor, u_block: Tensor, start: int, grid: _Grid) -> Tensor:
