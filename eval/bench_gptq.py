@@ -19,9 +19,6 @@ from pathlib import Path
 
 import click
 import torch
-import yaml
-
-from quantkit.recipe import builtin_dir
 from quantkit.table import format_table
 
 METHODS = {"RTN": "rtn-w4g128", "GPTQ": "gptq-w4g128", "P-GPTQ": "p-gptq-w4g128", "S-P-GPTQ": "s-p-gptq-w4g128"}
@@ -48,16 +45,6 @@ def timed(command: list[str], log: Path) -> tuple[float, float]:
     seconds = sum(float(part) * 60 ** i for i, part in enumerate(reversed(wall.split(":"))))
     rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", text).group(1))
     return seconds, rss_kb / 1024
-
-
-def variant_recipe(name: str, bits: int, n_samples: int, seq_len: int, directory: Path) -> Path:
-    raw = yaml.safe_load((builtin_dir() / f"{name}.yaml").read_text())
-    raw["quant"]["bits"] = bits
-    raw["calibration"].update(n_samples=n_samples, seq_len=seq_len)
-    raw["name"] = f"{name.replace('w4', f'w{bits}')}"
-    path = directory / f"{raw['name']}.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
 
 
 def machine() -> str:
@@ -99,9 +86,10 @@ def main(model, bit_widths, n_samples, seq_len, max_tokens, out, peers):
             if artifact.exists():
                 subprocess.run(["rm", "-rf", str(artifact)], check=True)
             if peer_command is None:
-                recipe = variant_recipe(METHODS[method], bits, n_samples, seq_len, out)
-                command = [sys.executable, "-m", "quantkit.cli", "quantize", "--recipe", str(recipe),
-                           "--model", str(model_dir), "--out", str(artifact), "--no-progress"]
+                command = [sys.executable, "-m", "quantkit.cli", "quantize", "--recipe", METHODS[method],
+                           "--model", str(model_dir), "--out", str(artifact), "--no-progress",
+                           "--set", f"quant.bits={bits}", "--set", f"calibration.n_samples={n_samples}",
+                           "--set", f"calibration.seq_len={seq_len}"]
             else:
                 command = shlex.split(peer_command.format(model=model_dir, bits=bits, n_samples=n_samples,
                                                           seq_len=seq_len, out=artifact))

@@ -13,9 +13,7 @@ import sys
 from pathlib import Path
 
 import click
-import yaml
 
-from quantkit.recipe import builtin_dir
 from quantkit.table import format_table
 
 
@@ -38,16 +36,13 @@ def main(work, n_samples, seq_len, layers, target_samples, target_seq_len):
         if layers:
             config.num_hidden_layers = layers
         write_sharded_checkpoint(model, config, progress=True)
-    raw = yaml.safe_load((builtin_dir() / "marlin.yaml").read_text())
-    raw["calibration"].update(n_samples=n_samples, seq_len=seq_len, batch_size=n_samples)
-    raw["name"] = "marlin-scale"
-    recipe = work / "marlin-scale.yaml"
-    recipe.write_text(yaml.safe_dump(raw))
     out = work / "marlin"
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(out.with_name(out.name + ".partial"), ignore_errors=True)
-    seconds, rss = timed([sys.executable, "-m", "quantkit.cli", "quantize", "--recipe", str(recipe), "--model",
-                          str(model), "--out", str(out), "--no-progress"], work / "quantize.log")
+    seconds, rss = timed([sys.executable, "-m", "quantkit.cli", "quantize", "--recipe", "marlin", "--model",
+                          str(model), "--out", str(out), "--no-progress", "--set", f"calibration.n_samples={n_samples}",
+                          "--set", f"calibration.seq_len={seq_len}", "--set", f"calibration.batch_size={n_samples}"],
+                         work / "quantize.log")
     report = json.loads((out / "quantize_report.json").read_text())
     growth = (target_samples * target_seq_len) / (n_samples * seq_len)
     rows, total_projected = [], 0.0

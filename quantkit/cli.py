@@ -60,16 +60,19 @@ def main():
 @click.option("--recipe", required=True, help="Built-in recipe name (see `quantkit recipes`) or a YAML file.")
 @click.option("--model", default="default", show_default=True, help="Checkpoint directory, or 'default'.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Output directory (must not exist).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a recipe setting, e.g. --set quant.bits=3 --set calibration.n_samples=32.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its last finished layer.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @json_option
 @_friendly_errors
-def quantize(recipe, model, out, resume, progress, as_json):
+def quantize(recipe, model, out, overrides, resume, progress, as_json):
     """Quantize a model layer by layer and write the recipe's checkpoint format."""
     from quantkit.engine import quantize as run
-    from quantkit.recipe import load_recipe
+    from quantkit.recipe import load_recipe, parse_override
 
-    report = run(_resolve_model(model), load_recipe(recipe), out, resume=resume, progress=progress)
+    settings = dict(parse_override(text) for text in overrides)
+    report = run(_resolve_model(model), load_recipe(recipe, settings), out, resume=resume, progress=progress)
     rows = []
     for layer in report.layers:
         worst = max(layer.errors, key=layer.errors.get)

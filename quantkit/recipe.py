@@ -133,8 +133,28 @@ def builtin_names() -> list[str]:
     return sorted(p.stem for p in builtin_dir().glob("*.yaml"))
 
 
-def load_recipe(name_or_path: str | Path) -> Recipe:
-    """Load a built-in recipe by name, or a YAML file by path."""
+def parse_override(text: str) -> tuple[str, Any]:
+    """`quant.bits=3` -> ("quant.bits", 3); the value is read as YAML (numbers, booleans, strings)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise RecipeError(f"override '{text}' must look like section.key=value")
+    return key.strip(), yaml.safe_load(value)
+
+
+def _apply_overrides(raw: dict, overrides: dict[str, Any], source: str) -> dict:
+    for dotted, value in overrides.items():
+        node, *parents, leaf = [raw, *dotted.split(".")]
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise RecipeError(f"{source}: cannot override '{dotted}': '{part}' is not a section")
+        node[leaf] = value
+    return raw
+
+
+def load_recipe(name_or_path: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:
+    """Load a built-in recipe by name, or a YAML file by path, with optional `section.key` overrides
+    (validated like the file itself)."""
     path = Path(name_or_path)
     if path.suffix not in (".yaml", ".yml"):
         path = builtin_dir() / f"{name_or_path}.yaml"
@@ -146,6 +166,8 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         raise RecipeError(f"{path}: not valid YAML: {e}") from e
+    if overrides:
+        raw = _apply_overrides(raw if isinstance(raw, dict) else {}, overrides, str(path))
     return Recipe(_validate(raw, SCHEMA, "", str(path)), str(path))
 
 

@@ -67,3 +67,15 @@ def test_failures_are_one_clear_line(tiny, tmp_path):
     assert "Traceback" not in result.output
     result = runner.invoke(main, ["eval", "ppl", "--model", str(tmp_path / "missing")])
     assert result.exit_code == 1 and "not found" in result.output
+
+
+def test_set_overrides_are_validated_like_the_file(tiny, tmp_path):
+    from quantkit.recipe import RecipeError, load_recipe
+
+    recipe = load_recipe("gptq-w4g128", {"quant.bits": 3, "calibration.n_samples": 16})
+    assert recipe["quant"]["bits"] == 3 and recipe["calibration"]["n_samples"] == 16
+    with pytest.raises(RecipeError, match="unknown key 'quant.bitz'"):
+        load_recipe("gptq-w4g128", {"quant.bitz": 3})
+    result = CliRunner().invoke(main, ["quantize", "--recipe", "rtn-w4g128", "--model", str(tiny), "--out",
+                                       str(tmp_path / "q"), "--set", "quant.bits=five"])
+    assert result.exit_code == 1 and "'quant.bits' must be int" in result.output

@@ -11,6 +11,7 @@ from quantkit.checkpoint import CheckpointError
 from quantkit.engine import EngineError, quantize
 from quantkit.loading import load_model
 from quantkit.models.fixtures import write_tiny_checkpoint
+from quantkit.models import MiniCPMConfig
 from quantkit.models.layers import LINEARS
 from quantkit.recipe import RecipeError, load_recipe
 
@@ -136,3 +137,19 @@ def test_corrupt_safetensors_is_a_clear_error(tiny, recipe, tmp_path):
     with pytest.raises(CheckpointError, match="corrupt safetensors"):
         quantize(broken, recipe, out, progress=False)
     assert not out.exists() and not staging_dir(out).exists()
+
+
+def test_sharded_checkpoint_reads_like_a_single_file(tmp_path):
+    from quantkit.checkpoint import CheckpointReader
+    from quantkit.models.fixtures import write_sharded_checkpoint
+
+    config = MiniCPMConfig.from_pretrained(write_tiny_checkpoint(tmp_path / "one", num_hidden_layers=2))
+    sharded = write_sharded_checkpoint(tmp_path / "sharded", config, seed=1)
+    reader = CheckpointReader(sharded)
+    assert len(reader.files()) == 3  # one shard per layer plus the rest
+    assert reader.shape("model.layers.1.mlp.down_proj.weight") == (256, 512)
+    model = load_model(sharded)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, reader.get(name)), name
+    assert write_sharded_checkpoint(tmp_path / "again", config, seed=1) and all(
+        (tmp_path / "again" / p.name).read_bytes() == p.read_bytes() for p in sharded.iterdir())

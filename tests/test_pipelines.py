@@ -7,7 +7,7 @@ import torch
 import yaml
 
 from quantkit.artifact import staging_dir
-from quantkit.engine import EngineError, quantize
+from quantkit.engine import quantize
 from quantkit.loading import load_model
 from quantkit.models.layers import LINEARS
 from quantkit.recipe import builtin_dir, load_recipe
