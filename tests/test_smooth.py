@@ -104,7 +104,8 @@ def test_h_based_error_is_the_explicit_error_and_the_grid_minimum():
     weights = [torch.randn(96, 320, generator=g) / 18, torch.randn(40, 320, generator=g) / 18]
     result = search_scale(weights, stats, CONFIG, grid=20)
 
-    explicit = {step / 20: _explicit_error(weights, x, smoothing_scale(stats.abs_mean, step / 20)) for step in range(20)}
+    alphas = [step / 20 for step in range(20)]
+    explicit = {alpha: _explicit_error(weights, x, smoothing_scale(stats.abs_mean, alpha)) for alpha in alphas}
     assert result.alpha in explicit
     assert result.error == pytest.approx(explicit[result.alpha], rel=ERROR_RTOL)
     assert result.rtn_error == pytest.approx(explicit[0.0], rel=ERROR_RTOL)
