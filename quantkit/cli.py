@@ -96,6 +96,13 @@ window_option = click.option("--window", default=2048, show_default=True, type=i
 stride_option = click.option("--stride", default=None, type=int, help="Window stride (default: the window).")
 
 
+def _eval_options(fn):
+    """The options every `quantkit eval` command shares."""
+    for option in (_friendly_errors, json_option, stride_option, window_option, tokens_option, data_option):
+        fn = option(fn)
+    return fn
+
+
 def _eval_tokens(model_dir: Path, data: str, max_tokens: int):
     from transformers import AutoTokenizer
 
@@ -107,12 +114,7 @@ def _eval_tokens(model_dir: Path, data: str, max_tokens: int):
 
 @eval_group.command("ppl")
 @click.option("--model", default="default", show_default=True, help="Checkpoint or quantized artifact.")
-@data_option
-@tokens_option
-@window_option
-@stride_option
-@json_option
-@_friendly_errors
+@_eval_options
 def eval_ppl(model, data, max_tokens, window, stride, as_json):
     """Perplexity on held-out text."""
     from quantkit.eval.ppl import perplexity
@@ -129,12 +131,7 @@ def eval_ppl(model, data, max_tokens, window, stride, as_json):
 @eval_group.command("kld")
 @click.option("--model", required=True, help="The model under test (e.g. a quantized artifact).")
 @click.option("--ref", default="default", show_default=True, help="The reference (unquantized) model.")
-@data_option
-@tokens_option
-@window_option
-@stride_option
-@json_option
-@_friendly_errors
+@_eval_options
 def eval_kld(model, ref, data, max_tokens, window, stride, as_json):
     """KL divergence and top-1 agreement against a reference model."""
     from quantkit.eval.kld import kl_divergence

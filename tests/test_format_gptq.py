@@ -15,7 +15,9 @@ from quantkit.formats.gptq import (
     unpack_cols,
     unpack_rows,
 )
-from quantkit.quant import QuantConfig, QuantizedTensor, default_g_idx
+from quantkit.quant import QuantConfig, default_g_idx
+
+from helpers import random_record
 
 PREFIX = "model.layers.0.mlp.down_proj"
 RUN = {2: 16, 3: 32, 4: 8, 8: 4}  # values per whole run of int32 words
@@ -52,18 +54,6 @@ def _np_reference_dequant(tensors, bits, prefix=PREFIX):
     g = get("g_idx")
     s = get("scales").astype(np.float32)
     return ((q.astype(np.float32) - z[g].astype(np.float32)) * s[g]).T
-
-
-def _random_record(config, n, k, seed, g_idx=None):
-    gen = torch.Generator().manual_seed(seed)
-    groups = config.num_groups(k)
-    return QuantizedTensor(
-        codes=torch.randint(0, config.maxq + 1, (n, k), generator=gen, dtype=torch.uint8),
-        scales=(torch.rand(groups, n, generator=gen) + 0.01).half(),
-        zeros=torch.randint(0, config.maxq + 1, (groups, n), generator=gen, dtype=torch.uint8),
-        g_idx=default_g_idx(k, config.group_size) if g_idx is None else g_idx,
-        config=config,
-    )
 
 
 def _assert_same_record(a, b):
@@ -163,7 +153,7 @@ def test_rtn_round_trip_and_reference_dequant(bits, group_size, sym):
 def test_random_record_with_act_order_g_idx_round_trips(bits):
     config = QuantConfig(bits, 32, False)
     g_idx = default_g_idx(96, 32)[torch.randperm(96, generator=torch.Generator().manual_seed(bits))]
-    qt = _random_record(config, n=32, k=96, seed=bits, g_idx=g_idx)
+    qt = random_record(config, n=32, k=96, seed=bits, g_idx=g_idx)
     tensors = gptq_tensors(qt, "")
     assert set(tensors) == {"qweight", "qzeros", "scales", "g_idx"}
     back = read_gptq_tensors(tensors, "", config)
@@ -172,19 +162,19 @@ def test_random_record_with_act_order_g_idx_round_trips(bits):
 
 
 def test_unpackable_shapes_rejected():
-    qt = _random_record(QuantConfig(3, 32, True), n=40, k=64, seed=0)
+    qt = random_record(QuantConfig(3, 32, True), n=40, k=64, seed=0)
     with pytest.raises(ValueError, match=f"{PREFIX}: out_features N = 40 is not a multiple of 32"):
         gptq_tensors(qt, PREFIX)
-    qt = _random_record(QuantConfig(4, -1, True), n=8, k=36, seed=0)
+    qt = random_record(QuantConfig(4, -1, True), n=8, k=36, seed=0)
     with pytest.raises(ValueError, match="in_features K = 36 is not a multiple of 8"):
         gptq_tensors(qt, PREFIX)
     with pytest.raises(ValueError, match="trailing dot"):
-        gptq_tensors(_random_record(QuantConfig(4, 32, True), 8, 64, 0), PREFIX + ".")
+        gptq_tensors(random_record(QuantConfig(4, 32, True), 8, 64, 0), PREFIX + ".")
 
 
 def _valid_tensors():
     config = QuantConfig(4, 32, True)
-    return config, gptq_tensors(_random_record(config, n=16, k=64, seed=1), PREFIX)
+    return config, gptq_tensors(random_record(config, n=16, k=64, seed=1), PREFIX)
 
 
 @pytest.mark.parametrize("name, corrupt, error, message", [

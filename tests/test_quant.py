@@ -12,6 +12,8 @@ from quantkit.quant import (
     quantize_codes,
 )
 
+from helpers import random_record
+
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"bits": 5, "group_size": 128, "sym": True}, "bits"),
@@ -104,21 +106,9 @@ def test_column_and_block_rounding_agree():
     assert torch.equal(fake_quantize(w, p, 7), dequantize_codes(block, p))
 
 
-def _random_record(config, n=8, k=96, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    groups = config.num_groups(k)
-    return QuantizedTensor(
-        codes=torch.randint(0, config.maxq + 1, (n, k), generator=gen, dtype=torch.uint8),
-        scales=(torch.rand(groups, n, generator=gen) + 0.01).half(),
-        zeros=torch.randint(0, config.maxq + 1, (groups, n), generator=gen, dtype=torch.uint8),
-        g_idx=default_g_idx(k, config.group_size),
-        config=config,
-    )
-
-
 def test_dequantize_formula_with_permuted_g_idx():
     cfg = QuantConfig(4, 32, False)
-    qt = _random_record(cfg)
+    qt = random_record(cfg, n=8, k=96, seed=0)
     qt.g_idx = qt.g_idx[torch.randperm(96, generator=torch.Generator().manual_seed(3))]
     w = qt.dequantize()
     for k in (0, 17, 95):
@@ -139,7 +129,7 @@ def test_dequantize_formula_with_permuted_g_idx():
     ("g_idx", torch.full((96,), 3, dtype=torch.int32), r"g_idx values must lie in \[0, 3\)"),
 ])
 def test_record_validation(field, value, message):
-    qt = _random_record(QuantConfig(4, 32, True))
+    qt = random_record(QuantConfig(4, 32, True), n=8, k=96, seed=0)
     fields = {name: getattr(qt, name) for name in ("codes", "scales", "zeros", "g_idx", "config")}
     fields[field] = value
     with pytest.raises(ValueError, match=message):
