@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install demo demo-marlin test test-fast default-model bench-gptq bench-scale clean help
+.PHONY: install demo demo-marlin test test-fast default-model bench-gptq bench-scale interop interop-peer clean help
 
 help:
 	@echo "make demo       quantize the embedded default model (RTN W4 g128, GPTQ format), print perplexity and KL"
@@ -18,6 +18,8 @@ help:
 	@echo "make demo-marlin  the marlin recipe end to end on Qwen2.5-Coder-0.5B (Marlin-legal shapes), KL vs RTN and GPTQ"
 	@echo "make bench-gptq  RTN / GPTQ / P-GPTQ / S-P-GPTQ at W4 and W3 g128 on the default model, one table"
 	@echo "make bench-scale  the marlin recipe on an 8B-shaped random MiniCPM4.1 checkpoint: time, memory, projection"
+	@echo "make interop    GPTQModel (own venv, ~6 GB) reads a quantkit GPTQ checkpoint: weights bit-exact, logits vs quantkit"
+	@echo "make interop-peer  GPTQModel quantizes the default model on quantkit's calibration rows, then its KL"
 	@echo "make default-model  fetch and convert the default model into the cache"
 	@echo "make install    create .venv with quantkit and its test extra"
 
@@ -55,6 +57,28 @@ bench-gptq: $(INSTALLED)
 
 bench-scale: $(INSTALLED)
 	$(BIN)/python -m quantkit.eval.scale_8b --work $(OUT)/scale-8b
+
+# GPTQModel pulls its own (CUDA) torch, so it gets a venv of its own; quantkit goes in without deps.
+INTEROP_VENV ?= .venv-interop
+INTEROP_BIN := $(INTEROP_VENV)/bin
+INTEROP_INSTALLED := $(INTEROP_VENV)/.installed
+GPTQMODEL ?= gptqmodel==7.7.0
+
+$(INTEROP_INSTALLED): pyproject.toml
+	test -x $(INTEROP_BIN)/python || $(PYTHON) -m venv $(INTEROP_VENV)
+	$(INTEROP_BIN)/python -m pip install $(GPTQMODEL) gguf
+	$(INTEROP_BIN)/python -m pip install --no-deps -e .
+	touch $@
+
+interop: $(INSTALLED) $(INTEROP_INSTALLED)
+	rm -rf $(OUT)/interop-gptq $(OUT)/interop-gptq.partial
+	$(BIN)/quantkit quantize --recipe gptq-w4g128 --model default --out $(OUT)/interop-gptq --set calibration.n_samples=16 --no-progress
+	$(BIN)/python -m quantkit.eval.interop.check_gptqmodel $(OUT)/interop-gptq --interop-python $(INTEROP_BIN)/python
+
+interop-peer: $(INSTALLED) $(INTEROP_INSTALLED)
+	rm -rf $(OUT)/gptqmodel-w4g128
+	/usr/bin/time -v $(INTEROP_BIN)/python -m quantkit.eval.interop.gptqmodel_quantize default $(OUT)/gptqmodel-w4g128 --bits 4 --group-size 128 --nsamples 128 --seqlen 512
+	$(BIN)/quantkit eval kld --model $(OUT)/gptqmodel-w4g128 --ref default --max-tokens 8192
 
 test: $(INSTALLED)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

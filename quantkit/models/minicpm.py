@@ -220,7 +220,9 @@ class MiniCPMModel(MiniCPMPreTrainedModel):
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
         hidden_states = inputs_embeds
         for layer in self.layers:
-            hidden_states = layer(hidden_states, position_embeddings, mask, past_key_values)
+            # Keywords, not positions: layer-replaying tools (GPTQModel) keep only args[0] and kwargs.
+            hidden_states = layer(hidden_states, position_embeddings=position_embeddings, attention_mask=mask,
+                                  past_key_values=past_key_values)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
 
 
