@@ -27,6 +27,7 @@ from quantkit.checkpoint import CheckpointReader
 from quantkit.algorithms.smooth import smooth_layer
 from quantkit.formats import FORMATS, Format
 from quantkit.models import MiniCPMConfig, MiniCPMDecoderLayer, MiniCPMRotaryEmbedding
+from quantkit.models.minicpm import weight_shapes
 from quantkit.models.layers import (EMBEDDING, FINAL_NORM, LINEARS, LM_HEAD, SEQUENTIAL_GROUPS, layer_prefix,
                                     scaling_groups_for)
 from quantkit.quant import QuantConfig
@@ -132,24 +133,11 @@ def _layer_tensors(reader: CheckpointReader, index: int) -> dict[str, torch.Tens
     return {n: reader.get(n) for n in reader.names if n.startswith(prefix)}
 
 
-def expected_shapes(config: MiniCPMConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the checkpoint must hold, with its shape, derived from the model code itself."""
-    with torch.device("meta"):
-        layer = MiniCPMDecoderLayer(config, 0)
-    shapes = {EMBEDDING: (config.vocab_size, config.hidden_size), FINAL_NORM: (config.hidden_size,)}
-    if not config.tie_word_embeddings:
-        shapes[LM_HEAD] = (config.vocab_size, config.hidden_size)
-    for index in range(config.num_hidden_layers):
-        for name, t in layer.state_dict().items():
-            shapes[layer_prefix(index) + name] = tuple(t.shape)
-    return shapes
-
-
 def validate_checkpoint(reader: CheckpointReader, config: MiniCPMConfig, qconfig: QuantConfig, fmt: Format,
                         desc_act: bool, progress: bool = False) -> None:
     """Refuse a bad checkpoint before any work starts: missing tensors, wrong shapes, NaN/Inf
     values, and shapes the format cannot pack."""
-    shapes = expected_shapes(config)
+    shapes = weight_shapes(config)
     for name, shape in shapes.items():
         if name not in reader:
             raise EngineError(f"checkpoint {reader.directory} lacks tensor '{name}'")
@@ -329,7 +317,7 @@ def _is_linear_weight(name: str, index: int) -> bool:
 
 def linear_shapes(config: MiniCPMConfig) -> dict[str, tuple[int, int]]:
     """(out_features, in_features) of each linear of a decoder layer."""
-    shapes = expected_shapes(config)
+    shapes = weight_shapes(config)
     return {linear: shapes[f"{layer_prefix(0)}{linear}.weight"] for linear in LINEARS}
 
 

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from quantkit.atomic import save_safetensors, write_json, write_text
 from quantkit.models import CHAT_TEMPLATE
 from quantkit.models.configuration_minicpm import MiniCPMConfig
-from quantkit.models.minicpm import MiniCPMForCausalLM
+from quantkit.models.minicpm import MiniCPMForCausalLM, weight_shapes
 
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
 TOKENIZER_VOCAB_SIZE = 384
@@ -162,7 +162,7 @@ def _tiny_config(tokenizer: Tokenizer, *, tied, longrope, num_hidden_layers, hid
     )
 
 
-def _random_tensor(name: str, shape: torch.Size, config: MiniCPMConfig, generator: torch.Generator) -> torch.Tensor:
+def _random_tensor(name: str, shape: tuple[int, ...], config: MiniCPMConfig, generator: torch.Generator) -> torch.Tensor:
     """Scaled so activations stay O(1): linears ~ N(0, 1/fan_in), embeddings ~ N(0, 1/scale_emb²), norm
     weights ~ 1 + N(0, 0.1²) (not all ones, so a misplaced norm weight shows), o_proj bias 0."""
     noise = torch.randn(shape, generator=generator)
@@ -177,16 +177,9 @@ def _random_tensor(name: str, shape: torch.Size, config: MiniCPMConfig, generato
     return noise / math.sqrt(shape[1])
 
 
-def _weight_shapes(config: MiniCPMConfig) -> dict[str, torch.Size]:
-    shapes = {name: tensor.shape for name, tensor in meta_model(config).state_dict().items()}
-    if config.tie_word_embeddings:
-        del shapes["lm_head.weight"]
-    return shapes
-
-
 def _random_weights(config: MiniCPMConfig, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    shapes = _weight_shapes(config)
+    shapes = weight_shapes(config)
     return {name: _random_tensor(name, shapes[name], config, generator).to(dtype) for name in sorted(shapes)}
 
 
@@ -222,7 +215,7 @@ def write_sharded_checkpoint(path, config: MiniCPMConfig, *, seed: int = 0, prog
     from quantkit.checkpoint import INDEX_FILE
 
     path = Path(path)
-    shapes = _weight_shapes(config)
+    shapes = weight_shapes(config)
     shards: dict[str, list[str]] = {}
     for name in sorted(shapes):
         part = name.split(".")[2] if name.startswith("model.layers.") else "rest"

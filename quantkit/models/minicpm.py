@@ -270,3 +270,13 @@ class MiniCPMForCausalLM(MiniCPMPreTrainedModel, GenerationMixin):
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
         )
+
+
+def weight_shapes(config: MiniCPMConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of this config stores, with its shape (no memory: meta device)."""
+    with torch.device("meta"):
+        model = MiniCPMForCausalLM(config)
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        del shapes["lm_head.weight"]
+    return shapes
