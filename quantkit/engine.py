@@ -25,7 +25,7 @@ from quantkit.algorithms import ALGORITHMS
 from quantkit.artifact import ArtifactWriter, staging_dir
 from quantkit.checkpoint import CheckpointReader
 from quantkit.algorithms.smooth import smooth_layer
-from quantkit.formats import FORMATS, Format
+from quantkit.formats import FORMATS, Format, gptq
 from quantkit.models import MiniCPMConfig, MiniCPMDecoderLayer, MiniCPMRotaryEmbedding
 from quantkit.models.minicpm import weight_shapes
 from quantkit.models.layers import (EMBEDDING, FINAL_NORM, LINEARS, LM_HEAD, SEQUENTIAL_GROUPS, layer_prefix,
@@ -339,4 +339,4 @@ def dequantize_layer(tensors: dict, index: int, config: MiniCPMConfig, qconfig: 
 
 
 def _is_packed(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in ("qweight", "qzeros", "scales", "g_idx")
+    return name.rsplit(".", 1)[-1] in gptq.TENSOR_NAMES  # Marlin/CPM.cu store a subset of these
