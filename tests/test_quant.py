@@ -10,6 +10,7 @@ from quantkit.quant import (
     find_group_params,
     group_slices,
     quantize_codes,
+    search_group_params,
 )
 
 from helpers import random_record
@@ -135,3 +136,27 @@ def test_record_validation(field, value, message):
     with pytest.raises(ValueError, match=message):
         QuantizedTensor(**fields)
 
+
+
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("bits", [3, 4])
+def test_clip_search_picks_the_best_shrunk_range_per_row(sym, bits):
+    config = QuantConfig(bits, 128, sym)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 128, generator=g) * torch.rand(64, 1, generator=g)
+    w[:8, 0] *= 6  # a few rows with one outlier, where clipping pays most
+
+    def error(params):
+        return (fake_quantize(w, params, config.maxq) - w).abs().pow(2.4).sum(dim=1)
+
+    # Independent brute force over every shrink 1 - i/100, i < 80, one call each.
+    candidates = torch.stack([error(find_group_params(w * (1 - i / 100), config)) for i in range(80)])
+    searched = error(search_group_params(w, config))
+    exhaustive = candidates.amin(dim=0)
+    # Coarse-to-fine found the exhaustive optimum in 3 of 4 cases; 4-bit asym measured 1.0007x.
+    assert searched.sum() <= 1.002 * exhaustive.sum()
+    plain = error(find_group_params(w, config))
+    assert bool((searched <= plain).all())
+    # Measured |error|^2.4 ratios, searched / plain: 0.64 (3-bit sym), 0.74 (3-bit asym), 0.79 (4-bit
+    # sym), 0.90 (4-bit asym).
+    assert searched.sum() < 0.95 * plain.sum()

@@ -54,15 +54,26 @@ def test_prefix_positions_really_dropped():
     assert short.tokens == 0 and not short.hessian.any()
 
 
-def test_bf16_inputs_close_to_float32():
-    # Each batch's xᵀx comes back from the bf16 matmul rounded to bf16 (8-bit mantissa); measured
-    # over 4 seeds: 0.17 % (same values in fp32) and 0.28 % (original fp32 inputs), Frobenius-relative.
+def test_bf16_inputs_give_the_float32_hessian_of_their_values():
+    # The product is taken in fp32: only the inputs' own rounding to bf16 remains.
     batches = _batches()
     bf16 = _accumulate(batches, dtype=torch.bfloat16).hessian
     same_values = _accumulate([x.bfloat16().float() for x in batches]).hessian
-    original = _accumulate(batches).hessian
-    assert _relative(bf16, same_values) < 3e-3
-    assert _relative(bf16, original) < 5e-3
+    assert _relative(bf16, same_values) < 1e-6
+
+
+def test_nearly_low_rank_bf16_inputs_stay_positive_definite_with_one_percent_damping():
+    # Like attention outputs: 8 directions carry everything, plus a little noise. A bf16 product
+    # (output rounded to 8 mantissa bits) made such a Hessian's lowest eigenvalue -6 % of its mean
+    # diagonal on the default model's o_proj inputs.
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(4, 512, 8, generator=g) @ torch.randn(8, FEATURES, generator=g) * 10
+         + 0.01 * torch.randn(4, 512, FEATURES, generator=g))
+    stats = InputStats(FEATURES)
+    stats.add(x.bfloat16())
+    h = stats.hessian.double()
+    lowest = torch.linalg.eigvalsh(h)[0].item()
+    assert lowest > -1e-6 * h.diagonal().mean().item()
 
 
 def test_relative_error_matches_direct_output_error():

@@ -2,7 +2,10 @@
 
 Semantics follow the reference solver (IST-DASLab ``gptq.py``, AutoGPTQ): float32 math; dead input
 channels get ``H[i, i] = 1`` and zero weight; dampening ``damp_percent × mean(diag H)``; lazy batch
-updates in blocks; act-order (``desc_act``) and ``static_groups``. Group parameters are found when a
+updates in blocks; act-order (``desc_act``) and ``static_groups``; group-aware reordering
+(``group_aware``, GAR: Gafni et al., CVPRW 2025): groups keep their natural columns, so ``g_idx``
+stays trivial and Marlin can pack the result, but are processed by descending max Hessian
+diagonal, each group's columns in descending order. Group parameters are found when a
 group starts, on its columns with every earlier column's compensation applied (the reference reads
 block-stale weights for groups that start inside a block; with group = block = 128 both agree).
 
@@ -29,6 +32,7 @@ from quantkit.quant import (
     default_g_idx,
     dequantize_codes,
     find_group_params,
+    search_group_params,
     group_slices,
     quantize_codes,
     require_finite,
@@ -37,9 +41,10 @@ from quantkit.quant import (
 logger = logging.getLogger(__name__)
 
 # When H + damp·I is not positive definite in float32, retry with the damping multiplied by this,
-# at most DAMP_RETRIES times (0.01 -> 0.1 -> 1 -> 10 from the default), then give up.
-DAMP_GROWTH = 10.0
-DAMP_RETRIES = 3
+# at most DAMP_RETRIES times (0.01 -> 0.02 -> ... -> 10.24 from the default), then give up: small
+# steps keep the damping near the least that works, which is what the solution's quality depends on.
+DAMP_GROWTH = 2.0
+DAMP_RETRIES = 10
 # Rows per rank-1-update sub-block inside a block; divides every supported group size.
 SUB_BLOCK = 16
 
@@ -59,11 +64,14 @@ def gptq_quantize(
     block_size: int = 128,
     desc_act: bool = False,
     static_groups: bool = False,
+    group_aware: bool = False,
+    clip_search: bool = False,
 ) -> QuantizedTensor:
     """GPTQ-quantize ``weight`` [N, K] against ``hessian`` [K, K] (H = 2/n Σ xᵀx of its inputs)."""
     return gptq_solve(
         weight, hessian, config,
         damp_percent=damp_percent, block_size=block_size, desc_act=desc_act, static_groups=static_groups,
+        group_aware=group_aware, clip_search=clip_search,
     ).quantized
 
 
@@ -76,17 +84,28 @@ def gptq_solve(
     block_size: int = 128,
     desc_act: bool = False,
     static_groups: bool = False,
+    group_aware: bool = False,
+    clip_search: bool = False,
 ) -> GPTQSolution:
     """As ``gptq_quantize``, also returning the solver's fake-quantized weights and the damping used."""
     _validate(weight, hessian, config, damp_percent, block_size)
+    if desc_act and group_aware:
+        raise ValueError("desc_act and group_aware are two different column orders: choose one")
     n, k = weight.shape
     w = weight.detach().to(torch.float32, copy=True)
     require_finite(w)
     diag = hessian.diagonal().to(torch.float32)
     dead = diag == 0
     w[:, dead] = 0.0
-    order = torch.argsort(diag.masked_fill(dead, 1.0), descending=True, stable=True) if desc_act else torch.arange(k)
-    grid = _Grid(w, order, config, up_front=static_groups or config.group_size == -1)
+    importance = diag.masked_fill(dead, 1.0)
+    if desc_act:
+        order = torch.argsort(importance, descending=True, stable=True)
+    elif group_aware:
+        order = _group_aware_order(importance, config.group_size)
+    else:
+        order = torch.arange(k)
+    grid = _Grid(w, order, config, up_front=static_groups or config.group_size == -1, groups_follow_columns=not desc_act,
+                 clip_search=clip_search)
     factor, used_damp = _hessian_factor(hessian, order, dead, damp_percent)
 
     work = w[:, order].T.contiguous()  # [K, N]: one row per input channel, in processing order
@@ -99,7 +118,7 @@ def gptq_solve(
         u_block = torch.linalg.solve_triangular(factor[start:stop, start:stop], torch.eye(stop - start), upper=True)
         if start:
             block.addmm_(u_block.T, factor[:start, start:stop].T @ residual[:start])
-        with _single_threaded():
+        with _threads(1):
             codes[start:stop] = _quantize_block(block, u_block, start, grid)
         residual[start:stop] -= block
 
@@ -115,45 +134,69 @@ def gptq_solve(
     return GPTQSolution(quantized, weight_hat, used_damp)
 
 
-class _Grid:
-    """Every group's scale and zero point ([groups, N]) and the group of each processing position."""
+def _group_aware_order(importance: Tensor, group_size: int) -> Tensor:
+    """GAR: whole groups by descending max importance, columns within each group descending.
 
-    def __init__(self, w: Tensor, order: Tensor, config: QuantConfig, up_front: bool):
+    A ragged last group stays last, so that no group straddles a block of ``block_size`` columns.
+    """
+    k = importance.numel()
+    if group_size == -1:
+        return torch.argsort(importance, descending=True, stable=True)
+    full = k // group_size * group_size
+    by_group = importance[:full].view(-1, group_size)
+    within = torch.argsort(by_group, dim=1, descending=True, stable=True)
+    within += torch.arange(0, full, group_size).unsqueeze(1)
+    groups = torch.argsort(by_group.amax(dim=1), descending=True, stable=True)
+    tail = full + torch.argsort(importance[full:], descending=True, stable=True)
+    return torch.cat([within[groups].reshape(-1), tail])
+
+
+class _Grid:
+    """Every group's scale and zero point ([groups, N]) and the group of each processing position.
+
+    Groups follow their columns (natural and group-aware order, static groups) or, for plain
+    act-order, are runs of consecutive processing positions, as the GPTQ format's g_idx allows.
+    """
+
+    def __init__(self, w: Tensor, order: Tensor, config: QuantConfig, up_front: bool, groups_follow_columns: bool,
+                 clip_search: bool):
         k = w.shape[1]
+        self.find = search_group_params if clip_search else find_group_params
+        self.threads = torch.get_num_threads()
         natural_groups = default_g_idx(k, config.group_size).long()
         self.config = config
         self.scales = torch.empty(config.num_groups(k), w.shape[0], dtype=torch.float32)
         self.zeros = torch.empty_like(self.scales)
         self.group_starts: set[int] = set()
+        self.position_group = natural_groups[order] if up_front or groups_follow_columns else natural_groups
         if up_front:  # from the unmodified weights in natural column order, whatever the processing order
-            self.position_group = natural_groups[order]
             for group, columns in enumerate(group_slices(k, config.group_size)):
-                self.scales[group], self.zeros[group] = find_group_params(w[:, columns], config)
-        else:  # groups are consecutive processing positions, found as each one starts
-            self.position_group = natural_groups
-            self.group_starts = {columns.start for columns in group_slices(k, config.group_size)}
+                self.scales[group], self.zeros[group] = self.find(w[:, columns], config)
+        else:  # each group's columns are consecutive positions; parameters are found as it starts
+            changes = torch.nonzero(self.position_group[1:] != self.position_group[:-1]).flatten() + 1
+            self.group_starts = {0, *changes.tolist()}
 
     def params(self, position: int, rows: Tensor) -> GroupParams:
         """Parameters for the column at ``position``; ``rows`` [>= group width, N] start at it."""
         group = int(self.position_group[position])
         if position in self.group_starts:
             width = min(self.config.group_size, len(self.position_group) - position)
-            self.scales[group], self.zeros[group] = find_group_params(rows[:width].T, self.config)
+            with _threads(self.threads):
+                self.scales[group], self.zeros[group] = self.find(rows[:width].T, self.config)
         return GroupParams(self.scales[group], self.zeros[group])
 
 
 @contextmanager
-def _single_threaded() -> Iterator[None]:
-    """The column loop is a chain of small dependent ops: thread hand-offs cost more than they save.
-
-    Measured at 4096 x 4096 on 2 busy cores: 3.9-5.9 s with one thread against 6.5-37 s with two.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _threads(count: int) -> Iterator[None]:
+    """The column loop is a chain of small dependent ops: thread hand-offs cost more than they save
+    (measured at 4096 x 4096 on 2 busy cores: 3.9-5.9 s with one thread against 6.5-37 s with two),
+    so it runs on one; the clipping search inside it is big enough to use them all again."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
 def _quantize_block(block: Tensor, u_block: Tensor, start: int, grid: _Grid) -> Tensor:
