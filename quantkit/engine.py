@@ -28,8 +28,8 @@ from quantkit.algorithms.smooth import smooth_layer
 from quantkit.formats import FORMATS, Format, gptq
 from quantkit.models import MiniCPMConfig, MiniCPMDecoderLayer, MiniCPMRotaryEmbedding
 from quantkit.models.minicpm import weight_shapes
-from quantkit.models.layers import (EMBEDDING, FINAL_NORM, LINEARS, LM_HEAD, SEQUENTIAL_GROUPS, layer_prefix,
-                                    scaling_groups_for)
+from quantkit.models.layers import (ATTENTION_PROJECTIONS, EMBEDDING, FINAL_NORM, LINEARS, LM_HEAD, SEQUENTIAL_GROUPS,
+                                    layer_prefix, scaling_groups_for)
 from quantkit.quant import QuantConfig
 from quantkit.recipe import Recipe
 from quantkit.stats import InputStats, relative_error
@@ -70,22 +70,44 @@ class _StopForward(Exception):
 
 
 class LayerRunner:
-    """Runs calibration activations through one decoder layer in batches."""
+    """Runs calibration activations through one decoder layer in batches.
+
+    Once q/k/v are final, ``fix_attention`` keeps o_proj's input for every sample, and later passes
+    start from it (``after_attention``) instead of recomputing the attention: on the default model
+    that is 6.6 instead of 10 layer-equivalents of matmul work per layer, bit-identical results.
+    """
 
     def __init__(self, layer: torch.nn.Module, position_embeddings, batch_size: int):
         self.layer = layer
         self.position_embeddings = position_embeddings
         self.batch_size = batch_size
+        self.mixed: torch.Tensor | None = None
 
     def _batches(self, hidden: torch.Tensor):
         for start in range(0, hidden.shape[0], self.batch_size):
-            yield hidden[start:start + self.batch_size]
+            yield start, hidden[start:start + self.batch_size]
+
+    def _run(self, start: int, batch: torch.Tensor) -> torch.Tensor:
+        if self.mixed is None:
+            return self.layer(batch, position_embeddings=self.position_embeddings)
+        return self.layer.after_attention(batch, self.mixed[start:start + batch.shape[0]])
+
+    @torch.no_grad()
+    def fix_attention(self, hidden: torch.Tensor) -> None:
+        """Compute and keep o_proj's input (the attended heads) for all of ``hidden``."""
+        self.mixed = None
+        attention = self.layer.self_attn
+        for start, batch in self._batches(hidden):
+            mixed = attention.mix(self.layer.input_layernorm(batch), self.position_embeddings)
+            if self.mixed is None:
+                self.mixed = torch.empty(hidden.shape[0], *mixed.shape[1:], dtype=mixed.dtype)
+            self.mixed[start:start + batch.shape[0]] = mixed
 
     @torch.no_grad()
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(hidden)
-        for start, batch in zip(range(0, hidden.shape[0], self.batch_size), self._batches(hidden)):
-            out[start:start + batch.shape[0]] = self.layer(batch, position_embeddings=self.position_embeddings)
+        for start, batch in self._batches(hidden):
+            out[start:start + batch.shape[0]] = self._run(start, batch)
         return out
 
     @torch.no_grad()
@@ -105,9 +127,9 @@ class LayerRunner:
 
             handles.append(linear.register_forward_pre_hook(capture))
         try:
-            for batch in self._batches(hidden):
+            for start, batch in self._batches(hidden):
                 try:
-                    self.layer(batch, position_embeddings=self.position_embeddings)
+                    self._run(start, batch)
                 except _StopForward:
                     pass
         finally:
@@ -303,6 +325,10 @@ class _LayerJob:
                 approx = records[name].dequantize(torch.float32)
                 errors[name] = relative_error(weight, approx, stats.hessian)
                 runner.layer.get_submodule(name).weight.data = approx.to(self.dtype)
+            if group == ATTENTION_PROJECTIONS:
+                started = time.perf_counter()
+                runner.fix_attention(hidden)
+                self.stats_seconds += time.perf_counter() - started
         shard = {n: t for n, t in source.items() if not _is_linear_weight(n, self.index)}
         shard.update(fmt.write_layer(records, self.prefix))
         started = time.perf_counter()

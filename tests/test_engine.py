@@ -153,3 +153,23 @@ def test_sharded_checkpoint_reads_like_a_single_file(tmp_path):
         assert torch.equal(tensor, reader.get(name)), name
     assert write_sharded_checkpoint(tmp_path / "again", config, seed=1) and all(
         (tmp_path / "again" / p.name).read_bytes() == p.read_bytes() for p in sharded.iterdir())
+
+
+def test_reused_attention_gives_the_same_statistics_and_outputs(tiny):
+    from quantkit.checkpoint import CheckpointReader
+    from quantkit.engine import LayerRunner, _build_layer, _layer_tensors
+    from quantkit.models import MiniCPMRotaryEmbedding
+    from quantkit.models.layers import DOWN, GATE, O
+
+    config = MiniCPMConfig.from_pretrained(tiny)
+    layer = _build_layer(config, 1, _layer_tensors(CheckpointReader(tiny), 1), torch.bfloat16)
+    hidden = torch.randn(5, 24, config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    position_embeddings = MiniCPMRotaryEmbedding(config)(hidden, torch.arange(24)[None])
+    recomputing, reusing = (LayerRunner(layer, position_embeddings, batch_size=2) for _ in range(2))
+    reusing.fix_attention(hidden)
+    assert reusing.mixed.shape == (5, 24, layer.self_attn.o_proj.in_features)
+    for name in (O, GATE, DOWN):
+        expected = recomputing.input_stats(hidden, (name,), skip_prefix=4)[name]
+        got = reusing.input_stats(hidden, (name,), skip_prefix=4)[name]
+        assert torch.equal(got.hessian, expected.hessian) and torch.equal(got.abs_mean, expected.abs_mean)
+    assert torch.equal(reusing.forward(hidden), recomputing.forward(hidden))

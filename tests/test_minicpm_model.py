@@ -211,6 +211,20 @@ def test_layer_by_layer_forward_matches_model(tiny_checkpoint):
     assert torch.equal(logits, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_resumes_bit_exactly_from_o_proj_input(tiny_checkpoint, dtype):
+    """The engine computes the attention once and restarts the layer from o_proj's input."""
+    model = load(tiny_checkpoint, dtype)
+    ids = torch.cat([random_ids(model.config.vocab_size, length=33, seed=seed) for seed in (1, 2)])
+    layer = model.model.layers[0]
+    with torch.no_grad():
+        hidden = model.model.embed_tokens(ids) * model.config.scale_emb
+        position_embeddings = model.model.rotary_emb(hidden, torch.arange(33)[None])
+        mixed = layer.self_attn.mix(layer.input_layernorm(hidden), position_embeddings)
+        assert mixed.shape == (2, 33, layer.self_attn.o_proj.in_features)
+        assert torch.equal(layer.after_attention(hidden, mixed), layer(hidden, position_embeddings))
+
+
 def test_matches_llama_with_mup_folded_into_weights(tiny_checkpoint_factory):
     path = tiny_checkpoint_factory(tied=True, longrope=False, num_key_value_heads=4)
     model = load(path)

@@ -21,6 +21,9 @@ LINEARS: tuple[str, ...] = (Q, K, V, O, GATE, UP, DOWN)
 # inputs already carry the quantization error of the earlier ones.
 SEQUENTIAL_GROUPS: tuple[tuple[str, ...], ...] = ((Q, K, V), (O,), (GATE, UP), (DOWN,))
 
+# The projections attention reads: once they are quantized, o_proj's input is fixed for the layer.
+ATTENTION_PROJECTIONS: tuple[str, ...] = (Q, K, V)
+
 
 @dataclass(frozen=True)
 class ScalingGroup:

@@ -132,6 +132,10 @@ class MiniCPMAttention(nn.Module):
         return projected.view(batch, length, -1, self.head_dim).transpose(1, 2)
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None):
+        return self.o_proj(self.mix(hidden_states, position_embeddings, attention_mask, past_key_values))
+
+    def mix(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None):
+        """Everything before o_proj: the attended heads, concatenated (o_proj's input)."""
         cos, sin = position_embeddings
         query = apply_rotary(self._heads(self.q_proj(hidden_states)), cos, sin)
         key = apply_rotary(self._heads(self.k_proj(hidden_states)), cos, sin)
@@ -139,7 +143,7 @@ class MiniCPMAttention(nn.Module):
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
         attended = self.core(query, key, value, attention_mask, self.scaling)
-        return self.o_proj(attended.transpose(1, 2).flatten(2))
+        return attended.transpose(1, 2).flatten(2)
 
 
 class MiniCPMMLP(nn.Module):
@@ -163,8 +167,14 @@ class MiniCPMDecoderLayer(nn.Module):
         self.post_attention_layernorm = MiniCPMRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
-        attended = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask, past_key_values)
-        hidden_states = hidden_states + attended * self.residual_scale
+        mixed = self.self_attn.mix(self.input_layernorm(hidden_states), position_embeddings, attention_mask,
+                                   past_key_values)
+        return self.after_attention(hidden_states, mixed)
+
+    def after_attention(self, hidden_states, mixed):
+        """The layer from o_proj on, given o_proj's input: calibration reuses one attention pass for
+        every sublayer quantized after q/k/v."""
+        hidden_states = hidden_states + self.self_attn.o_proj(mixed) * self.residual_scale
         transformed = self.mlp(self.post_attention_layernorm(hidden_states))
         return hidden_states + transformed * self.residual_scale
 
