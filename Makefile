@@ -16,7 +16,7 @@ help:
 	@echo "make test       the whole test suite (what CI runs)"
 	@echo "make test-fast  the suite without tests marked slow"
 	@echo "make demo-marlin  the marlin recipe end to end on Qwen2.5-Coder-0.5B (Marlin-legal shapes), KL vs RTN and GPTQ"
-	@echo "make bench-gptq  RTN / GPTQ / P-GPTQ / S-P-GPTQ at W4 and W3 g128 on the default model, one table"
+	@echo "make bench-gptq  RTN / GPTQ / P-GPTQ / S-P-GPTQ / GPTQModel at W4 and W3 g128 on the default model, one table"
 	@echo "make bench-scale  the marlin recipe on an 8B-shaped random MiniCPM4.1 checkpoint: time, memory, projection"
 	@echo "make interop    GPTQModel (own venv, ~6 GB) reads a quantkit GPTQ checkpoint: weights bit-exact, logits vs quantkit"
 	@echo "make interop-peer  GPTQModel quantizes the default model on quantkit's calibration rows, then its KL"
@@ -52,8 +52,11 @@ demo-marlin: $(INSTALLED)
 	for v in demo-marlin demo-marlin-gptq demo-marlin-rtn; do \
 	  $(BIN)/quantkit eval kld --model $(OUT)/$$v --ref $(MARLIN_MODEL) --max-tokens 4096 || exit 1; done
 
-bench-gptq: $(INSTALLED)
-	$(BIN)/python -m quantkit.eval.bench_gptq --out $(OUT)/bench-gptq
+GPTQMODEL_PEER = GPTQModel=$(INTEROP_BIN)/python -m quantkit.eval.interop.gptqmodel_quantize {model} {out} \
+	--bits {bits} --group-size 128 --nsamples {n_samples} --seqlen {seq_len}
+
+bench-gptq: $(INSTALLED) $(INTEROP_INSTALLED)
+	$(BIN)/python -m quantkit.eval.bench_gptq --out $(OUT)/bench-gptq --peer "$(GPTQMODEL_PEER)"
 
 bench-scale: $(INSTALLED)
 	$(BIN)/python -m quantkit.eval.scale_8b --work $(OUT)/scale-8b
