@@ -73,8 +73,9 @@ class LayerRunner:
     """Runs calibration activations through one decoder layer in batches.
 
     Once q/k/v are final, ``fix_attention`` keeps o_proj's input for every sample, and later passes
-    start from it (``after_attention``) instead of recomputing the attention: on the default model
-    that is 6.6 instead of 10 layer-equivalents of matmul work per layer, bit-identical results.
+    start from it (``after_attention``) instead of recomputing the attention; results are
+    bit-identical. Measured on the default model (GPTQ W4, 128 x 512 tokens): statistics time 122 s
+    -> 110 s; the fp32 Hessian products, not the forwards, are most of what remains.
     """
 
     def __init__(self, layer: torch.nn.Module, position_embeddings, batch_size: int):
