@@ -21,7 +21,8 @@ import click
 import torch
 from quantkit.table import format_table
 
-METHODS = {"RTN": "rtn-w4g128", "GPTQ": "gptq-w4g128", "P-GPTQ": "p-gptq-w4g128", "S-P-GPTQ": "s-p-gptq-w4g128"}
+METHODS = {"RTN": "rtn-w4g128", "GPTQ": "gptq-w4g128", "P-GPTQ": "p-gptq-w4g128", "S-GPTQ": "s-gptq-w4g128",
+           "S-P-GPTQ": "s-p-gptq-w4g128"}
 
 
 @dataclass

@@ -34,6 +34,21 @@ def test_recipes_lists_builtin_with_purpose():
     assert "RTN" in listing["rtn-w4g128"]
 
 
+def test_every_builtin_recipe_loads_says_what_it_is_for_and_matches_its_name():
+    from quantkit.recipe import builtin_dir, builtin_names, load_recipe
+
+    for name in builtin_names():
+        text = (builtin_dir() / f"{name}.yaml").read_text()
+        assert text.startswith("# "), f"{name}: no comment at the top saying what it is for"
+        recipe = load_recipe(name)
+        family = name.split("-w")[0]  # rtn, gptq, p-gptq, s-gptq, s-p-gptq (marlin, cpmcu: S-P-GPTQ)
+        if family in ("marlin", "cpmcu"):
+            family = "s-p-gptq"
+        assert recipe["algorithm"] == ("rtn" if family == "rtn" else "gptq"), name
+        assert recipe["smooth"]["enabled"] == family.startswith("s-"), name
+        assert (recipe["prefix_tokens"] == 4) == ("p-gptq" in family), name
+
+
 def test_quantize_inspect_eval_round_trip(tiny, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(RECIPE)
