@@ -30,14 +30,14 @@ def kl_divergence(model, reference, tokens: torch.Tensor, window: int = 2048, st
     kl_sum, kl_max, agree, nll, ref_nll, count = 0.0, 0.0, 0, 0.0, 0.0, 0
     spans = list(windows(len(tokens), window, stride))
     for w in tqdm(spans, desc="kl-divergence", unit="window", disable=not progress):
-        log_q, targets = window_log_probs(model, tokens, w)
-        log_p, _ = window_log_probs(reference, tokens, w)
-        kl = (log_p.exp() * (log_p - log_q)).sum(-1)
-        kl_sum += kl.sum().item()
-        kl_max = max(kl_max, kl.max().item())
-        agree += (log_p.argmax(-1) == log_q.argmax(-1)).sum().item()
-        nll -= log_q.gather(1, targets[:, None]).sum().item()
-        ref_nll -= log_p.gather(1, targets[:, None]).sum().item()
-        count += len(targets)
+        for (log_q, targets), (log_p, _) in zip(window_log_probs(model, tokens, w),
+                                                window_log_probs(reference, tokens, w)):
+            kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+            kl_sum += kl.sum().item()
+            kl_max = max(kl_max, kl.max().item())
+            agree += (log_p.argmax(-1) == log_q.argmax(-1)).sum().item()
+            nll -= log_q.gather(1, targets[:, None]).sum().item()
+            ref_nll -= log_p.gather(1, targets[:, None]).sum().item()
+            count += len(targets)
     return KLResult(kl_sum / count, kl_max, agree / count, math.exp(nll / count), math.exp(ref_nll / count),
                     count, window)

@@ -52,7 +52,9 @@ def test_kl_of_model_with_itself_is_zero(model, tokens):
     assert result.perplexity == result.reference_perplexity
 
 
-def test_kl_against_perturbed_copy_equals_direct_computation(model, tokens):
+@pytest.mark.parametrize("rows_per_chunk", [7, 4096])  # several chunks per window, and one
+def test_kl_against_perturbed_copy_equals_direct_computation(model, tokens, rows_per_chunk, monkeypatch):
+    monkeypatch.setattr("quantkit.eval.ppl.ROWS_PER_CHUNK", rows_per_chunk)
     other = copy.deepcopy(model)
     with torch.no_grad():
         other.model.layers[0].mlp.down_proj.weight.mul_(1.5)
