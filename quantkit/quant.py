@@ -132,12 +132,10 @@ def search_group_params(weights: Tensor, config: QuantConfig) -> GroupParams:
     rows = w.shape[0]
     extremes = torch.stack([w.amin(dim=1), w.amax(dim=1)], dim=1)  # [rows, 2]
     coarse = torch.arange(0, CLIP_STEPS, CLIP_COARSE).unsqueeze(1).expand(-1, rows)
-    error, steps = _clip_errors(w, extremes, coarse, config)
-    best_step = steps.gather(0, error.argmin(dim=0, keepdim=True))  # [1, rows]
+    best_step = coarse.gather(0, _clip_errors(w, extremes, coarse, config).argmin(dim=0, keepdim=True))  # [1, rows]
     offsets = torch.tensor([d for d in range(1 - CLIP_COARSE, CLIP_COARSE) if d]).unsqueeze(1)
-    fine = (best_step + offsets).clamp(0, CLIP_STEPS - 1)
-    error, steps = _clip_errors(w, extremes, torch.cat([best_step, fine]), config)
-    best_step = steps.gather(0, error.argmin(dim=0, keepdim=True)).squeeze(0)
+    fine = torch.cat([best_step, (best_step + offsets).clamp(0, CLIP_STEPS - 1)])
+    best_step = fine.gather(0, _clip_errors(w, extremes, fine, config).argmin(dim=0, keepdim=True)).squeeze(0)
     return find_group_params(_shrink(best_step).unsqueeze(1) * extremes, config)
 
 
@@ -146,8 +144,11 @@ def _shrink(steps: Tensor) -> Tensor:
     return (1 - steps.to(torch.float64) / 100).to(torch.float32)
 
 
-def _clip_errors(w: Tensor, extremes: Tensor, steps: Tensor, config: QuantConfig) -> tuple[Tensor, Tensor]:
-    """Σ |fake_quantize(w) − w|^CLIP_NORM per row for each candidate shrink step; steps [C, rows]."""
+def _clip_errors(w: Tensor, extremes: Tensor, steps: Tensor, config: QuantConfig) -> Tensor:
+    """Σ |fake_quantize(w) − w|^CLIP_NORM per row for each candidate shrink step; steps [C, rows].
+
+    ``fake_quantize``'s arithmetic, written in place over [chunk, rows, columns] temporaries.
+    """
     rows, width = w.shape
     errors = []
     for chunk in steps.split(max(1, _CLIP_CHUNK_ELEMENTS // (rows * width))):
@@ -156,7 +157,7 @@ def _clip_errors(w: Tensor, extremes: Tensor, steps: Tensor, config: QuantConfig
         scale, zero = params.scale.view(shrink.shape), params.zero.view(shrink.shape)
         codes = torch.round(w / scale).add_(zero).clamp_(0, config.maxq)
         errors.append(codes.sub_(zero).mul_(scale).sub_(w).abs_().pow_(CLIP_NORM).sum(dim=2))
-    return torch.cat(errors), steps
+    return torch.cat(errors)
 
 
 def _per_row(param: Tensor, like: Tensor) -> Tensor:
