@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install demo demo-marlin test test-fast default-model bench-gptq bench-scale interop interop-peer clean help
+.PHONY: install demo demo-marlin test test-fast default-model bench-gptq bench-awq bench-scale interop interop-peer clean help
 
 help:
 	@echo "make demo       quantize the embedded default model (RTN W4 g128, GPTQ format), print perplexity and KL"
@@ -17,6 +17,7 @@ help:
 	@echo "make test-fast  the suite without tests marked slow"
 	@echo "make demo-marlin  the marlin recipe end to end on Qwen2.5-Coder-0.5B (Marlin-legal shapes), KL vs RTN and GPTQ"
 	@echo "make bench-gptq  RTN / GPTQ / P-GPTQ / S-P-GPTQ / GPTQModel at W4 and W3 g128 on the default model, one table"
+	@echo "make bench-awq   AWQ / RTN / GPTQ / S-P-GPTQ at W4 and W3 g128 on the default model, one table"
 	@echo "make bench-scale  the marlin recipe on an 8B-shaped random MiniCPM4.1 checkpoint: time, memory, projection"
 	@echo "make interop    GPTQModel (own venv, ~6 GB) reads a quantkit GPTQ checkpoint: weights bit-exact, logits vs quantkit"
 	@echo "make interop-peer  GPTQModel quantizes the default model on quantkit's calibration rows, then its KL"
@@ -56,7 +57,10 @@ GPTQMODEL_PEER = GPTQModel=$(INTEROP_BIN)/python -m quantkit.eval.interop.gptqmo
 	--bits {bits} --group-size 128 --nsamples {n_samples} --seqlen {seq_len}
 
 bench-gptq: $(INSTALLED) $(INTEROP_INSTALLED)
-	$(BIN)/python -m quantkit.eval.bench_gptq --out $(OUT)/bench-gptq --peer "$(GPTQMODEL_PEER)"
+	$(BIN)/python -m quantkit.eval.bench_methods --out $(OUT)/bench-gptq --peer "$(GPTQMODEL_PEER)"
+
+bench-awq: $(INSTALLED)
+	$(BIN)/python -m quantkit.eval.bench_methods --out $(OUT)/bench-awq --methods AWQ,RTN,GPTQ,S-P-GPTQ
 
 bench-scale: $(INSTALLED)
 	$(BIN)/python -m quantkit.eval.scale_8b --work $(OUT)/scale-8b

@@ -26,7 +26,7 @@ from quantkit.table import format_table
 @click.option("--target-seq-len", default=2048, show_default=True, help="Projection: tokens per row.")
 def main(work, n_samples, seq_len, layers, target_samples, target_seq_len):
     """Write the checkpoint (once), quantize it with the marlin recipe, report time and memory."""
-    from quantkit.eval.bench_gptq import timed
+    from quantkit.eval.bench_methods import timed
     from quantkit.models.fixtures import minicpm41_8b_config, write_sharded_checkpoint
 
     model = work / "minicpm41-8b-random"

@@ -24,7 +24,7 @@ def describe(model_dir: str | Path) -> dict:
         "vocab_size": config.get("vocab_size"),
         "sparse_config": bool(config.get("sparse_config")),
         "quantization": (f"{quant.get('quant_method')} {quant.get('bits')}-bit g{quant.get('group_size')} "
-                         f"{'sym' if quant.get('sym') else 'asym'}") if quant else "none",
+                         f"{'sym' if quant.get('sym', not quant.get('zero_point', True)) else 'asym'}") if quant else "none",
         "weights_mb": round(weights / 2**20, 1),
     }
     manifest_path = model_dir / MANIFEST_FILE

@@ -13,21 +13,25 @@ import torch
 from quantkit.artifact import MANIFEST_FILE
 from quantkit.checkpoint import CheckpointReader
 from quantkit.engine import dequantize_layer
-from quantkit.formats import FORMATS, Format, gptq
+from quantkit.formats import FORMATS, Format
 from quantkit.models import MiniCPMConfig, MiniCPMForCausalLM
+
+# quant_method of checkpoints other tools wrote -> the format that reads them
+_FOREIGN_METHODS = {"gptq": "gptq", "awq": "awq"}
 
 
 def artifact_format(model_dir: Path, config: MiniCPMConfig) -> Format | None:
-    """The format of a quantized checkpoint: from quantkit's manifest, else GPTQ if it says so."""
+    """The format of a quantized checkpoint: from quantkit's manifest, else from its quant_method."""
     manifest = model_dir / MANIFEST_FILE
     if manifest.is_file():
         return FORMATS[json.loads(manifest.read_text())["format"]]
     method = (getattr(config, "quantization_config", None) or {}).get("quant_method")
     if method is None:
         return None
-    if method != "gptq":
-        raise ValueError(f"{model_dir}: quantization method '{method}' is not supported yet")
-    return FORMATS["gptq"]
+    if method not in _FOREIGN_METHODS:
+        raise ValueError(f"{model_dir}: quantization method '{method}' is not supported "
+                         f"(readable: {', '.join(_FOREIGN_METHODS)})")
+    return FORMATS[_FOREIGN_METHODS[method]]
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> MiniCPMForCausalLM:
@@ -37,7 +41,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Min
     fmt = artifact_format(model_dir, config)
     state = {name: reader.get(name) for name in reader.names}
     if fmt is not None:
-        qconfig, _ = gptq.parse_quantization_config(config.quantization_config)
+        qconfig = fmt.parse_config(config.quantization_config)
         for index in range(config.num_hidden_layers):
             layer = dequantize_layer(state, index, config, qconfig, fmt)
             prefix = f"model.layers.{index}."

@@ -121,21 +121,29 @@ CLIP_NORM = 2.4
 _CLIP_CHUNK_ELEMENTS = 1 << 20  # candidates x rows x columns per step: 4 MB of float32 temporaries
 
 
-def search_group_params(weights: Tensor, config: QuantConfig) -> GroupParams:
+def search_group_params(weights: Tensor, config: QuantConfig, hessian: Tensor | None = None) -> GroupParams:
     """``find_group_params`` of ``p · weights`` for the best shrink p of each row (see CLIP_STEPS).
 
+    Without ``hessian`` a candidate's cost is Σ |error|^CLIP_NORM (reference GPTQ). With the
+    group's block of the input Hessian [width, width] it is the row's output error over the
+    calibration tokens, ``Δ H Δᵀ`` (AWQ's clipping search, which measures exactly that).
     Parameters depend only on each row's extremes, and ``max(p·w) = p·max(w)`` exactly in floating
     point for p > 0, so every candidate's parameters come from the scaled extremes.
     """
     w = weights.to(torch.float32)
     require_finite(w)
-    rows = w.shape[0]
+    rows, width = w.shape
+    if hessian is not None and tuple(hessian.shape) != (width, width):
+        raise ValueError(f"hessian block must be {width} x {width} for a group of {width} columns, "
+                         f"got {tuple(hessian.shape)}")
     extremes = torch.stack([w.amin(dim=1), w.amax(dim=1)], dim=1)  # [rows, 2]
-    coarse = torch.arange(0, CLIP_STEPS, CLIP_COARSE).unsqueeze(1).expand(-1, rows)
-    best_step = coarse.gather(0, _clip_errors(w, extremes, coarse, config).argmin(dim=0, keepdim=True))  # [1, rows]
+
+    def best_of(steps: Tensor) -> Tensor:
+        return steps.gather(0, _clip_errors(w, extremes, steps, config, hessian).argmin(dim=0, keepdim=True))
+
+    best_step = best_of(torch.arange(0, CLIP_STEPS, CLIP_COARSE).unsqueeze(1).expand(-1, rows))  # [1, rows]
     offsets = torch.tensor([d for d in range(1 - CLIP_COARSE, CLIP_COARSE) if d]).unsqueeze(1)
-    fine = torch.cat([best_step, (best_step + offsets).clamp(0, CLIP_STEPS - 1)])
-    best_step = fine.gather(0, _clip_errors(w, extremes, fine, config).argmin(dim=0, keepdim=True)).squeeze(0)
+    best_step = best_of(torch.cat([best_step, (best_step + offsets).clamp(0, CLIP_STEPS - 1)])).squeeze(0)
     return find_group_params(_shrink(best_step).unsqueeze(1) * extremes, config)
 
 
@@ -144,8 +152,8 @@ def _shrink(steps: Tensor) -> Tensor:
     return (1 - steps.to(torch.float64) / 100).to(torch.float32)
 
 
-def _clip_errors(w: Tensor, extremes: Tensor, steps: Tensor, config: QuantConfig) -> Tensor:
-    """Σ |fake_quantize(w) − w|^CLIP_NORM per row for each candidate shrink step; steps [C, rows].
+def _clip_errors(w: Tensor, extremes: Tensor, steps: Tensor, config: QuantConfig, hessian: Tensor | None) -> Tensor:
+    """Cost per row (see ``search_group_params``) of each candidate shrink step; steps [C, rows].
 
     ``fake_quantize``'s arithmetic, written in place over [chunk, rows, columns] temporaries.
     """
@@ -156,7 +164,11 @@ def _clip_errors(w: Tensor, extremes: Tensor, steps: Tensor, config: QuantConfig
         params = find_group_params((shrink * extremes).reshape(-1, 2), config)
         scale, zero = params.scale.view(shrink.shape), params.zero.view(shrink.shape)
         codes = torch.round(w / scale).add_(zero).clamp_(0, config.maxq)
-        errors.append(codes.sub_(zero).mul_(scale).sub_(w).abs_().pow_(CLIP_NORM).sum(dim=2))
+        delta = codes.sub_(zero).mul_(scale).sub_(w)
+        if hessian is None:
+            errors.append(delta.abs_().pow_(CLIP_NORM).sum(dim=2))
+        else:
+            errors.append((delta @ hessian).mul_(delta).sum(dim=2))
     return torch.cat(errors)
 
 

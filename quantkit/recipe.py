@@ -66,7 +66,7 @@ SCHEMA: dict[str, Any] = {
                                   "ranges (least |error|^2.4)"),
     },
     "smooth": {
-        "enabled": Field(bool, default=False, help="AWQ-style smoothing before quantizing (S-P-GPTQ)"),
+        "enabled": Field(bool, default=False, help="AWQ smoothing before quantizing (AWQ, S-GPTQ, S-P-GPTQ)"),
         "grid": Field(int, default=20, check=_positive, rule="> 0", help="exponent grid points in [0, 1)"),
     },
     "calibration": {

@@ -47,3 +47,9 @@ def default_model() -> Path:
     from quantkit.models import zoo
 
     return zoo.ensure_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def marlin_legal(tiny_checkpoint_factory) -> Path:
+    """K and N multiples of 128/64 everywhere (4 KV heads of 16 -> N = 64): every format can pack it."""
+    return tiny_checkpoint_factory(num_hidden_layers=2, num_key_value_heads=4, seed=5)

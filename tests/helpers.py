@@ -1,7 +1,11 @@
 """Small builders shared by several test modules."""
 import torch
+import yaml
 
 from quantkit.quant import QuantConfig, QuantizedTensor, default_g_idx
+from quantkit.recipe import Recipe, builtin_dir, load_recipe
+
+SMALL_CALIBRATION = {"n_samples": 8, "seq_len": 64, "batch_size": 4}
 
 
 def random_record(config: QuantConfig, n: int, k: int, seed: int, g_idx=None) -> QuantizedTensor:
@@ -15,3 +19,14 @@ def random_record(config: QuantConfig, n: int, k: int, seed: int, g_idx=None) ->
         g_idx=default_g_idx(k, config.group_size) if g_idx is None else g_idx,
         config=config,
     )
+
+
+def small_recipe(name: str, tmp_path, **changes) -> Recipe:
+    """Built-in recipe ``name`` on SMALL_CALIBRATION, with top-level ``changes`` (dicts merge)."""
+    raw = yaml.safe_load((builtin_dir() / f"{name}.yaml").read_text())
+    raw["calibration"].update(SMALL_CALIBRATION)
+    for key, value in changes.items():
+        raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return load_recipe(path)

@@ -4,35 +4,12 @@ import json
 
 import pytest
 import torch
-import yaml
 
+from helpers import small_recipe
 from quantkit.artifact import staging_dir
 from quantkit.engine import quantize
 from quantkit.loading import load_model
 from quantkit.models.layers import LINEARS
-from quantkit.recipe import builtin_dir, load_recipe
-
-SMALL_CALIBRATION = {"n_samples": 8, "seq_len": 64, "batch_size": 4}
-
-
-def small_recipe(name, tmp_path, **changes):
-    raw = yaml.safe_load((builtin_dir() / f"{name}.yaml").read_text())
-    raw["calibration"].update(SMALL_CALIBRATION)
-    for key, value in changes.items():
-        raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return load_recipe(path)
-
-
-@pytest.fixture(scope="module")
-def marlin_legal(tmp_path_factory):
-    """K and N multiples of 128/64 everywhere (4 KV heads of 16 -> N = 64)."""
-    from quantkit.models.fixtures import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("ml") / "tiny", num_hidden_layers=2,
-                                 num_key_value_heads=4, seed=5)
-
 
 def _errors(out):
     return {(e["layer"], name): err for e in json.loads((out / "quantkit.json").read_text())["layer_errors"]

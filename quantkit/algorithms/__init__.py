@@ -10,6 +10,7 @@ from typing import Callable
 
 from torch import Tensor
 
+from quantkit.algorithms.awq import awq_quantize
 from quantkit.algorithms.gptq import gptq_quantize
 from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.quant import QuantConfig, QuantizedTensor
@@ -19,5 +20,6 @@ Algorithm = Callable[[Tensor, InputStats, QuantConfig, dict], QuantizedTensor]
 
 ALGORITHMS: dict[str, Algorithm] = {
     "rtn": lambda weight, stats, config, settings: rtn_quantize(weight, config),
+    "awq": lambda weight, stats, config, settings: awq_quantize(weight, stats.hessian, config),
     "gptq": lambda weight, stats, config, settings: gptq_quantize(weight, stats.hessian, config, **settings["gptq"]),
 }

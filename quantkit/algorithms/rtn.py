@@ -1,10 +1,13 @@
 """Round-to-nearest: every group's grid from its own min/max, each weight rounded independently."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 
 from quantkit.quant import (
+    GroupParams,
     QuantConfig,
     QuantizedTensor,
     default_g_idx,
@@ -13,9 +16,12 @@ from quantkit.quant import (
     quantize_codes,
 )
 
+# (float32 weight [N, K], one group's columns) -> that group's grid
+GridChooser = Callable[[Tensor, slice], GroupParams]
 
-def rtn_quantize(weight: Tensor, config: QuantConfig) -> QuantizedTensor:
-    """Quantize a linear weight [N, K] group by group (float32 math whatever the input dtype)."""
+
+def quantize_groups(weight: Tensor, config: QuantConfig, choose_grid: GridChooser) -> QuantizedTensor:
+    """Round every group of ``weight`` [N, K] to nearest on the grid ``choose_grid`` picks for it."""
     if weight.dim() != 2:
         raise ValueError(f"expected a linear weight [out_features, in_features], got shape {tuple(weight.shape)}")
     n, k = weight.shape
@@ -25,8 +31,13 @@ def rtn_quantize(weight: Tensor, config: QuantConfig) -> QuantizedTensor:
     scales = torch.empty(len(slices), n, dtype=torch.float16)
     zeros = torch.empty(len(slices), n, dtype=torch.uint8)
     for group, columns in enumerate(slices):
-        params = find_group_params(w[:, columns], config)
+        params = choose_grid(w, columns)
         codes[:, columns] = quantize_codes(w[:, columns], params, config.maxq).to(torch.uint8)
         scales[group] = params.scale.to(torch.float16)
         zeros[group] = params.zero.to(torch.uint8)
     return QuantizedTensor(codes, scales, zeros, default_g_idx(k, config.group_size), config)
+
+
+def rtn_quantize(weight: Tensor, config: QuantConfig) -> QuantizedTensor:
+    """Quantize a linear weight [N, K] group by group (float32 math whatever the input dtype)."""
+    return quantize_groups(weight, config, lambda w, columns: find_group_params(w[:, columns], config))

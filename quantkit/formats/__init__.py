@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import Tensor
 
-from quantkit.formats import cpmcu, gptq, marlin
+from quantkit.formats import awq, cpmcu, gptq, marlin
 from quantkit.quant import QuantConfig, QuantizedTensor, default_g_idx
 
 Shapes = Mapping[str, tuple[int, int]]  # linear name -> (out_features, in_features)
@@ -27,6 +27,7 @@ class Format:
     write_layer: Callable[[Mapping[str, QuantizedTensor], str], dict[str, Tensor]]  # (records, "model.layers.i.")
     read_layer: Callable[[Mapping[str, Tensor], str, QuantConfig, Shapes], dict[str, QuantizedTensor]]
     quantization_config: Callable[..., dict[str, Any]]
+    parse_config: Callable[[Mapping[str, Any]], QuantConfig]  # inverse of quantization_config
     weights_file: str | None = None  # a single weights file the consumer insists on (else sharded + index)
 
 
@@ -40,6 +41,22 @@ def _gptq_write(records: Mapping[str, QuantizedTensor], prefix: str) -> dict[str
 
 def _gptq_read(tensors: Mapping[str, Tensor], prefix: str, config: QuantConfig, shapes: Shapes):
     return {name: gptq.read_gptq_tensors(tensors, prefix + name, config) for name in shapes}
+
+
+def _gptq_parse(d: Mapping[str, Any]) -> QuantConfig:
+    return gptq.parse_quantization_config(d)[0]
+
+
+def _awq_check(config: QuantConfig, k: int, n: int, desc_act: bool, name: str) -> None:
+    awq.check_awq(config, k, n, desc_act, name)
+
+
+def _awq_write(records: Mapping[str, QuantizedTensor], prefix: str) -> dict[str, Tensor]:
+    return {key: t for name, qt in records.items() for key, t in awq.awq_tensors(qt, prefix + name).items()}
+
+
+def _awq_read(tensors: Mapping[str, Tensor], prefix: str, config: QuantConfig, shapes: Shapes):
+    return {name: awq.read_awq_tensors(tensors, prefix + name, config, k, n) for name, (n, k) in shapes.items()}
 
 
 def _symmetric_record(codes: Tensor, scales: Tensor, config: QuantConfig) -> QuantizedTensor:
@@ -69,10 +86,12 @@ def _cpmcu_read(tensors: Mapping[str, Tensor], prefix: str, config: QuantConfig,
 
 FORMATS: dict[str, Format] = {
     "gptq": Format("gptq", "AutoGPTQ/GPTQModel checkpoint_format 'gptq' (vLLM, transformers, GPTQModel)",
-                   _gptq_check, _gptq_write, _gptq_read, gptq.quantization_config),
+                   _gptq_check, _gptq_write, _gptq_read, gptq.quantization_config, _gptq_parse),
+    "awq": Format("awq", "AutoAWQ GEMM checkpoint (vLLM awq/awq_marlin, transformers)",
+                  _awq_check, _awq_write, _awq_read, awq.quantization_config, awq.parse_quantization_config),
     "marlin": Format("marlin", "Marlin W4A16 tile layout (vLLM gptq_marlin after repack, IST-DASLab kernels)",
-                     _marlin_check, _marlin_write, _marlin_read, marlin.quantization_config),
+                     _marlin_check, _marlin_write, _marlin_read, marlin.quantization_config, _gptq_parse),
     "cpmcu": Format("cpmcu", "CPM.cu model_gptq.safetensors: fused qkv/gate_up Marlin tensors",
-                    _marlin_check, cpmcu.cpmcu_layer_tensors, _cpmcu_read, marlin.quantization_config,
+                    _marlin_check, cpmcu.cpmcu_layer_tensors, _cpmcu_read, marlin.quantization_config, _gptq_parse,
                     weights_file="model_gptq.safetensors"),
 }

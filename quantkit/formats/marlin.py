@@ -30,7 +30,7 @@ TILE = 16
 
 # Nibbles i and i+4 of a word hold fragment entries 2i and 2i+1, so one 0x000F000F mask (a lop3)
 # turns a word into an fp16 pair the MMA consumes as is.
-_INTERLEAVE = (0, 2, 4, 6, 1, 3, 5, 7)
+NIBBLE_INTERLEAVE = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
 def _weight_perm() -> Tensor:
@@ -43,7 +43,7 @@ def _weight_perm() -> Tensor:
         fragment = [TILE * row + column + 8 * half for half in (0, 1) for row in rows]
         for tile in range(4):
             order.extend(TILE * TILE * tile + index for index in fragment)
-    return torch.tensor(order).reshape(-1, 8)[:, list(_INTERLEAVE)].reshape(-1)
+    return torch.tensor(order).reshape(-1, 8)[:, list(NIBBLE_INTERLEAVE)].reshape(-1)
 
 
 WEIGHT_PERM = _weight_perm()  # a permutation of range(1024); WEIGHT_PERM[:4] == [0, 128, 8, 136]

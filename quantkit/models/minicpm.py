@@ -20,7 +20,6 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import slice_logits_to_keep
 from transformers.utils.output_capturing import capture_outputs
 
 from quantkit.models.configuration_minicpm import MiniCPMConfig
@@ -236,6 +235,14 @@ class MiniCPMModel(MiniCPMPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
 
 
+def _keep_positions(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """transformers' ``logits_to_keep``: 0 keeps every position, n > 0 the last n, a tensor the
+    positions it lists (written here: the helper moved between transformers 5.x releases)."""
+    if isinstance(logits_to_keep, int):
+        return hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+    return hidden[:, logits_to_keep]
+
+
 class MiniCPMForCausalLM(MiniCPMPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -270,7 +277,7 @@ class MiniCPMForCausalLM(MiniCPMPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             **kwargs,
         )
-        logits = self.logits_from_hidden(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
+        logits = self.logits_from_hidden(_keep_positions(outputs.last_hidden_state, logits_to_keep))
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)

@@ -1,10 +1,11 @@
-"""`make bench-gptq`: RTN, GPTQ, P-GPTQ and S-P-GPTQ side by side, in one run, same calibration tokens.
+"""`make bench-gptq`, `make bench-awq`: quantization methods side by side, in one run, on the same
+calibration tokens.
 
 Each variant is quantized in its own process under `/usr/bin/time -v` (wall time and peak RSS of
 that process alone, not inherited from this one), then evaluated against the unquantized model
 on the same held-out tokens: perplexity, KL divergence and top-1 agreement. Peers that run in
-their own environment (GPTQModel) join through `--peer NAME=COMMAND` lines that write a GPTQ
-checkpoint into the directory given as `{out}`.
+their own environment (GPTQModel, llm-compressor) join through `--peer NAME=COMMAND` lines that
+write a checkpoint quantkit loads into the directory given as `{out}`.
 """
 from __future__ import annotations
 
@@ -21,8 +22,17 @@ import click
 import torch
 from quantkit.table import format_table
 
-METHODS = {"RTN": "rtn-w4g128", "GPTQ": "gptq-w4g128", "P-GPTQ": "p-gptq-w4g128", "S-GPTQ": "s-gptq-w4g128",
-           "S-P-GPTQ": "s-p-gptq-w4g128"}
+# method -> (recipe, overrides). Every variant is written as a GPTQ checkpoint: the weights do not
+# depend on the format (tests read AWQ/Marlin artifacts back equal to the GPTQ ones), and the GPTQ
+# format also holds W3 and the default model's ragged g128 groups, which AWQ's GEMM layout cannot.
+METHODS = {
+    "RTN": ("rtn-w4g128", ()),
+    "AWQ": ("awq-w4g128", ("format=gptq",)),
+    "GPTQ": ("gptq-w4g128", ()),
+    "P-GPTQ": ("p-gptq-w4g128", ()),
+    "S-GPTQ": ("s-gptq-w4g128", ()),
+    "S-P-GPTQ": ("s-p-gptq-w4g128", ()),
+}
 
 
 @dataclass
@@ -60,10 +70,12 @@ def machine() -> str:
 @click.option("--n-samples", default=128, show_default=True)
 @click.option("--seq-len", default=512, show_default=True)
 @click.option("--max-tokens", default=8192, show_default=True, help="Held-out tokens for ppl/KL.")
+@click.option("--methods", default="RTN,GPTQ,P-GPTQ,S-GPTQ,S-P-GPTQ", show_default=True,
+              help=f"Comma-separated, from {', '.join(METHODS)}.")
 @click.option("--out", default="out/bench-gptq", show_default=True, type=click.Path(path_type=Path))
-@click.option("--peer", "peers", multiple=True, help="NAME=COMMAND producing a GPTQ checkpoint in {out} "
+@click.option("--peer", "peers", multiple=True, help="NAME=COMMAND producing a checkpoint quantkit loads in {out} "
               "(run with {model}, {bits}, {n_samples}, {seq_len} substituted).")
-def main(model, bit_widths, n_samples, seq_len, max_tokens, out, peers):
+def main(model, bit_widths, n_samples, seq_len, max_tokens, methods, out, peers):
     """Quantize the model with every method at each bit width and compare them in one table."""
     from transformers import AutoTokenizer
 
@@ -73,6 +85,11 @@ def main(model, bit_widths, n_samples, seq_len, max_tokens, out, peers):
     from quantkit.eval.ppl import perplexity
     from quantkit.loading import load_model
 
+    chosen = [m.strip() for m in methods.split(",") if m.strip()]
+    unknown = sorted(set(chosen) - set(METHODS))
+    if unknown:
+        raise click.BadParameter(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}",
+                                 param_hint="--methods")
     model_dir = _resolve_model(model)
     out.mkdir(parents=True, exist_ok=True)
     tokens = calib.heldout_tokens(AutoTokenizer.from_pretrained(model_dir), name="austen", max_tokens=max_tokens)
@@ -80,17 +97,19 @@ def main(model, bit_widths, n_samples, seq_len, max_tokens, out, peers):
     fp = perplexity(reference, tokens, window=2048)
     rows = [Row("FP", 32, fp.perplexity, 0.0, 0.0, 1.0, 0.0, 0.0)]
     for bits in bit_widths:
-        jobs = {method: None for method in METHODS}
+        jobs = {method: None for method in chosen}
         jobs.update(dict(peer.split("=", 1) for peer in peers))
         for method, peer_command in jobs.items():
             artifact = out / f"{method.lower()}-w{bits}g128"
             if artifact.exists():
                 subprocess.run(["rm", "-rf", str(artifact)], check=True)
             if peer_command is None:
-                command = [sys.executable, "-m", "quantkit.cli", "quantize", "--recipe", METHODS[method],
-                           "--model", str(model_dir), "--out", str(artifact), "--no-progress",
-                           "--set", f"quant.bits={bits}", "--set", f"calibration.n_samples={n_samples}",
-                           "--set", f"calibration.seq_len={seq_len}"]
+                recipe, overrides = METHODS[method]
+                settings = (f"quant.bits={bits}", f"calibration.n_samples={n_samples}",
+                            f"calibration.seq_len={seq_len}", *overrides)
+                command = [sys.executable, "-m", "quantkit.cli", "quantize", "--recipe", recipe, "--model",
+                           str(model_dir), "--out", str(artifact), "--no-progress",
+                           *(arg for setting in settings for arg in ("--set", setting))]
             else:
                 command = shlex.split(peer_command.format(model=model_dir, bits=bits, n_samples=n_samples,
                                                           seq_len=seq_len, out=artifact))
