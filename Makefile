@@ -17,7 +17,7 @@ help:
 	@echo "make test-fast  the suite without tests marked slow"
 	@echo "make demo-marlin  the marlin recipe end to end on Qwen2.5-Coder-0.5B (Marlin-legal shapes), KL vs RTN and GPTQ"
 	@echo "make bench-gptq  RTN / GPTQ / P-GPTQ / S-P-GPTQ / GPTQModel at W4 and W3 g128 on the default model, one table"
-	@echo "make bench-awq   AWQ / RTN / GPTQ / S-P-GPTQ at W4 and W3 g128 on the default model, one table"
+	@echo "make bench-awq   AWQ / RTN / GPTQ / S-P-GPTQ at W4 and W3 g128, then AWQ vs llm-compressor at W4 g64"
 	@echo "make bench-scale  the marlin recipe on an 8B-shaped random MiniCPM4.1 checkpoint: time, memory, projection"
 	@echo "make interop    GPTQModel (own venv, ~6 GB) reads a quantkit GPTQ checkpoint: weights bit-exact, logits vs quantkit"
 	@echo "make interop-peer  GPTQModel quantizes the default model on quantkit's calibration rows, then its KL"
@@ -54,13 +54,20 @@ demo-marlin: $(INSTALLED)
 	  $(BIN)/quantkit eval kld --model $(OUT)/$$v --ref $(MARLIN_MODEL) --max-tokens 4096 || exit 1; done
 
 GPTQMODEL_PEER = GPTQModel=$(INTEROP_BIN)/python -m quantkit.eval.interop.gptqmodel_quantize {model} {out} \
-	--bits {bits} --group-size 128 --nsamples {n_samples} --seqlen {seq_len}
+	--bits {bits} --group-size {group_size} --nsamples {n_samples} --seqlen {seq_len}
 
 bench-gptq: $(INSTALLED) $(INTEROP_INSTALLED)
 	$(BIN)/python -m quantkit.eval.bench_methods --out $(OUT)/bench-gptq --peer "$(GPTQMODEL_PEER)"
 
-bench-awq: $(INSTALLED)
+# llm-compressor cannot quantize K = 576 in groups of 128 (it requires K % group_size == 0), so it
+# meets quantkit's AWQ in a second table at group 64, W4.
+LLMC_PEER = llm-compressor=$(LLMC_BIN)/python -m quantkit.eval.interop.llmcompressor_awq {model} {out} \
+	--bits {bits} --group-size {group_size} --nsamples {n_samples} --seqlen {seq_len}
+
+bench-awq: $(INSTALLED) $(LLMC_INSTALLED)
 	$(BIN)/python -m quantkit.eval.bench_methods --out $(OUT)/bench-awq --methods AWQ,RTN,GPTQ,S-P-GPTQ
+	$(BIN)/python -m quantkit.eval.bench_methods --out $(OUT)/bench-awq-g64 --methods AWQ,RTN --bits 4 \
+	  --group-size 64 --baseline AWQ --peer "$(LLMC_PEER)"
 
 bench-scale: $(INSTALLED)
 	$(BIN)/python -m quantkit.eval.scale_8b --work $(OUT)/scale-8b
@@ -75,6 +82,19 @@ $(INTEROP_INSTALLED): pyproject.toml
 	test -x $(INTEROP_BIN)/python || $(PYTHON) -m venv $(INTEROP_VENV)
 	$(INTEROP_BIN)/python -m pip install $(GPTQMODEL) gguf
 	$(INTEROP_BIN)/python -m pip install --no-deps -e .
+	touch $@
+
+# llm-compressor accepts torch 2.13, so $(TORCH) goes in first and it adds only its own packages.
+LLMC_VENV ?= .venv-llmc
+LLMC_BIN := $(LLMC_VENV)/bin
+LLMC_INSTALLED := $(LLMC_VENV)/.installed
+LLMCOMPRESSOR ?= llmcompressor==0.14.0.1
+
+$(LLMC_INSTALLED): pyproject.toml
+	test -x $(LLMC_BIN)/python || $(PYTHON) -m venv $(LLMC_VENV)
+	$(LLMC_BIN)/python -m pip install $(TORCH)
+	$(LLMC_BIN)/python -m pip install $(LLMCOMPRESSOR)
+	$(LLMC_BIN)/python -m pip install -e .
 	touch $@
 
 interop: $(INSTALLED) $(INTEROP_INSTALLED)

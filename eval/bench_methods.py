@@ -67,15 +67,17 @@ def machine() -> str:
 @click.command()
 @click.option("--model", default="default", show_default=True)
 @click.option("--bits", "bit_widths", multiple=True, type=int, default=(4, 3), show_default=True)
+@click.option("--group-size", default=128, show_default=True)
 @click.option("--n-samples", default=128, show_default=True)
 @click.option("--seq-len", default=512, show_default=True)
 @click.option("--max-tokens", default=8192, show_default=True, help="Held-out tokens for ppl/KL.")
 @click.option("--methods", default="RTN,GPTQ,P-GPTQ,S-GPTQ,S-P-GPTQ", show_default=True,
               help=f"Comma-separated, from {', '.join(METHODS)}.")
+@click.option("--baseline", default="GPTQ", show_default=True, help="The method KL ratios are taken against.")
 @click.option("--out", default="out/bench-gptq", show_default=True, type=click.Path(path_type=Path))
 @click.option("--peer", "peers", multiple=True, help="NAME=COMMAND producing a checkpoint quantkit loads in {out} "
-              "(run with {model}, {bits}, {n_samples}, {seq_len} substituted).")
-def main(model, bit_widths, n_samples, seq_len, max_tokens, methods, out, peers):
+              "(run with {model}, {bits}, {group_size}, {n_samples}, {seq_len} substituted).")
+def main(model, bit_widths, group_size, n_samples, seq_len, max_tokens, methods, baseline, out, peers):
     """Quantize the model with every method at each bit width and compare them in one table."""
     from transformers import AutoTokenizer
 
@@ -100,31 +102,32 @@ def main(model, bit_widths, n_samples, seq_len, max_tokens, methods, out, peers)
         jobs = {method: None for method in chosen}
         jobs.update(dict(peer.split("=", 1) for peer in peers))
         for method, peer_command in jobs.items():
-            artifact = out / f"{method.lower()}-w{bits}g128"
+            artifact = out / f"{method.lower()}-w{bits}g{group_size}"
             if artifact.exists():
                 subprocess.run(["rm", "-rf", str(artifact)], check=True)
             if peer_command is None:
                 recipe, overrides = METHODS[method]
-                settings = (f"quant.bits={bits}", f"calibration.n_samples={n_samples}",
-                            f"calibration.seq_len={seq_len}", *overrides)
+                settings = (f"quant.bits={bits}", f"quant.group_size={group_size}",
+                            f"calibration.n_samples={n_samples}", f"calibration.seq_len={seq_len}", *overrides)
                 command = [sys.executable, "-m", "quantkit.cli", "quantize", "--recipe", recipe, "--model",
                            str(model_dir), "--out", str(artifact), "--no-progress",
                            *(arg for setting in settings for arg in ("--set", setting))]
             else:
-                command = shlex.split(peer_command.format(model=model_dir, bits=bits, n_samples=n_samples,
-                                                          seq_len=seq_len, out=artifact))
+                command = shlex.split(peer_command.format(model=model_dir, bits=bits, group_size=group_size,
+                                                          n_samples=n_samples, seq_len=seq_len, out=artifact))
             click.echo(f"[{method} W{bits}] {' '.join(command)}", err=True)
             seconds, rss = timed(command, out / f"{method.lower()}-w{bits}.log")
             kl = kl_divergence(load_model(artifact), reference, tokens, window=2048)
             rows.append(Row(method, bits, kl.perplexity, 100 * (kl.perplexity / fp.perplexity - 1), kl.mean_kl,
                             kl.top1_agreement, round(seconds, 1), round(rss, 0)))
-    baseline = {r.bits: r.mean_kl for r in rows if r.method == "GPTQ"}
+    baseline_kl = {r.bits: r.mean_kl for r in rows if r.method == baseline}
     table = format_table(
-        ["method", "bits", "ppl", "Δppl %", "mean KL", "KL / GPTQ", "top-1", "quantize s", "peak RSS MB"],
+        ["method", "bits", "ppl", "Δppl %", "mean KL", f"KL / {baseline}", "top-1", "quantize s", "peak RSS MB"],
         [[r.method, r.bits, r.perplexity, r.delta_ppl_pct, r.mean_kl,
-          r.mean_kl / baseline[r.bits] if r.bits in baseline else "", r.top1, r.seconds, r.peak_rss_mb]
+          r.mean_kl / baseline_kl[r.bits] if r.bits in baseline_kl else "", r.top1, r.seconds, r.peak_rss_mb]
          for r in rows])
-    header = (f"model {model_dir.name}; calibration {n_samples} x {seq_len} tokens (default mix, seed 0); "
+    header = (f"model {model_dir.name}; group size {group_size} (AWQ asymmetric as AutoAWQ, the others as their "
+              f"recipes); calibration {n_samples} x {seq_len} tokens (default mix, seed 0); "
               f"held-out Austen, {fp.tokens} scored tokens, window 2048; machine: {machine()}")
     (out / "bench.json").write_text(json.dumps({"setup": header, "rows": [asdict(r) for r in rows]}, indent=2))
     (out / "bench.md").write_text(f"{header}\n\n```\n{table}\n```\n")
