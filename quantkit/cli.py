@@ -146,6 +146,33 @@ def eval_kld(model, ref, data, max_tokens, window, stride, as_json):
     _emit(as_json, payload, format_table(["model", "tokens", "ppl", "ref ppl", "mean KL", "top-1 agree"], rows))
 
 
+@main.group("export")
+def export_group():
+    """Write a checkpoint or artifact in another runtime's format."""
+
+
+@export_group.command("gguf")
+@click.option("--model", default="default", show_default=True,
+              help="Checkpoint or quantized artifact (quantized linears are dequantized first).")
+@click.option("--type", "file_type", required=True, metavar="TYPE",
+              help="f32, f16, bf16, q8_0, q6_k, q4_0 or q4_1 (per-tensor types chosen as llama.cpp chooses them).")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Output .gguf file (must not exist).")
+@click.option("--tokenizer-pre", default=None, help="llama.cpp pre-tokenizer name, if it cannot be recognised.")
+@click.option("--progress/--no-progress", default=True, show_default=True)
+@json_option
+@_friendly_errors
+def export_gguf(model, file_type, out, tokenizer_pre, progress, as_json):
+    """Export a MiniCPM model as a GGUF file for llama.cpp (and Ollama, LM Studio)."""
+    from quantkit.gguf.export import export_gguf as export
+
+    report = export(_resolve_model(model), out, file_type, tokenizer_pre=tokenizer_pre, progress=progress)
+    payload = {**asdict(report), "bits_per_weight": report.bits_per_weight}
+    rows = [["file", report.path], ["type", report.file_type], ["size MB", report.file_bytes / 2**20],
+            ["bits per weight", report.bits_per_weight], ["tensors by type", report.tensors_by_type],
+            ["seconds", report.seconds]]
+    _emit(as_json, payload, format_table(["field", "value"], rows))
+
+
 @main.command()
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @json_option

@@ -22,7 +22,7 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("command", [[], ["quantize"], ["eval"], ["eval", "ppl"], ["eval", "kld"], ["inspect"],
-                                     ["recipes"], ["default-model"]])
+                                     ["recipes"], ["default-model"], ["export"], ["export", "gguf"]])
 def test_help_everywhere(command):
     result = CliRunner().invoke(main, command + ["--help"])
     assert result.exit_code == 0 and "Usage:" in result.output
@@ -94,3 +94,14 @@ def test_set_overrides_are_validated_like_the_file(tiny, tmp_path):
     result = CliRunner().invoke(main, ["quantize", "--recipe", "rtn-w4g128", "--model", str(tiny), "--out",
                                        str(tmp_path / "q"), "--set", "quant.bits=five"])
     assert result.exit_code == 1 and "'quant.bits' must be int" in result.output
+
+
+def test_export_gguf_prints_a_summary_and_json(tiny, tmp_path):
+    out = tmp_path / "tiny.gguf"
+    result = CliRunner().invoke(main, ["export", "gguf", "--model", str(tiny), "--type", "q8_0", "--out", str(out),
+                                       "--no-progress", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["file_bytes"] == out.stat().st_size and report["tensors_by_type"]["q8_0"] == 2 * 7 + 2  # linears, embedding, output
+    again = CliRunner().invoke(main, ["export", "gguf", "--model", str(tiny), "--type", "q8_0", "--out", str(out)])
+    assert again.exit_code == 1 and "already exists" in again.output

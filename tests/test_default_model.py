@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import quantkit  # noqa: F401  (registers MiniCPM with the Auto classes)
 from quantkit.models import CHAT_TEMPLATE, MiniCPMForCausalLM
 from quantkit.models import gguf_convert, zoo
-from quantkit.models.gguf_convert import minicpm_name, unpermute_rows
+from quantkit.gguf.names import minicpm_name, unpermute_rows
 
 SOURCE = zoo.MODELS[zoo.DEFAULT_MODEL]
 N_TOKENS = 300

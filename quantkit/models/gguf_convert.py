@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -25,9 +24,8 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from quantkit.atomic import publish_dir, save_safetensors, write_json
 from quantkit.models.configuration_minicpm import MiniCPMConfig
-from quantkit.models.layers import (
-    DOWN, EMBEDDING, FINAL_NORM, GATE, K, LM_HEAD, O, Q, UP, V, layer_prefix,
-)
+from quantkit.gguf.names import LAYER_TENSORS, LAYER_TENSOR_NAME, minicpm_name, unpermute_rows
+from quantkit.models.layers import DOWN, EMBEDDING, K, LM_HEAD, O, Q, layer_prefix
 
 # MiniCPM4.1-8B's μP constants (minicpm4.md §1.1); every converted model carries them.
 SCALE_EMB = 12.0
@@ -51,20 +49,6 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen2": ArchSpec(unpermute_qk=False, attention_bias=True),
 }
 
-# GGUF tensor stems -> MiniCPM names; the per-layer ones are relative to model.layers.{i}.
-GLOBAL_TENSORS: dict[str, str] = {
-    "token_embd": EMBEDDING.removesuffix(".weight"),
-    "output_norm": FINAL_NORM.removesuffix(".weight"),
-    "output": LM_HEAD.removesuffix(".weight"),
-}
-LAYER_TENSORS: dict[str, str] = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": Q, "attn_k": K, "attn_v": V, "attn_output": O,
-    "ffn_gate": GATE, "ffn_up": UP, "ffn_down": DOWN,
-}
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-
 # Residual-branch outputs: MiniCPM multiplies them by scale_depth/√L, so they are stored divided.
 RESIDUAL_OUTPUTS: tuple[str, ...] = (O, DOWN)
 
@@ -75,24 +59,6 @@ def sha256_file(path: str | os.PathLike) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def minicpm_name(gguf_name: str) -> str:
-    """The MiniCPM state-dict key of a GGUF tensor; ValueError for a tensor we cannot place."""
-    stem, _, kind = gguf_name.rpartition(".")
-    if stem in GLOBAL_TENSORS and kind == "weight":
-        return f"{GLOBAL_TENSORS[stem]}.weight"
-    match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match and match[2] in LAYER_TENSORS:
-        return f"{layer_prefix(int(match[1]))}{LAYER_TENSORS[match[2]]}.{match[3]}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no MiniCPM counterpart")
-
-
-def unpermute_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Inverse of llama.cpp's q/k permutation: per head, rows [pairs (0,1),(2,3)…] -> [evens, odds]."""
-    rows = weight.shape[0]
-    return (weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:])
-            .transpose(1, 2).reshape(weight.shape))
 
 
 def _field(reader, key: str, default=None):
@@ -145,7 +111,7 @@ def convert_tensors(reader, hparams: dict, progress: bool = True) -> dict[str, t
     tensors: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc="dequantizing GGUF", disable=not progress):
         name = minicpm_name(t.name)
-        layer_tensor = _LAYER_TENSOR.fullmatch(t.name)
+        layer_tensor = LAYER_TENSOR_NAME.fullmatch(t.name)
         part = LAYER_TENSORS[layer_tensor[2]] if layer_tensor else None
         # np.array copies: an F32 tensor's data is a read-only view of the memory-mapped file.
         value = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))

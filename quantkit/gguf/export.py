@@ -1,0 +1,222 @@
+"""Write a MiniCPM checkpoint (unquantized, or any artifact quantkit reads) as a llama.cpp GGUF.
+
+The file is what llama.cpp's MiniCPM architecture expects (formats.md §4): μP multipliers as
+``minicpm.embedding_scale`` / ``residual_scale`` / ``logit_scale`` (weights unchanged), q/k rows
+permuted for GGML's rope, LongRoPE factors as ``rope_factors_long/short``, the tokenizer and chat
+template, and ``sparse_config`` (which llama.cpp has no key for) under ``quantkit.sparse_config``.
+Tensors are produced one decoder layer at a time and streamed to disk, so exporting an 8B model
+never holds it in memory. The file appears under its name only when complete.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from quantkit.atomic import atomic_path
+from quantkit.checkpoint import CheckpointReader
+from quantkit.gguf.mixes import FILE_TYPES, choose_type
+from quantkit.gguf.names import gguf_name, permute_rows
+from quantkit.gguf.types import TensorType
+from quantkit.gguf.vocab import read_vocab
+from quantkit.models import MiniCPMConfig, MiniCPMRotaryEmbedding
+from quantkit.models.layers import K, Q, layer_prefix
+from quantkit.models.minicpm import weight_shapes
+
+ARCH = "minicpm"
+SPARSE_CONFIG_KEY = "quantkit.sparse_config"
+
+
+@dataclass
+class ExportReport:
+    path: str
+    file_type: str
+    seconds: float = 0.0
+    file_bytes: int = 0
+    weights: int = 0  # parameters written
+    tensors_by_type: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.file_bytes / self.weights if self.weights else 0.0
+
+
+@dataclass(frozen=True)
+class _Planned:
+    name: str  # GGUF tensor name
+    source: str  # MiniCPM key, or a rope factor name
+    shape: tuple[int, ...]  # numpy order: [rows, K] or [K]
+    tensor_type: TensorType
+
+
+class _LayerTensors:
+    """The checkpoint's float tensors one layer at a time, quantized linears dequantized."""
+
+    def __init__(self, model_dir: Path, config: MiniCPMConfig):
+        from quantkit.loading import artifact_format
+
+        self.reader = CheckpointReader(model_dir)
+        self.config = config
+        self.format = artifact_format(model_dir, config)
+        self.qconfig = self.format.parse_config(config.quantization_config) if self.format else None
+        self._layer: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def get(self, key: str) -> torch.Tensor:
+        if not key.startswith("model.layers."):
+            return self.reader.get(key).float()
+        index = int(key.split(".")[2])
+        if self._layer is None or self._layer[0] != index:
+            prefix = layer_prefix(index)
+            tensors = {n: self.reader.get(n) for n in self.reader.names if n.startswith(prefix)}
+            if self.format is not None:
+                from quantkit.engine import dequantize_layer
+
+                tensors = dequantize_layer(tensors, index, self.config, self.qconfig, self.format)
+            self._layer = (index, tensors)
+        return self._layer[1][key].float()
+
+
+def _rope_factors(config: MiniCPMConfig) -> dict[str, list[float]]:
+    scaling = config.rope_scaling or {}
+    if (scaling.get("rope_type") or scaling.get("type")) != "longrope":
+        return {}
+    return {"rope_factors_long.weight": scaling["long_factor"], "rope_factors_short.weight": scaling["short_factor"]}
+
+
+def _check_exportable(config: MiniCPMConfig) -> None:
+    if config.attention_bias:
+        raise ValueError("attention_bias: true has no place in llama.cpp's MiniCPM architecture; cannot export")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim * config.num_attention_heads != config.hidden_size:
+        raise ValueError(f"head_dim {head_dim} x {config.num_attention_heads} heads != hidden_size "
+                         f"{config.hidden_size}: llama.cpp's MiniCPM derives head_dim from them")
+
+
+def _plan(config: MiniCPMConfig, file_type: str) -> list[_Planned]:
+    planned = []
+    for key, shape in weight_shapes(config).items():
+        name = gguf_name(key)
+        planned.append(_Planned(name, key, shape, choose_type(file_type, name, shape, config.tie_word_embeddings)))
+    for name, factors in _rope_factors(config).items():
+        planned.append(_Planned(name, name, (len(factors),), choose_type(file_type, name, (len(factors),), False)))
+    return planned
+
+
+def _add_metadata(writer: gguf.GGUFWriter, config: MiniCPMConfig, model_dir: Path, file_type: str,
+                  tokenizer_pre: str | None) -> None:
+    head_dim = config.hidden_size // config.num_attention_heads
+    writer.add_name(model_dir.name)
+    writer.add_file_type(FILE_TYPES[file_type])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(config.rope_theta))
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_embedding_scale(float(config.scale_emb))
+    writer.add_residual_scale(float(config.scale_depth) / math.sqrt(config.num_hidden_layers))
+    writer.add_logit_scale(config.hidden_size / config.dim_model_base)
+    if _rope_factors(config):
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
+        rotary = MiniCPMRotaryEmbedding(config)
+        writer.add_rope_scaling_orig_ctx_len(int(rotary.original_max_position_embeddings))
+        # LongRoPE's cos/sin magnitude sqrt(1 + ln(max/original)/ln(original)): without this key
+        # llama.cpp leaves it out (measured on a tiny LongRoPE model: mean KL 4e-4 -> 1.5e-9).
+        writer.add_rope_scaling_attn_factors(rotary.attention_factor)
+    if getattr(config, "sparse_config", None):
+        writer.add_string(SPARSE_CONFIG_KEY, json.dumps(config.sparse_config, sort_keys=True))
+
+    eos = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
+    ids = {"bos": config.bos_token_id, "eos": eos, "pad": config.pad_token_id}
+    vocab = read_vocab(model_dir, config.vocab_size, {k: v for k, v in ids.items() if v is not None}, tokenizer_pre)
+    writer.add_tokenizer_model(vocab.model)
+    writer.add_tokenizer_pre(vocab.pre)
+    writer.add_token_list(vocab.tokens)
+    writer.add_token_types(vocab.token_types)
+    writer.add_token_merges(vocab.merges)
+    adders = {"bos": writer.add_bos_token_id, "eos": writer.add_eos_token_id, "unk": writer.add_unk_token_id,
+              "pad": writer.add_pad_token_id}
+    for kind, token_id in vocab.special_ids.items():
+        adders[kind](int(token_id))
+    writer.add_add_bos_token(vocab.add_bos)
+    if vocab.chat_template:
+        writer.add_chat_template(vocab.chat_template)
+
+
+def _tensor_bytes(item: _Planned, source: _LayerTensors, config: MiniCPMConfig) -> np.ndarray:
+    if item.name.startswith("rope_factors_"):
+        value = torch.tensor(_rope_factors(config)[item.name], dtype=torch.float32)
+    else:
+        value = source.get(item.source)
+        part = item.source.split(".", 3)[-1].rsplit(".", 1)[0] if item.source.startswith("model.layers.") else None
+        if part == Q:
+            value = permute_rows(value, config.num_attention_heads)
+        elif part == K:
+            value = permute_rows(value, config.num_key_value_heads)
+    array = value.numpy().astype(np.float32, copy=False)
+    if not np.isfinite(array).all():
+        raise ValueError(f"tensor '{item.source}' contains NaN or Inf values")
+    return item.tensor_type.quantize(array)
+
+
+def export_gguf(model_dir: str | Path, out: str | Path, file_type: str, *, tokenizer_pre: str | None = None,
+                progress: bool = True) -> ExportReport:
+    """Export ``model_dir`` to the GGUF file ``out`` (which must not exist) with ``file_type``'s mix."""
+    started = time.perf_counter()
+    model_dir, out = Path(model_dir), Path(out)
+    if file_type not in FILE_TYPES:
+        raise ValueError(f"unknown GGUF type '{file_type}'; choose from {', '.join(FILE_TYPES)}")
+    if out.exists():
+        raise FileExistsError(f"{out} already exists; choose another --out or remove it")
+    config = MiniCPMConfig.from_pretrained(model_dir)
+    _check_exportable(config)
+    planned = _plan(config, file_type)
+    source = _LayerTensors(model_dir, config)
+    report = ExportReport(str(out), file_type)
+    with atomic_path(out) as tmp:
+        writer = gguf.GGUFWriter(tmp, ARCH)
+        _add_metadata(writer, config, model_dir, file_type, tokenizer_pre)
+        for item in planned:
+            rows = item.shape[0] if len(item.shape) == 2 else 1
+            byte_shape = (*item.shape[:-1], item.tensor_type.row_bytes(item.shape[-1]))
+            writer.add_tensor_info(item.name, byte_shape, np.dtype(np.uint8), rows * byte_shape[-1],
+                                   raw_dtype=item.tensor_type.ggml)
+        writer.write_header_to_file(tmp)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for item in tqdm(planned, desc=f"export {file_type}", unit="tensor", disable=not progress):
+            writer.write_tensor_data(_tensor_bytes(item, source, config))
+            report.tensors_by_type[item.tensor_type.name] = report.tensors_by_type.get(item.tensor_type.name, 0) + 1
+            report.weights += math.prod(item.shape)
+        writer.close()
+    report.file_bytes = out.stat().st_size
+    report.seconds = round(time.perf_counter() - started, 3)
+    return report
+
+
+def exported_weights(model_dir: str | Path, file_type: str) -> dict[str, torch.Tensor]:
+    """The MiniCPM state dict a ``file_type`` export computes with: every tensor through its GGUF
+    type's quantizer and dequantizer (in MiniCPM's row order): quantkit's reference for llama.cpp."""
+    model_dir = Path(model_dir)
+    config = MiniCPMConfig.from_pretrained(model_dir)
+    source = _LayerTensors(model_dir, config)
+    state = {}
+    for item in _plan(config, file_type):
+        if item.name.startswith("rope_factors_"):
+            continue
+        value = source.get(item.source).numpy().astype(np.float32, copy=False)
+        stored = item.tensor_type.quantize(value)
+        state[item.source] = torch.from_numpy(item.tensor_type.dequantize(stored, item.shape[-1]).reshape(item.shape))
+    return state

@@ -1,0 +1,103 @@
+"""llama.cpp's original block formats, Q8_0, Q4_0 and Q4_1: 32 weights per block, one fp16 scale
+(and for Q4_1 an fp16 minimum).
+
+Each quantizer repeats the float32 arithmetic of ggml's reference C code
+(``quantize_row_*_ref``, formats.md §4.5), so the bytes are identical to llama.cpp's own quantizer.
+The tests compare them against ``ggml_quantize_chunk`` from the llama.cpp library that
+llama-cpp-python ships. Inputs are float32 arrays [..., K] with K a multiple of 32. Outputs are uint8
+arrays [..., K/32 · block bytes].
+"""
+from __future__ import annotations
+
+import numpy as np
+
+BLOCK = 32
+_F32 = np.float32
+
+
+def _blocks(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=_F32)
+    if x.shape[-1] % BLOCK:
+        raise ValueError(f"rows of {x.shape[-1]} values are not whole blocks of {BLOCK}")
+    return x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+
+
+def _inverse(d: np.ndarray) -> np.ndarray:
+    """``d ? 1.0f/d : 0.0f`` in float32."""
+    safe = np.where(d == 0, _F32(1), d)
+    return np.where(d == 0, _F32(0), _F32(1) / safe).astype(_F32)
+
+
+def _round_half_away(v: np.ndarray) -> np.ndarray:
+    """C's roundf, exactly: in float64, floor(|v| + 0.5) cannot round up the way float32 can."""
+    v64 = v.astype(np.float64)
+    return np.sign(v64) * np.floor(np.abs(v64) + 0.5)
+
+
+def _half_bytes(values: np.ndarray) -> np.ndarray:
+    """float32 [..., n] -> the little-endian fp16 bytes [..., 2n] (round to nearest even, like F16C)."""
+    halves = values.astype("<f2")
+    return halves.view(np.uint8).reshape(*values.shape[:-1], 2 * values.shape[-1])
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """Codes [..., 32] in 0..15 -> 16 bytes: byte j holds code j (low nibble) and code j + 16 (high)."""
+    q = q.astype(np.uint8)
+    return q[..., :16] | (q[..., 16:] << 4)
+
+
+def _unpack_nibbles(qs: np.ndarray) -> np.ndarray:
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _flatten(blocks: np.ndarray) -> np.ndarray:
+    return blocks.reshape(*blocks.shape[:-2], blocks.shape[-2] * blocks.shape[-1])
+
+
+def quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    """d = max|x| / 127, q = roundf(x · (1/d)) as int8."""
+    b = _blocks(x)
+    d = (np.abs(b).max(axis=-1, keepdims=True) / _F32(127)).astype(_F32)
+    q = _round_half_away((b * _inverse(d)).astype(_F32)).astype(np.int8)
+    return _flatten(np.concatenate([_half_bytes(d), q.view(np.uint8)], axis=-1))
+
+
+def dequantize_q8_0(data: np.ndarray, k: int) -> np.ndarray:
+    b = data.reshape(*data.shape[:-1], k // BLOCK, 34)
+    d = b[..., :2].copy().view("<f2").astype(_F32)
+    return (b[..., 2:].view(np.int8).astype(_F32) * d).reshape(*data.shape[:-1], k)
+
+
+def quantize_q4_0(x: np.ndarray) -> np.ndarray:
+    """d = (the value of largest magnitude) / −8, q = min(15, trunc(x · (1/d) + 8.5))."""
+    b = _blocks(x)
+    first_largest = np.abs(b).argmax(axis=-1)[..., None]  # ggml keeps the first on ties
+    d = (np.take_along_axis(b, first_largest, axis=-1) / _F32(-8)).astype(_F32)
+    shifted = ((b * _inverse(d)).astype(_F32) + _F32(8.5)).astype(_F32)
+    q = np.minimum(15, np.trunc(shifted).astype(np.int8))
+    return _flatten(np.concatenate([_half_bytes(d), _pack_nibbles(q)], axis=-1))
+
+
+def dequantize_q4_0(data: np.ndarray, k: int) -> np.ndarray:
+    b = data.reshape(*data.shape[:-1], k // BLOCK, 18)
+    d = b[..., :2].copy().view("<f2").astype(_F32)
+    q = _unpack_nibbles(b[..., 2:]).astype(_F32)
+    return ((q - 8) * d).reshape(*data.shape[:-1], k)
+
+
+def quantize_q4_1(x: np.ndarray) -> np.ndarray:
+    """d = (max − min) / 15, m = min, q = min(15, trunc((x − min) · (1/d) + 0.5))."""
+    b = _blocks(x)
+    low = b.min(axis=-1, keepdims=True)
+    d = ((b.max(axis=-1, keepdims=True) - low) / _F32(15)).astype(_F32)
+    shifted = (((b - low).astype(_F32) * _inverse(d)).astype(_F32) + _F32(0.5)).astype(_F32)
+    q = np.minimum(15, np.trunc(shifted).astype(np.int8))
+    return _flatten(np.concatenate([_half_bytes(d), _half_bytes(low), _pack_nibbles(q)], axis=-1))
+
+
+def dequantize_q4_1(data: np.ndarray, k: int) -> np.ndarray:
+    b = data.reshape(*data.shape[:-1], k // BLOCK, 20)
+    d = b[..., :2].copy().view("<f2").astype(_F32)
+    m = b[..., 2:4].copy().view("<f2").astype(_F32)
+    q = _unpack_nibbles(b[..., 4:]).astype(_F32)
+    return (q * d + m).reshape(*data.shape[:-1], k)

@@ -1,0 +1,69 @@
+"""The registry of GGUF tensor types quantkit writes: one entry per type, each a quantizer and its
+dequantizer, after gguf-py's layout (one small module per type family, bit-exact tests for each).
+
+A quantizer maps float32 [..., K] to the stored bytes, uint8 [..., K / block · bytes per block]; the
+dequantizer is what llama.cpp computes from those bytes. Float types are blocks of one value.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+from gguf import GGMLQuantizationType as GGML
+
+from quantkit.gguf import kquants, legacy
+
+
+@dataclass(frozen=True)
+class TensorType:
+    name: str
+    ggml: GGML
+    block_size: int  # weights per block
+    block_bytes: int
+    quantize: Callable[[np.ndarray], np.ndarray]
+    dequantize: Callable[[np.ndarray, int], np.ndarray]  # (bytes [..., n], K) -> float32 [..., K]
+
+    def row_bytes(self, k: int) -> int:
+        return k // self.block_size * self.block_bytes
+
+    def fits(self, k: int) -> bool:
+        """Whether a row of ``k`` weights is a whole number of blocks."""
+        return k % self.block_size == 0
+
+
+def _as_bytes(values: np.ndarray) -> np.ndarray:
+    return values.view(np.uint8).reshape(*values.shape[:-1], values.shape[-1] * values.itemsize)
+
+
+def _to_bf16(x: np.ndarray) -> np.ndarray:
+    """ggml_compute_fp32_to_bf16: round to nearest even; NaN stays a (quiet) NaN."""
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(np.asarray(x, dtype=np.float32))
+    return _as_bytes(np.where(nan, ((bits >> 16) | 64).astype(np.uint16), rounded).astype("<u2"))
+
+
+def _from_bf16(data: np.ndarray, k: int) -> np.ndarray:
+    halves = data.reshape(*data.shape[:-1], k, 2).copy().view("<u2")[..., 0].astype(np.uint32)
+    return (halves << 16).view(np.float32)
+
+
+def _float_type(name: str, ggml: GGML, dtype: str) -> TensorType:
+    size = np.dtype(dtype).itemsize
+    return TensorType(
+        name, ggml, 1, size,
+        lambda x: _as_bytes(np.ascontiguousarray(np.asarray(x, dtype=np.float32).astype(dtype))),
+        lambda data, k: data.reshape(*data.shape[:-1], k * size).copy().view(dtype).astype(np.float32),
+    )
+
+
+TYPES: dict[str, TensorType] = {
+    "f32": _float_type("f32", GGML.F32, "<f4"),
+    "f16": _float_type("f16", GGML.F16, "<f2"),
+    "bf16": TensorType("bf16", GGML.BF16, 1, 2, _to_bf16, _from_bf16),
+    "q8_0": TensorType("q8_0", GGML.Q8_0, 32, 34, legacy.quantize_q8_0, legacy.dequantize_q8_0),
+    "q4_0": TensorType("q4_0", GGML.Q4_0, 32, 18, legacy.quantize_q4_0, legacy.dequantize_q4_0),
+    "q4_1": TensorType("q4_1", GGML.Q4_1, 32, 20, legacy.quantize_q4_1, legacy.dequantize_q4_1),
+    "q6_k": TensorType("q6_k", GGML.Q6_K, 256, 210, kquants.quantize_q6_k, kquants.dequantize_q6_k),
+}

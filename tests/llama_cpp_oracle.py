@@ -1,0 +1,44 @@
+"""llama.cpp as the reference: its own block quantizer (``ggml_quantize_chunk`` in the libggml that
+llama-cpp-python ships), and a model loader that avoids the weight repacking that crashes here."""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+
+def _libggml():
+    llama_cpp = pytest.importorskip("llama_cpp")
+    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.ggml_row_size.restype = ctypes.c_size_t
+    lib.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
+    return lib
+
+
+def ggml_quantize(x: np.ndarray, ggml_type: int) -> np.ndarray:
+    """llama.cpp's bytes for float32 rows ``x`` [rows, K] (no importance matrix): uint8 [rows, row bytes]."""
+    lib = _libggml()
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    rows, k = x.shape
+    row_bytes = lib.ggml_row_size(int(ggml_type), k)
+    out = np.zeros((rows, row_bytes), dtype=np.uint8)
+    written = lib.ggml_quantize_chunk(int(ggml_type), x.ctypes.data, out.ctypes.data, 0, rows, k, None)
+    assert written == out.nbytes
+    return out
+
+
+def load_without_repacking(llama_cpp, monkeypatch) -> None:
+    """pitfalls.md §1: llama.cpp's CPU weight repacking segfaults on quantized files on these CPUs."""
+    default_params = llama_cpp.llama_cpp.llama_model_default_params
+
+    def without_repacking():
+        params = default_params()
+        params.use_extra_bufts = False
+        return params
+
+    monkeypatch.setattr(llama_cpp.llama_cpp, "llama_model_default_params", without_repacking)
