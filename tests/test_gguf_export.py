@@ -84,7 +84,8 @@ def test_f32_export_reproduces_the_model_in_llama_cpp(default_model, exports, te
 # llama.cpp multiplies block-quantized weights with activations rounded to Q8 blocks, which is most
 # of the difference. Measured: f16 2.7e-6, bf16 1.2e-4, q8_0 0.0040, q6_k 0.0081, q4_0 0.0051,
 # q4_1 0.0043 (top-1 agreement 94.5-100 %).
-KL_TOLERANCE = {"f16": 2e-5, "bf16": 1e-3, "q8_0": 0.01, "q6_k": 0.015, "q4_0": 0.01, "q4_1": 0.01}
+KL_TOLERANCE = {"f16": 2e-5, "bf16": 1e-3, "q8_0": 0.01, "q6_k": 0.015, "q5_k_m": 0.015, "q4_k_m": 0.015,
+                "q4_0": 0.01, "q4_1": 0.01}
 
 
 @pytest.mark.parametrize("file_type", list(KL_TOLERANCE))
@@ -176,19 +177,22 @@ def _assert_llama_quantize_agrees(f32_path, ours_path, file_type, tmp_path) -> d
     return {name: tensor.tensor_type.name for name, tensor in theirs.items()}
 
 
-@pytest.mark.parametrize("file_type", ["q8_0", "q6_k", "q4_0", "q4_1"])
+@pytest.mark.parametrize("file_type", ["q8_0", "q6_k", "q5_k_m", "q5_k_s", "q4_k_m", "q4_k_s", "q4_0", "q4_1"])
 def test_llama_cpp_quantizer_writes_the_same_tensors(exports, tmp_path, file_type):
     _assert_llama_quantize_agrees(exports["f32"][1], exports[file_type][1], file_type, tmp_path)
 
 
+@pytest.mark.parametrize("file_type", ["q4_0", "q4_k_m", "q4_k_s", "q5_k_m"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_llama_cpp_quantizer_agrees_where_the_output_is_q6_k(tiny_checkpoint_factory, tmp_path, tied):
-    """K = 256: llama.cpp gives the output matrix (or the tied embedding) Q6_K in a Q4_0 file."""
+def test_llama_cpp_quantizer_agrees_on_whole_k_blocks(tiny_checkpoint_factory, tmp_path, tied, file_type):
+    """K = 256, so no fallbacks: the output (or tied embedding) is Q6_K, the _M mixes' layer rules apply."""
     model = tiny_checkpoint_factory(tied=tied)
     export_gguf(model, tmp_path / "f32.gguf", "f32", progress=False)
-    export_gguf(model, tmp_path / "q4_0.gguf", "q4_0", progress=False)
-    types = _assert_llama_quantize_agrees(tmp_path / "f32.gguf", tmp_path / "q4_0.gguf", "q4_0", tmp_path)
+    export_gguf(model, tmp_path / "ours.gguf", file_type, progress=False)
+    types = _assert_llama_quantize_agrees(tmp_path / "f32.gguf", tmp_path / "ours.gguf", file_type, tmp_path)
     assert types["token_embd.weight" if tied else "output.weight"] == "Q6_K"
+    if file_type == "q4_k_m":  # use_more_bits: layer 1 of 2 is in the last eighth
+        assert (types["blk.0.attn_v.weight"], types["blk.1.attn_v.weight"]) == ("Q4_K", "Q6_K")
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

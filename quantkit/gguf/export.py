@@ -103,9 +103,11 @@ def _plan(config: MiniCPMConfig, file_type: str) -> list[_Planned]:
     planned = []
     for key, shape in weight_shapes(config).items():
         name = gguf_name(key)
-        planned.append(_Planned(name, key, shape, choose_type(file_type, name, shape, config.tie_word_embeddings)))
+        planned.append(_Planned(name, key, shape, choose_type(file_type, name, shape, config.tie_word_embeddings,
+                                                              config.num_hidden_layers)))
     for name, factors in _rope_factors(config).items():
-        planned.append(_Planned(name, name, (len(factors),), choose_type(file_type, name, (len(factors),), False)))
+        planned.append(_Planned(name, name, (len(factors),), choose_type(file_type, name, (len(factors),), False,
+                                                                          config.num_hidden_layers)))
     return planned
 
 

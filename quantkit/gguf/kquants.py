@@ -1,8 +1,11 @@
 """llama.cpp's K-quants: super-blocks of 256 weights whose sub-block scales are themselves quantized.
 
-Q6_K (16 sub-blocks of 16, 6-bit codes, int8 scales, one fp16 scale per super-block) repeats
-``quantize_row_q6_K_ref`` and its ``make_qx_quants`` search (formats.md §4.5) in float32, sums in
-the C code's order, so the bytes equal llama.cpp's (tested against ``ggml_quantize_chunk``).
+- Q6_K: 16 sub-blocks of 16, 6-bit codes, int8 scales, one fp16 scale (``make_qx_quants``).
+- Q4_K / Q5_K: 8 sub-blocks of 32, 4/5-bit codes with a minimum, 6-bit scales and mins packed in
+  12 bytes, fp16 ``d`` and ``dmin`` (``make_qkx2_quants``, weights av|x| + |x|).
+
+Each repeats ggml's ``quantize_row_*_ref`` (formats.md §4.5) in float32 with sums in the C code's
+order, so the bytes equal llama.cpp's (tested against ``ggml_quantize_chunk``).
 """
 from __future__ import annotations
 
@@ -99,3 +102,147 @@ def dequantize_q6_k(data: np.ndarray, k: int) -> np.ndarray:
     codes = np.stack([q | ((qh >> (2 * i)) & 3) << 4 for i, q in enumerate(quarters)], axis=2)  # [blk, 2, 4, 32]
     values = codes.reshape(-1, 16, 16).astype(_F32) - 32
     return (values * (d * scales)[..., None]).reshape(*lead, k)
+
+
+def make_qkx2_quants(x: np.ndarray, weights: np.ndarray, nmax: int, rmin: float, rdelta: float,
+                     nstep: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(scale, −min, codes 0..nmax) of each row of x [..., n]: asymmetric grid whose weighted least-
+    squares fit is searched over nstep + 1 rescalings of the range (``make_qkx2_quants``, squared error)."""
+    low = np.minimum(x.min(axis=-1), _F32(0)).astype(_F32)
+    high = x.max(axis=-1)
+    sum_w = _fsum(weights)
+    sum_x = _fsum(np.concatenate([(weights[..., :1] * x[..., :1]).astype(_F32),
+                                  (weights[..., 1:] * x[..., 1:]).astype(_F32)], axis=-1))
+    flat = high == low
+
+    def fit(iscale: np.ndarray, minimum: np.ndarray) -> np.ndarray:
+        shifted = (x - minimum[..., None]).astype(_F32)
+        return np.clip(_nearest_int((iscale[..., None] * shifted).astype(_F32)), 0, nmax)
+
+    def error(scale: np.ndarray, minimum: np.ndarray, codes: np.ndarray) -> np.ndarray:
+        fitted = ((scale[..., None] * codes.astype(_F32)).astype(_F32) + minimum[..., None]).astype(_F32)
+        diff = (fitted - x).astype(_F32)
+        return _fsum((weights * (diff * diff).astype(_F32)).astype(_F32))
+
+    def span(minimum: np.ndarray) -> np.ndarray:
+        return np.where(flat, _F32(1), (high - minimum).astype(_F32)).astype(_F32)
+
+    iscale = (_F32(nmax) / span(low)).astype(_F32)
+    scale = (_F32(1) / iscale).astype(_F32)
+    codes = fit(iscale, low)
+    best = error(scale, low, codes)
+    minimum = low
+    for step in range(nstep + 1):
+        # As in ggml, each rescaling is taken from the best fit so far: ``min`` changes as the loop goes.
+        shift = ((_F32(rmin) + (_F32(rdelta) * _F32(step)).astype(_F32)).astype(_F32) + _F32(nmax)).astype(_F32)
+        trial = fit((shift / span(minimum)).astype(_F32), minimum)
+        lf = trial.astype(_F32)
+        wl = (weights * lf).astype(_F32)
+        sum_l, sum_l2 = _fsum(wl), _fsum((wl * lf).astype(_F32))
+        sum_xl = _fsum((wl * x).astype(_F32))
+        det = ((sum_w * sum_l2).astype(_F32) - (sum_l * sum_l).astype(_F32)).astype(_F32)
+        solvable = det > 0
+        safe_det = np.where(solvable, det, _F32(1))
+        this_scale = (((sum_w * sum_xl).astype(_F32) - (sum_x * sum_l).astype(_F32)).astype(_F32) / safe_det)
+        this_min = (((sum_l2 * sum_x).astype(_F32) - (sum_l * sum_xl).astype(_F32)).astype(_F32) / safe_det)
+        positive = this_min > 0
+        this_scale = np.where(positive, sum_xl / np.where(sum_l2 != 0, sum_l2, _F32(1)), this_scale).astype(_F32)
+        this_min = np.where(positive, _F32(0), this_min).astype(_F32)
+        current = error(this_scale, this_min, trial)
+        better = solvable & (current < best)
+        codes = np.where(better[..., None], trial, codes)
+        best = np.where(better, current, best)
+        scale = np.where(better, this_scale, scale).astype(_F32)
+        minimum = np.where(better, this_min, minimum).astype(_F32)
+    scale = np.where(flat, _F32(0), scale).astype(_F32)
+    codes = np.where(flat[..., None], 0, codes)
+    return scale, (-np.where(flat, low, minimum)).astype(_F32), codes
+
+
+def _pack_scales_mins(ls: np.ndarray, lm: np.ndarray) -> np.ndarray:
+    """6-bit scales and mins [blocks, 8] -> the 12-byte K-quant layout (formats.md §4.5)."""
+    packed = np.zeros((ls.shape[0], 12), dtype=np.uint8)
+    packed[:, 0:4] = ls[:, :4] | (ls[:, 4:] >> 4) << 6
+    packed[:, 4:8] = lm[:, :4] | (lm[:, 4:] >> 4) << 6
+    packed[:, 8:12] = (ls[:, 4:] & 15) | (lm[:, 4:] & 15) << 4
+    return packed
+
+
+def _unpack_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    ls = np.concatenate([packed[:, 0:4] & 63, (packed[:, 8:12] & 15) | (packed[:, 0:4] >> 6) << 4], axis=-1)
+    lm = np.concatenate([packed[:, 4:8] & 63, (packed[:, 8:12] >> 4) | (packed[:, 4:8] >> 6) << 4], axis=-1)
+    return ls, lm
+
+
+def _quantize_qk_k(x: np.ndarray, nmax: int, rmin: float, nstep: int) -> tuple[np.ndarray, ...]:
+    """Shared Q4_K/Q5_K steps: (d16, dmin16, packed scales, codes [blocks, 256])."""
+    x = np.asarray(x, dtype=_F32)
+    if x.shape[-1] % QK_K:
+        raise ValueError(f"rows of {x.shape[-1]} values are not whole blocks of {QK_K}")
+    sub = x.reshape(-1, 8, 32)
+    av_x = np.sqrt((_fsum((sub * sub).astype(_F32)) / _F32(32)).astype(_F32)).astype(_F32)
+    weights = (av_x[..., None] + np.abs(sub)).astype(_F32)
+    scales, mins, codes = make_qkx2_quants(sub, weights, nmax, rmin, 0.1, nstep)
+    max_scale = np.maximum(scales.max(axis=-1), _F32(0)).astype(_F32)
+    max_min = np.maximum(mins.max(axis=-1), _F32(0)).astype(_F32)
+    inv_scale = np.where(max_scale > 0, _F32(63) / np.where(max_scale > 0, max_scale, _F32(1)), _F32(0)).astype(_F32)
+    inv_min = np.where(max_min > 0, _F32(63) / np.where(max_min > 0, max_min, _F32(1)), _F32(0)).astype(_F32)
+    ls = np.minimum(63, _nearest_int((inv_scale[:, None] * scales).astype(_F32)).astype(np.uint8)).astype(np.uint8)
+    lm = np.minimum(63, _nearest_int((inv_min[:, None] * mins).astype(_F32)).astype(np.uint8)).astype(np.uint8)
+    d16 = (max_scale / _F32(63)).astype(_F32).astype("<f2")
+    dmin16 = (max_min / _F32(63)).astype(_F32).astype("<f2")
+    d = (d16.astype(_F32)[:, None] * ls.astype(_F32)).astype(_F32)
+    dm = (dmin16.astype(_F32)[:, None] * lm.astype(_F32)).astype(_F32)
+    requantized = np.clip(_nearest_int(((sub + dm[..., None]).astype(_F32)
+                                        / np.where(d == 0, _F32(1), d)[..., None]).astype(_F32)), 0, nmax)
+    codes = np.where((d == 0)[..., None], codes, requantized).astype(np.uint8).reshape(-1, QK_K)
+    return d16, dmin16, _pack_scales_mins(ls, lm), codes
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """float32 [..., K] -> Q4_K bytes [..., K/256 · 144]: d, dmin, scales[12], qs[128]."""
+    lead = np.shape(x)[:-1]
+    d16, dmin16, scales, codes = _quantize_qk_k(x, 15, -1.0, 20)
+    chunks = codes.reshape(-1, 4, 2, 32)  # [blocks, 64-chunk, half, l]
+    qs = (chunks[:, :, 0] | chunks[:, :, 1] << 4).reshape(-1, 128)
+    blocks = np.concatenate([d16.view(np.uint8).reshape(-1, 2), dmin16.view(np.uint8).reshape(-1, 2), scales, qs],
+                            axis=-1)
+    return blocks.reshape(*lead, -1)
+
+
+def quantize_q5_k(x: np.ndarray) -> np.ndarray:
+    """float32 [..., K] -> Q5_K bytes [..., K/256 · 176]: d, dmin, scales[12], qh[32], qs[128]."""
+    lead = np.shape(x)[:-1]
+    d16, dmin16, scales, codes = _quantize_qk_k(x, 31, -0.5, 15)
+    chunks = codes.reshape(-1, 4, 2, 32)
+    qs = ((chunks[:, :, 0] & 15) | (chunks[:, :, 1] & 15) << 4).reshape(-1, 128)
+    bits = (chunks >> 4).astype(np.uint8)  # fifth bit of each code: bit 2c (low half), 2c+1 (high half)
+    qh = np.zeros((codes.shape[0], 32), dtype=np.uint8)
+    for chunk in range(4):
+        qh |= bits[:, chunk, 0] << (2 * chunk) | bits[:, chunk, 1] << (2 * chunk + 1)
+    blocks = np.concatenate([d16.view(np.uint8).reshape(-1, 2), dmin16.view(np.uint8).reshape(-1, 2), scales,
+                             qh, qs], axis=-1)
+    return blocks.reshape(*lead, -1)
+
+
+def _dequantize_qk_k(b: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    d = b[:, 0:2].copy().view("<f2").astype(_F32)
+    dmin = b[:, 2:4].copy().view("<f2").astype(_F32)
+    ls, lm = _unpack_scales_mins(b[:, 4:16])
+    values = codes.reshape(-1, 8, 32).astype(_F32)
+    return values * (d * ls)[..., None] - (dmin * lm)[..., None]
+
+
+def dequantize_q4_k(data: np.ndarray, k: int) -> np.ndarray:
+    b = data.reshape(-1, 144)
+    qs = b[:, 16:].reshape(-1, 4, 32)
+    codes = np.stack([qs & 15, qs >> 4], axis=2)  # [blocks, chunk, half, l]
+    return _dequantize_qk_k(b, codes).reshape(*data.shape[:-1], k)
+
+
+def dequantize_q5_k(data: np.ndarray, k: int) -> np.ndarray:
+    b = data.reshape(-1, 176)
+    qh, qs = b[:, 16:48], b[:, 48:].reshape(-1, 4, 32)
+    high = np.stack([np.stack([(qh >> (2 * c)) & 1, (qh >> (2 * c + 1)) & 1], axis=1) for c in range(4)], axis=1)
+    codes = np.stack([qs & 15, qs >> 4], axis=2) | high << 4
+    return _dequantize_qk_k(b, codes).reshape(*data.shape[:-1], k)

@@ -1,5 +1,6 @@
-"""llama.cpp's original block formats, Q8_0, Q4_0 and Q4_1: 32 weights per block, one fp16 scale
-(and for Q4_1 an fp16 minimum).
+"""llama.cpp's original block formats, Q8_0, Q5_0, Q5_1, Q4_0 and Q4_1: 32 weights per block, one
+fp16 scale (and for the _1 types an fp16 minimum); the 5-bit types keep each code's fifth bit in a
+32-bit mask.
 
 Each quantizer repeats the float32 arithmetic of ggml's reference C code
 (``quantize_row_*_ref``, formats.md §4.5), so the bytes are identical to llama.cpp's own quantizer.
@@ -100,4 +101,54 @@ def dequantize_q4_1(data: np.ndarray, k: int) -> np.ndarray:
     d = b[..., :2].copy().view("<f2").astype(_F32)
     m = b[..., 2:4].copy().view("<f2").astype(_F32)
     q = _unpack_nibbles(b[..., 4:]).astype(_F32)
+    return (q * d + m).reshape(*data.shape[:-1], k)
+
+
+def _five_bit_parts(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Codes [..., 32] in 0..31 -> (qh: bit 4 of code j at bit j, as 4 little-endian bytes; the nibbles)."""
+    high = ((q.astype(np.uint32) >> 4) & 1) << np.arange(32, dtype=np.uint32)
+    qh = np.bitwise_or.reduce(high, axis=-1).astype("<u4")[..., None]
+    return qh.view(np.uint8), _pack_nibbles(q & 15)
+
+
+def _five_bit_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    mask = qh.copy().view("<u4").astype(np.uint32)  # [..., 1]
+    high = ((mask >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    return _unpack_nibbles(qs) | (high << 4)
+
+
+def quantize_q5_0(x: np.ndarray) -> np.ndarray:
+    """d = (the value of largest magnitude) / −16, q = min(31, trunc(x · (1/d) + 16.5))."""
+    b = _blocks(x)
+    first_largest = np.abs(b).argmax(axis=-1)[..., None]
+    d = (np.take_along_axis(b, first_largest, axis=-1) / _F32(-16)).astype(_F32)
+    shifted = ((b * _inverse(d)).astype(_F32) + _F32(16.5)).astype(_F32)
+    q = np.minimum(31, np.trunc(shifted).astype(np.int8)).astype(np.uint8)
+    qh, qs = _five_bit_parts(q)
+    return _flatten(np.concatenate([_half_bytes(d), qh, qs], axis=-1))
+
+
+def dequantize_q5_0(data: np.ndarray, k: int) -> np.ndarray:
+    b = data.reshape(*data.shape[:-1], k // BLOCK, 22)
+    d = b[..., :2].copy().view("<f2").astype(_F32)
+    q = _five_bit_codes(b[..., 2:6], b[..., 6:]).astype(_F32)
+    return ((q - 16) * d).reshape(*data.shape[:-1], k)
+
+
+def quantize_q5_1(x: np.ndarray) -> np.ndarray:
+    """d = (max − min) / 31, m = min, q = trunc((x − min) · (1/d) + 0.5) (at most 31 by construction)."""
+    b = _blocks(x)
+    low = b.min(axis=-1, keepdims=True)
+    d = ((b.max(axis=-1, keepdims=True) - low) / _F32(31)).astype(_F32)
+    shifted = (((b - low).astype(_F32) * _inverse(d)).astype(_F32) + _F32(0.5)).astype(_F32)
+    q = np.trunc(shifted).astype(np.uint8)
+    qh, qs = _five_bit_parts(q)
+    return _flatten(np.concatenate([_half_bytes(d), _half_bytes(low), qh, qs], axis=-1))
+
+
+def dequantize_q5_1(data: np.ndarray, k: int) -> np.ndarray:
+    b = data.reshape(*data.shape[:-1], k // BLOCK, 24)
+    d = b[..., :2].copy().view("<f2").astype(_F32)
+    m = b[..., 2:4].copy().view("<f2").astype(_F32)
+    q = _five_bit_codes(b[..., 4:8], b[..., 8:]).astype(_F32)
     return (q * d + m).reshape(*data.shape[:-1], k)
