@@ -155,8 +155,8 @@ def export_group():
 @click.option("--model", default="default", show_default=True,
               help="Checkpoint or quantized artifact (quantized linears are dequantized first).")
 @click.option("--type", "file_type", required=True, metavar="TYPE",
-              help="f32, f16, bf16, q8_0, q6_k, q5_k_m, q5_k_s, q4_k_m, q4_k_s, q4_0 or q4_1; each tensor's "
-                   "type is chosen as llama.cpp's quantizer chooses it.")
+              help="f32, f16, bf16, q8_0, q6_k, q5_k_m, q5_k_s, q4_k_m, q4_k_s, q4_0, q4_1, tq2_0 or tq1_0; "
+                   "each tensor's type is chosen as llama.cpp's quantizer chooses it.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Output .gguf file (must not exist).")
 @click.option("--tokenizer-pre", default=None, help="llama.cpp pre-tokenizer name, if it cannot be recognised.")
 @click.option("--progress/--no-progress", default=True, show_default=True)

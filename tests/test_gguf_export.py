@@ -239,3 +239,44 @@ def test_bad_input_is_refused_and_leaves_no_file(tiny_checkpoint_factory, tmp_pa
     with pytest.raises(ValueError, match="up_proj.weight' contains NaN"):
         export_gguf(broken, tmp_path / "nan.gguf", "q8_0", progress=False)
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".gguf" or p.name.endswith(".tmp")] == ["x.gguf"]
+
+
+def _ternary_copy(model_dir, out_dir):
+    """The tiny model with every linear rounded to absmean-ternary values (BitNet b1.58): W ≈ s · t, t ∈ {-1,0,1}."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from quantkit.models.layers import LINEARS
+
+    shutil.copytree(model_dir, out_dir)
+    weights = load_file(out_dir / "model.safetensors")
+    for name, tensor in weights.items():
+        if any(name.endswith(f"{linear}.weight") for linear in LINEARS):
+            scale = tensor.abs().mean()
+            weights[name] = (tensor / scale).round().clamp(-1, 1) * scale
+    save_file(weights, out_dir / "model.safetensors")
+    return out_dir
+
+
+@pytest.mark.parametrize("file_type", ["tq1_0", "tq2_0"])
+def test_ternary_export_is_lossless_and_matches_llama_cpp(tiny_checkpoint_factory, tmp_path, monkeypatch, file_type):
+    from safetensors.torch import load_file
+
+    from quantkit.models.layers import LINEARS
+
+    model = _ternary_copy(tiny_checkpoint_factory(), tmp_path / "ternary")
+    export_gguf(model, tmp_path / "f32.gguf", "f32", progress=False)
+    export_gguf(model, tmp_path / "ours.gguf", file_type, progress=False)
+    types = _assert_llama_quantize_agrees(tmp_path / "f32.gguf", tmp_path / "ours.gguf", file_type, tmp_path)
+    assert types["blk.0.ffn_down.weight"] == file_type.upper() and types["token_embd.weight"] == "Q4_K"
+
+    source, exported = load_file(model / "model.safetensors"), exported_weights(model, file_type)
+    for name in source:
+        if any(name.endswith(f"{linear}.weight") for linear in LINEARS):  # one scale per tensor: exact in fp16
+            assert torch.allclose(exported[name], source[name], rtol=1e-3, atol=0), name
+    ids = list(range(5, 105))
+    with torch.no_grad():
+        ours = _model(model, exported)(torch.tensor([ids])).logits[0].double().numpy()
+    kl, top1 = _kl_top1(ours, _llama_logits(tmp_path / "ours.gguf", ids, monkeypatch))
+    assert kl < 1e-3 and top1 > 0.95, (kl, top1)

@@ -23,19 +23,19 @@ def _blocks(x: np.ndarray) -> np.ndarray:
     return x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
 
 
-def _inverse(d: np.ndarray) -> np.ndarray:
+def inverse(d: np.ndarray) -> np.ndarray:
     """``d ? 1.0f/d : 0.0f`` in float32."""
     safe = np.where(d == 0, _F32(1), d)
     return np.where(d == 0, _F32(0), _F32(1) / safe).astype(_F32)
 
 
-def _round_half_away(v: np.ndarray) -> np.ndarray:
+def round_half_away(v: np.ndarray) -> np.ndarray:
     """C's roundf, exactly: in float64, floor(|v| + 0.5) cannot round up the way float32 can."""
     v64 = v.astype(np.float64)
     return np.sign(v64) * np.floor(np.abs(v64) + 0.5)
 
 
-def _half_bytes(values: np.ndarray) -> np.ndarray:
+def half_bytes(values: np.ndarray) -> np.ndarray:
     """float32 [..., n] -> the little-endian fp16 bytes [..., 2n] (round to nearest even, like F16C)."""
     halves = values.astype("<f2")
     return halves.view(np.uint8).reshape(*values.shape[:-1], 2 * values.shape[-1])
@@ -59,8 +59,8 @@ def quantize_q8_0(x: np.ndarray) -> np.ndarray:
     """d = max|x| / 127, q = roundf(x · (1/d)) as int8."""
     b = _blocks(x)
     d = (np.abs(b).max(axis=-1, keepdims=True) / _F32(127)).astype(_F32)
-    q = _round_half_away((b * _inverse(d)).astype(_F32)).astype(np.int8)
-    return _flatten(np.concatenate([_half_bytes(d), q.view(np.uint8)], axis=-1))
+    q = round_half_away((b * inverse(d)).astype(_F32)).astype(np.int8)
+    return _flatten(np.concatenate([half_bytes(d), q.view(np.uint8)], axis=-1))
 
 
 def dequantize_q8_0(data: np.ndarray, k: int) -> np.ndarray:
@@ -74,9 +74,9 @@ def quantize_q4_0(x: np.ndarray) -> np.ndarray:
     b = _blocks(x)
     first_largest = np.abs(b).argmax(axis=-1)[..., None]  # ggml keeps the first on ties
     d = (np.take_along_axis(b, first_largest, axis=-1) / _F32(-8)).astype(_F32)
-    shifted = ((b * _inverse(d)).astype(_F32) + _F32(8.5)).astype(_F32)
+    shifted = ((b * inverse(d)).astype(_F32) + _F32(8.5)).astype(_F32)
     q = np.minimum(15, np.trunc(shifted).astype(np.int8))
-    return _flatten(np.concatenate([_half_bytes(d), _pack_nibbles(q)], axis=-1))
+    return _flatten(np.concatenate([half_bytes(d), _pack_nibbles(q)], axis=-1))
 
 
 def dequantize_q4_0(data: np.ndarray, k: int) -> np.ndarray:
@@ -91,9 +91,9 @@ def quantize_q4_1(x: np.ndarray) -> np.ndarray:
     b = _blocks(x)
     low = b.min(axis=-1, keepdims=True)
     d = ((b.max(axis=-1, keepdims=True) - low) / _F32(15)).astype(_F32)
-    shifted = (((b - low).astype(_F32) * _inverse(d)).astype(_F32) + _F32(0.5)).astype(_F32)
+    shifted = (((b - low).astype(_F32) * inverse(d)).astype(_F32) + _F32(0.5)).astype(_F32)
     q = np.minimum(15, np.trunc(shifted).astype(np.int8))
-    return _flatten(np.concatenate([_half_bytes(d), _half_bytes(low), _pack_nibbles(q)], axis=-1))
+    return _flatten(np.concatenate([half_bytes(d), half_bytes(low), _pack_nibbles(q)], axis=-1))
 
 
 def dequantize_q4_1(data: np.ndarray, k: int) -> np.ndarray:
@@ -122,10 +122,10 @@ def quantize_q5_0(x: np.ndarray) -> np.ndarray:
     b = _blocks(x)
     first_largest = np.abs(b).argmax(axis=-1)[..., None]
     d = (np.take_along_axis(b, first_largest, axis=-1) / _F32(-16)).astype(_F32)
-    shifted = ((b * _inverse(d)).astype(_F32) + _F32(16.5)).astype(_F32)
+    shifted = ((b * inverse(d)).astype(_F32) + _F32(16.5)).astype(_F32)
     q = np.minimum(31, np.trunc(shifted).astype(np.int8)).astype(np.uint8)
     qh, qs = _five_bit_parts(q)
-    return _flatten(np.concatenate([_half_bytes(d), qh, qs], axis=-1))
+    return _flatten(np.concatenate([half_bytes(d), qh, qs], axis=-1))
 
 
 def dequantize_q5_0(data: np.ndarray, k: int) -> np.ndarray:
@@ -140,10 +140,10 @@ def quantize_q5_1(x: np.ndarray) -> np.ndarray:
     b = _blocks(x)
     low = b.min(axis=-1, keepdims=True)
     d = ((b.max(axis=-1, keepdims=True) - low) / _F32(31)).astype(_F32)
-    shifted = (((b - low).astype(_F32) * _inverse(d)).astype(_F32) + _F32(0.5)).astype(_F32)
+    shifted = (((b - low).astype(_F32) * inverse(d)).astype(_F32) + _F32(0.5)).astype(_F32)
     q = np.trunc(shifted).astype(np.uint8)
     qh, qs = _five_bit_parts(q)
-    return _flatten(np.concatenate([_half_bytes(d), _half_bytes(low), qh, qs], axis=-1))
+    return _flatten(np.concatenate([half_bytes(d), half_bytes(low), qh, qs], axis=-1))
 
 
 def dequantize_q5_1(data: np.ndarray, k: int) -> np.ndarray:

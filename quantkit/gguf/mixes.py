@@ -8,8 +8,9 @@ block types the choices are ``llama-quantize``'s (``llama_tensor_get_type``, den
 - the _M mixes give attn_v and ffn_down Q6_K in the layers ``use_more_bits`` picks (the first and
   last eighth, and every third layer between them); Q4_K_S gives the first four attn_v and the
   first eighth of ffn_down Q5_K;
-- a K-quant whose 256-block does not divide a tensor's rows falls back (Q4_K -> Q5_0,
-  Q5_K -> Q5_1, Q6_K -> Q8_0; F16 if even that does not fit), as llama.cpp does.
+- the ternary files keep the token embedding at Q4_K;
+- a 256-block type that does not divide a tensor's rows falls back (Q4_K -> Q5_0, Q5_K -> Q5_1,
+  Q6_K -> Q8_0, TQ1_0/TQ2_0 -> Q4_0; F16 if even that does not fit), as llama.cpp does.
 
 Vectors (norms, rope factors) always stay F32.
 """
@@ -40,6 +41,7 @@ class Mix:
     file_type: LlamaFileType
     default: str  # type of every matrix no rule names
     rules: dict[str, LayerRule] = field(default_factory=dict)  # by GGUF tensor stem (attn_v, ffn_down)
+    embedding: str | None = None  # token_embd's type when it is not also the output
 
 
 MIXES: dict[str, Mix] = {
@@ -57,16 +59,18 @@ MIXES: dict[str, Mix] = {
     }),
     "q4_0": Mix(LlamaFileType.MOSTLY_Q4_0, "q4_0"),
     "q4_1": Mix(LlamaFileType.MOSTLY_Q4_1, "q4_1"),
+    "tq2_0": Mix(LlamaFileType.MOSTLY_TQ2_0, "tq2_0", embedding="q4_k"),
+    "tq1_0": Mix(LlamaFileType.MOSTLY_TQ1_0, "tq1_0", embedding="q4_k"),
 }
 FILE_TYPES: dict[str, LlamaFileType] = {name: mix.file_type for name, mix in MIXES.items()}
 FLOAT_TYPES = ("f32", "f16", "bf16")
-# llama-quantize's replacement for a K-quant whose 256-block does not divide a tensor's rows
-K_QUANT_FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
+# llama-quantize's replacement for a 256-block type that does not divide a tensor's rows
+BLOCK_FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0", "tq2_0": "q4_0", "tq1_0": "q4_0"}
 
 
 def _fitting(type_name: str, k: int) -> TensorType:
-    if not TYPES[type_name].fits(k) and type_name in K_QUANT_FALLBACK:
-        type_name = K_QUANT_FALLBACK[type_name]
+    if not TYPES[type_name].fits(k) and type_name in BLOCK_FALLBACK:
+        type_name = BLOCK_FALLBACK[type_name]
     return TYPES[type_name] if TYPES[type_name].fits(k) else TYPES["f16"]
 
 
@@ -83,7 +87,7 @@ def choose_type(file_type: str, name: str, shape: tuple[int, ...], tied_embeddin
         if mix.default == "q8_0" or k % TYPES[mix.default].block_size:
             return TYPES["q8_0"]
         return _fitting("q6_k", k)
-    chosen = mix.default
+    chosen = mix.embedding if name == "token_embd.weight" and mix.embedding else mix.default
     match = LAYER_TENSOR_NAME.fullmatch(name)
     if match and match[2] in mix.rules:
         chosen = mix.rules[match[2]](int(match[1]), num_layers) or chosen

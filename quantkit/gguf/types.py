@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 from gguf import GGMLQuantizationType as GGML
 
-from quantkit.gguf import kquants, legacy
+from quantkit.gguf import kquants, legacy, ternary
 
 
 @dataclass(frozen=True)
@@ -70,4 +70,6 @@ TYPES: dict[str, TensorType] = {
     "q4_k": TensorType("q4_k", GGML.Q4_K, 256, 144, kquants.quantize_q4_k, kquants.dequantize_q4_k),
     "q5_k": TensorType("q5_k", GGML.Q5_K, 256, 176, kquants.quantize_q5_k, kquants.dequantize_q5_k),
     "q6_k": TensorType("q6_k", GGML.Q6_K, 256, 210, kquants.quantize_q6_k, kquants.dequantize_q6_k),
+    "tq2_0": TensorType("tq2_0", GGML.TQ2_0, 256, 66, ternary.quantize_tq2_0, ternary.dequantize_tq2_0),
+    "tq1_0": TensorType("tq1_0", GGML.TQ1_0, 256, 54, ternary.quantize_tq1_0, ternary.dequantize_tq1_0),
 }
