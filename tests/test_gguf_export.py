@@ -280,3 +280,14 @@ def test_ternary_export_is_lossless_and_matches_llama_cpp(tiny_checkpoint_factor
         ours = _model(model, exported)(torch.tensor([ids])).logits[0].double().numpy()
     kl, top1 = _kl_top1(ours, _llama_logits(tmp_path / "ours.gguf", ids, monkeypatch))
     assert kl < 1e-3 and top1 > 0.95, (kl, top1)
+
+
+def test_every_minicpm_tensor_name_round_trips(tiny_checkpoint):
+    from quantkit.gguf.names import gguf_name, minicpm_name
+    from quantkit.models.minicpm import weight_shapes
+
+    keys = weight_shapes(MiniCPMConfig.from_pretrained(tiny_checkpoint))
+    assert all(minicpm_name(gguf_name(key)) == key for key in keys)
+    assert gguf_name("model.layers.1.self_attn.o_proj.weight") == "blk.1.attn_output.weight"
+    with pytest.raises(ValueError, match="MiniCPM tensor 'model.layers.0.mlp.experts.weight' has no counterpart"):
+        gguf_name("model.layers.0.mlp.experts.weight")

@@ -14,40 +14,23 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
-from transformers import AutoTokenizer
-
-from quantkit import calib
 from quantkit.atomic import write_json
 from quantkit.eval.interop.gptqmodel_runtime import GPTQConfig, GPTQModel, versions
-from quantkit.models import zoo
+from quantkit.eval.interop.peer_cli import calibration_of, model_dir_of, peer_parser
 
 RUN_FILE = "gptqmodel_run.json"
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model_dir", help="unquantized MiniCPM checkpoint directory, or 'default'")
-    parser.add_argument("out", type=Path, help="output directory (must not exist)")
-    parser.add_argument("--bits", type=int, default=4)
-    parser.add_argument("--group-size", type=int, default=128)
-    parser.add_argument("--nsamples", type=int, default=128)
-    parser.add_argument("--seqlen", type=int, default=512)
-    parser.add_argument("--calibration", default="default", help="quantkit calibration source")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = peer_parser(__doc__.splitlines()[0])
     parser.add_argument("--damp-percent", type=float, help="default: GPTQModel's")
     parser.add_argument("--act-group-aware", action=argparse.BooleanOptionalAction, help="default: GPTQModel's")
     args = parser.parse_args(argv)
-    model_dir = zoo.ensure_model(zoo.DEFAULT_MODEL) if args.model_dir == "default" else Path(args.model_dir)
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{model_dir}: no config.json, not a checkpoint directory")
-    if args.out.exists():
-        raise FileExistsError(f"output directory already exists: {args.out}")
+    model_dir = model_dir_of(args)
 
     started = time.perf_counter()
-    calibration = calib.calibration_set(AutoTokenizer.from_pretrained(model_dir), source=args.calibration,
-                                        n_samples=args.nsamples, seq_len=args.seqlen, seed=args.seed)
+    calibration = calibration_of(args, model_dir)
     overrides = {"damp_percent": args.damp_percent, "act_group_aware": args.act_group_aware}
     config = GPTQConfig(bits=args.bits, group_size=args.group_size, sym=True, true_sequential=True,
                         **{key: value for key, value in overrides.items() if value is not None})

@@ -13,19 +13,16 @@ llmcompressor_run.json (settings, calibration fingerprint, wall time, versions).
 """
 from __future__ import annotations
 
-import argparse
 import shutil
 import time
-from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 import quantkit  # noqa: F401  (registers model_type "minicpm" with transformers' Auto classes)
-from quantkit import calib
 from quantkit.atomic import publish_dir, save_safetensors, write_json
 from quantkit.checkpoint import CheckpointReader
-from quantkit.models import zoo
+from quantkit.eval.interop.peer_cli import calibration_of, model_dir_of, peer_parser
 
 RUN_FILE = "llmcompressor_run.json"
 
@@ -58,21 +55,8 @@ def _dequantized_state(model, names: list[str]) -> dict[str, torch.Tensor]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model_dir", help="unquantized MiniCPM checkpoint directory, or 'default'")
-    parser.add_argument("out", type=Path, help="output directory (must not exist)")
-    parser.add_argument("--bits", type=int, default=4)
-    parser.add_argument("--group-size", type=int, default=128)
-    parser.add_argument("--nsamples", type=int, default=128)
-    parser.add_argument("--seqlen", type=int, default=512)
-    parser.add_argument("--calibration", default="default", help="quantkit calibration source")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    model_dir = zoo.ensure_model(zoo.DEFAULT_MODEL) if args.model_dir == "default" else Path(args.model_dir)
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{model_dir}: no config.json, not a checkpoint directory")
-    if args.out.exists():
-        raise FileExistsError(f"output directory already exists: {args.out}")
+    args = peer_parser(__doc__.splitlines()[0]).parse_args(argv)
+    model_dir = model_dir_of(args)
 
     from datasets import Dataset
     from llmcompressor import oneshot
@@ -84,8 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         IntermediatesCache.pin_memory = lambda self, batch_index, input_names=None: None
 
     started = time.perf_counter()
-    calibration = calib.calibration_set(AutoTokenizer.from_pretrained(model_dir), source=args.calibration,
-                                        n_samples=args.nsamples, seq_len=args.seqlen, seed=args.seed)
+    calibration = calibration_of(args, model_dir)
     rows = calibration.input_ids.tolist()
     dataset = Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]})
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -76,24 +76,15 @@ def awq_tensors(qt: QuantizedTensor, prefix: str) -> dict[str, Tensor]:
     }
 
 
-def _fetch(tensors: Mapping[str, Tensor], key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
-    if key not in tensors:
-        raise KeyError(f"AWQ tensor {key!r} is missing")
-    tensor = tensors[key]
-    if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-        raise ValueError(f"AWQ tensor {key!r} must be {dtype} {shape}, got {tensor.dtype} {tuple(tensor.shape)}")
-    return tensor
-
-
 def read_awq_tensors(tensors: Mapping[str, Tensor], prefix: str, config: QuantConfig, in_features: int,
                      out_features: int) -> QuantizedTensor:
     """Exact inverse of ``awq_tensors``."""
     k, n = in_features, out_features
     check_awq(config, k, n, name=prefix)
     groups = config.num_groups(k)
-    qweight = _fetch(tensors, tensor_key(prefix, "qweight"), torch.int32, (k, n // PACK))
-    qzeros = _fetch(tensors, tensor_key(prefix, "qzeros"), torch.int32, (groups, n // PACK))
-    scales = _fetch(tensors, tensor_key(prefix, "scales"), torch.float16, (groups, n))
+    qweight = gptq.fetch_packed(tensors, tensor_key(prefix, "qweight"), torch.int32, (k, n // PACK), "AWQ")
+    qzeros = gptq.fetch_packed(tensors, tensor_key(prefix, "qzeros"), torch.int32, (groups, n // PACK), "AWQ")
+    scales = gptq.fetch_packed(tensors, tensor_key(prefix, "scales"), torch.float16, (groups, n), "AWQ")
     return QuantizedTensor(unpack_awq(qweight).T.contiguous(), scales.contiguous(), unpack_awq(qzeros),
                            default_g_idx(k, config.group_size), config)
 

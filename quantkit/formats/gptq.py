@@ -121,6 +121,17 @@ def gptq_tensors(qt: QuantizedTensor, prefix: str) -> dict[str, Tensor]:
     }
 
 
+def fetch_packed(tensors: Mapping[str, Tensor], key: str, dtype: torch.dtype, shape: tuple[int, ...],
+                 kind: str) -> Tensor:
+    """``tensors[key]``, which a ``kind`` (Marlin, AWQ) checkpoint stores as ``dtype`` of ``shape``."""
+    if key not in tensors:
+        raise KeyError(f"{kind} tensor {key!r} is missing")
+    tensor = tensors[key]
+    if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+        raise ValueError(f"{kind} tensor {key!r} must be {dtype} {shape}, got {tensor.dtype} {tuple(tensor.shape)}")
+    return tensor
+
+
 def _fetch(tensors: Mapping[str, Tensor], key: str, dtype: torch.dtype) -> Tensor:
     if key not in tensors:
         raise KeyError(f"GPTQ tensor {key!r} is missing")

@@ -152,22 +152,13 @@ def marlin_tensors(qt: QuantizedTensor, prefix: str) -> dict[str, Tensor]:
     return {tensor_key(prefix, "qweight"): pack_codes(qt.codes), tensor_key(prefix, "scales"): permute_scales(qt.scales)}
 
 
-def _fetch(tensors: Mapping[str, Tensor], key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
-    if key not in tensors:
-        raise KeyError(f"Marlin tensor {key!r} is missing")
-    tensor = tensors[key]
-    if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-        raise ValueError(f"Marlin tensor {key!r} must be {dtype} {shape}, got {tensor.dtype} {tuple(tensor.shape)}")
-    return tensor
-
-
 def read_marlin_tensors(tensors: Mapping[str, Tensor], prefix: str, in_features: int, out_features: int,
                         group_size: int) -> tuple[Tensor, Tensor]:
     """Exact inverse of ``marlin_tensors``: (codes uint8 [N, K], scales fp16 [G, N])."""
     check_marlin(QuantConfig(BITS, group_size, sym=True), in_features, out_features, name=prefix)
     shapes = marlin_shapes(in_features, out_features, group_size)
-    qweight = _fetch(tensors, tensor_key(prefix, "qweight"), torch.int32, shapes["qweight"])
-    scales = _fetch(tensors, tensor_key(prefix, "scales"), torch.float16, shapes["scales"])
+    qweight = gptq.fetch_packed(tensors, tensor_key(prefix, "qweight"), torch.int32, shapes["qweight"], "Marlin")
+    scales = gptq.fetch_packed(tensors, tensor_key(prefix, "scales"), torch.float16, shapes["scales"], "Marlin")
     return unpack_codes(qweight, in_features, out_features), unpermute_scales(scales)
 
 

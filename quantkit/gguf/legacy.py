@@ -69,13 +69,26 @@ def dequantize_q8_0(data: np.ndarray, k: int) -> np.ndarray:
     return (b[..., 2:].view(np.int8).astype(_F32) * d).reshape(*data.shape[:-1], k)
 
 
-def quantize_q4_0(x: np.ndarray) -> np.ndarray:
-    """d = (the value of largest magnitude) / −8, q = min(15, trunc(x · (1/d) + 8.5))."""
-    b = _blocks(x)
+def _signed_max_codes(b: np.ndarray, half: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_0 (half 8) and Q5_0 (half 16): d = (the value of largest magnitude) / −half,
+    q = min(2·half − 1, trunc(x · (1/d) + half + 0.5))."""
     first_largest = np.abs(b).argmax(axis=-1)[..., None]  # ggml keeps the first on ties
-    d = (np.take_along_axis(b, first_largest, axis=-1) / _F32(-8)).astype(_F32)
-    shifted = ((b * inverse(d)).astype(_F32) + _F32(8.5)).astype(_F32)
-    q = np.minimum(15, np.trunc(shifted).astype(np.int8))
+    d = (np.take_along_axis(b, first_largest, axis=-1) / _F32(-half)).astype(_F32)
+    shifted = ((b * inverse(d)).astype(_F32) + _F32(half + 0.5)).astype(_F32)
+    return d, np.minimum(2 * half - 1, np.trunc(shifted).astype(np.int8)).astype(np.uint8)
+
+
+def _min_max_codes(b: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_1 (levels 15) and Q5_1 (31): d = (max − min) / levels, m = min,
+    q = min(levels, trunc((x − min) · (1/d) + 0.5))."""
+    low = b.min(axis=-1, keepdims=True)
+    d = ((b.max(axis=-1, keepdims=True) - low) / _F32(levels)).astype(_F32)
+    shifted = (((b - low).astype(_F32) * inverse(d)).astype(_F32) + _F32(0.5)).astype(_F32)
+    return d, low, np.minimum(levels, np.trunc(shifted).astype(np.int8)).astype(np.uint8)
+
+
+def quantize_q4_0(x: np.ndarray) -> np.ndarray:
+    d, q = _signed_max_codes(_blocks(x), 8)
     return _flatten(np.concatenate([half_bytes(d), _pack_nibbles(q)], axis=-1))
 
 
@@ -87,12 +100,7 @@ def dequantize_q4_0(data: np.ndarray, k: int) -> np.ndarray:
 
 
 def quantize_q4_1(x: np.ndarray) -> np.ndarray:
-    """d = (max − min) / 15, m = min, q = min(15, trunc((x − min) · (1/d) + 0.5))."""
-    b = _blocks(x)
-    low = b.min(axis=-1, keepdims=True)
-    d = ((b.max(axis=-1, keepdims=True) - low) / _F32(15)).astype(_F32)
-    shifted = (((b - low).astype(_F32) * inverse(d)).astype(_F32) + _F32(0.5)).astype(_F32)
-    q = np.minimum(15, np.trunc(shifted).astype(np.int8))
+    d, low, q = _min_max_codes(_blocks(x), 15)
     return _flatten(np.concatenate([half_bytes(d), half_bytes(low), _pack_nibbles(q)], axis=-1))
 
 
@@ -118,12 +126,7 @@ def _five_bit_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
 
 
 def quantize_q5_0(x: np.ndarray) -> np.ndarray:
-    """d = (the value of largest magnitude) / −16, q = min(31, trunc(x · (1/d) + 16.5))."""
-    b = _blocks(x)
-    first_largest = np.abs(b).argmax(axis=-1)[..., None]
-    d = (np.take_along_axis(b, first_largest, axis=-1) / _F32(-16)).astype(_F32)
-    shifted = ((b * inverse(d)).astype(_F32) + _F32(16.5)).astype(_F32)
-    q = np.minimum(31, np.trunc(shifted).astype(np.int8)).astype(np.uint8)
+    d, q = _signed_max_codes(_blocks(x), 16)
     qh, qs = _five_bit_parts(q)
     return _flatten(np.concatenate([half_bytes(d), qh, qs], axis=-1))
 
@@ -136,12 +139,7 @@ def dequantize_q5_0(data: np.ndarray, k: int) -> np.ndarray:
 
 
 def quantize_q5_1(x: np.ndarray) -> np.ndarray:
-    """d = (max − min) / 31, m = min, q = trunc((x − min) · (1/d) + 0.5) (at most 31 by construction)."""
-    b = _blocks(x)
-    low = b.min(axis=-1, keepdims=True)
-    d = ((b.max(axis=-1, keepdims=True) - low) / _F32(31)).astype(_F32)
-    shifted = (((b - low).astype(_F32) * inverse(d)).astype(_F32) + _F32(0.5)).astype(_F32)
-    q = np.trunc(shifted).astype(np.uint8)
+    d, low, q = _min_max_codes(_blocks(x), 31)
     qh, qs = _five_bit_parts(q)
     return _flatten(np.concatenate([half_bytes(d), half_bytes(low), qh, qs], axis=-1))
 

@@ -3,10 +3,11 @@ needs. The one table both directions read: GGUF import (``models.gguf_convert``)
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 
-from quantkit.models.layers import DOWN, EMBEDDING, FINAL_NORM, GATE, K, LM_HEAD, O, Q, UP, V, layer_prefix
+from quantkit.models.layers import DOWN, EMBEDDING, FINAL_NORM, GATE, K, LM_HEAD, O, Q, UP, V
 
 # GGUF tensor stems -> MiniCPM names; the per-layer ones are relative to model.layers.{i}.
 GLOBAL_TENSORS: dict[str, str] = {
@@ -21,30 +22,40 @@ LAYER_TENSORS: dict[str, str] = {
     "ffn_gate": GATE, "ffn_up": UP, "ffn_down": DOWN,
 }
 LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-_GGUF_STEMS = {minicpm: stem for stem, minicpm in {**GLOBAL_TENSORS, **LAYER_TENSORS}.items()}
 _MINICPM_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+
+
+@dataclass(frozen=True)
+class _Naming:
+    """One direction of the table: global stems, the per-layer pattern and stems, the layer format."""
+    globals: dict[str, str]
+    layer_pattern: re.Pattern
+    layers: dict[str, str]
+    layer_format: str  # .format(index, stem, kind)
+
+    def translate(self, name: str, what: str) -> str:
+        stem, _, kind = name.rpartition(".")
+        if stem in self.globals and kind == "weight":
+            return f"{self.globals[stem]}.weight"
+        match = self.layer_pattern.fullmatch(name)
+        if match and match[2] in self.layers:
+            return self.layer_format.format(match[1], self.layers[match[2]], match[3])
+        raise ValueError(f"{what} tensor {name!r} has no counterpart")
+
+
+_TO_MINICPM = _Naming(GLOBAL_TENSORS, LAYER_TENSOR_NAME, LAYER_TENSORS, "model.layers.{}.{}.{}")
+_TO_GGUF = _Naming({v: k for k, v in GLOBAL_TENSORS.items()}, _MINICPM_LAYER_KEY,
+                   {v: k for k, v in LAYER_TENSORS.items()}, "blk.{}.{}.{}")
 
 
 def minicpm_name(gguf_name: str) -> str:
     """The MiniCPM state-dict key of a GGUF tensor; ValueError for a tensor we cannot place."""
-    stem, _, kind = gguf_name.rpartition(".")
-    if stem in GLOBAL_TENSORS and kind == "weight":
-        return f"{GLOBAL_TENSORS[stem]}.weight"
-    match = LAYER_TENSOR_NAME.fullmatch(gguf_name)
-    if match and match[2] in LAYER_TENSORS:
-        return f"{layer_prefix(int(match[1]))}{LAYER_TENSORS[match[2]]}.{match[3]}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no MiniCPM counterpart")
+    return _TO_MINICPM.translate(gguf_name, "GGUF")
 
 
 def gguf_name(minicpm_key: str) -> str:
-    """Inverse of ``minicpm_name``."""
-    stem, _, kind = minicpm_key.rpartition(".")
-    if stem in _GGUF_STEMS and kind == "weight":
-        return f"{_GGUF_STEMS[stem]}.weight"
-    match = _MINICPM_LAYER_KEY.fullmatch(minicpm_key)
-    if match and match[2] in _GGUF_STEMS:
-        return f"blk.{match[1]}.{_GGUF_STEMS[match[2]]}.{match[3]}"
-    raise ValueError(f"MiniCPM tensor {minicpm_key!r} has no GGUF counterpart in llama.cpp's MiniCPM architecture")
+    """Inverse of ``minicpm_name``: the tensor's name in llama.cpp's MiniCPM architecture."""
+    return _TO_GGUF.translate(minicpm_key, "MiniCPM")
 
 
 def permute_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
