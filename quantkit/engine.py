@@ -30,7 +30,7 @@ from quantkit.models import MiniCPMConfig, MiniCPMDecoderLayer, MiniCPMRotaryEmb
 from quantkit.models.minicpm import weight_shapes
 from quantkit.models.layers import (ATTENTION_PROJECTIONS, EMBEDDING, FINAL_NORM, LINEARS, LM_HEAD, SEQUENTIAL_GROUPS,
                                     layer_prefix, scaling_groups_for)
-from quantkit.quant import QuantConfig
+from quantkit.quant import QuantConfig, QuantizedTensor
 from quantkit.recipe import Recipe
 from quantkit.stats import InputStats, relative_error
 
@@ -356,13 +356,19 @@ def _replayed(writer: ArtifactWriter, index: int, config: MiniCPMConfig, qconfig
     return dequantize_layer(shard, index, config, qconfig, fmt)
 
 
-def dequantize_layer(tensors: dict, index: int, config: MiniCPMConfig, qconfig: QuantConfig, fmt: Format) -> dict:
-    """Layer ``index``'s tensors with its quantized linears replaced by dequantized weights."""
+def layer_records(tensors: dict, index: int, config: MiniCPMConfig, qconfig: QuantConfig,
+                  fmt: Format) -> tuple[dict, dict[str, QuantizedTensor]]:
+    """Layer ``index``'s unquantized tensors, and its linears' records keyed by weight name."""
     prefix = layer_prefix(index)
     records = fmt.read_layer(tensors, prefix, qconfig, linear_shapes(config))
-    layer = {n: t for n, t in tensors.items() if n.startswith(prefix) and not _is_packed(n)}
-    layer.update({f"{prefix}{name}.weight": qt.dequantize(torch.float32) for name, qt in records.items()})
-    return layer
+    plain = {n: t for n, t in tensors.items() if n.startswith(prefix) and not _is_packed(n)}
+    return plain, {f"{prefix}{name}.weight": qt for name, qt in records.items()}
+
+
+def dequantize_layer(tensors: dict, index: int, config: MiniCPMConfig, qconfig: QuantConfig, fmt: Format) -> dict:
+    """Layer ``index``'s tensors with its quantized linears replaced by dequantized weights."""
+    plain, records = layer_records(tensors, index, config, qconfig, fmt)
+    return plain | {key: qt.dequantize(torch.float32) for key, qt in records.items()}
 
 
 def _is_packed(name: str) -> bool:

@@ -291,3 +291,31 @@ def test_every_minicpm_tensor_name_round_trips(tiny_checkpoint):
     assert gguf_name("model.layers.1.self_attn.o_proj.weight") == "blk.1.attn_output.weight"
     with pytest.raises(ValueError, match="MiniCPM tensor 'model.layers.0.mlp.experts.weight' has no counterpart"):
         gguf_name("model.layers.0.mlp.experts.weight")
+
+
+def test_gptq_artifact_reaches_llama_cpp_on_its_own_grid(marlin_legal, tmp_path, monkeypatch):
+    """The gguf-q4_0 recipe's GPTQ codes and scales are written as Q4_0 blocks unchanged."""
+    from helpers import small_recipe
+    from quantkit.engine import quantize
+    from quantkit.loading import load_model
+    from quantkit.models.layers import LINEARS
+
+    artifact = tmp_path / "gptq"
+    quantize(marlin_legal, small_recipe("gguf-q4_0", tmp_path), artifact, progress=False)
+    report = export_gguf(artifact, tmp_path / "q4_0.gguf", "q4_0", progress=False)
+    assert report.exact_tensors == 2 * len(LINEARS)
+
+    gptq_weights, exported = load_model(artifact).state_dict(), exported_weights(artifact, "q4_0")
+    linear_keys = [k for k in exported if any(k.endswith(f"{linear}.weight") for linear in LINEARS)]
+    assert all(torch.equal(exported[k], gptq_weights[k]) for k in linear_keys)
+    # llama.cpp's own rule (d from each block's largest weight) would move many of them (measured 43 %)
+    from quantkit.gguf.types import TYPES
+
+    q4_0, weight = TYPES["q4_0"], gptq_weights[linear_keys[0]].numpy()
+    rerounded = torch.from_numpy(q4_0.dequantize(q4_0.quantize(weight), weight.shape[1]))
+    assert (rerounded != gptq_weights[linear_keys[0]]).float().mean() > 0.2
+    ids = list(range(5, 105))
+    with torch.no_grad():
+        ours = _model(artifact, exported)(torch.tensor([ids])).logits[0].double().numpy()
+    kl, top1 = _kl_top1(ours, _llama_logits(tmp_path / "q4_0.gguf", ids, monkeypatch))
+    assert kl < 1e-3 and top1 > 0.95, (kl, top1)

@@ -23,12 +23,14 @@ from tqdm.auto import tqdm
 from quantkit.atomic import atomic_path
 from quantkit.checkpoint import CheckpointReader
 from quantkit.gguf.mixes import FILE_TYPES, choose_type
-from quantkit.gguf.names import gguf_name, permute_rows
+from quantkit.gguf.exact import exact_blocks
+from quantkit.gguf.names import gguf_name, permute_rows, unpermute_rows
 from quantkit.gguf.types import TensorType
 from quantkit.gguf.vocab import read_vocab
 from quantkit.models import MiniCPMConfig, MiniCPMRotaryEmbedding
 from quantkit.models.layers import K, Q, layer_prefix
 from quantkit.models.minicpm import weight_shapes
+from quantkit.quant import QuantizedTensor
 
 ARCH = "minicpm"
 SPARSE_CONFIG_KEY = "quantkit.sparse_config"
@@ -42,6 +44,7 @@ class ExportReport:
     file_bytes: int = 0
     weights: int = 0  # parameters written
     tensors_by_type: dict[str, int] = field(default_factory=dict)
+    exact_tensors: int = 0  # quantized records written as their own grid, not re-rounded
 
     @property
     def bits_per_weight(self) -> float:
@@ -57,7 +60,7 @@ class _Planned:
 
 
 class _LayerTensors:
-    """The checkpoint's float tensors one layer at a time, quantized linears dequantized."""
+    """The checkpoint's tensors one layer at a time: floats, and the quantized linears' records."""
 
     def __init__(self, model_dir: Path, config: MiniCPMConfig):
         from quantkit.loading import artifact_format
@@ -66,21 +69,36 @@ class _LayerTensors:
         self.config = config
         self.format = artifact_format(model_dir, config)
         self.qconfig = self.format.parse_config(config.quantization_config) if self.format else None
-        self._layer: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._index: int | None = None
+        self._plain: dict[str, torch.Tensor] = {}
+        self._records: dict[str, QuantizedTensor] = {}
+
+    def _load(self, key: str) -> None:
+        index = int(key.split(".")[2])
+        if self._index == index:
+            return
+        prefix = layer_prefix(index)
+        tensors = {n: self.reader.get(n) for n in self.reader.names if n.startswith(prefix)}
+        self._plain, self._records = tensors, {}
+        if self.format is not None:
+            from quantkit.engine import layer_records
+
+            self._plain, self._records = layer_records(tensors, index, self.config, self.qconfig, self.format)
+        self._index = index
+
+    def record(self, key: str) -> QuantizedTensor | None:
+        """The quantized record behind ``key``, if the checkpoint stores that tensor quantized."""
+        if not key.startswith("model.layers."):
+            return None
+        self._load(key)
+        return self._records.get(key)
 
     def get(self, key: str) -> torch.Tensor:
         if not key.startswith("model.layers."):
             return self.reader.get(key).float()
-        index = int(key.split(".")[2])
-        if self._layer is None or self._layer[0] != index:
-            prefix = layer_prefix(index)
-            tensors = {n: self.reader.get(n) for n in self.reader.names if n.startswith(prefix)}
-            if self.format is not None:
-                from quantkit.engine import dequantize_layer
-
-                tensors = dequantize_layer(tensors, index, self.config, self.qconfig, self.format)
-            self._layer = (index, tensors)
-        return self._layer[1][key].float()
+        self._load(key)
+        record = self._records.get(key)
+        return record.dequantize(torch.float32) if record is not None else self._plain[key].float()
 
 
 def _rope_factors(config: MiniCPMConfig) -> dict[str, list[float]]:
@@ -157,20 +175,29 @@ def _add_metadata(writer: gguf.GGUFWriter, config: MiniCPMConfig, model_dir: Pat
         writer.add_chat_template(vocab.chat_template)
 
 
-def _tensor_bytes(item: _Planned, source: _LayerTensors, config: MiniCPMConfig) -> np.ndarray:
+def _heads_to_permute(key: str, config: MiniCPMConfig) -> int | None:
+    """q/k rows are permuted for GGML's rope, per head: the head count, or None for other tensors."""
+    part = key.split(".", 3)[-1].rsplit(".", 1)[0] if key.startswith("model.layers.") else None
+    return {Q: config.num_attention_heads, K: config.num_key_value_heads}.get(part)
+
+
+def _stored(item: _Planned, source: _LayerTensors, config: MiniCPMConfig) -> tuple[np.ndarray, bool]:
+    """The tensor's GGUF bytes, and whether they are a quantized record's own grid (not re-rounded)."""
+    heads = _heads_to_permute(item.source, config)
+    record = source.record(item.source)
+    blocks = exact_blocks(record, item.tensor_type.name) if record is not None else None
+    if blocks is not None:
+        rows = torch.from_numpy(blocks)
+        return (permute_rows(rows, heads) if heads else rows).numpy(), True
     if item.name.startswith("rope_factors_"):
         value = torch.tensor(_rope_factors(config)[item.name], dtype=torch.float32)
     else:
         value = source.get(item.source)
-        part = item.source.split(".", 3)[-1].rsplit(".", 1)[0] if item.source.startswith("model.layers.") else None
-        if part == Q:
-            value = permute_rows(value, config.num_attention_heads)
-        elif part == K:
-            value = permute_rows(value, config.num_key_value_heads)
+        value = permute_rows(value, heads) if heads else value
     array = value.numpy().astype(np.float32, copy=False)
     if not np.isfinite(array).all():
         raise ValueError(f"tensor '{item.source}' contains NaN or Inf values")
-    return item.tensor_type.quantize(array)
+    return item.tensor_type.quantize(array), False
 
 
 def export_gguf(model_dir: str | Path, out: str | Path, file_type: str, *, tokenizer_pre: str | None = None,
@@ -199,7 +226,9 @@ def export_gguf(model_dir: str | Path, out: str | Path, file_type: str, *, token
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for item in tqdm(planned, desc=f"export {file_type}", unit="tensor", disable=not progress):
-            writer.write_tensor_data(_tensor_bytes(item, source, config))
+            data, exact = _stored(item, source, config)
+            writer.write_tensor_data(data)
+            report.exact_tensors += exact
             report.tensors_by_type[item.tensor_type.name] = report.tensors_by_type.get(item.tensor_type.name, 0) + 1
             report.weights += math.prod(item.shape)
         writer.close()
@@ -209,8 +238,9 @@ def export_gguf(model_dir: str | Path, out: str | Path, file_type: str, *, token
 
 
 def exported_weights(model_dir: str | Path, file_type: str) -> dict[str, torch.Tensor]:
-    """The MiniCPM state dict a ``file_type`` export computes with: every tensor through its GGUF
-    type's quantizer and dequantizer (in MiniCPM's row order): quantkit's reference for llama.cpp."""
+    """The MiniCPM state dict a ``file_type`` export computes with, in MiniCPM's row order: each
+    tensor's stored blocks (a record's own grid, or its type's quantizer) dequantized. quantkit's
+    reference for what llama.cpp should compute from the file."""
     model_dir = Path(model_dir)
     config = MiniCPMConfig.from_pretrained(model_dir)
     source = _LayerTensors(model_dir, config)
@@ -218,7 +248,8 @@ def exported_weights(model_dir: str | Path, file_type: str) -> dict[str, torch.T
     for item in _plan(config, file_type):
         if item.name.startswith("rope_factors_"):
             continue
-        value = source.get(item.source).numpy().astype(np.float32, copy=False)
-        stored = item.tensor_type.quantize(value)
-        state[item.source] = torch.from_numpy(item.tensor_type.dequantize(stored, item.shape[-1]).reshape(item.shape))
+        stored, _ = _stored(item, source, config)
+        value = torch.from_numpy(item.tensor_type.dequantize(stored, item.shape[-1]).reshape(item.shape))
+        heads = _heads_to_permute(item.source, config)
+        state[item.source] = unpermute_rows(value, heads) if heads else value
     return state

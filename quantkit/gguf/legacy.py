@@ -41,7 +41,7 @@ def half_bytes(values: np.ndarray) -> np.ndarray:
     return halves.view(np.uint8).reshape(*values.shape[:-1], 2 * values.shape[-1])
 
 
-def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+def pack_nibbles(q: np.ndarray) -> np.ndarray:
     """Codes [..., 32] in 0..15 -> 16 bytes: byte j holds code j (low nibble) and code j + 16 (high)."""
     q = q.astype(np.uint8)
     return q[..., :16] | (q[..., 16:] << 4)
@@ -89,7 +89,7 @@ def _min_max_codes(b: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray, 
 
 def quantize_q4_0(x: np.ndarray) -> np.ndarray:
     d, q = _signed_max_codes(_blocks(x), 8)
-    return _flatten(np.concatenate([half_bytes(d), _pack_nibbles(q)], axis=-1))
+    return _flatten(np.concatenate([half_bytes(d), pack_nibbles(q)], axis=-1))
 
 
 def dequantize_q4_0(data: np.ndarray, k: int) -> np.ndarray:
@@ -101,7 +101,7 @@ def dequantize_q4_0(data: np.ndarray, k: int) -> np.ndarray:
 
 def quantize_q4_1(x: np.ndarray) -> np.ndarray:
     d, low, q = _min_max_codes(_blocks(x), 15)
-    return _flatten(np.concatenate([half_bytes(d), half_bytes(low), _pack_nibbles(q)], axis=-1))
+    return _flatten(np.concatenate([half_bytes(d), half_bytes(low), pack_nibbles(q)], axis=-1))
 
 
 def dequantize_q4_1(data: np.ndarray, k: int) -> np.ndarray:
@@ -116,7 +116,7 @@ def _five_bit_parts(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Codes [..., 32] in 0..31 -> (qh: bit 4 of code j at bit j, as 4 little-endian bytes; the nibbles)."""
     high = ((q.astype(np.uint32) >> 4) & 1) << np.arange(32, dtype=np.uint32)
     qh = np.bitwise_or.reduce(high, axis=-1).astype("<u4")[..., None]
-    return qh.view(np.uint8), _pack_nibbles(q & 15)
+    return qh.view(np.uint8), pack_nibbles(q & 15)
 
 
 def _five_bit_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
