@@ -1,5 +1,5 @@
-"""llama.cpp as the reference: its own block quantizer (``ggml_quantize_chunk`` in the libggml that
-llama-cpp-python ships), and a model loader that avoids the weight repacking that crashes here."""
+"""llama.cpp's own block quantizer (``ggml_quantize_chunk`` in the libggml that llama-cpp-python
+ships), as the reference the GGUF block quantizers must match byte for byte."""
 from __future__ import annotations
 
 import ctypes
@@ -10,7 +10,7 @@ import pytest
 
 
 def _libggml():
-    llama_cpp = pytest.importorskip("llama_cpp")
+    import llama_cpp
     lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
     lib.ggml_quantize_chunk.restype = ctypes.c_size_t
     lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
@@ -30,15 +30,3 @@ def ggml_quantize(x: np.ndarray, ggml_type: int) -> np.ndarray:
     written = lib.ggml_quantize_chunk(int(ggml_type), x.ctypes.data, out.ctypes.data, 0, rows, k, None)
     assert written == out.nbytes
     return out
-
-
-def load_without_repacking(llama_cpp, monkeypatch) -> None:
-    """pitfalls.md §1: llama.cpp's CPU weight repacking segfaults on quantized files on these CPUs."""
-    default_params = llama_cpp.llama_cpp.llama_model_default_params
-
-    def without_repacking():
-        params = default_params()
-        params.use_extra_bufts = False
-        return params
-
-    monkeypatch.setattr(llama_cpp.llama_cpp, "llama_model_default_params", without_repacking)

@@ -176,7 +176,7 @@ def test_tokenizer_matches_the_gguf_tokenizer(model_dir, gguf_file, tokenizer):
 
 @pytest.mark.llamacpp
 def test_tokenizer_matches_llama_cpp_token_for_token(gguf_file, tokenizer):
-    llama_cpp = pytest.importorskip("llama_cpp")
+    import llama_cpp
     import pydoc_data.topics
 
     vocab = llama_cpp.Llama(str(gguf_file), vocab_only=True, verbose=False)
@@ -265,20 +265,12 @@ def test_logits_and_residual_stream_match_transformers_llama(gguf_file, prose_id
 
 @pytest.mark.llamacpp
 @pytest.mark.slow
-def test_logits_match_llama_cpp(gguf_file, prose_ids, minicpm_outputs, monkeypatch):
-    llama_cpp = pytest.importorskip("llama_cpp")
-    default_params = llama_cpp.llama_cpp.llama_model_default_params
+def test_logits_match_llama_cpp(gguf_file, prose_ids, minicpm_outputs):
+    from quantkit.eval.llamacpp import LlamaCppModel
 
-    def without_repacking():  # pitfalls.md §1: weight repacking segfaults on these CPUs
-        params = default_params()
-        params.use_extra_bufts = False
-        return params
-
-    monkeypatch.setattr(llama_cpp.llama_cpp, "llama_model_default_params", without_repacking)
-    llm = llama_cpp.Llama(str(gguf_file), n_ctx=512, n_batch=512, logits_all=True, n_threads=2, verbose=False)
+    llm = LlamaCppModel(gguf_file, n_ctx=512)
     try:
-        llm.eval(prose_ids)
-        theirs = np.array(llm.scores[:N_TOKENS], dtype=np.float64)
+        theirs = llm(torch.tensor([prose_ids])).logits[0, :N_TOKENS].double().numpy()
     finally:
         llm.close()
     ours = minicpm_outputs.logits[0].double().numpy()

@@ -11,7 +11,6 @@ import pytest
 import torch
 from gguf import GGUFReader
 
-from llama_cpp_oracle import load_without_repacking
 from quantkit.gguf.export import export_gguf, exported_weights
 from quantkit.gguf.mixes import FILE_TYPES
 from quantkit.models import MiniCPMConfig, MiniCPMForCausalLM
@@ -29,19 +28,14 @@ def exports(default_model, tmp_path_factory):
             for t in FILE_TYPES}
 
 
-def _llama(llama_cpp, path, monkeypatch, **kwargs):
-    load_without_repacking(llama_cpp, monkeypatch)
-    return llama_cpp.Llama(str(path), n_ctx=512, n_batch=512, n_threads=2, verbose=False, **kwargs)
+def _llama_logits(path, ids) -> np.ndarray:
+    from quantkit.eval.llamacpp import LlamaCppModel
 
-
-def _llama_logits(path, ids, monkeypatch) -> np.ndarray:
-    llama_cpp = pytest.importorskip("llama_cpp")
-    llm = _llama(llama_cpp, path, monkeypatch, logits_all=True)
+    model = LlamaCppModel(path, n_ctx=512)
     try:
-        llm.eval(ids)
-        return np.array(llm.scores[:len(ids)], dtype=np.float64)
+        return model(torch.tensor([ids])).logits[0].double().numpy()
     finally:
-        llm.close()
+        model.close()
 
 
 def _model(model_dir, state=None) -> MiniCPMForCausalLM:
@@ -70,10 +64,10 @@ def text_ids(default_model):
     return heldout_tokens(AutoTokenizer.from_pretrained(default_model), max_tokens=256).tolist()
 
 
-def test_f32_export_reproduces_the_model_in_llama_cpp(default_model, exports, text_ids, monkeypatch):
+def test_f32_export_reproduces_the_model_in_llama_cpp(default_model, exports, text_ids):
     with torch.no_grad():
         ours = _model(default_model)(torch.tensor([text_ids])).logits[0].double().numpy()
-    theirs = _llama_logits(exports["f32"][1], text_ids, monkeypatch)
+    theirs = _llama_logits(exports["f32"][1], text_ids)
     kl, top1 = _kl_top1(ours, theirs)
     # llama.cpp keeps its KV cache in f16 by default; measured: max |Δ| 0.13 % of max |logit|, KL 1.0e-6
     assert np.abs(ours - theirs).max() < 0.005 * np.abs(ours).max()
@@ -89,20 +83,20 @@ KL_TOLERANCE = {"f16": 2e-5, "bf16": 1e-3, "q8_0": 0.01, "q6_k": 0.015, "q5_k_m"
 
 
 @pytest.mark.parametrize("file_type", list(KL_TOLERANCE))
-def test_quantized_export_matches_quantkit_reference_in_llama_cpp(default_model, exports, text_ids, monkeypatch,
+def test_quantized_export_matches_quantkit_reference_in_llama_cpp(default_model, exports, text_ids,
                                                                   file_type):
     with torch.no_grad():
         reference = _model(default_model, exported_weights(default_model, file_type))
         ours = reference(torch.tensor([text_ids])).logits[0].double().numpy()
-    theirs = _llama_logits(exports[file_type][1], text_ids, monkeypatch)
+    theirs = _llama_logits(exports[file_type][1], text_ids)
     kl, top1 = _kl_top1(ours, theirs)
     assert kl < KL_TOLERANCE[file_type] and top1 > 0.92, (kl, top1)
 
 
-def test_tokenizer_matches_llama_cpp(default_model, exports, monkeypatch):
+def test_tokenizer_matches_llama_cpp(default_model, exports):
     from transformers import AutoTokenizer
 
-    llama_cpp = pytest.importorskip("llama_cpp")
+    import llama_cpp
     tokenizer = AutoTokenizer.from_pretrained(default_model)
     llm = llama_cpp.Llama(str(exports["q8_0"][1]), vocab_only=True, verbose=False)
     samples = [TEXT, "  leading spaces\tand tabs\n\n\nnewlines", "x=12345678901234567890; y = 3.14159",
@@ -115,10 +109,10 @@ def test_tokenizer_matches_llama_cpp(default_model, exports, monkeypatch):
         llm.close()
 
 
-def test_greedy_chat_generation_matches_llama_cpp(default_model, exports, monkeypatch):
+def test_greedy_chat_generation_matches_llama_cpp(default_model, exports):
     from transformers import AutoTokenizer
 
-    llama_cpp = pytest.importorskip("llama_cpp")
+    import llama_cpp
     tokenizer = AutoTokenizer.from_pretrained(default_model)
     messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -127,7 +121,10 @@ def test_greedy_chat_generation_matches_llama_cpp(default_model, exports, monkey
     with torch.no_grad():  # plain argmax decoding: the model's generation_config adds a repetition penalty
         for _ in range(32):
             ours.append(int(model(torch.tensor([prompt_ids + ours])).logits[0, -1].argmax()))
-    llm = _llama(llama_cpp, exports["f32"][1], monkeypatch)
+    from quantkit.eval.llamacpp import disable_weight_repacking
+
+    disable_weight_repacking()
+    llm = llama_cpp.Llama(str(exports["f32"][1]), n_ctx=512, n_batch=512, n_threads=2, verbose=False)
     try:
         assert llm.metadata["tokenizer.chat_template"] == tokenizer.chat_template
         theirs = []
@@ -162,12 +159,10 @@ def test_metadata_is_what_llama_cpp_minicpm_reads(default_model, exports):
 
 def _assert_llama_quantize_agrees(f32_path, ours_path, file_type, tmp_path) -> dict[str, str]:
     """llama.cpp's ``llama_model_quantize`` on quantkit's F32 export: same type and bytes per tensor."""
-    llama_cpp = pytest.importorskip("llama_cpp")
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = int(FILE_TYPES[file_type])
-    params.nthread = 2
+    from quantkit.eval.llamacpp import llama_quantize
+
     theirs_path = tmp_path / f"llama-{file_type}.gguf"
-    assert llama_cpp.llama_model_quantize(str(f32_path).encode(), str(theirs_path).encode(), params) == 0
+    llama_quantize(f32_path, theirs_path, FILE_TYPES[file_type])
     ours = {t.name: t for t in GGUFReader(ours_path).tensors}
     theirs = {t.name: t for t in GGUFReader(theirs_path).tensors}
     assert ours.keys() == theirs.keys()
@@ -196,7 +191,7 @@ def test_llama_cpp_quantizer_agrees_on_whole_k_blocks(tiny_checkpoint_factory, t
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_tiny_longrope_model_matches_llama_cpp(tiny_checkpoint_factory, tmp_path, monkeypatch, tied):
+def test_tiny_longrope_model_matches_llama_cpp(tiny_checkpoint_factory, tmp_path, tied):
     """LongRoPE factors and attention factor, GQA, tied embeddings and sparse_config survive export."""
     from quantkit.models.fixtures import MINICPM41_SPARSE_CONFIG
 
@@ -213,7 +208,7 @@ def test_tiny_longrope_model_matches_llama_cpp(tiny_checkpoint_factory, tmp_path
     ids = list(range(5, 105))  # past the 64-token original context: both sides use the long factors
     with torch.no_grad():
         ours = _model(model, exported_weights(model, "q8_0"))(torch.tensor([ids])).logits[0].double().numpy()
-    kl, top1 = _kl_top1(ours, _llama_logits(path, ids, monkeypatch))
+    kl, top1 = _kl_top1(ours, _llama_logits(path, ids))
     assert kl < 1e-3 and top1 > 0.95, (kl, top1)
 
 
@@ -260,7 +255,7 @@ def _ternary_copy(model_dir, out_dir):
 
 
 @pytest.mark.parametrize("file_type", ["tq1_0", "tq2_0"])
-def test_ternary_export_is_lossless_and_matches_llama_cpp(tiny_checkpoint_factory, tmp_path, monkeypatch, file_type):
+def test_ternary_export_is_lossless_and_matches_llama_cpp(tiny_checkpoint_factory, tmp_path, file_type):
     from safetensors.torch import load_file
 
     from quantkit.models.layers import LINEARS
@@ -278,7 +273,7 @@ def test_ternary_export_is_lossless_and_matches_llama_cpp(tiny_checkpoint_factor
     ids = list(range(5, 105))
     with torch.no_grad():
         ours = _model(model, exported)(torch.tensor([ids])).logits[0].double().numpy()
-    kl, top1 = _kl_top1(ours, _llama_logits(tmp_path / "ours.gguf", ids, monkeypatch))
+    kl, top1 = _kl_top1(ours, _llama_logits(tmp_path / "ours.gguf", ids))
     assert kl < 1e-3 and top1 > 0.95, (kl, top1)
 
 
@@ -293,7 +288,7 @@ def test_every_minicpm_tensor_name_round_trips(tiny_checkpoint):
         gguf_name("model.layers.0.mlp.experts.weight")
 
 
-def test_gptq_artifact_reaches_llama_cpp_on_its_own_grid(marlin_legal, tmp_path, monkeypatch):
+def test_gptq_artifact_reaches_llama_cpp_on_its_own_grid(marlin_legal, tmp_path):
     """The gguf-q4_0 recipe's GPTQ codes and scales are written as Q4_0 blocks unchanged."""
     from helpers import small_recipe
     from quantkit.engine import quantize
@@ -317,5 +312,5 @@ def test_gptq_artifact_reaches_llama_cpp_on_its_own_grid(marlin_legal, tmp_path,
     ids = list(range(5, 105))
     with torch.no_grad():
         ours = _model(artifact, exported)(torch.tensor([ids])).logits[0].double().numpy()
-    kl, top1 = _kl_top1(ours, _llama_logits(tmp_path / "q4_0.gguf", ids, monkeypatch))
+    kl, top1 = _kl_top1(ours, _llama_logits(tmp_path / "q4_0.gguf", ids))
     assert kl < 1e-3 and top1 > 0.95, (kl, top1)
