@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install demo demo-marlin test test-fast default-model bench-gptq bench-awq bench-scale interop interop-peer clean help
+.PHONY: install demo demo-marlin test test-fast default-model bench-gptq bench-awq bench-gguf bench-scale interop interop-peer clean help
 
 help:
 	@echo "make demo       quantize the embedded default model (RTN W4 g128, GPTQ format), print perplexity and KL"
@@ -18,6 +18,7 @@ help:
 	@echo "make demo-marlin  the marlin recipe end to end on Qwen2.5-Coder-0.5B (Marlin-legal shapes), KL vs RTN and GPTQ"
 	@echo "make bench-gptq  RTN / GPTQ / P-GPTQ / S-P-GPTQ / GPTQModel at W4 and W3 g128 on the default model, one table"
 	@echo "make bench-awq   AWQ / RTN / GPTQ / S-P-GPTQ at W4 and W3 g128, then AWQ vs llm-compressor at W4 g64"
+	@echo "make bench-gguf  every GGUF type exported by quantkit and by llama.cpp's quantizer, plus GPTQ on Q4_0, scored in llama.cpp"
 	@echo "make bench-scale  the marlin recipe on an 8B-shaped random MiniCPM4.1 checkpoint: time, memory, projection"
 	@echo "make interop    GPTQModel (own venv, ~6 GB) reads a quantkit GPTQ checkpoint: weights bit-exact, logits vs quantkit"
 	@echo "make interop-peer  GPTQModel quantizes the default model on quantkit's calibration rows, then its KL"
@@ -68,6 +69,9 @@ bench-awq: $(INSTALLED) $(LLMC_INSTALLED)
 	$(BIN)/python -m quantkit.eval.bench_methods --out $(OUT)/bench-awq --methods AWQ,RTN,GPTQ,S-P-GPTQ
 	$(BIN)/python -m quantkit.eval.bench_methods --out $(OUT)/bench-awq-g64 --methods AWQ,RTN --bits 4 \
 	  --group-size 64 --baseline AWQ --peer "$(LLMC_PEER)"
+
+bench-gguf: $(INSTALLED)
+	$(BIN)/python -m quantkit.eval.bench_gguf --out $(OUT)/bench-gguf
 
 bench-scale: $(INSTALLED)
 	$(BIN)/python -m quantkit.eval.scale_8b --work $(OUT)/scale-8b
