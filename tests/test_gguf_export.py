@@ -64,6 +64,7 @@ def text_ids(default_model):
     return heldout_tokens(AutoTokenizer.from_pretrained(default_model), max_tokens=256).tolist()
 
 
+@pytest.mark.slow  # the default model, exported in every type
 def test_f32_export_reproduces_the_model_in_llama_cpp(default_model, exports, text_ids):
     with torch.no_grad():
         ours = _model(default_model)(torch.tensor([text_ids])).logits[0].double().numpy()
@@ -82,6 +83,7 @@ KL_TOLERANCE = {"f16": 2e-5, "bf16": 1e-3, "q8_0": 0.01, "q6_k": 0.015, "q5_k_m"
                 "q4_0": 0.01, "q4_1": 0.01}
 
 
+@pytest.mark.slow  # the default model, exported in every type
 @pytest.mark.parametrize("file_type", list(KL_TOLERANCE))
 def test_quantized_export_matches_quantkit_reference_in_llama_cpp(default_model, exports, text_ids,
                                                                   file_type):
@@ -93,6 +95,7 @@ def test_quantized_export_matches_quantkit_reference_in_llama_cpp(default_model,
     assert kl < KL_TOLERANCE[file_type] and top1 > 0.92, (kl, top1)
 
 
+@pytest.mark.slow  # the default model, exported in every type
 def test_tokenizer_matches_llama_cpp(default_model, exports):
     from transformers import AutoTokenizer
 
@@ -109,6 +112,7 @@ def test_tokenizer_matches_llama_cpp(default_model, exports):
         llm.close()
 
 
+@pytest.mark.slow  # the default model, exported in every type
 def test_greedy_chat_generation_matches_llama_cpp(default_model, exports):
     from transformers import AutoTokenizer
 
@@ -137,6 +141,7 @@ def test_greedy_chat_generation_matches_llama_cpp(default_model, exports):
     assert theirs == ours
 
 
+@pytest.mark.slow  # the default model, exported in every type
 def test_metadata_is_what_llama_cpp_minicpm_reads(default_model, exports):
     config = MiniCPMConfig.from_pretrained(default_model)
     reader = GGUFReader(exports["q4_0"][1])
@@ -172,6 +177,7 @@ def _assert_llama_quantize_agrees(f32_path, ours_path, file_type, tmp_path) -> d
     return {name: tensor.tensor_type.name for name, tensor in theirs.items()}
 
 
+@pytest.mark.slow  # the default model, exported in every type
 @pytest.mark.parametrize("file_type", ["q8_0", "q6_k", "q5_k_m", "q5_k_s", "q4_k_m", "q4_k_s", "q4_0", "q4_1"])
 def test_llama_cpp_quantizer_writes_the_same_tensors(exports, tmp_path, file_type):
     _assert_llama_quantize_agrees(exports["f32"][1], exports[file_type][1], file_type, tmp_path)
