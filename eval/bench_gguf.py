@@ -1,11 +1,11 @@
-"""`make bench-gguf`: quantkit's GGUF export against llama.cpp's own quantizer, and GPTQ on the Q4_0
-grid, every file measured in llama.cpp on the same held-out tokens.
+"""`make bench-gguf`: quantkit's GGUF export against llama.cpp's own quantizer, and GPTQ on the GGUF
+grids, every file measured in llama.cpp on the same held-out tokens.
 
 For each type, quantkit exports the model directly and llama.cpp's ``llama_model_quantize``
 quantizes quantkit's F32 export; the table says whether their tensors are identical and how long
 each took. Each file is then scored in llama.cpp against the F32 file (also in llama.cpp):
 perplexity, mean KL and top-1 agreement, with quantkit's windows and float64 arithmetic. The last
-row is the ``gguf-q4_0`` recipe (GPTQ with Q4_0's grid) exported without re-rounding.
+rows are the GPTQ-on-GGUF recipes, each exported without re-rounding as the file type it targets.
 """
 from __future__ import annotations
 
@@ -19,6 +19,9 @@ from pathlib import Path
 import click
 
 from quantkit.table import format_table
+
+# GPTQ recipe -> the GGUF file type its artifact is exported as, unchanged
+GPTQ_RECIPES = {"gguf-q4_0": "q4_0", "gguf-q4_k_m": "q4_k_m"}
 
 
 @dataclass
@@ -51,10 +54,12 @@ def tensor_digest(path: Path) -> str:
               help="Comma-separated GGUF types.")
 @click.option("--max-tokens", default=4096, show_default=True, help="Held-out tokens scored.")
 @click.option("--window", default=512, show_default=True, help="Tokens per llama.cpp evaluation window.")
-@click.option("--n-samples", default=128, show_default=True, help="GPTQ calibration rows (gguf-q4_0 recipe).")
+@click.option("--recipes", default=",".join(GPTQ_RECIPES), show_default=True,
+              help=f"Comma-separated GPTQ-on-GGUF recipes, of {', '.join(GPTQ_RECIPES)}.")
+@click.option("--n-samples", default=128, show_default=True, help="GPTQ calibration rows.")
 @click.option("--seq-len", default=512, show_default=True)
 @click.option("--out", default="out/bench-gguf", show_default=True, type=click.Path(path_type=Path))
-def main(model, types, max_tokens, window, n_samples, seq_len, out):
+def main(model, types, recipes, max_tokens, window, n_samples, seq_len, out):
     """Export every type both ways, score each file in llama.cpp, print one table."""
     from transformers import AutoTokenizer
 
@@ -104,19 +109,21 @@ def main(model, types, max_tokens, window, n_samples, seq_len, out):
         if same != "yes":  # not expected: score llama.cpp's file on its own
             rows[-1] = score(theirs, "llama.cpp quantize (of f32.gguf)", quantize_seconds, same)
 
-    artifact = out / "gptq-q4_0"
-    if artifact.exists():
-        import shutil
+    for recipe in [r.strip() for r in recipes.split(",") if r.strip()]:
+        file_type = GPTQ_RECIPES[recipe]
+        artifact = out / recipe
+        if artifact.exists():
+            import shutil
 
-        shutil.rmtree(artifact)
-    seconds, _ = timed([sys.executable, "-m", "quantkit.cli", "quantize", "--recipe", "gguf-q4_0", "--model",
-                        str(model_dir), "--out", str(artifact), "--no-progress", "--set",
-                        f"calibration.n_samples={n_samples}", "--set", f"calibration.seq_len={seq_len}"],
-                       out / "gptq-q4_0.log")
-    started = time.perf_counter()
-    report = export_gguf(artifact, out / "gptq-q4_0.gguf", "q4_0", progress=False)
-    rows.append(score(out / "gptq-q4_0.gguf", f"quantkit gguf-q4_0 recipe ({report.exact_tensors} tensors on "
-                      "GPTQ's grid)", seconds + time.perf_counter() - started, ""))
+            shutil.rmtree(artifact)
+        seconds, _ = timed([sys.executable, "-m", "quantkit.cli", "quantize", "--recipe", recipe, "--model",
+                            str(model_dir), "--out", str(artifact), "--no-progress", "--set",
+                            f"calibration.n_samples={n_samples}", "--set", f"calibration.seq_len={seq_len}"],
+                           out / f"{recipe}.log")
+        started = time.perf_counter()
+        report = export_gguf(artifact, out / f"{recipe}.gguf", file_type, progress=False)
+        rows.append(score(out / f"{recipe}.gguf", f"quantkit {recipe} recipe ({report.exact_tensors} tensors "
+                          "solved by GPTQ)", seconds + time.perf_counter() - started, ""))
     reference.close()
 
     table = format_table(["file", "made by", "bits/weight", "MB", "ppl", "mean KL", "top-1", "seconds",

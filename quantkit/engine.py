@@ -26,6 +26,7 @@ from quantkit.artifact import ArtifactWriter, staging_dir
 from quantkit.checkpoint import CheckpointReader
 from quantkit.algorithms.smooth import smooth_layer
 from quantkit.formats import FORMATS, Format, gptq
+from quantkit.formats import gguf as gguf_format
 from quantkit.models import MiniCPMConfig, MiniCPMDecoderLayer, MiniCPMRotaryEmbedding
 from quantkit.models.minicpm import weight_shapes
 from quantkit.models.layers import (ATTENTION_PROJECTIONS, EMBEDDING, FINAL_NORM, LINEARS, LM_HEAD, SEQUENTIAL_GROUPS,
@@ -320,8 +321,9 @@ class _LayerJob:
             stats = self._stats(runner, hidden, (group[0],))[group[0]]
             for name in group:
                 weight = source[f"{self.prefix}{name}.weight"].float()
+                target = fmt.target(self.qconfig, name, self.index, self.config.num_hidden_layers, tuple(weight.shape))
                 started = time.perf_counter()
-                records[name] = algorithm(weight, stats, self.qconfig, self.recipe.values)
+                records[name] = algorithm(weight, stats, target, self.recipe.values)
                 self.solve_seconds += time.perf_counter() - started
                 approx = records[name].dequantize(torch.float32)
                 errors[name] = relative_error(weight, approx, stats.hessian)
@@ -372,4 +374,5 @@ def dequantize_layer(tensors: dict, index: int, config: MiniCPMConfig, qconfig: 
 
 
 def _is_packed(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in gptq.TENSOR_NAMES  # Marlin/CPM.cu store a subset of these
+    suffix = name.rsplit(".", 1)[-1]  # Marlin/CPM.cu store a subset of GPTQ's tensor names
+    return suffix in gptq.TENSOR_NAMES or suffix.startswith(gguf_format.SUFFIX)

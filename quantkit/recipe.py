@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import yaml
 
-from quantkit.algorithms import ALGORITHMS
+from quantkit.algorithms import ALGORITHMS, SOLVES_BLOCK_TYPES
 from quantkit.formats import FORMATS
 
 
@@ -177,6 +177,9 @@ def load_recipe(name_or_path: str | Path, overrides: dict[str, Any] | None = Non
     values = _validate(raw, SCHEMA, "", str(path))
     if values["gptq"]["desc_act"] and values["gptq"]["group_aware"]:
         raise RecipeError(f"{path}: 'gptq.desc_act' and 'gptq.group_aware' are two column orders: enable one")
+    if FORMATS[values["format"]].block_types and values["algorithm"] not in SOLVES_BLOCK_TYPES:
+        raise RecipeError(f"{path}: format '{values['format']}' is solved on GGUF block types, which "
+                          f"'{values['algorithm']}' cannot do (use one of {', '.join(SOLVES_BLOCK_TYPES)})")
     return Recipe(values, str(path))
 
 

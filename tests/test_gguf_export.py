@@ -320,3 +320,61 @@ def test_gptq_artifact_reaches_llama_cpp_on_its_own_grid(marlin_legal, tmp_path)
         ours = _model(artifact, exported)(torch.tensor([ids])).logits[0].double().numpy()
     kl, top1 = _kl_top1(ours, _llama_logits(tmp_path / "q4_0.gguf", ids))
     assert kl < 1e-3 and top1 > 0.95, (kl, top1)
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_checkpoint(tiny_checkpoint_factory, tmp_path_factory):
+    """A tiny MiniCPM with a SentencePiece BPE tokenizer like MiniCPM4.1's own (tokenizer.model, byte
+    fallback, no normalization, chat tokens added on top), trained here on the shipped calibration text."""
+    import shutil
+    from pathlib import Path
+
+    import sentencepiece
+
+    import quantkit.calib_data
+
+    folder = tmp_path_factory.mktemp("spm") / "model"
+    shutil.copytree(tiny_checkpoint_factory(vocab_size=1216), folder)
+    data = Path(quantkit.calib_data.__file__).parent
+    lines = [line for name in ("en_calib.txt", "zh_calib.txt", "code_calib.txt")
+             for line in (data / name).read_text().splitlines()[:400] if line.strip()]
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_prefix=str(folder / "tokenizer"), vocab_size=1200, model_type="bpe",
+        byte_fallback=True, character_coverage=0.9995, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, split_digits=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, num_threads=1, minloglevel=2)
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True, "added_tokens_decoder": {
+        "1200": {"content": "<|im_start|>", "special": True}, "1201": {"content": "<|im_end|>", "special": True}}}))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "bos_token_id": 1, "eos_token_id": 2,
+                                                     "pad_token_id": None}))
+    return folder
+
+
+def test_sentencepiece_tokenizer_matches_llama_cpp(sentencepiece_checkpoint, tmp_path):
+    """MiniCPM's tokenizer kind: llama.cpp's "llama" tokenizer on the exported pieces and scores
+    tokenizes exactly as SentencePiece does, added chat tokens included."""
+    import llama_cpp
+    import sentencepiece
+
+    path = tmp_path / "spm.gguf"
+    export_gguf(sentencepiece_checkpoint, path, "f32", progress=False)
+    fields = GGUFReader(path).fields
+
+    def value(key):
+        field = fields[key]
+        return field.contents() if hasattr(field, "contents") else field.parts[field.data[0]][0]
+
+    assert value("tokenizer.ggml.model") == "llama" and value("tokenizer.ggml.add_space_prefix") is True
+    assert value("tokenizer.ggml.unknown_token_id") == 0 and value("tokenizer.ggml.bos_token_id") == 1
+    assert len(value("tokenizer.ggml.scores")) == 1216
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(sentencepiece_checkpoint / "tokenizer.model"))
+    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    samples = [TEXT, "  leading spaces\tand tabs\n\n\nnewlines", "x=12345678901234567890; y = 3.14159",
+               "émigré naïve café — “quotes” ½ 😀", "def f(x):\n    return x**2\n"]
+    try:
+        for sample in samples:
+            assert llm.tokenize(sample.encode(), add_bos=True, special=True) == [1, *sp.encode(sample)], sample
+        assert llm.tokenize("<|im_start|><|im_end|>".encode(), add_bos=False, special=True) == [1200, 1201]
+    finally:
+        llm.close()

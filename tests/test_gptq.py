@@ -268,7 +268,7 @@ def test_deterministic_and_inputs_untouched():
 @pytest.mark.parametrize("kwargs, error, message", [
     ({"hessian": torch.eye(255)}, ValueError, r"hessian must have shape \(256, 256\)"),
     ({"weight": torch.randn(256)}, ValueError, r"got shape \(256,\)"),
-    ({"block_size": 100}, ValueError, "block_size 100 must be a multiple of group_size 32"),
+    ({"block_size": 100}, ValueError, "block_size 100 must be a multiple of the group width 32"),
     ({"block_size": 0}, ValueError, "block_size must be a positive int"),
     ({"damp_percent": 0.0}, ValueError, "damp_percent must be a positive"),
     ({"hessian": torch.full((256, 256), float("nan"))}, ValueError, "NaN or Inf"),

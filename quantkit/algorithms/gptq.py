@@ -25,6 +25,9 @@ from typing import Iterator, NamedTuple
 import torch
 from torch import Tensor
 
+from quantkit.gguf.record import GGUFTensor
+from quantkit.gguf.solver_grid import BlockGrid
+from quantkit.gguf.types import TensorType
 from quantkit.quant import (
     GroupParams,
     QuantConfig,
@@ -49,8 +52,12 @@ DAMP_RETRIES = 10
 SUB_BLOCK = 16
 
 
+# What the solver rounds to: GPTQ's uniform grid, or a GGUF block type's own (gguf/solver_grid.py)
+Target = QuantConfig | TensorType
+
+
 class GPTQSolution(NamedTuple):
-    quantized: QuantizedTensor
+    quantized: QuantizedTensor | GGUFTensor
     weight: Tensor  # [N, K] float32: the fake-quantized weights the solver propagated errors against
     damp_percent: float  # dampening actually used (larger than requested if retries were needed)
 
@@ -58,7 +65,7 @@ class GPTQSolution(NamedTuple):
 def gptq_quantize(
     weight: Tensor,
     hessian: Tensor,
-    config: QuantConfig,
+    config: Target,
     *,
     damp_percent: float = 0.01,
     block_size: int = 128,
@@ -66,7 +73,7 @@ def gptq_quantize(
     static_groups: bool = False,
     group_aware: bool = False,
     clip_search: bool = False,
-) -> QuantizedTensor:
+) -> QuantizedTensor | GGUFTensor:
     """GPTQ-quantize ``weight`` [N, K] against ``hessian`` [K, K] (H = 2/n Σ xᵀx of its inputs)."""
     return gptq_solve(
         weight, hessian, config,
@@ -78,7 +85,7 @@ def gptq_quantize(
 def gptq_solve(
     weight: Tensor,
     hessian: Tensor,
-    config: QuantConfig,
+    config: Target,
     *,
     damp_percent: float = 0.01,
     block_size: int = 128,
@@ -88,7 +95,7 @@ def gptq_solve(
     clip_search: bool = False,
 ) -> GPTQSolution:
     """As ``gptq_quantize``, also returning the solver's fake-quantized weights and the damping used."""
-    _validate(weight, hessian, config, damp_percent, block_size)
+    _validate(weight, hessian, config, damp_percent, block_size, desc_act, static_groups, clip_search)
     if desc_act and group_aware:
         raise ValueError("desc_act and group_aware are two different column orders: choose one")
     n, k = weight.shape
@@ -101,11 +108,14 @@ def gptq_solve(
     if desc_act:
         order = torch.argsort(importance, descending=True, stable=True)
     elif group_aware:
-        order = _group_aware_order(importance, config.group_size)
+        order = _group_aware_order(importance, _group_width(config))
     else:
         order = torch.arange(k)
-    grid = _Grid(w, order, config, up_front=static_groups or config.group_size == -1, groups_follow_columns=not desc_act,
-                 clip_search=clip_search)
+    if isinstance(config, QuantConfig):
+        grid = _Grid(w, order, config, up_front=static_groups or config.group_size == -1,
+                     groups_follow_columns=not desc_act, clip_search=clip_search)
+    else:
+        grid = BlockGrid(config, (n, k), order)
     factor, used_damp = _hessian_factor(hessian, order, dead, damp_percent)
 
     work = w[:, order].T.contiguous()  # [K, N]: one row per input channel, in processing order
@@ -126,12 +136,7 @@ def gptq_solve(
     weight_hat[:, order] = work.T
     original_codes = torch.empty(n, k, dtype=torch.uint8)
     original_codes[:, order] = codes.T
-    g_idx = torch.empty(k, dtype=torch.int32)
-    g_idx[order] = grid.position_group.to(torch.int32)
-    quantized = QuantizedTensor(
-        original_codes, grid.scales.to(torch.float16), grid.zeros.to(torch.uint8), g_idx, config
-    )
-    return GPTQSolution(quantized, weight_hat, used_damp)
+    return GPTQSolution(grid.record(original_codes), weight_hat, used_damp)
 
 
 def _group_aware_order(importance: Tensor, group_size: int) -> Tensor:
@@ -165,6 +170,7 @@ class _Grid:
         self.threads = torch.get_num_threads()
         natural_groups = default_g_idx(k, config.group_size).long()
         self.config = config
+        self.order = order
         self.scales = torch.empty(config.num_groups(k), w.shape[0], dtype=torch.float32)
         self.zeros = torch.empty_like(self.scales)
         self.group_starts: set[int] = set()
@@ -185,6 +191,18 @@ class _Grid:
                 self.scales[group], self.zeros[group] = self.find(rows[:width].T, self.config)
         return GroupParams(self.scales[group], self.zeros[group])
 
+    def round(self, position: int, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """(codes, fake-quantized values) of the column at ``position``."""
+        params = self.params(position, rows)
+        codes = quantize_codes(rows[0], params, self.config.maxq)
+        return codes, dequantize_codes(codes, params)
+
+    def record(self, codes: Tensor) -> QuantizedTensor:
+        """The record of the solver's ``codes`` [N, K] (natural column order) on this grid."""
+        g_idx = torch.empty(codes.shape[1], dtype=torch.int32)
+        g_idx[self.order] = self.position_group.to(torch.int32)
+        return QuantizedTensor(codes, self.scales.to(torch.float16), self.zeros.to(torch.uint8), g_idx, self.config)
+
 
 @contextmanager
 def _threads(count: int) -> Iterator[None]:
@@ -199,7 +217,7 @@ def _threads(count: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _quantize_block(block: Tensor, u_block: Tensor, start: int, grid: _Grid) -> Tensor:
+def _quantize_block(block: Tensor, u_block: Tensor, start: int, grid: _Grid | BlockGrid) -> Tensor:
     """Quantize ``block`` [B, N] in place to its fake-quantized rows; return their codes (uint8).
 
     The reference recursion, with the rank-1 updates confined to sub-blocks of SUB_BLOCK rows and each
@@ -209,13 +227,10 @@ def _quantize_block(block: Tensor, u_block: Tensor, start: int, grid: _Grid) -> 
     width = block.shape[0]
     codes = torch.empty(block.shape, dtype=torch.uint8)
     scaled_errors = torch.empty_like(block)
-    maxq = grid.config.maxq
     for sub_start in range(0, width, SUB_BLOCK):
         sub_stop = min(sub_start + SUB_BLOCK, width)
         for c in range(sub_start, sub_stop):
-            params = grid.params(start + c, block[c:])
-            column_codes = quantize_codes(block[c], params, maxq)
-            fake = dequantize_codes(column_codes, params)
+            column_codes, fake = grid.round(start + c, block[c:])
             torch.div(block[c] - fake, u_block[c, c], out=scaled_errors[c])
             block[c + 1:sub_stop].addr_(u_block[c, c + 1:sub_stop], scaled_errors[c], alpha=-1.0)
             block[c] = fake
@@ -224,9 +239,18 @@ def _quantize_block(block: Tensor, u_block: Tensor, start: int, grid: _Grid) -> 
     return codes
 
 
-def _validate(weight: Tensor, hessian: Tensor, config: QuantConfig, damp_percent: float, block_size: int) -> None:
-    if not isinstance(config, QuantConfig):
-        raise TypeError(f"config must be a QuantConfig, got {type(config).__name__}")
+def _group_width(target: Target) -> int:
+    """Columns that share grid parameters: a group, or a GGUF block (whose sub-blocks share a scale)."""
+    return target.group_size if isinstance(target, QuantConfig) else target.block_size
+
+
+def _validate(weight: Tensor, hessian: Tensor, target: Target, damp_percent: float, block_size: int,
+              desc_act: bool, static_groups: bool, clip_search: bool) -> None:
+    if not isinstance(target, (QuantConfig, TensorType)):
+        raise TypeError(f"config must be a QuantConfig or a GGUF TensorType, got {type(target).__name__}")
+    if isinstance(target, TensorType) and (desc_act or static_groups or clip_search):
+        raise ValueError(f"desc_act, static_groups and clip_search apply to GPTQ's own grid; on {target.name} the "
+                         "blocks keep their columns and llama.cpp's quantizer chooses the scales")
     if not isinstance(weight, Tensor) or weight.dim() != 2 or 0 in weight.shape:
         shape = tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
         raise ValueError(f"expected a linear weight [out_features, in_features], got shape {shape}")
@@ -240,9 +264,10 @@ def _validate(weight: Tensor, hessian: Tensor, config: QuantConfig, damp_percent
         raise ValueError(f"damp_percent must be a positive finite number, got {damp_percent!r}")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    if config.group_size != -1 and block_size % config.group_size:
+    width = _group_width(target)
+    if width != -1 and block_size % width:
         # A group must never straddle blocks, so that its parameters see every earlier column's error.
-        raise ValueError(f"block_size {block_size} must be a multiple of group_size {config.group_size}")
+        raise ValueError(f"block_size {block_size} must be a multiple of the group width {width}")
 
 
 def _hessian_factor(hessian: Tensor, order: Tensor, dead: Tensor, damp_percent: float) -> tuple[Tensor, float]:

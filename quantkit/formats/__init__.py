@@ -8,12 +8,14 @@ plus one entry here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Mapping
 
 import torch
 from torch import Tensor
 
-from quantkit.formats import awq, cpmcu, gptq, marlin
+from quantkit.formats import awq, cpmcu, gguf, gptq, marlin
+from quantkit.gguf.types import TensorType
 from quantkit.quant import QuantConfig, QuantizedTensor, default_g_idx
 
 Shapes = Mapping[str, tuple[int, int]]  # linear name -> (out_features, in_features)
@@ -29,6 +31,10 @@ class Format:
     quantization_config: Callable[..., dict[str, Any]]
     parse_config: Callable[[Mapping[str, Any]], QuantConfig]  # inverse of quantization_config
     weights_file: str | None = None  # a single weights file the consumer insists on (else sharded + index)
+    # (recipe grid, linear name, layer, layers, (N, K)) -> what the algorithm rounds that linear to
+    target: Callable[[QuantConfig, str, int, int, tuple[int, int]], QuantConfig | TensorType] = (
+        lambda config, linear, layer, layers, shape: config)
+    block_types: bool = False  # linears are solved on GGUF block types, not on the recipe's uniform grid
 
 
 def _gptq_check(config: QuantConfig, k: int, n: int, desc_act: bool, name: str) -> None:
@@ -84,6 +90,16 @@ def _cpmcu_read(tensors: Mapping[str, Tensor], prefix: str, config: QuantConfig,
     return {name: _symmetric_record(codes, scales, config) for name, (codes, scales) in parts.items()}
 
 
+def _gguf_format(file_type: str) -> Format:
+    return Format(
+        f"gguf-{file_type}", f"GGUF {file_type.upper()} blocks per linear, copied unchanged by `export gguf`",
+        gguf.check, gguf.write_layer,
+        lambda tensors, prefix, config, shapes: gguf.read_layer(tensors, prefix, shapes),
+        partial(gguf.quantization_config, file_type), gguf.parse_config,
+        target=lambda config, linear, layer, layers, shape: gguf.target(file_type, linear, layer, layers, shape),
+        block_types=True)
+
+
 FORMATS: dict[str, Format] = {
     "gptq": Format("gptq", "AutoGPTQ/GPTQModel checkpoint_format 'gptq' (vLLM, transformers, GPTQModel)",
                    _gptq_check, _gptq_write, _gptq_read, gptq.quantization_config, _gptq_parse),
@@ -95,3 +111,4 @@ FORMATS: dict[str, Format] = {
                     _marlin_check, cpmcu.cpmcu_layer_tensors, _cpmcu_read, marlin.quantization_config, _gptq_parse,
                     weights_file="model_gptq.safetensors"),
 }
+FORMATS.update({f"gguf-{file_type}": _gguf_format(file_type) for file_type in gguf.FILE_TYPES})

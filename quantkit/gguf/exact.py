@@ -5,6 +5,7 @@ w = (q − 8)·d) or Q8_0 (8-bit, zero point 128: w = (q − 128)·d), with the 
 the block's d. Writing its codes directly keeps the solver's error compensation, which re-rounding
 with llama.cpp's own rule (d from each block's largest weight) would throw away. This is how a
 GPTQ-quantized model reaches llama.cpp unchanged: every build of llama.cpp reads the file.
+A ``GGUFTensor`` (format ``gguf-*``) already is blocks: it is written as it is when its type is asked for.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from quantkit.gguf.legacy import pack_nibbles
+from quantkit.gguf.record import GGUFTensor
 from quantkit.quant import QuantConfig, QuantizedTensor, default_g_idx
 
 BLOCK = 32
@@ -41,8 +43,10 @@ EXACT: dict[str, tuple[QuantConfig, int, Callable[[QuantizedTensor], np.ndarray]
 }
 
 
-def exact_blocks(qt: QuantizedTensor, type_name: str) -> np.ndarray | None:
+def exact_blocks(qt: QuantizedTensor | GGUFTensor, type_name: str) -> np.ndarray | None:
     """The record as ``type_name`` blocks [N, row bytes] if that type holds its grid exactly, else None."""
+    if isinstance(qt, GGUFTensor):
+        return qt.data.numpy() if qt.type_name == type_name else None
     if type_name not in EXACT:
         return None
     config, zero, write = EXACT[type_name]

@@ -165,7 +165,12 @@ def _add_metadata(writer: gguf.GGUFWriter, config: MiniCPMConfig, model_dir: Pat
     writer.add_tokenizer_pre(vocab.pre)
     writer.add_token_list(vocab.tokens)
     writer.add_token_types(vocab.token_types)
-    writer.add_token_merges(vocab.merges)
+    if vocab.scores:
+        writer.add_token_scores(vocab.scores)
+    if vocab.merges:
+        writer.add_token_merges(vocab.merges)
+    if vocab.add_space_prefix is not None:
+        writer.add_add_space_prefix(vocab.add_space_prefix)
     adders = {"bos": writer.add_bos_token_id, "eos": writer.add_eos_token_id, "unk": writer.add_unk_token_id,
               "pad": writer.add_pad_token_id}
     for kind, token_id in vocab.special_ids.items():

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from quantkit.gguf.codec import Codec
+
 QK_K = 256
 GROUP_MAX_EPS = np.float32(1e-15)
 _F32 = np.float32
@@ -82,26 +84,44 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     d = (d16.astype(_F32)[:, None] * int_scales.astype(_F32)).astype(_F32)  # [blocks, 16]
     requantized = np.clip(_nearest_int((sub / np.where(d == 0, _F32(1), d)[..., None]).astype(_F32)), -32, 31) + 32
     codes = np.where((d == 0)[..., None], codes, requantized)  # a zero sub-scale keeps the search's codes
-    codes = np.where(dead[:, None, None], 0, codes).astype(np.uint8).reshape(-1, 2, 4, 32)  # [blk, half, quarter, l]
-
-    ql = np.concatenate([codes[:, :, 0] & 15 | (codes[:, :, 2] & 15) << 4,
-                         codes[:, :, 1] & 15 | (codes[:, :, 3] & 15) << 4], axis=-1).reshape(-1, 128)
-    qh = (codes[:, :, 0] >> 4 | (codes[:, :, 1] >> 4) << 2 | (codes[:, :, 2] >> 4) << 4
-          | (codes[:, :, 3] >> 4) << 6).reshape(-1, 64)
-    blocks = np.concatenate([ql, qh, int_scales.view(np.uint8), d16.view(np.uint8).reshape(-1, 2)], axis=-1)
+    codes = np.where(dead[:, None, None], 0, codes).astype(np.uint8).reshape(-1, QK_K)
+    blocks = np.concatenate([_q6_k_code_bytes(codes), int_scales.view(np.uint8), d16.view(np.uint8).reshape(-1, 2)],
+                            axis=-1)
     return blocks.reshape(*lead, -1)
 
 
-def dequantize_q6_k(data: np.ndarray, k: int) -> np.ndarray:
-    lead = data.shape[:-1]
-    b = data.reshape(-1, 210)
+def _q6_k_code_bytes(codes: np.ndarray) -> np.ndarray:
+    """Codes [blocks, 256] in 0..63 -> ql[128] (low nibbles) and qh[64] (high 2 bits)."""
+    c = codes.reshape(-1, 2, 4, 32)  # [block, half, quarter, l]
+    ql = np.concatenate([c[:, :, 0] & 15 | (c[:, :, 2] & 15) << 4,
+                         c[:, :, 1] & 15 | (c[:, :, 3] & 15) << 4], axis=-1).reshape(-1, 128)
+    qh = (c[:, :, 0] >> 4 | (c[:, :, 1] >> 4) << 2 | (c[:, :, 2] >> 4) << 4 | (c[:, :, 3] >> 4) << 6).reshape(-1, 64)
+    return np.concatenate([ql, qh], axis=-1)
+
+
+def _q6_k_codes(b: np.ndarray) -> np.ndarray:
     ql, qh = b[:, :128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 32)
+    quarters = [ql[:, :, :32] & 15, ql[:, :, 32:] & 15, ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4]
+    return np.stack([q | ((qh >> (2 * i)) & 3) << 4 for i, q in enumerate(quarters)], axis=2).reshape(-1, QK_K)
+
+
+def _q6_k_grid(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per 16-weight sub-block: scale d·scale₈, offset −32·scale (the solver's view; llama.cpp
+    multiplies d·scale₈ by code − 32, which :func:`dequantize_q6_k` repeats exactly)."""
+    scale = (b[:, 208:210].copy().view("<f2").astype(_F32) * b[:, 192:208].view(np.int8).astype(_F32)).astype(_F32)
+    return scale, (scale * _F32(-32)).astype(_F32)
+
+
+def _with_q6_k_codes(b: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    return np.concatenate([_q6_k_code_bytes(codes), b[:, 192:]], axis=-1)
+
+
+def dequantize_q6_k(data: np.ndarray, k: int) -> np.ndarray:
+    b = data.reshape(-1, 210)
     scales = b[:, 192:208].view(np.int8).astype(_F32)
     d = b[:, 208:210].copy().view("<f2").astype(_F32)
-    quarters = [ql[:, :, :32] & 15, ql[:, :, 32:] & 15, ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4]
-    codes = np.stack([q | ((qh >> (2 * i)) & 3) << 4 for i, q in enumerate(quarters)], axis=2)  # [blk, 2, 4, 32]
-    values = codes.reshape(-1, 16, 16).astype(_F32) - 32
-    return (values * (d * scales)[..., None]).reshape(*lead, k)
+    values = _q6_k_codes(b).reshape(-1, 16, 16).astype(_F32) - 32
+    return (values * (d * scales)[..., None]).reshape(*data.shape[:-1], k)
 
 
 def make_qkx2_quants(x: np.ndarray, weights: np.ndarray, nmax: int, rmin: float, rdelta: float,
@@ -199,14 +219,51 @@ def _quantize_qk_k(x: np.ndarray, nmax: int, rmin: float, nstep: int) -> tuple[n
     return d16, dmin16, _pack_scales_mins(ls, lm), codes
 
 
+def _q4_k_code_bytes(codes: np.ndarray) -> np.ndarray:
+    """Codes [blocks, 256] in 0..15 -> qs[128]: each 64-weight chunk's first 32 in the low nibbles."""
+    chunks = codes.reshape(-1, 4, 2, 32)  # [block, 64-chunk, half, l]
+    return (chunks[:, :, 0] | chunks[:, :, 1] << 4).reshape(-1, 128)
+
+
+def _q4_k_codes(qs: np.ndarray) -> np.ndarray:
+    qs = qs.reshape(-1, 4, 32)
+    return np.stack([qs & 15, qs >> 4], axis=2).reshape(-1, QK_K)
+
+
+def _q5_k_code_bytes(codes: np.ndarray) -> np.ndarray:
+    """Codes [blocks, 256] in 0..31 -> qh[32] (fifth bits: bit 2c of chunk c's first half, 2c+1 of its
+    second) and qs[128] (the low nibbles, laid out as Q4_K's)."""
+    bits = (codes.reshape(-1, 4, 2, 32) >> 4).astype(np.uint8)
+    qh = np.zeros((codes.shape[0], 32), dtype=np.uint8)
+    for chunk in range(4):
+        qh |= bits[:, chunk, 0] << (2 * chunk) | bits[:, chunk, 1] << (2 * chunk + 1)
+    return np.concatenate([qh, _q4_k_code_bytes(codes & 15)], axis=-1)
+
+
+def _q5_k_codes(body: np.ndarray) -> np.ndarray:
+    qh = body[:, :32]
+    high = np.stack([np.stack([(qh >> (2 * c)) & 1, (qh >> (2 * c + 1)) & 1], axis=1) for c in range(4)], axis=1)
+    return _q4_k_codes(body[:, 32:]) | high.reshape(-1, QK_K) << 4
+
+
+def _qk_k_grid(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per 32-weight sub-block: scale d·scale₆ and offset −dmin·min₆ (both exact in float32)."""
+    d = b[:, 0:2].copy().view("<f2").astype(_F32)
+    dmin = b[:, 2:4].copy().view("<f2").astype(_F32)
+    ls, lm = _unpack_scales_mins(b[:, 4:16])
+    return (d * ls).astype(_F32), (-(dmin * lm)).astype(_F32)
+
+
+def _with_qk_k_codes(b: np.ndarray, codes: np.ndarray, code_bytes) -> np.ndarray:
+    return np.concatenate([b[:, :16], code_bytes(codes)], axis=-1)
+
+
 def quantize_q4_k(x: np.ndarray) -> np.ndarray:
     """float32 [..., K] -> Q4_K bytes [..., K/256 · 144]: d, dmin, scales[12], qs[128]."""
     lead = np.shape(x)[:-1]
     d16, dmin16, scales, codes = _quantize_qk_k(x, 15, -1.0, 20)
-    chunks = codes.reshape(-1, 4, 2, 32)  # [blocks, 64-chunk, half, l]
-    qs = (chunks[:, :, 0] | chunks[:, :, 1] << 4).reshape(-1, 128)
-    blocks = np.concatenate([d16.view(np.uint8).reshape(-1, 2), dmin16.view(np.uint8).reshape(-1, 2), scales, qs],
-                            axis=-1)
+    blocks = np.concatenate([d16.view(np.uint8).reshape(-1, 2), dmin16.view(np.uint8).reshape(-1, 2), scales,
+                             _q4_k_code_bytes(codes)], axis=-1)
     return blocks.reshape(*lead, -1)
 
 
@@ -214,35 +271,30 @@ def quantize_q5_k(x: np.ndarray) -> np.ndarray:
     """float32 [..., K] -> Q5_K bytes [..., K/256 · 176]: d, dmin, scales[12], qh[32], qs[128]."""
     lead = np.shape(x)[:-1]
     d16, dmin16, scales, codes = _quantize_qk_k(x, 31, -0.5, 15)
-    chunks = codes.reshape(-1, 4, 2, 32)
-    qs = ((chunks[:, :, 0] & 15) | (chunks[:, :, 1] & 15) << 4).reshape(-1, 128)
-    bits = (chunks >> 4).astype(np.uint8)  # fifth bit of each code: bit 2c (low half), 2c+1 (high half)
-    qh = np.zeros((codes.shape[0], 32), dtype=np.uint8)
-    for chunk in range(4):
-        qh |= bits[:, chunk, 0] << (2 * chunk) | bits[:, chunk, 1] << (2 * chunk + 1)
     blocks = np.concatenate([d16.view(np.uint8).reshape(-1, 2), dmin16.view(np.uint8).reshape(-1, 2), scales,
-                             qh, qs], axis=-1)
+                             _q5_k_code_bytes(codes)], axis=-1)
     return blocks.reshape(*lead, -1)
 
 
-def _dequantize_qk_k(b: np.ndarray, codes: np.ndarray) -> np.ndarray:
-    d = b[:, 0:2].copy().view("<f2").astype(_F32)
-    dmin = b[:, 2:4].copy().view("<f2").astype(_F32)
-    ls, lm = _unpack_scales_mins(b[:, 4:16])
-    values = codes.reshape(-1, 8, 32).astype(_F32)
-    return values * (d * ls)[..., None] - (dmin * lm)[..., None]
+def _dequantize_qk_k(data: np.ndarray, k: int, block_bytes: int, codes_of) -> np.ndarray:
+    b = data.reshape(-1, block_bytes)
+    scale, offset = _qk_k_grid(b)
+    values = codes_of(b[:, 16:]).reshape(-1, 8, 32).astype(_F32) * scale[..., None] + offset[..., None]
+    return values.reshape(*data.shape[:-1], k)
 
 
 def dequantize_q4_k(data: np.ndarray, k: int) -> np.ndarray:
-    b = data.reshape(-1, 144)
-    qs = b[:, 16:].reshape(-1, 4, 32)
-    codes = np.stack([qs & 15, qs >> 4], axis=2)  # [blocks, chunk, half, l]
-    return _dequantize_qk_k(b, codes).reshape(*data.shape[:-1], k)
+    return _dequantize_qk_k(data, k, 144, _q4_k_codes)
 
 
 def dequantize_q5_k(data: np.ndarray, k: int) -> np.ndarray:
-    b = data.reshape(-1, 176)
-    qh, qs = b[:, 16:48], b[:, 48:].reshape(-1, 4, 32)
-    high = np.stack([np.stack([(qh >> (2 * c)) & 1, (qh >> (2 * c + 1)) & 1], axis=1) for c in range(4)], axis=1)
-    codes = np.stack([qs & 15, qs >> 4], axis=2) | high << 4
-    return _dequantize_qk_k(b, codes).reshape(*data.shape[:-1], k)
+    return _dequantize_qk_k(data, k, 176, _q5_k_codes)
+
+
+CODECS = {
+    "q4_k": Codec(32, 15, _qk_k_grid, lambda b: _q4_k_codes(b[:, 16:]),
+                  lambda b, codes: _with_qk_k_codes(b, codes, _q4_k_code_bytes)),
+    "q5_k": Codec(32, 31, _qk_k_grid, lambda b: _q5_k_codes(b[:, 16:]),
+                  lambda b, codes: _with_qk_k_codes(b, codes, _q5_k_code_bytes)),
+    "q6_k": Codec(16, 63, _q6_k_grid, _q6_k_codes, _with_q6_k_codes),
+}

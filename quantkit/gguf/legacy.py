@@ -10,7 +10,11 @@ arrays [..., K/32 · block bytes].
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+
+from quantkit.gguf.codec import Codec
 
 BLOCK = 32
 _F32 = np.float32
@@ -55,18 +59,88 @@ def _flatten(blocks: np.ndarray) -> np.ndarray:
     return blocks.reshape(*blocks.shape[:-2], blocks.shape[-2] * blocks.shape[-1])
 
 
+def _eight_bit_codes(qs: np.ndarray) -> np.ndarray:
+    """Q8_0's int8 values as codes 0..255 (zero point 128), so that every type's codes are unsigned."""
+    return (qs.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+
+
+def _eight_bit_bytes(codes: np.ndarray) -> np.ndarray:
+    return (codes.astype(np.int16) - 128).astype(np.int8).view(np.uint8)
+
+
+def _five_bit_bytes(codes: np.ndarray) -> np.ndarray:
+    return np.concatenate(_five_bit_parts(codes), axis=-1)
+
+
+def _five_bit_unpacked(body: np.ndarray) -> np.ndarray:
+    return _five_bit_codes(body[..., :4], body[..., 4:])
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One legacy type's block: fp16 d, then (the _1 types) an fp16 minimum, then the packed codes."""
+
+    block_bytes: int
+    bits: int
+    zero: int | None  # the symmetric types' zero point; None: the block stores its minimum
+
+    @property
+    def header(self) -> int:
+        return 2 if self.zero is not None else 4
+
+
+LAYOUTS = {
+    "q8_0": Layout(34, 8, 128),
+    "q5_0": Layout(22, 5, 16),
+    "q5_1": Layout(24, 5, None),
+    "q4_0": Layout(18, 4, 8),
+    "q4_1": Layout(20, 4, None),
+}
+# code bits -> (packed body -> codes [..., 32], codes -> packed body)
+_PACKING = {
+    4: (_unpack_nibbles, pack_nibbles),
+    5: (_five_bit_unpacked, _five_bit_bytes),
+    8: (_eight_bit_codes, _eight_bit_bytes),
+}
+
+
+def _half(b: np.ndarray, at: int) -> np.ndarray:
+    return b[..., at:at + 2].copy().view("<f2").astype(_F32)
+
+
+def block_grid(blocks: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(scale, offset) [..., 1] of blocks [..., B]: weight = code · scale + offset."""
+    layout = LAYOUTS[type_name]
+    d = _half(blocks, 0)
+    offset = _half(blocks, 2) if layout.zero is None else (d * _F32(-layout.zero)).astype(_F32)
+    return d, offset
+
+
+def block_codes(blocks: np.ndarray, type_name: str) -> np.ndarray:
+    layout = LAYOUTS[type_name]
+    return _PACKING[layout.bits][0](blocks[..., layout.header:])
+
+
+def with_block_codes(blocks: np.ndarray, codes: np.ndarray, type_name: str) -> np.ndarray:
+    layout = LAYOUTS[type_name]
+    return np.concatenate([blocks[..., :layout.header], _PACKING[layout.bits][1](codes)], axis=-1)
+
+
+def dequantize(data: np.ndarray, k: int, type_name: str) -> np.ndarray:
+    """What llama.cpp computes: code · d + offset is exact in float32 for these types (at most 19
+    significant bits), so it equals ggml's ``(q − zero) · d`` and ``q · d + m`` bit for bit."""
+    blocks = data.reshape(*data.shape[:-1], k // BLOCK, LAYOUTS[type_name].block_bytes)
+    scale, offset = block_grid(blocks, type_name)
+    values = (block_codes(blocks, type_name).astype(_F32) * scale).astype(_F32) + offset
+    return values.reshape(*data.shape[:-1], k)
+
+
 def quantize_q8_0(x: np.ndarray) -> np.ndarray:
     """d = max|x| / 127, q = roundf(x · (1/d)) as int8."""
     b = _blocks(x)
     d = (np.abs(b).max(axis=-1, keepdims=True) / _F32(127)).astype(_F32)
     q = round_half_away((b * inverse(d)).astype(_F32)).astype(np.int8)
     return _flatten(np.concatenate([half_bytes(d), q.view(np.uint8)], axis=-1))
-
-
-def dequantize_q8_0(data: np.ndarray, k: int) -> np.ndarray:
-    b = data.reshape(*data.shape[:-1], k // BLOCK, 34)
-    d = b[..., :2].copy().view("<f2").astype(_F32)
-    return (b[..., 2:].view(np.int8).astype(_F32) * d).reshape(*data.shape[:-1], k)
 
 
 def _signed_max_codes(b: np.ndarray, half: int) -> tuple[np.ndarray, np.ndarray]:
@@ -92,24 +166,9 @@ def quantize_q4_0(x: np.ndarray) -> np.ndarray:
     return _flatten(np.concatenate([half_bytes(d), pack_nibbles(q)], axis=-1))
 
 
-def dequantize_q4_0(data: np.ndarray, k: int) -> np.ndarray:
-    b = data.reshape(*data.shape[:-1], k // BLOCK, 18)
-    d = b[..., :2].copy().view("<f2").astype(_F32)
-    q = _unpack_nibbles(b[..., 2:]).astype(_F32)
-    return ((q - 8) * d).reshape(*data.shape[:-1], k)
-
-
 def quantize_q4_1(x: np.ndarray) -> np.ndarray:
     d, low, q = _min_max_codes(_blocks(x), 15)
     return _flatten(np.concatenate([half_bytes(d), half_bytes(low), pack_nibbles(q)], axis=-1))
-
-
-def dequantize_q4_1(data: np.ndarray, k: int) -> np.ndarray:
-    b = data.reshape(*data.shape[:-1], k // BLOCK, 20)
-    d = b[..., :2].copy().view("<f2").astype(_F32)
-    m = b[..., 2:4].copy().view("<f2").astype(_F32)
-    q = _unpack_nibbles(b[..., 4:]).astype(_F32)
-    return (q * d + m).reshape(*data.shape[:-1], k)
 
 
 def _five_bit_parts(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -127,26 +186,20 @@ def _five_bit_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
 
 def quantize_q5_0(x: np.ndarray) -> np.ndarray:
     d, q = _signed_max_codes(_blocks(x), 16)
-    qh, qs = _five_bit_parts(q)
-    return _flatten(np.concatenate([half_bytes(d), qh, qs], axis=-1))
-
-
-def dequantize_q5_0(data: np.ndarray, k: int) -> np.ndarray:
-    b = data.reshape(*data.shape[:-1], k // BLOCK, 22)
-    d = b[..., :2].copy().view("<f2").astype(_F32)
-    q = _five_bit_codes(b[..., 2:6], b[..., 6:]).astype(_F32)
-    return ((q - 16) * d).reshape(*data.shape[:-1], k)
+    return _flatten(np.concatenate([half_bytes(d), _five_bit_bytes(q)], axis=-1))
 
 
 def quantize_q5_1(x: np.ndarray) -> np.ndarray:
     d, low, q = _min_max_codes(_blocks(x), 31)
-    qh, qs = _five_bit_parts(q)
-    return _flatten(np.concatenate([half_bytes(d), half_bytes(low), qh, qs], axis=-1))
+    return _flatten(np.concatenate([half_bytes(d), half_bytes(low), _five_bit_bytes(q)], axis=-1))
 
 
-def dequantize_q5_1(data: np.ndarray, k: int) -> np.ndarray:
-    b = data.reshape(*data.shape[:-1], k // BLOCK, 24)
-    d = b[..., :2].copy().view("<f2").astype(_F32)
-    m = b[..., 2:4].copy().view("<f2").astype(_F32)
-    q = _five_bit_codes(b[..., 4:8], b[..., 8:]).astype(_F32)
-    return (q * d + m).reshape(*data.shape[:-1], k)
+QUANTIZERS = {"q8_0": quantize_q8_0, "q5_0": quantize_q5_0, "q5_1": quantize_q5_1, "q4_0": quantize_q4_0,
+              "q4_1": quantize_q4_1}
+CODECS = {
+    name: Codec(BLOCK, 2**layout.bits - 1,
+                lambda b, name=name: block_grid(b, name),
+                lambda b, name=name: block_codes(b, name),
+                lambda b, codes, name=name: with_block_codes(b, codes, name))
+    for name, layout in LAYOUTS.items()
+}

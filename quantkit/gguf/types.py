@@ -13,6 +13,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as GGML
 
 from quantkit.gguf import kquants, legacy, ternary
+from quantkit.gguf.codec import Codec
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class TensorType:
     block_bytes: int
     quantize: Callable[[np.ndarray], np.ndarray]
     dequantize: Callable[[np.ndarray, int], np.ndarray]  # (bytes [..., n], K) -> float32 [..., K]
+    codec: Codec | None = None  # the codes' grid, for types GPTQ can solve on
 
     def row_bytes(self, k: int) -> int:
         return k // self.block_size * self.block_bytes
@@ -62,14 +64,15 @@ TYPES: dict[str, TensorType] = {
     "f32": _float_type("f32", GGML.F32, "<f4"),
     "f16": _float_type("f16", GGML.F16, "<f2"),
     "bf16": TensorType("bf16", GGML.BF16, 1, 2, _to_bf16, _from_bf16),
-    "q8_0": TensorType("q8_0", GGML.Q8_0, 32, 34, legacy.quantize_q8_0, legacy.dequantize_q8_0),
-    "q5_0": TensorType("q5_0", GGML.Q5_0, 32, 22, legacy.quantize_q5_0, legacy.dequantize_q5_0),
-    "q5_1": TensorType("q5_1", GGML.Q5_1, 32, 24, legacy.quantize_q5_1, legacy.dequantize_q5_1),
-    "q4_0": TensorType("q4_0", GGML.Q4_0, 32, 18, legacy.quantize_q4_0, legacy.dequantize_q4_0),
-    "q4_1": TensorType("q4_1", GGML.Q4_1, 32, 20, legacy.quantize_q4_1, legacy.dequantize_q4_1),
-    "q4_k": TensorType("q4_k", GGML.Q4_K, 256, 144, kquants.quantize_q4_k, kquants.dequantize_q4_k),
-    "q5_k": TensorType("q5_k", GGML.Q5_K, 256, 176, kquants.quantize_q5_k, kquants.dequantize_q5_k),
-    "q6_k": TensorType("q6_k", GGML.Q6_K, 256, 210, kquants.quantize_q6_k, kquants.dequantize_q6_k),
+    **{name: TensorType(name, GGML[name.upper()], legacy.BLOCK, layout.block_bytes, legacy.QUANTIZERS[name],
+                        lambda data, k, name=name: legacy.dequantize(data, k, name), legacy.CODECS[name])
+       for name, layout in legacy.LAYOUTS.items()},
+    "q4_k": TensorType("q4_k", GGML.Q4_K, 256, 144, kquants.quantize_q4_k, kquants.dequantize_q4_k,
+                       kquants.CODECS["q4_k"]),
+    "q5_k": TensorType("q5_k", GGML.Q5_K, 256, 176, kquants.quantize_q5_k, kquants.dequantize_q5_k,
+                       kquants.CODECS["q5_k"]),
+    "q6_k": TensorType("q6_k", GGML.Q6_K, 256, 210, kquants.quantize_q6_k, kquants.dequantize_q6_k,
+                       kquants.CODECS["q6_k"]),
     "tq2_0": TensorType("tq2_0", GGML.TQ2_0, 256, 66, ternary.quantize_tq2_0, ternary.dequantize_tq2_0),
     "tq1_0": TensorType("tq1_0", GGML.TQ1_0, 256, 54, ternary.quantize_tq1_0, ternary.dequantize_tq1_0),
 }

@@ -1,15 +1,22 @@
 """A Hugging Face tokenizer as llama.cpp's ``tokenizer.ggml.*`` metadata.
 
-Byte-level BPE tokenizers (GPT-2 style, the default model's) become ``tokenizer.ggml.model = "gpt2"``
-with merges. llama.cpp picks its pre-tokenization by name (``tokenizer.ggml.pre``); the name comes
-from matching tokenizer.json's pre_tokenizer against the table below. The tests check every
-entry against llama.cpp's own tokenization. Other tokenizer models are refused with a clear error
-instead of being written wrongly.
+- SentencePiece (``tokenizer.model``, MiniCPM's own): ``tokenizer.ggml.model = "llama"`` with each
+  piece's score and type, as llama.cpp's converter writes for MiniCPM. Its tokenizer merges any
+  adjacent pair whose concatenation is a piece, highest score first, which is SentencePiece's BPE
+  rule; pieces are read with the ``sentencepiece`` library, and whether a space is prefixed is
+  read off its behaviour. Added tokens (``<|im_start|>``...) come from tokenizer.json /
+  tokenizer_config.json.
+- Byte-level BPE (GPT-2 style, the default model's): ``tokenizer.ggml.model = "gpt2"`` with merges.
+  llama.cpp picks its pre-tokenization by name (``tokenizer.ggml.pre``); the name comes from
+  matching tokenizer.json's pre_tokenizer against the table below.
+
+The tests check both against llama.cpp's own tokenization. Other tokenizer models are refused with
+a clear error instead of being written wrongly.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gguf import TokenType
@@ -29,10 +36,15 @@ class Vocab:
     pre: str  # tokenizer.ggml.pre
     tokens: list[str]
     token_types: list[int]
-    merges: list[str]
+    merges: list[str]  # BPE only
     special_ids: dict[str, int]  # bos / eos / unk / pad -> id
     add_bos: bool
     chat_template: str | None
+    scores: list[float] = field(default_factory=list)  # SentencePiece only
+    add_space_prefix: bool | None = None  # SentencePiece only
+
+# llama.cpp's converter gives added and padding tokens this score
+ADDED_SCORE = -1000.0
 
 
 def _merge_string(merge) -> str:
@@ -40,16 +52,79 @@ def _merge_string(merge) -> str:
 
 
 def read_vocab(model_dir: Path, vocab_size: int, special_ids: dict[str, int], pre: str | None = None) -> Vocab:
-    """``special_ids`` from the model config (bos/eos/pad); ``pre`` overrides the table lookup."""
+    """``special_ids`` from the model config (bos/eos/pad); ``pre`` overrides the table lookup (BPE)."""
+    if (model_dir / "tokenizer.model").is_file():
+        return _sentencepiece_vocab(model_dir, vocab_size, special_ids)
+    return _byte_level_vocab(model_dir, vocab_size, special_ids, pre)
+
+
+def _tokenizer_config(model_dir: Path) -> dict:
+    path = model_dir / "tokenizer_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _chat_template(model_dir: Path, config: dict) -> str | None:
+    template_file = model_dir / "chat_template.jinja"
+    return template_file.read_text() if template_file.is_file() else config.get("chat_template")
+
+
+def _added_tokens(model_dir: Path, config: dict) -> dict[int, tuple[str, bool]]:
+    """id -> (content, special) of the tokens added on top of the tokenizer's model."""
+    path = model_dir / "tokenizer.json"
+    if path.is_file():
+        return {t["id"]: (t["content"], t["special"]) for t in json.loads(path.read_text()).get("added_tokens", [])}
+    return {int(i): (t["content"], t.get("special", False)) for i, t in config.get("added_tokens_decoder", {}).items()}
+
+
+def _padded(by_id: dict[int, str], types: dict[int, int], vocab_size: int, source: Path) -> tuple[list, list]:
+    if max(by_id) >= vocab_size:
+        raise ValueError(f"{source}: token id {max(by_id)} does not fit the model's vocab_size {vocab_size}")
+    return ([by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)],
+            [int(types.get(i, TokenType.UNUSED)) for i in range(vocab_size)])
+
+
+def _sentencepiece_vocab(model_dir: Path, vocab_size: int, special_ids: dict[str, int]) -> Vocab:
+    from sentencepiece import SentencePieceProcessor
+
+    path = model_dir / "tokenizer.model"
+    try:
+        sp = SentencePieceProcessor(model_file=str(path))
+    except (OSError, RuntimeError) as e:
+        raise ValueError(f"{path}: not a readable SentencePiece model ({e})") from e
+    by_id, types, scores = {}, {}, {}
+    for i in range(sp.vocab_size()):
+        by_id[i], scores[i] = sp.id_to_piece(i), sp.get_score(i)
+        types[i] = (TokenType.UNKNOWN if sp.is_unknown(i) else TokenType.CONTROL if sp.is_control(i)
+                    else TokenType.UNUSED if sp.is_unused(i) else TokenType.BYTE if sp.is_byte(i)
+                    else TokenType.NORMAL)
+    config = _tokenizer_config(model_dir)
+    for i, (content, special) in _added_tokens(model_dir, config).items():
+        if i < sp.vocab_size() and types[i] not in (TokenType.NORMAL, TokenType.UNUSED):
+            continue  # <unk>, <s>, </s>: the model's own types stand
+        by_id[i], scores[i] = content, ADDED_SCORE
+        types[i] = TokenType.CONTROL if special else TokenType.USER_DEFINED
+    tokens, token_types = _padded(by_id, types, vocab_size, path)
+    if sp.unk_id() >= 0:
+        special_ids = {**special_ids, "unk": sp.unk_id()}
+    # SentencePiece's add_dummy_prefix, observed: a lone word's first piece carries the space mark
+    add_space_prefix = sp.encode("a", out_type=str)[0].startswith("▁")
+    return Vocab("llama", "default", tokens, token_types, [], special_ids,
+                 bool(config.get("add_bos_token", True)), _chat_template(model_dir, config),
+                 [float(scores.get(i, ADDED_SCORE)) for i in range(vocab_size)], add_space_prefix)
+
+
+def _byte_level_vocab(model_dir: Path, vocab_size: int, special_ids: dict[str, int], pre: str | None) -> Vocab:
     path = model_dir / "tokenizer.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{model_dir} has no tokenizer.json; GGUF export needs the tokenizer")
+        raise FileNotFoundError(f"{model_dir} has neither tokenizer.model nor tokenizer.json; GGUF export needs "
+                                "the tokenizer")
     spec = json.loads(path.read_text())
     model = spec["model"]
     byte_level = (spec.get("decoder") or {}).get("type") == "ByteLevel"
     if model.get("type") != "BPE" or not byte_level:
-        raise ValueError(f"{path}: only byte-level BPE tokenizers can be exported so far "
-                         f"(model {model.get('type')!r}, decoder {(spec.get('decoder') or {}).get('type')!r})")
+        raise ValueError(f"{path}: only byte-level BPE tokenizers (or SentencePiece ones, with tokenizer.model) "
+                         f"can be exported (model {model.get('type')!r}, decoder "
+                         f"{(spec.get('decoder') or {}).get('type')!r})")
     if pre is None:
         signature = json.dumps(spec.get("pre_tokenizer"), sort_keys=True)
         if signature not in PRE_TOKENIZERS:
@@ -62,19 +137,13 @@ def read_vocab(model_dir: Path, vocab_size: int, special_ids: dict[str, int], pr
     for added in spec.get("added_tokens", []):
         by_id[added["id"]] = added["content"]
         types[added["id"]] = TokenType.CONTROL if added["special"] else TokenType.USER_DEFINED
-    if max(by_id) >= vocab_size:
-        raise ValueError(f"{path}: token id {max(by_id)} does not fit the model's vocab_size {vocab_size}")
-    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
-    token_types = [int(types.get(i, TokenType.UNUSED)) for i in range(vocab_size)]
-    config = json.loads((model_dir / "tokenizer_config.json").read_text()) \
-        if (model_dir / "tokenizer_config.json").is_file() else {}
+    tokens, token_types = _padded(by_id, types, vocab_size, path)
+    config = _tokenizer_config(model_dir)
     unk = model.get("unk_token")
     if unk in model["vocab"]:
         special_ids = {**special_ids, "unk": model["vocab"][unk]}
-    template_file = model_dir / "chat_template.jinja"
-    template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
     return Vocab("gpt2", pre, tokens, token_types, [_merge_string(m) for m in model.get("merges", [])],
-                 special_ids, _adds_bos(spec, config, special_ids.get("bos")), template)
+                 special_ids, _adds_bos(spec, config, special_ids.get("bos")), _chat_template(model_dir, config))
 
 
 def _adds_bos(spec: dict, config: dict, bos: int | None) -> bool:

@@ -1,0 +1,70 @@
+"""quantkit's artifact for a GGUF file type: every linear stored as the blocks llama.cpp will read.
+
+An algorithm run with format ``gguf-<file type>`` (for example ``gguf-q4_k_m``) solves each linear
+on the GGUF type llama.cpp's mix gives that tensor (Q4_K, Q6_K for the _M mixes' attn_v/ffn_down
+layers, Q5_0 where rows are not whole 256-blocks, ...), and the shard keeps its blocks as
+``<linear>.gguf_<type>``. ``quantkit export gguf --type <file type>`` then copies them into the
+file unchanged; everything else (embeddings, norms) is quantized by the export as llama.cpp would.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor
+
+from quantkit.gguf.mixes import MIXES, choose_type
+from quantkit.gguf.names import gguf_name
+from quantkit.gguf.record import GGUFTensor
+from quantkit.gguf.types import TensorType
+from quantkit.models.layers import layer_prefix
+from quantkit.quant import QuantConfig
+
+QUANT_METHOD = "quantkit-gguf"
+SUFFIX = "gguf_"
+BLOCK = 32  # the smallest block of any type the solver can use: every linear's K must be a multiple
+# File types whose blocks GPTQ can solve on (the float and ternary files have no integer grid to solve)
+FILE_TYPES = tuple(name for name, mix in MIXES.items() if mix.default not in ("f32", "f16", "bf16", "tq1_0", "tq2_0"))
+
+
+def target(file_type: str, linear: str, layer: int, layers: int, shape: tuple[int, int]) -> TensorType:
+    """The GGUF type llama.cpp's ``file_type`` mix gives this linear (what the solver rounds to)."""
+    return choose_type(file_type, gguf_name(f"{layer_prefix(layer)}{linear}.weight"), shape, False, layers)
+
+
+def check(config: QuantConfig, k: int, n: int, desc_act: bool, name: str) -> None:
+    if desc_act:
+        raise ValueError("GGUF blocks hold consecutive input channels: desc_act (act-order) cannot be stored; "
+                         "use gptq.group_aware instead")
+    if k % BLOCK:
+        raise ValueError(f"{name}: in_features {k} is not a multiple of {BLOCK}, the smallest GGUF block")
+
+
+def write_layer(records: Mapping[str, GGUFTensor], prefix: str) -> dict[str, Tensor]:
+    return {f"{prefix}{name}.{SUFFIX}{record.type_name}": record.data for name, record in records.items()}
+
+
+def read_layer(tensors: Mapping[str, Tensor], prefix: str, shapes: Mapping[str, tuple[int, int]]
+               ) -> dict[str, GGUFTensor]:
+    records = {}
+    for name, shape in shapes.items():
+        stem = f"{prefix}{name}.{SUFFIX}"
+        keys = [key for key in tensors if key.startswith(stem)]
+        if len(keys) != 1:
+            raise ValueError(f"expected one '{stem}<type>' tensor, found {keys or 'none'}")
+        records[name] = GGUFTensor(keys[0][len(stem):], tensors[keys[0]].to(torch.uint8), shape)
+    return records
+
+
+def quantization_config(file_type: str, config: QuantConfig, *, damp_percent: float | None = None,
+                        quantizer: str | None = None, **_: Any) -> dict[str, Any]:
+    """quantkit's own record of the run; ``bits``/``group_size``/``sym`` are the smoothing search's grid."""
+    result = {"quant_method": QUANT_METHOD, "file_type": file_type, "bits": config.bits,
+              "group_size": config.group_size, "sym": config.sym, "quantizer": quantizer}
+    if damp_percent is not None:
+        result["damp_percent"] = damp_percent
+    return result
+
+
+def parse_config(d: Mapping[str, Any]) -> QuantConfig:
+    return QuantConfig(d["bits"], d["group_size"], d["sym"])

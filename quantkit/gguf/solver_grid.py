@@ -1,0 +1,64 @@
+"""A GGUF block type as the GPTQ solver's rounding grid.
+
+When the solver reaches a block's first column, the type's own quantizer (llama.cpp's scale
+search: Q4_K's weighted min/scale fit, Q6_K's 19 candidate grids, Q4_0's signed maximum) runs on
+the block's weights as they stand then, with every earlier column's error compensation applied.
+Its scales and minimums are kept; every column of the block is then rounded by the solver to that
+grid (``weight = code · scale + offset`` per sub-block), and at the end the solver's codes replace
+llama.cpp's round-to-nearest ones in the blocks. The result is a file any llama.cpp build reads.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from quantkit.gguf.record import GGUFTensor
+from quantkit.gguf.types import TensorType
+
+
+class BlockGrid:
+    def __init__(self, tensor_type: TensorType, shape: tuple[int, int], order: Tensor):
+        if tensor_type.codec is None:
+            raise ValueError(f"GPTQ cannot solve on {tensor_type.name}: it has no integer grid "
+                             "(solvable: the legacy block types and the K-quants)")
+        n, k = shape
+        if not tensor_type.fits(k):
+            raise ValueError(f"{tensor_type.name} needs rows in blocks of {tensor_type.block_size}; K = {k} is not")
+        self.type = tensor_type
+        self.codec = tensor_type.codec
+        self.width = tensor_type.block_size
+        self.shape = shape
+        self.order = order
+        self.blocks = np.zeros((n, k // self.width, tensor_type.block_bytes), dtype=np.uint8)
+        self.scale = torch.zeros(k // self.codec.sub_block, n)  # per sub-block of input channels, per row
+        self.offset = torch.zeros_like(self.scale)
+
+    def round(self, position: int, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """(codes, fake-quantized values) of the column at ``position``; ``rows`` [>= block, N] start at it."""
+        if position % self.width == 0:
+            self._choose_block(position, rows)
+        sub_block = int(self.order[position]) // self.codec.sub_block
+        scale, offset = self.scale[sub_block], self.offset[sub_block]
+        dead = scale == 0  # the block's quantizer found nothing to scale: every code means `offset`
+        codes = torch.round((rows[0] - offset) / torch.where(dead, 1.0, scale)).clamp_(0, self.codec.maxq)
+        codes = codes.masked_fill_(dead, 0)
+        return codes, codes * scale + offset
+
+    def _choose_block(self, position: int, rows: Tensor) -> None:
+        columns = self.order[position:position + self.width]
+        block = int(columns.min()) // self.width
+        natural = rows[:self.width][torch.argsort(columns)]  # the block's columns in file order, [width, N]
+        data = self.type.quantize(np.ascontiguousarray(natural.T.numpy()))
+        self.blocks[:, block] = data
+        scale, offset = self.codec.grid(data)
+        subs = slice(block * scale.shape[1], (block + 1) * scale.shape[1])
+        self.scale[subs] = torch.from_numpy(scale.T)
+        self.offset[subs] = torch.from_numpy(offset.T)
+
+    def record(self, codes: Tensor) -> GGUFTensor:
+        """The blocks with the solver's ``codes`` [N, K] (natural column order) in place of the quantizer's."""
+        n, k = self.shape
+        blocks = self.codec.with_codes(self.blocks.reshape(-1, self.type.block_bytes),
+                                       codes.numpy().reshape(-1, self.width))
+        return GGUFTensor(self.type.name, torch.from_numpy(np.ascontiguousarray(blocks.reshape(n, -1))), (n, k))
