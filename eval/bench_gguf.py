@@ -10,10 +10,9 @@ rows are the GPTQ-on-GGUF recipes, each exported without re-rounding as the file
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -65,7 +64,7 @@ def main(model, types, recipes, max_tokens, window, n_samples, seq_len, out):
 
     from quantkit import calib
     from quantkit.cli import _resolve_model
-    from quantkit.eval.bench_methods import machine, timed
+    from quantkit.eval.bench_methods import machine, timed, write_report
     from quantkit.eval.kld import kl_divergence
     from quantkit.eval.llamacpp import LlamaCppModel, llama_quantize
     from quantkit.gguf.export import export_gguf
@@ -133,9 +132,7 @@ def main(model, types, recipes, max_tokens, window, n_samples, seq_len, out):
     header = (f"model {model_dir.name}; held-out Austen, {fp.tokens} scored tokens, llama.cpp windows of {window} "
               f"(weight repacking off, KV cache f16), reference f32.gguf in llama.cpp; GPTQ calibration "
               f"{n_samples} x {seq_len} tokens; machine: {machine()}")
-    (out / "bench.json").write_text(json.dumps({"setup": header, "rows": [asdict(r) for r in rows]}, indent=2))
-    (out / "bench.md").write_text(f"{header}\n\n```\n{table}\n```\n")
-    click.echo(f"{header}\n\n{table}")
+    write_report(out, header, table, rows)
 
 
 if __name__ == "__main__":

@@ -129,6 +129,11 @@ def main(model, bit_widths, group_size, n_samples, seq_len, max_tokens, methods,
     header = (f"model {model_dir.name}; group size {group_size} (AWQ asymmetric as AutoAWQ, the others as their "
               f"recipes); calibration {n_samples} x {seq_len} tokens (default mix, seed 0); "
               f"held-out Austen, {fp.tokens} scored tokens, window 2048; machine: {machine()}")
+    write_report(out, header, table, rows)
+
+
+def write_report(out: Path, header: str, table: str, rows: list) -> None:
+    """bench.json (setup and rows, for machines), bench.md (for people), and the table on stdout."""
     (out / "bench.json").write_text(json.dumps({"setup": header, "rows": [asdict(r) for r in rows]}, indent=2))
     (out / "bench.md").write_text(f"{header}\n\n```\n{table}\n```\n")
     click.echo(f"{header}\n\n{table}")

@@ -258,22 +258,22 @@ def _with_qk_k_codes(b: np.ndarray, codes: np.ndarray, code_bytes) -> np.ndarray
     return np.concatenate([b[:, :16], code_bytes(codes)], axis=-1)
 
 
+def _qk_k_blocks(x: np.ndarray, nmax: int, rmin: float, nstep: int, code_bytes) -> np.ndarray:
+    lead = np.shape(x)[:-1]
+    d16, dmin16, scales, codes = _quantize_qk_k(x, nmax, rmin, nstep)
+    blocks = np.concatenate([d16.view(np.uint8).reshape(-1, 2), dmin16.view(np.uint8).reshape(-1, 2), scales,
+                             code_bytes(codes)], axis=-1)
+    return blocks.reshape(*lead, -1)
+
+
 def quantize_q4_k(x: np.ndarray) -> np.ndarray:
     """float32 [..., K] -> Q4_K bytes [..., K/256 · 144]: d, dmin, scales[12], qs[128]."""
-    lead = np.shape(x)[:-1]
-    d16, dmin16, scales, codes = _quantize_qk_k(x, 15, -1.0, 20)
-    blocks = np.concatenate([d16.view(np.uint8).reshape(-1, 2), dmin16.view(np.uint8).reshape(-1, 2), scales,
-                             _q4_k_code_bytes(codes)], axis=-1)
-    return blocks.reshape(*lead, -1)
+    return _qk_k_blocks(x, 15, -1.0, 20, _q4_k_code_bytes)
 
 
 def quantize_q5_k(x: np.ndarray) -> np.ndarray:
     """float32 [..., K] -> Q5_K bytes [..., K/256 · 176]: d, dmin, scales[12], qh[32], qs[128]."""
-    lead = np.shape(x)[:-1]
-    d16, dmin16, scales, codes = _quantize_qk_k(x, 31, -0.5, 15)
-    blocks = np.concatenate([d16.view(np.uint8).reshape(-1, 2), dmin16.view(np.uint8).reshape(-1, 2), scales,
-                             _q5_k_code_bytes(codes)], axis=-1)
-    return blocks.reshape(*lead, -1)
+    return _qk_k_blocks(x, 31, -0.5, 15, _q5_k_code_bytes)
 
 
 def _dequantize_qk_k(data: np.ndarray, k: int, block_bytes: int, codes_of) -> np.ndarray:
