@@ -9,7 +9,8 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install demo demo-marlin test test-fast default-model bench-gptq bench-awq bench-gguf bench-scale interop interop-peer clean help
+.PHONY: install demo demo-marlin test test-fast default-model bench-gptq bench-awq bench-gguf bench-scale interop interop-peer clean help \
+	eval-ppl eval-kld eval-report
 
 help:
 	@echo "make demo       quantize the embedded default model (RTN W4 g128, GPTQ format), print perplexity and KL"
@@ -23,6 +24,9 @@ help:
 	@echo "make interop    GPTQModel (own venv, ~6 GB) reads a quantkit GPTQ checkpoint: weights bit-exact, logits vs quantkit"
 	@echo "make interop-peer  GPTQModel quantizes the default model on quantkit's calibration rows, then its KL"
 	@echo "make default-model  fetch and convert the default model into the cache"
+	@echo "make eval-ppl   perplexity of MODEL (default: the default model) on held-out text"
+	@echo "make eval-kld   KL divergence and top-1 agreement of each of VARIANTS against MODEL"
+	@echo "make eval-report MODEL=... VARIANTS=\"...\"  every variant scored in one run: report.json/.md and plots in REPORT"
 	@echo "make install    create .venv with quantkit and its test extra"
 
 $(INSTALLED): pyproject.toml
@@ -110,6 +114,30 @@ interop-peer: $(INSTALLED) $(INTEROP_INSTALLED)
 	rm -rf $(OUT)/gptqmodel-w4g128
 	/usr/bin/time -v $(INTEROP_BIN)/python -m quantkit.eval.interop.gptqmodel_quantize default $(OUT)/gptqmodel-w4g128 --bits 4 --group-size 128 --nsamples 128 --seqlen 512
 	$(BIN)/quantkit eval kld --model $(OUT)/gptqmodel-w4g128 --ref default --max-tokens 8192
+
+# Evaluation. MODEL is the reference; VARIANTS are artifacts (space-separated). The default variants
+# are quantized from the default model by the rule below (out/eval-<recipe>), once.
+MODEL ?= default
+VARIANTS ?= $(OUT)/eval-rtn-w4g128 $(OUT)/eval-gptq-w4g128
+REPORT ?= $(OUT)/report
+EVAL_ARGS ?= --max-tokens 8192
+comma := ,
+empty :=
+space := $(empty) $(empty)
+
+$(OUT)/eval-%: | $(INSTALLED)
+	$(BIN)/quantkit quantize --recipe $* --model $(MODEL) --out $@ --resume
+
+eval-ppl: $(INSTALLED)
+	$(BIN)/quantkit eval ppl --model $(MODEL) $(EVAL_ARGS)
+
+eval-kld: $(INSTALLED) $(VARIANTS)
+	for v in $(VARIANTS); do $(BIN)/quantkit eval kld --model $$v --ref $(MODEL) $(EVAL_ARGS) || exit 1; done
+
+eval-report: $(INSTALLED) $(VARIANTS)
+	rm -rf $(REPORT)
+	$(BIN)/quantkit eval report --ref $(MODEL) --variants "$(subst $(space),$(comma),$(strip $(VARIANTS)))" \
+	  --out $(REPORT) $(EVAL_ARGS)
 
 test: $(INSTALLED)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -20,7 +20,7 @@ import click
 from quantkit.table import format_table
 
 # GPTQ recipe -> the GGUF file type its artifact is exported as, unchanged
-GPTQ_RECIPES = {"gguf-q4_0": "q4_0", "gguf-q4_k_m": "q4_k_m"}
+GPTQ_RECIPES = {"gguf-q4_0": "q4_0", "gguf-q4_k_m": "q4_k_m", "gguf-q5_k_m": "q5_k_m"}
 
 
 @dataclass

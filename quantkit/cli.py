@@ -85,7 +85,7 @@ def quantize(recipe, model, out, overrides, resume, progress, as_json):
 
 @main.group("eval")
 def eval_group():
-    """Measure accuracy: perplexity, and KL divergence against a reference model."""
+    """Measure accuracy: perplexity, KL divergence against a reference model, reports over many variants."""
 
 
 data_option = click.option("--data", default="austen", show_default=True,
@@ -146,6 +146,33 @@ def eval_kld(model, ref, data, max_tokens, window, stride, as_json):
     _emit(as_json, payload, format_table(["model", "tokens", "ppl", "ref ppl", "mean KL", "top-1 agree"], rows))
 
 
+@eval_group.command("report")
+@click.option("--ref", default="default", show_default=True, help="The reference (unquantized) model.")
+@click.option("--variants", required=True, help="Comma-separated artifacts or checkpoints to compare with it.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Report folder (must not exist).")
+@click.option("--top-k", default=256, show_default=True, type=click.IntRange(min=1),
+              help="Reference tokens kept per position in the cache; KL lumps the rest into one bucket.")
+@click.option("--cache-dir", default=None, type=click.Path(path_type=Path),
+              help="Reference log-prob cache (default ~/.cache/quantkit/reference-logprobs).")
+@_eval_options
+def eval_report(ref, variants, out, top_k, cache_dir, data, max_tokens, window, stride, as_json):
+    """Score every variant against the reference in one run: report.json, report.md and PNG plots."""
+    from quantkit.eval import report
+    from quantkit.eval.refcache import DEFAULT_DIR
+
+    if out.exists():
+        raise click.ClickException(f"{out} already exists; choose another --out or remove it")
+    ref_dir = _resolve_model(ref)
+    variant_dirs = [_resolve_model(v.strip()) for v in variants.split(",") if v.strip()]
+    tokens = _eval_tokens(ref_dir, data, max_tokens)
+    results, cache = report.evaluate(ref_dir, variant_dirs, tokens, window, stride, top_k, cache_dir or DEFAULT_DIR,
+                                     progress=not as_json)
+    setup = {**report.setup_record(ref_dir, data, tokens, window, stride, top_k), "reference_cache": str(cache)}
+    report.write(out, results, setup)
+    _emit(as_json, {"setup": setup, "variants": [asdict(r) for r in results], "out": str(out)},
+          report.markdown(results, setup))
+
+
 @main.group("export")
 def export_group():
     """Write a checkpoint or artifact in another runtime's format."""
@@ -153,7 +180,7 @@ def export_group():
 
 @export_group.command("gguf")
 @click.option("--model", default="default", show_default=True,
-              help="Checkpoint or quantized artifact (quantized linears are dequantized first).")
+              help="Checkpoint or quantized artifact (a quantized linear is copied as it is where the type holds its grid, else dequantized and re-quantized).")
 @click.option("--type", "file_type", required=True, metavar="TYPE",
               help="f32, f16, bf16, q8_0, q6_k, q5_k_m, q5_k_s, q4_k_m, q4_k_s, q4_0, q4_1, tq2_0 or tq1_0; "
                    "each tensor's type is chosen as llama.cpp's quantizer chooses it.")

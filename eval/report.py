@@ -1,0 +1,144 @@
+"""One report for many variants of a model: every variant scored the same way, in one run.
+
+For each variant (the FP model, and artifacts in any format quantkit reads): its size on disk and
+bits per parameter, perplexity and its change, KL divergence and top-1 agreement against the
+reference (from the on-disk reference cache, ``refcache``), and the per-layer reconstruction error
+its quantization run recorded. Written as ``report.json`` (with seeds, data hash and package
+versions), ``report.md``, and two PNG plots: KL against bits per parameter, and error per layer.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+from dataclasses import asdict, dataclass, field
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+
+from quantkit.table import format_table
+
+PACKAGES = ("quantkit", "torch", "transformers", "numpy", "safetensors", "gguf")
+
+
+@dataclass
+class VariantResult:
+    name: str
+    path: str
+    size_mb: float
+    bits_per_parameter: float
+    perplexity: float
+    delta_ppl_pct: float
+    mean_kl: float
+    top1: float
+    layer_errors: list[float] = field(default_factory=list)  # mean relative error of each layer's linears
+
+
+def weight_bytes(model_dir: Path) -> int:
+    return sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+
+
+def layer_errors(model_dir: Path) -> list[float]:
+    """Mean ‖ΔW X‖²/‖W X‖² over each layer's linears, from the artifact's manifest (empty for FP)."""
+    from quantkit.artifact import MANIFEST_FILE
+
+    manifest = model_dir / MANIFEST_FILE
+    if not manifest.is_file():
+        return []
+    layers = json.loads(manifest.read_text())["layer_errors"]
+    return [sum(entry["errors"].values()) / len(entry["errors"]) for entry in layers]
+
+
+def evaluate(reference_dir: Path, variants: list[Path], tokens: torch.Tensor, window: int, stride: int | None,
+             top_k: int, cache_dir: Path, progress: bool = False) -> tuple[list[VariantResult], Path]:
+    from quantkit.eval.refcache import cached_reference, kl_against_reference
+    from quantkit.loading import load_model
+
+    reference, cache_path = cached_reference(reference_dir, tokens, window, stride, top_k, cache_dir, progress)
+    results = []
+    for path in [reference_dir, *variants]:
+        model = load_model(path)
+        parameters = sum(t.numel() for t in model.state_dict().values()) - (
+            model.lm_head.weight.numel() if model.config.tie_word_embeddings else 0)
+        kl = kl_against_reference(model, reference, tokens, progress)
+        del model
+        size = weight_bytes(path)
+        results.append(VariantResult(
+            path.name if path != reference_dir else f"{path.name} (reference)", str(path), size / 2**20,
+            8 * size / parameters, kl.perplexity, 100 * (kl.perplexity / kl.reference_perplexity - 1), kl.mean_kl,
+            kl.top1_agreement, layer_errors(path)))
+    return results, cache_path
+
+
+def setup_record(reference_dir: Path, data: str, tokens: torch.Tensor, window: int, stride: int | None,
+                 top_k: int) -> dict:
+    """Everything the numbers depend on, so that two reports can be told apart (or shown equal)."""
+    return {
+        "reference": str(reference_dir), "data": data, "tokens": len(tokens),
+        "tokens_sha256": hashlib.sha256(tokens.to(torch.int64).numpy().tobytes()).hexdigest(),
+        "window": window, "stride": stride or window, "kl_top_k": top_k, "machine": platform.processor() or
+        platform.machine(), "threads": torch.get_num_threads(),
+        "packages": {name: version(name) for name in PACKAGES},
+    }
+
+
+def markdown(results: list[VariantResult], setup: dict) -> str:
+    table = format_table(["variant", "MB", "bits/param", "ppl", "Δppl %", "mean KL", "top-1"],
+                         [[r.name, r.size_mb, r.bits_per_parameter, r.perplexity, r.delta_ppl_pct, r.mean_kl, r.top1]
+                          for r in results])
+    return (f"# quantkit report\n\nreference `{setup['reference']}`; data {setup['data']}, {setup['tokens']} tokens "
+            f"(sha256 {setup['tokens_sha256'][:12]}), window {setup['window']}, stride {setup['stride']}; KL over "
+            f"the reference's top {setup['kl_top_k']} tokens + the rest\n\n```\n{table}\n```\n\n"
+            "![KL against bits per parameter](kl_vs_bits.png)\n\n![error per layer](layer_error.png)\n")
+
+
+def plot(results: list[VariantResult], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from matplotlib.ticker import MaxNLocator
+
+    colors = {r.name: f"C{i}" for i, r in enumerate(results)}  # one colour per variant in both plots
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for r in results:
+        if r.mean_kl > 0:  # the reference (KL 0) has no place on a log axis: it is named in the title
+            axes.scatter(r.bits_per_parameter, r.mean_kl, color=colors[r.name])
+            axes.annotate(r.name, (r.bits_per_parameter, r.mean_kl), fontsize=7, xytext=(4, 4),
+                          textcoords="offset points")
+    axes.set(xlabel="bits per parameter (weight files)", ylabel="mean KL to the reference (nats)", yscale="log",
+             title=f"accuracy against size (reference: {results[0].bits_per_parameter:.1f} bits/param)")
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(out / "kl_vs_bits.png", dpi=120)
+    plt.close(figure)
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for r in results:
+        if r.layer_errors:
+            axes.plot(range(len(r.layer_errors)), r.layer_errors, marker=".", label=r.name, color=colors[r.name])
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set(xlabel="decoder layer", ylabel="mean relative output error of its linears", yscale="log",
+             title="quantization error per layer")
+    if axes.lines:
+        axes.legend(fontsize=7)
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(out / "layer_error.png", dpi=120)
+    plt.close(figure)
+
+
+def write(out: Path, results: list[VariantResult], setup: dict) -> None:
+    """The report folder, built beside ``out`` and renamed into place when complete."""
+    from quantkit.atomic import publish_dir, remove_tree
+
+    staging = out.with_name(out.name + ".partial")
+    remove_tree(staging)
+    staging.mkdir(parents=True)
+    (staging / "report.json").write_text(json.dumps({"setup": setup, "variants": [asdict(r) for r in results]},
+                                                    indent=2))
+    (staging / "report.md").write_text(markdown(results, setup))
+    plot(results, staging)
+    publish_dir(staging, out)
