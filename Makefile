@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
 .PHONY: install demo demo-marlin test test-fast default-model bench-gptq bench-awq bench-gguf bench-scale interop interop-peer clean help \
-	eval-ppl eval-kld eval-report
+	eval-ppl eval-kld eval-report eval-niah
 
 help:
 	@echo "make demo       quantize the embedded default model (RTN W4 g128, GPTQ format), print perplexity and KL"
@@ -26,6 +26,7 @@ help:
 	@echo "make default-model  fetch and convert the default model into the cache"
 	@echo "make eval-ppl   perplexity of MODEL (default: the default model) on held-out text"
 	@echo "make eval-kld   KL divergence and top-1 agreement of each of VARIANTS against MODEL"
+	@echo "make eval-niah  needle-in-a-haystack retrieval of MODEL over context length x depth (heatmap in OUT/niah.png)"
 	@echo "make eval-report MODEL=... VARIANTS=\"...\"  every variant scored in one run: report.json/.md and plots in REPORT"
 	@echo "make install    create .venv with quantkit and its test extra"
 
@@ -133,6 +134,11 @@ eval-ppl: $(INSTALLED)
 
 eval-kld: $(INSTALLED) $(VARIANTS)
 	for v in $(VARIANTS); do $(BIN)/quantkit eval kld --model $$v --ref $(MODEL) $(EVAL_ARGS) || exit 1; done
+
+NIAH_ARGS ?= --lengths 1024,2048,4096,8192 --depths 0,0.25,0.5,0.75,1
+eval-niah: $(INSTALLED)
+	mkdir -p $(OUT)
+	$(BIN)/quantkit eval niah --model $(MODEL) $(NIAH_ARGS) --plot $(OUT)/niah.png
 
 eval-report: $(INSTALLED) $(VARIANTS)
 	rm -rf $(REPORT)

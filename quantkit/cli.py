@@ -85,7 +85,8 @@ def quantize(recipe, model, out, overrides, resume, progress, as_json):
 
 @main.group("eval")
 def eval_group():
-    """Measure accuracy: perplexity, KL divergence against a reference model, reports over many variants."""
+    """Measure accuracy: perplexity, KL divergence against a reference model, reports over many variants,
+    needle-in-a-haystack retrieval."""
 
 
 data_option = click.option("--data", default="austen", show_default=True,
@@ -171,6 +172,42 @@ def eval_report(ref, variants, out, top_k, cache_dir, data, max_tokens, window, 
     report.write(out, results, setup)
     _emit(as_json, {"setup": setup, "variants": [asdict(r) for r in results], "out": str(out)},
           report.markdown(results, setup))
+
+
+@eval_group.command("niah")
+@click.option("--model", default="default", show_default=True, help="Checkpoint or quantized artifact.")
+@click.option("--data", default="austen", show_default=True, help="Held-out text the haystack is cut from.")
+@click.option("--lengths", default="1024,2048,4096,8192", show_default=True, help="Comma-separated context lengths.")
+@click.option("--depths", default="0,0.25,0.5,0.75,1", show_default=True,
+              help="Comma-separated needle depths (0 = start of the context, 1 = just before the question).")
+@click.option("--trials", default=1, show_default=True, type=click.IntRange(min=1), help="Needles per cell.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the needles' numbers.")
+@click.option("--plot", "plot_path", default=None, type=click.Path(path_type=Path), help="Write a heatmap PNG here.")
+@_friendly_errors
+@json_option
+def eval_niah(model, data, lengths, depths, trials, seed, plot_path, as_json):
+    """Needle in a haystack: retrieval accuracy over context length x needle depth."""
+    from transformers import AutoTokenizer
+
+    from quantkit import calib
+    from quantkit.eval import niah
+    from quantkit.loading import load_model
+
+    model_dir = _resolve_model(model)
+    text = "\n\n".join(calib.load_documents(data))
+    results = niah.run(load_model(model_dir), AutoTokenizer.from_pretrained(model_dir), text,
+                       [int(v) for v in lengths.split(",")], [float(v) for v in depths.split(",")], trials, seed,
+                       progress=not as_json)
+    grid = niah.accuracy_grid(results)
+    if plot_path is not None:
+        niah.plot(grid, plot_path, f"needle in a haystack: {model_dir.name}")
+    depth_values = sorted({d for row in grid.values() for d in row})
+    table = format_table(["context", *[f"depth {d:.0%}" for d in depth_values]],
+                         [[length, *[row[d] for d in depth_values]] for length, row in sorted(grid.items())])
+    payload = {"model": str(model_dir), "data": data, "seed": seed, "trials": [asdict(t) | {"correct": t.correct}
+                                                                                for t in results],
+               "accuracy": {str(length): {str(d): v for d, v in row.items()} for length, row in grid.items()}}
+    _emit(as_json, payload, table)
 
 
 @main.group("export")
