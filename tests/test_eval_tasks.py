@@ -296,7 +296,7 @@ def test_registry_names_every_task():
 @pytest.mark.slow
 def test_default_model_end_to_end(default_model):
     lm = TaskModel.load(default_model)
-    results = evaluate_tasks(lm, ["humaneval", "family"], limit=2)
-    assert [r.samples for r in results] == [2, 2]
+    results = evaluate_tasks(lm, ["humaneval", "family"], limit=1)
+    assert [r.samples for r in results] == [1, 1]
     assert results[0].details["sandbox"]["isolation"] == NAMESPACES
     assert all(r["completion"].startswith("\n    ") for r in results[0].records)  # code, not prose

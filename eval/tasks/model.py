@@ -14,7 +14,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicCache
 
-from quantkit.loading import load_model
+from quantkit.loading import load_model  # importing quantkit registers MiniCPM for AutoTokenizer
 from quantkit.models import MiniCPMForCausalLM
 
 
@@ -32,8 +32,6 @@ class TaskModel:
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "TaskModel":
-        import quantkit  # noqa: F401  (registers MiniCPM so that AutoTokenizer reads the folder)
-
         return cls(load_model(model_dir), AutoTokenizer.from_pretrained(model_dir))
 
     @property

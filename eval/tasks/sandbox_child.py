@@ -161,4 +161,5 @@ def main():
         sys.exit(EXIT_MEMORY)
 
 
-main()
+if __name__ == "__main__":  # as ``python -c``; importing it does nothing
+    main()
