@@ -262,7 +262,8 @@ def test_lm_eval_rolling_loglikelihood_scores_every_token_once(lm, adapter):
 
 def test_lm_eval_generate_until_is_greedy_generation_with_stops(lm, adapter):
     context, stop = "The quick brown fox", ("the",)
-    [text] = adapter.generate_until([_instance("generate_until", (context, {"until": list(stop), "max_gen_toks": 12}), 0)])
+    request = _instance("generate_until", (context, {"until": list(stop), "max_gen_toks": 12}), 0)
+    [text] = adapter.generate_until([request])
     assert text == lm.generate(lm.encode(context), stop, 12) and "the" not in text
     with pytest.raises(ValueError, match="greedily"):
         adapter.generate_until([_instance("generate_until", (context, {"do_sample": True}), 0)])
@@ -278,7 +279,8 @@ def test_cli_prints_a_summary_and_records_every_sample(tmp_path):
                                        "--record", str(record)])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output)["tasks"]
-    assert [(t["task"], t["metric"], t["samples"]) for t in summary] == [("family", "acc", 1), ("humaneval", "pass@1", 1)]
+    assert [(t["task"], t["metric"], t["samples"]) for t in summary] == [("family", "acc", 1),
+                                                                         ("humaneval", "pass@1", 1)]
     recorded = json.loads(record.read_text())["tasks"]
     assert [r["id"] for r in recorded[1]["records"]] == ["HumanEval/0"] and "completion" in recorded[1]["records"][0]
     table = CliRunner().invoke(main, [*args, "--tasks", "family", "--no-progress"])

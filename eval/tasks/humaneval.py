@@ -5,9 +5,9 @@ The model continues each problem's prompt (signature and docstring) as plain tex
 the prompt is code to complete, as in the paper, and generation stops at the first top-level
 statement after the function (the paper's stop strings). The prompt's trailing newline is stripped
 first, as bigcode-evaluation-harness does: the model then writes the newline and indentation
-itself (with it left in, the default model answered in prose 2 times out of 3). Prompt + completion + the problem's tests
-then run in quantkit's sandbox (never through the package's own in-process ``exec``); a problem
-passes when the program exits cleanly within the limits.
+itself (with it left in, the default model answered in prose 2 times out of 3). Prompt, completion
+and the problem's tests then run in quantkit's sandbox (never through the package's own in-process
+``exec``); a problem passes when the program exits cleanly within the limits.
 """
 from __future__ import annotations
 

@@ -82,7 +82,8 @@ class TaskModel:
         return text
 
     @torch.inference_mode()
-    def continuation_log_likelihoods(self, context_ids: list[int], continuations: list[list[int]]) -> list[Continuation]:
+    def continuation_log_likelihoods(self, context_ids: list[int],
+                                     continuations: list[list[int]]) -> list[Continuation]:
         """log P(continuation | context) for each continuation, all in one right-padded batch: causal
         attention never lets a real position see the padding after it, so no mask is needed."""
         if not context_ids:

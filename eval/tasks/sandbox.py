@@ -116,8 +116,8 @@ def run_python(source: str, limits: Limits = Limits(), isolation: str | None = N
         env = {"PATH": "/usr/bin:/bin", "HOME": str(scratch), "TMPDIR": str(scratch), "LANG": "C.UTF-8"}
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             start = time.monotonic()
-            process = subprocess.Popen(_command(scratch, limits, isolation, audit_hook), stdin=subprocess.DEVNULL, stdout=out,
-                                       stderr=err, cwd=scratch, env=env, start_new_session=True,
+            process = subprocess.Popen(_command(scratch, limits, isolation, audit_hook), stdin=subprocess.DEVNULL,
+                                       stdout=out, stderr=err, cwd=scratch, env=env, start_new_session=True,
                                        preexec_fn=functools.partial(_apply_limits, limits))
             try:
                 process.wait(timeout=limits.seconds)
