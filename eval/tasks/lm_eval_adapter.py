@@ -5,7 +5,9 @@
     simple_evaluate(model=QuantkitLM("path/to/checkpoint-or-artifact"), tasks=[...])
 
 Importing this module also registers the class under lm-eval's model name ``quantkit``
-(``simple_evaluate(model="quantkit", model_args="pretrained=DIR")``). lm-eval fetches most task data
+(``simple_evaluate(model="quantkit", model_args="pretrained=DIR")``); run as a module it is lm-eval's
+command line with that model available (``python -m quantkit.eval.tasks.lm_eval_adapter run --model
+quantkit --model_args pretrained=DIR --tasks ...``). lm-eval fetches most task data
 from the Hugging Face hub; tasks whose data is local (``dataset_path: json`` with ``data_files``)
 run offline.
 
@@ -97,3 +99,9 @@ class QuantkitLM(LM):
             max_tokens = int(settings.get("max_gen_toks", DEFAULT_MAX_GEN_TOKENS))
             outputs.append(self.lm.generate(self.lm.encode(context), until, max_tokens))
         return outputs
+
+
+if __name__ == "__main__":  # lm-eval's own command line, with "quantkit" among its models
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()
