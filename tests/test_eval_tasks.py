@@ -191,6 +191,18 @@ def test_multiple_choice_scores_equal_a_hand_computation(lm):
     assert result.details["chance"] == pytest.approx(1 / 3)
 
 
+def test_greedy_continuations_are_recognised(lm):
+    context = lm.encode("The quick brown fox")
+    greedy = []
+    with torch.no_grad():
+        for _ in range(3):
+            greedy.append(int(lm.model(torch.tensor([context + greedy])).logits[0, -1].argmax()))
+    other = (greedy[2] + 1) % lm.model.config.vocab_size
+    scored = lm.continuation_log_likelihoods(context, [greedy, greedy[:2] + [other]])
+    assert [c.is_greedy for c in scored] == [True, False]
+    assert lm.generate(context, max_new_tokens=3) == lm.tokenizer.decode(greedy, skip_special_tokens=True)
+
+
 def test_family_questions_are_deterministic_with_sixteen_choices():
     questions = family_questions(20)
     assert questions == family_questions(20) and questions != family_questions(20, seed=1)

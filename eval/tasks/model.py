@@ -21,7 +21,6 @@ from quantkit.models import MiniCPMForCausalLM
 @dataclass(frozen=True)
 class Continuation:
     log_likelihood: float  # summed over the continuation's tokens, float64
-    tokens: int
     is_greedy: bool  # every token is the argmax given what precedes it
 
 
@@ -52,8 +51,8 @@ class TaskModel:
     @cached_property
     def stop_token_ids(self) -> set[int]:
         eos = self.model.config.eos_token_id
-        ids = set(eos) if isinstance(eos, list) else {eos}
-        return ids | ({self.tokenizer.eos_token_id} - {None}) - {None}
+        ids = [*eos] if isinstance(eos, list) else [eos]
+        return {i for i in [*ids, self.tokenizer.eos_token_id] if i is not None}
 
     @property
     def prefix_token_id(self) -> int:
@@ -102,5 +101,5 @@ class TaskModel:
             predicting = log_probs[i, :len(continuation)]
             targets = torch.tensor(continuation)
             chosen = predicting.gather(1, targets[:, None]).sum().item()
-            results.append(Continuation(chosen, len(continuation), bool((predicting.argmax(-1) == targets).all())))
+            results.append(Continuation(chosen, bool((predicting.argmax(-1) == targets).all())))
         return results
