@@ -10,12 +10,13 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
 .PHONY: install demo demo-marlin test test-fast default-model bench-gptq bench-awq bench-gguf bench-scale interop interop-peer clean help \
-	eval-ppl eval-kld eval-report eval-niah
+	eval-ppl eval-kld eval-report eval-niah eval-tasks
 
 help:
 	@echo "make demo       quantize the embedded default model (RTN W4 g128, GPTQ format), print perplexity and KL"
 	@echo "make test       the whole test suite (what CI runs)"
 	@echo "make test-fast  the suite without tests marked slow"
+	@echo "make eval-tasks  HumanEval / GSM / family-relationships scores of the default model (EVAL_TASKS_ARGS='--limit N')"
 	@echo "make demo-marlin  the marlin recipe end to end on Qwen2.5-Coder-0.5B (Marlin-legal shapes), KL vs RTN and GPTQ"
 	@echo "make bench-gptq  RTN / GPTQ / P-GPTQ / S-P-GPTQ / GPTQModel at W4 and W3 g128 on the default model, one table"
 	@echo "make bench-awq   AWQ / RTN / GPTQ / S-P-GPTQ at W4 and W3 g128, then AWQ vs llm-compressor at W4 g64"
@@ -47,6 +48,11 @@ demo: $(INSTALLED)
 	$(BIN)/quantkit eval ppl --model default
 	$(BIN)/quantkit eval ppl --model $(OUT)/demo-rtn-w4g128
 	$(BIN)/quantkit eval kld --model $(OUT)/demo-rtn-w4g128 --ref default
+
+# Each task's default subset (recorded with every output in $(OUT)/eval-tasks.json): a few minutes on 2 cores.
+EVAL_TASKS_ARGS ?=
+eval-tasks: $(INSTALLED)
+	$(BIN)/quantkit eval tasks --model $(MODEL) --tasks humaneval,gsm,family --record $(OUT)/eval-tasks.json $(EVAL_TASKS_ARGS)
 
 # The default model (hidden 576) cannot be Marlin-packed; Qwen2.5-Coder-0.5B (hidden 896, 2 KV heads) can.
 MARLIN_MODEL ?= qwen2.5-coder-0.5b

@@ -86,7 +86,7 @@ def quantize(recipe, model, out, overrides, resume, progress, as_json):
 @main.group("eval")
 def eval_group():
     """Measure accuracy: perplexity, KL divergence against a reference model, reports over many variants,
-    needle-in-a-haystack retrieval."""
+    task scores, needle-in-a-haystack retrieval."""
 
 
 data_option = click.option("--data", default="austen", show_default=True,
@@ -152,7 +152,7 @@ def eval_kld(model, ref, data, max_tokens, window, stride, as_json):
 @click.option("--variants", required=True, help="Comma-separated artifacts or checkpoints to compare with it.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Report folder (must not exist).")
 @click.option("--top-k", default=256, show_default=True, type=click.IntRange(min=1),
-              help="Reference tokens kept per position in the cache; KL lumps the rest into one bucket.")
+              help="Reference tokens kept per position in the cache (the rest is represented by 64 drawn tokens).")
 @click.option("--cache-dir", default=None, type=click.Path(path_type=Path),
               help="Reference log-prob cache (default ~/.cache/quantkit/reference-logprobs).")
 @_eval_options
@@ -208,6 +208,32 @@ def eval_niah(model, data, lengths, depths, trials, seed, plot_path, as_json):
                                                                                 for t in results],
                "accuracy": {str(length): {str(d): v for d, v in row.items()} for length, row in grid.items()}}
     _emit(as_json, payload, table)
+@eval_group.command("tasks")
+@click.option("--model", default="default", show_default=True, help="Checkpoint or quantized artifact.")
+@click.option("--tasks", "task_names", default="humaneval,gsm,family", show_default=True,
+              help="Comma-separated task names: humaneval, gsm, family.")
+@click.option("--limit", type=click.IntRange(min=1), default=None,
+              help="Samples per task (default: each task's own subset; the summary shows how many).")
+@click.option("--record", type=click.Path(path_type=Path), default=None,
+              help="Also write every sample (id, model output, outcome) to this JSON file.")
+@click.option("--progress/--no-progress", default=True, show_default=True)
+@json_option
+@_friendly_errors
+def eval_tasks(model, task_names, limit, record, progress, as_json):
+    """Task scores, offline: HumanEval pass@1 (sandboxed), GSM exact match, multiple-choice accuracy."""
+    from quantkit.atomic import write_json
+    from quantkit.eval.tasks.model import TaskModel
+    from quantkit.eval.tasks.registry import evaluate_tasks, parse_task_names
+
+    names = parse_task_names(task_names)
+    model_dir = _resolve_model(model)
+    results = evaluate_tasks(TaskModel.load(model_dir), names, limit, progress=progress and not as_json)
+    summaries = [{k: v for k, v in asdict(r).items() if k != "records"} for r in results]
+    if record is not None:
+        write_json(record, {"model": str(model_dir), "tasks": [asdict(r) for r in results]})
+    rows = [[r.task, r.metric, r.score, r.samples, round(r.seconds, 1), r.summary] for r in results]
+    _emit(as_json, {"model": str(model_dir), "tasks": summaries},
+          format_table(["task", "metric", "score", "samples", "seconds", "notes"], rows))
 
 
 @main.group("export")

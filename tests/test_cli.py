@@ -21,8 +21,8 @@ def tiny(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", num_hidden_layers=2)
 
 
-@pytest.mark.parametrize("command", [[], ["quantize"], ["eval"], ["eval", "ppl"], ["eval", "kld"], ["inspect"],
-                                     ["recipes"], ["default-model"], ["export"], ["export", "gguf"]])
+@pytest.mark.parametrize("command", [[], ["quantize"], ["eval"], ["eval", "ppl"], ["eval", "kld"], ["eval", "tasks"],
+                                     ["inspect"], ["recipes"], ["default-model"], ["export"], ["export", "gguf"]])
 def test_help_everywhere(command):
     result = CliRunner().invoke(main, command + ["--help"])
     assert result.exit_code == 0 and "Usage:" in result.output

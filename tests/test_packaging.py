@@ -36,8 +36,10 @@ def test_built_wheel_contains_and_imports_subpackages(tmp_path):
     assert "quantkit/kernels/__init__.py" in names and "quantkit/eval/ppl.py" in names
     assert "quantkit/recipes/rtn-w4g128.yaml" in names
     assert not any(n.startswith(("kernels/", "eval/")) for n in names)
-    for init in (REPO / "quantkit").rglob("__init__.py"):  # every subpackage, listed or not in pyproject
-        assert init.relative_to(REPO).as_posix() in names, init
+    assert "quantkit/eval/tasks/sandbox_child.py" in names  # run from its source text, never imported
+    for top, package in (("quantkit", "quantkit"), ("eval", "quantkit/eval"), ("kernels", "quantkit/kernels")):
+        for init in (REPO / top).rglob("__init__.py"):  # every subpackage, listed or not in pyproject
+            assert f"{package}/{init.relative_to(REPO / top).as_posix()}" in names, init
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, capture_output=True)
