@@ -20,7 +20,7 @@ help:
 	@echo "make demo-marlin  the marlin recipe end to end on Qwen2.5-Coder-0.5B (Marlin-legal shapes), KL vs RTN and GPTQ"
 	@echo "make bench-gptq  RTN / GPTQ / P-GPTQ / S-P-GPTQ / GPTQModel at W4 and W3 g128 on the default model, one table"
 	@echo "make bench-awq   AWQ / RTN / GPTQ / S-P-GPTQ at W4 and W3 g128, then AWQ vs llm-compressor at W4 g64"
-	@echo "make bench-gguf  every GGUF type exported by quantkit and by llama.cpp's quantizer, plus GPTQ on Q4_0, scored in llama.cpp"
+	@echo "make bench-gguf  every GGUF type exported by quantkit and by llama.cpp's quantizer, plus GPTQ on the Q4_0 and Q4_K_M grids, scored in llama.cpp"
 	@echo "make bench-scale  the marlin recipe on an 8B-shaped random MiniCPM4.1 checkpoint: time, memory, projection"
 	@echo "make interop    GPTQModel (own venv, ~6 GB) reads a quantkit GPTQ checkpoint: weights bit-exact, logits vs quantkit"
 	@echo "make interop-peer  GPTQModel quantizes the default model on quantkit's calibration rows, then its KL"
