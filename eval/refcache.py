@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
@@ -94,7 +95,10 @@ def cached_reference(reference_dir: Path, tokens: torch.Tensor, window: int, str
     key = cache_key(CheckpointReader(reference_dir).fingerprint(), tokens, window, stride, top_k, tail_samples)
     path = Path(cache_dir) / f"{key}.safetensors"
     if path.is_file():
-        return ReferenceLogProbs(**load_file(str(path)), window=window, stride=stride), path
+        try:
+            return ReferenceLogProbs(**load_file(str(path)), window=window, stride=stride), path
+        except (SafetensorError, TypeError) as e:
+            raise ValueError(f"{path} is not a readable reference cache ({e}); delete it to recompute") from e
     result = compute_reference(load_model(reference_dir), tokens, window, stride, top_k, tail_samples, progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:

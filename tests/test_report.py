@@ -65,6 +65,9 @@ def test_cache_is_computed_once_and_keyed_by_its_inputs(models, tokens, tmp_path
     _, other = cached_reference(path, tokens[:-1], 64, None, 32, tmp_path)
     assert other != file and len(list(tmp_path.glob("*.safetensors"))) == 2
     assert not list(tmp_path.glob("*.tmp"))
+    file.write_bytes(file.read_bytes()[:100])
+    with pytest.raises(ValueError, match="not a readable reference cache"):
+        cached_reference(path, tokens, 64, None, 32, tmp_path)
 
 
 def test_report_scores_every_variant_and_repeats_exactly(tiny_checkpoint, tmp_path):
