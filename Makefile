@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
 .PHONY: install demo demo-marlin test test-fast default-model bench-gptq bench-awq bench-gguf bench-scale interop interop-peer clean help \
-	eval-ppl eval-kld eval-report eval-niah eval-tasks
+	eval-ppl eval-kld eval-report eval-niah eval-tasks eval-accept
 
 help:
 	@echo "make demo       quantize the embedded default model (RTN W4 g128, GPTQ format), print perplexity and KL"
@@ -27,6 +27,7 @@ help:
 	@echo "make default-model  fetch and convert the default model into the cache"
 	@echo "make eval-ppl   perplexity of MODEL (default: the default model) on held-out text"
 	@echo "make eval-kld   KL divergence and top-1 agreement of each of VARIANTS against MODEL"
+	@echo "make eval-accept  speculative acceptance length tau for every target x draft pair (FP and W4 variants of MODEL)"
 	@echo "make eval-niah  needle-in-a-haystack retrieval of MODEL over context length x depth (heatmap in OUT/niah.png)"
 	@echo "make eval-report MODEL=... VARIANTS=\"...\"  every variant scored in one run: report.json/.md and plots in REPORT"
 	@echo "make install    create .venv with quantkit and its test extra"
@@ -140,6 +141,14 @@ eval-ppl: $(INSTALLED)
 
 eval-kld: $(INSTALLED) $(VARIANTS)
 	for v in $(VARIANTS); do $(BIN)/quantkit eval kld --model $$v --ref $(MODEL) $(EVAL_ARGS) || exit 1; done
+
+# Speculative acceptance: every target x draft pair (FP and W4 variants of MODEL), greedy, k = 4.
+ACCEPT_TARGETS ?= $(MODEL) $(OUT)/eval-gptq-w4g128
+ACCEPT_DRAFTS ?= $(MODEL) $(OUT)/eval-rtn-w4g128
+ACCEPT_ARGS ?= --k 4 --prompts 8 --max-new-tokens 64
+eval-accept: $(INSTALLED) $(filter $(OUT)/%,$(ACCEPT_TARGETS) $(ACCEPT_DRAFTS))
+	$(BIN)/quantkit eval accept $(foreach t,$(ACCEPT_TARGETS),--target $(t)) $(foreach d,$(ACCEPT_DRAFTS),--draft $(d)) \
+	  $(ACCEPT_ARGS)
 
 NIAH_ARGS ?= --lengths 1024,2048,4096,8192 --depths 0,0.25,0.5,0.75,1
 eval-niah: $(INSTALLED)

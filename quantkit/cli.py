@@ -86,7 +86,7 @@ def quantize(recipe, model, out, overrides, resume, progress, as_json):
 @main.group("eval")
 def eval_group():
     """Measure accuracy: perplexity, KL divergence against a reference model, reports over many variants,
-    task scores, needle-in-a-haystack retrieval."""
+    task scores, needle-in-a-haystack retrieval, speculative acceptance length."""
 
 
 data_option = click.option("--data", default="austen", show_default=True,
@@ -234,6 +234,50 @@ def eval_tasks(model, task_names, limit, record, progress, as_json):
     rows = [[r.task, r.metric, r.score, r.samples, round(r.seconds, 1), r.summary] for r in results]
     _emit(as_json, {"model": str(model_dir), "tasks": summaries},
           format_table(["task", "metric", "score", "samples", "seconds", "notes"], rows))
+
+
+@eval_group.command("accept")
+@click.option("--target", "targets", multiple=True, required=True, help="Target model (repeat for several).")
+@click.option("--draft", "drafts", multiple=True, required=True, help="Draft model (repeat for several).")
+@click.option("--k", default=4, show_default=True, type=click.IntRange(min=1), help="Draft tokens per round.")
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0),
+              help="0: greedy; above 0: speculative sampling at this temperature.")
+@click.option("--data", default="austen", show_default=True, help="Held-out text the prompts are cut from.")
+@click.option("--prompts", default=8, show_default=True, type=click.IntRange(min=1))
+@click.option("--prompt-tokens", default=64, show_default=True, type=click.IntRange(min=2))
+@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--seed", default=0, show_default=True, help="Seed of the sampler (temperature > 0).")
+@_friendly_errors
+@json_option
+def eval_accept(targets, drafts, k, temperature, data, prompts, prompt_tokens, max_new_tokens, seed, as_json):
+    """Speculative decoding acceptance length tau for every target x draft pair, on the same prompts."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from quantkit.eval.accept import AcceptanceStats, speculative_generate
+    from quantkit.loading import load_model
+
+    target_dirs, draft_dirs = [_resolve_model(t) for t in targets], [_resolve_model(d) for d in drafts]
+    tokens = _eval_tokens(target_dirs[0], data, prompts * prompt_tokens)
+    if len(tokens) < prompts * prompt_tokens:
+        raise click.ClickException(f"{data} gives {len(tokens)} tokens, fewer than {prompts} x {prompt_tokens}")
+    batch = tokens[:prompts * prompt_tokens].view(prompts, prompt_tokens)
+    pairs, rows = [], []
+    for target_dir in target_dirs:
+        target = load_model(target_dir)
+        for draft_dir in draft_dirs:
+            draft = target if draft_dir == target_dir else load_model(draft_dir)
+            total = AcceptanceStats(k)
+            generator = torch.Generator().manual_seed(seed)
+            for prompt in tqdm(batch, desc=f"{target_dir.name} <- {draft_dir.name}", disable=as_json, leave=False):
+                total.merge(speculative_generate(target, draft, prompt, k, max_new_tokens, temperature, generator)[1])
+            pairs.append({"target": str(target_dir), "draft": str(draft_dir), "k": k, "shape": f"chain of {k}",
+                          "temperature": temperature, "tau": total.tau, "position_rates": total.position_rates,
+                          "rounds": total.rounds, "committed": total.committed})
+            rows.append([target_dir.name, draft_dir.name, total.tau, *total.position_rates])
+    table = format_table(["target", "draft", "tau", *[f"accept@{i + 1}" for i in range(k)]], rows)
+    _emit(as_json, {"data": data, "prompts": prompts, "prompt_tokens": prompt_tokens,
+                    "max_new_tokens": max_new_tokens, "seed": seed, "pairs": pairs}, table)
 
 
 @main.group("export")
