@@ -2,8 +2,9 @@
 
 For each variant (the FP model, and artifacts in any format quantkit reads): its size on disk and
 bits per parameter, perplexity and its change, KL divergence and top-1 agreement against the
-reference (from the on-disk reference cache, ``refcache``), and the per-layer reconstruction error
-its quantization run recorded. Written as ``report.json`` (with seeds, data hash and package
+reference (from the on-disk reference cache, ``refcache``), the per-layer reconstruction error
+its quantization run recorded, and on request task scores (``quantkit.eval.tasks``) and the
+speculative acceptance length τ of the variant as target with a given draft (``accept``). Written as ``report.json`` (with seeds, data hash and package
 versions), ``report.md``, and two PNG plots: KL against bits per parameter, and error per layer.
 """
 from __future__ import annotations
@@ -33,6 +34,20 @@ class VariantResult:
     mean_kl: float
     top1: float
     layer_errors: list[float] = field(default_factory=list)  # mean relative error of each layer's linears
+    tasks: dict[str, float] = field(default_factory=dict)  # task name -> headline score
+    tau: float | None = None  # speculative acceptance length with the report's draft
+
+
+@dataclass(frozen=True)
+class Extras:
+    """What a report measures beyond perplexity and KL (each costs generation time)."""
+
+    tasks: tuple[str, ...] = ()
+    task_limit: int | None = None  # samples per task (default: each task's own subset)
+    draft: Path | None = None  # τ of every variant as the target of this draft
+    accept_k: int = 4
+    accept_prompts: int = 4
+    accept_new_tokens: int = 64
 
 
 def weight_bytes(model_dir: Path) -> int:
@@ -50,32 +65,56 @@ def layer_errors(model_dir: Path) -> list[float]:
     return [sum(entry["errors"].values()) / len(entry["errors"]) for entry in layers]
 
 
+def _tau(model, draft, tokens: torch.Tensor, extras: Extras) -> float:
+    from quantkit.eval.accept import AcceptanceStats, speculative_generate
+
+    length = 64
+    if len(tokens) < extras.accept_prompts * length:
+        raise ValueError(f"τ needs {extras.accept_prompts} x {length} prompt tokens, the data has {len(tokens)}")
+    total = AcceptanceStats(extras.accept_k)
+    for prompt in tokens[:extras.accept_prompts * length].view(extras.accept_prompts, length):
+        total.merge(speculative_generate(model, draft, prompt, extras.accept_k, extras.accept_new_tokens)[1])
+    return total.tau
+
+
+def _task_scores(path: Path, extras: Extras, progress: bool) -> dict[str, float]:
+    from quantkit.eval.tasks.model import TaskModel
+    from quantkit.eval.tasks.registry import evaluate_tasks
+
+    results = evaluate_tasks(TaskModel.load(path), list(extras.tasks), extras.task_limit, progress)
+    return {r.task: r.score for r in results}
+
+
 def evaluate(reference_dir: Path, variants: list[Path], tokens: torch.Tensor, window: int, stride: int | None,
-             top_k: int, cache_dir: Path, progress: bool = False) -> tuple[list[VariantResult], Path]:
+             top_k: int, cache_dir: Path, progress: bool = False,
+             extras: Extras = Extras()) -> tuple[list[VariantResult], Path]:
     from quantkit.eval.refcache import cached_reference, kl_against_reference
     from quantkit.loading import load_model
 
     reference, cache_path = cached_reference(reference_dir, tokens, window, stride, top_k, cache_dir, progress)
+    draft = load_model(extras.draft) if extras.draft is not None else None
     results = []
     for path in [reference_dir, *variants]:
         model = load_model(path)
         parameters = sum(t.numel() for t in model.state_dict().values()) - (
             model.lm_head.weight.numel() if model.config.tie_word_embeddings else 0)
         kl = kl_against_reference(model, reference, tokens, progress)
+        tau = _tau(model, draft, tokens, extras) if extras.draft is not None else None
         del model
         size = weight_bytes(path)
         results.append(VariantResult(
             path.name if path != reference_dir else f"{path.name} (reference)", str(path), size / 2**20,
             8 * size / parameters, kl.perplexity, 100 * (kl.perplexity / kl.reference_perplexity - 1), kl.mean_kl,
-            kl.top1_agreement, layer_errors(path)))
+            kl.top1_agreement, layer_errors(path), _task_scores(path, extras, progress) if extras.tasks else {}, tau))
     return results, cache_path
 
 
 def setup_record(reference_dir: Path, data: str, tokens: torch.Tensor, window: int, stride: int | None,
-                 top_k: int) -> dict:
+                 top_k: int, extras: Extras = Extras()) -> dict:
     """Everything the numbers depend on, so that two reports can be told apart (or shown equal)."""
     return {
         "reference": str(reference_dir), "data": data, "tokens": len(tokens),
+        "extras": {**asdict(extras), "draft": str(extras.draft) if extras.draft else None},
         "tokens_sha256": hashlib.sha256(tokens.to(torch.int64).numpy().tobytes()).hexdigest(),
         "window": window, "stride": stride or window, "kl_top_k": top_k, "machine": platform.processor() or
         platform.machine(), "threads": torch.get_num_threads(),
@@ -84,9 +123,15 @@ def setup_record(reference_dir: Path, data: str, tokens: torch.Tensor, window: i
 
 
 def markdown(results: list[VariantResult], setup: dict) -> str:
-    table = format_table(["variant", "MB", "bits/param", "ppl", "Δppl %", "mean KL", "top-1"],
-                         [[r.name, r.size_mb, r.bits_per_parameter, r.perplexity, r.delta_ppl_pct, r.mean_kl, r.top1]
-                          for r in results])
+    reference = results[0]
+    tasks = list(reference.tasks)
+    headers = ["variant", "MB", "bits/param", "ppl", "Δppl %", "mean KL", "top-1",
+               *[column for task in tasks for column in (task, f"Δ {task}")],
+               *(["τ"] if reference.tau is not None else [])]
+    rows = [[r.name, r.size_mb, r.bits_per_parameter, r.perplexity, r.delta_ppl_pct, r.mean_kl, r.top1,
+             *[value for task in tasks for value in (r.tasks[task], r.tasks[task] - reference.tasks[task])],
+             *([r.tau] if r.tau is not None else [])] for r in results]
+    table = format_table(headers, rows)
     return (f"# quantkit report\n\nreference `{setup['reference']}`; data {setup['data']}, {setup['tokens']} tokens "
             f"(sha256 {setup['tokens_sha256'][:12]}), window {setup['window']}, stride {setup['stride']}; KL over "
             f"the reference's top {setup['kl_top_k']} tokens + the rest\n\n```\n{table}\n```\n\n"

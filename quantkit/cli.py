@@ -155,20 +155,29 @@ def eval_kld(model, ref, data, max_tokens, window, stride, as_json):
               help="Reference tokens kept per position in the cache (the rest is represented by 64 drawn tokens).")
 @click.option("--cache-dir", default=None, type=click.Path(path_type=Path),
               help="Reference log-prob cache (default ~/.cache/quantkit/reference-logprobs).")
+@click.option("--tasks", "task_names", default=None, help="Also score these tasks (e.g. humaneval,gsm,family).")
+@click.option("--task-limit", default=None, type=click.IntRange(min=1), help="Samples per task.")
+@click.option("--draft", default=None, help="Also measure tau of every variant as the target of this draft.")
+@click.option("--accept-k", default=4, show_default=True, type=click.IntRange(min=1), help="Draft chain length.")
 @_eval_options
-def eval_report(ref, variants, out, top_k, cache_dir, data, max_tokens, window, stride, as_json):
+def eval_report(ref, variants, out, top_k, cache_dir, task_names, task_limit, draft, accept_k, data, max_tokens,
+                window, stride, as_json):
     """Score every variant against the reference in one run: report.json, report.md and PNG plots."""
     from quantkit.eval import report
     from quantkit.eval.refcache import DEFAULT_DIR
+    from quantkit.eval.tasks.registry import parse_task_names
 
     if out.exists():
         raise click.ClickException(f"{out} already exists; choose another --out or remove it")
     ref_dir = _resolve_model(ref)
     variant_dirs = [_resolve_model(v.strip()) for v in variants.split(",") if v.strip()]
+    extras = report.Extras(tuple(parse_task_names(task_names)) if task_names else (), task_limit,
+                           _resolve_model(draft) if draft else None, accept_k)
     tokens = _eval_tokens(ref_dir, data, max_tokens)
     results, cache = report.evaluate(ref_dir, variant_dirs, tokens, window, stride, top_k, cache_dir or DEFAULT_DIR,
-                                     progress=not as_json)
-    setup = {**report.setup_record(ref_dir, data, tokens, window, stride, top_k), "reference_cache": str(cache)}
+                                     progress=not as_json, extras=extras)
+    setup = {**report.setup_record(ref_dir, data, tokens, window, stride, top_k, extras),
+             "reference_cache": str(cache)}
     report.write(out, results, setup)
     _emit(as_json, {"setup": setup, "variants": [asdict(r) for r in results], "out": str(out)},
           report.markdown(results, setup))

@@ -78,7 +78,8 @@ def test_report_scores_every_variant_and_repeats_exactly(tiny_checkpoint, tmp_pa
     assert runner.invoke(main, ["quantize", "--recipe", "rtn-w4g128", "--model", str(tiny_checkpoint), "--out", str(artifact),
                                 "--no-progress", "--set", "calibration.n_samples=4"]).exit_code == 0
     args = ["eval", "report", "--ref", str(tiny_checkpoint), "--variants", str(artifact), "--max-tokens", "300", "--window",
-            "128", "--cache-dir", str(tmp_path / "cache"), "--json"]
+            "128", "--cache-dir", str(tmp_path / "cache"), "--tasks", "family", "--task-limit", "3", "--draft",
+            str(tiny_checkpoint), "--accept-k", "2", "--json"]
     runs = []
     for name in ("a", "b"):
         result = runner.invoke(main, [*args, "--out", str(tmp_path / name)])
@@ -89,10 +90,12 @@ def test_report_scores_every_variant_and_repeats_exactly(tiny_checkpoint, tmp_pa
     assert reference["mean_kl"] == pytest.approx(0, abs=1e-8) and reference["layer_errors"] == []
     assert variant["mean_kl"] > 1e-4 and variant["delta_ppl_pct"] != 0 and len(variant["layer_errors"]) == 2
     assert variant["bits_per_parameter"] < 0.5 * reference["bits_per_parameter"]  # 4-bit linears vs float32
+    assert reference["tau"] == 3.0 and 1.0 <= variant["tau"] <= 3.0  # the reference drafts for itself: k + 1
+    assert 0 <= variant["tasks"]["family"] <= 1 and set(reference["tasks"]) == {"family"}
     setup = runs[0]["setup"]
     assert setup["tokens"] == 300 and len(setup["tokens_sha256"]) == 64 and "torch" in setup["packages"]
     for png in ("kl_vs_bits.png", "layer_error.png"):
         assert (tmp_path / "a" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "rtn" in (tmp_path / "a" / "report.md").read_text()
+    assert "rtn" in (tmp_path / "a" / "report.md").read_text() and "Δ family" in (tmp_path / "a" / "report.md").read_text()
     again = runner.invoke(main, [*args, "--out", str(tmp_path / "a")])
     assert again.exit_code != 0 and "already exists" in again.output
