@@ -7,6 +7,15 @@ from pathlib import Path
 from quantkit.artifact import MANIFEST_FILE, REPORT_FILE
 
 
+def _quantization(quant: dict) -> str:
+    if not quant:
+        return "none"
+    if "file_type" in quant:  # GGUF blocks (format gguf-*): the file type names every tensor's type
+        return f"{quant['quant_method']} {quant['file_type']}"
+    symmetric = quant.get("sym", not quant.get("zero_point", True))
+    return f"{quant.get('quant_method')} {quant.get('bits')}-bit g{quant.get('group_size')} {'sym' if symmetric else 'asym'}"
+
+
 def describe(model_dir: str | Path) -> dict:
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
@@ -23,8 +32,7 @@ def describe(model_dir: str | Path) -> dict:
         "heads (q/kv)": f"{config.get('num_attention_heads')}/{config.get('num_key_value_heads')}",
         "vocab_size": config.get("vocab_size"),
         "sparse_config": bool(config.get("sparse_config")),
-        "quantization": (f"{quant.get('quant_method')} {quant.get('bits')}-bit g{quant.get('group_size')} "
-                         f"{'sym' if quant.get('sym', not quant.get('zero_point', True)) else 'asym'}") if quant else "none",
+        "quantization": _quantization(quant),
         "weights_mb": round(weights / 2**20, 1),
     }
     manifest_path = model_dir / MANIFEST_FILE

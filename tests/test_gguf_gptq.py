@@ -124,6 +124,9 @@ def test_q4_k_m_artifact_reaches_llama_cpp_unchanged(marlin_legal, tmp_path):
     for ours, theirs in zip(report.layers, rtn.layers):
         assert all(ours.errors[name] < 0.8 * theirs.errors[name] for name in LINEARS), (ours.errors, theirs.errors)
 
+    from quantkit.inspect import describe
+
+    assert describe(artifact)["quantization"] == "quantkit-gguf q4_k_m"
     export = export_gguf(artifact, tmp_path / "q4_k_m.gguf", "q4_k_m", progress=False)
     assert export.exact_tensors == 2 * len(LINEARS)
     assert export.tensors_by_type["q6_k"] >= 2  # the _M mix's attn_v/ffn_down in the last layer
