@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install demo demo-marlin test test-fast default-model bench-gptq bench-awq bench-gguf bench-scale interop interop-peer clean help \
+.PHONY: install demo demo-marlin test test-fast default-model bench-gptq bench-awq bench-gguf bench-scale bench-runtime eval-sparse interop interop-peer clean help \
 	eval-ppl eval-kld eval-report eval-niah eval-tasks eval-accept
 
 help:
@@ -21,6 +21,8 @@ help:
 	@echo "make bench-gptq  RTN / GPTQ / P-GPTQ / S-P-GPTQ / GPTQModel at W4 and W3 g128 on the default model, one table"
 	@echo "make bench-awq   AWQ / RTN / GPTQ / S-P-GPTQ at W4 and W3 g128, then AWQ vs llm-compressor at W4 g64"
 	@echo "make bench-gguf  every GGUF type exported by quantkit and by llama.cpp's quantizer, plus GPTQ on the Q4_0 and Q4_K_M grids, scored in llama.cpp"
+	@echo "make bench-runtime  quantkit's runtime (W4) vs transformers fp32/bf16 and llama.cpp Q4_0, decode and prefill; InfLLM v2 vs dense attention"
+	@echo "make eval-sparse  InfLLM v2 on MODEL with a scaled-down SPARSE_CONFIG: perplexity vs dense, needle retrieval"
 	@echo "make bench-scale  the marlin recipe on an 8B-shaped random MiniCPM4.1 checkpoint: time, memory, projection"
 	@echo "make interop    GPTQModel (own venv, ~6 GB) reads a quantkit GPTQ checkpoint: weights bit-exact, logits vs quantkit"
 	@echo "make interop-peer  GPTQModel quantizes the default model on quantkit's calibration rows, then its KL"
@@ -84,6 +86,24 @@ bench-awq: $(INSTALLED) $(LLMC_INSTALLED)
 
 bench-gguf: $(INSTALLED)
 	$(BIN)/python -m quantkit.eval.bench_gguf --out $(OUT)/bench-gguf
+
+# The runtime: quantkit's decode and prefill on a W4 artifact against transformers and llama.cpp Q4_0,
+# then InfLLM v2 against dense attention at 8K/32K/64K on MiniCPM4.1-8B's attention shape.
+RUNTIME_ARTIFACT ?= $(OUT)/eval-gptq-w4g128
+bench-runtime: $(INSTALLED) $(RUNTIME_ARTIFACT)
+	$(BIN)/python -m quantkit.eval.bench_runtime --model $(MODEL) --artifact $(RUNTIME_ARTIFACT) --out $(OUT)/bench-runtime
+	$(BIN)/python -m quantkit.eval.bench_sparse --json $(OUT)/bench-runtime/sparse.json
+
+# Sparse attention's quality on MODEL within its trained context, with a scaled-down sparse_config:
+# perplexity dense vs InfLLM v2 through the runtime, then needle retrieval with InfLLM v2.
+SPARSE_CONFIG ?= {"dense_len": 1024, "window_size": 512, "topk": 8}
+SPARSE_EVAL_ARGS ?= --max-tokens 16384 --window 8192
+eval-sparse: $(INSTALLED)
+	mkdir -p $(OUT)
+	$(BIN)/quantkit eval ppl --model $(MODEL) --runtime --sparse off $(SPARSE_EVAL_ARGS)
+	$(BIN)/quantkit eval ppl --model $(MODEL) --runtime --sparse on --sparse-config '$(SPARSE_CONFIG)' $(SPARSE_EVAL_ARGS)
+	$(BIN)/quantkit eval niah --model $(MODEL) --runtime --sparse on --sparse-config '$(SPARSE_CONFIG)' $(NIAH_ARGS) \
+	  --plot $(OUT)/niah-sparse.png
 
 bench-scale: $(INSTALLED)
 	$(BIN)/python -m quantkit.eval.scale_8b --work $(OUT)/scale-8b

@@ -114,6 +114,9 @@ class CheckpointReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entry(name).shape
 
+    def dtype(self, name: str) -> torch.dtype:
+        return DTYPES[self._entry(name).dtype]
+
     def get(self, name: str) -> torch.Tensor:
         entry = self._entry(name)
         buffer = bytearray(entry.size)

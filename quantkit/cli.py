@@ -97,6 +97,32 @@ window_option = click.option("--window", default=2048, show_default=True, type=i
 stride_option = click.option("--stride", default=None, type=int, help="Window stride (default: the window).")
 
 
+def _eval_runtime_options(fn):
+    """`--runtime` evaluates quantkit's runtime (kernels/: quantized linears, InfLLM v2) instead of
+    the reference model that dequantizes every weight."""
+    options = [
+        click.option("--runtime", is_flag=True, help="Run through quantkit's runtime instead of the reference model."),
+        click.option("--sparse", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+                     help="With --runtime: InfLLM v2 sparse attention (see `quantkit generate --help`)."),
+        click.option("--sparse-config", "sparse_config", default=None, metavar="JSON",
+                     help="With --runtime: override sparse_config keys."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _evaluated_model(model_dir: Path, runtime: bool, sparse: str, sparse_config: str | None):
+    from quantkit.kernels.generate import DEFAULT_PREFILL_CHUNK, EngineLM
+    from quantkit.loading import load_model
+
+    if not runtime:
+        if sparse != "auto" or sparse_config:
+            raise click.ClickException("--sparse and --sparse-config need --runtime")
+        return load_model(model_dir)
+    return EngineLM(_load_engine(str(model_dir), sparse, sparse_config, "cpu", DEFAULT_PREFILL_CHUNK))
+
+
 def _eval_options(fn):
     """The options every `quantkit eval` command shares."""
     for option in (_friendly_errors, json_option, stride_option, window_option, tokens_option, data_option):
@@ -115,16 +141,17 @@ def _eval_tokens(model_dir: Path, data: str, max_tokens: int):
 
 @eval_group.command("ppl")
 @click.option("--model", default="default", show_default=True, help="Checkpoint or quantized artifact.")
+@_eval_runtime_options
 @_eval_options
-def eval_ppl(model, data, max_tokens, window, stride, as_json):
+def eval_ppl(model, data, max_tokens, window, stride, as_json, runtime, sparse, sparse_config):
     """Perplexity on held-out text."""
     from quantkit.eval.ppl import perplexity
-    from quantkit.loading import load_model
 
     model_dir = _resolve_model(model)
-    result = perplexity(load_model(model_dir), _eval_tokens(model_dir, data, max_tokens), window, stride,
-                        progress=not as_json)
-    payload = {"model": str(model_dir), "data": data, **asdict(result)}
+    evaluated = _evaluated_model(model_dir, runtime, sparse, sparse_config)
+    result = perplexity(evaluated, _eval_tokens(model_dir, data, max_tokens), window, stride, progress=not as_json)
+    payload = {"model": str(model_dir), "data": data, "runtime": runtime, "sparse": sparse,
+               "sparse_config": sparse_config, **asdict(result)}
     _emit(as_json, payload, format_table(["model", "data", "tokens", "perplexity"],
                                          [[model_dir.name, data, result.tokens, result.perplexity]]))
 
@@ -192,19 +219,20 @@ def eval_report(ref, variants, out, top_k, cache_dir, task_names, task_limit, dr
 @click.option("--trials", default=1, show_default=True, type=click.IntRange(min=1), help="Needles per cell.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the needles' numbers.")
 @click.option("--plot", "plot_path", default=None, type=click.Path(path_type=Path), help="Write a heatmap PNG here.")
+@_eval_runtime_options
 @_friendly_errors
 @json_option
-def eval_niah(model, data, lengths, depths, trials, seed, plot_path, as_json):
+def eval_niah(model, data, lengths, depths, trials, seed, plot_path, as_json, runtime, sparse, sparse_config):
     """Needle in a haystack: retrieval accuracy over context length x needle depth."""
     from transformers import AutoTokenizer
 
     from quantkit import calib
     from quantkit.eval import niah
-    from quantkit.loading import load_model
 
     model_dir = _resolve_model(model)
     text = "\n\n".join(calib.load_documents(data))
-    results = niah.run(load_model(model_dir), AutoTokenizer.from_pretrained(model_dir), text,
+    evaluated = _evaluated_model(model_dir, runtime, sparse, sparse_config)
+    results = niah.run(evaluated, AutoTokenizer.from_pretrained(model_dir), text,
                        [int(v) for v in lengths.split(",")], [float(v) for v in depths.split(",")], trials, seed,
                        progress=not as_json)
     grid = niah.accuracy_grid(results)
@@ -213,7 +241,8 @@ def eval_niah(model, data, lengths, depths, trials, seed, plot_path, as_json):
     depth_values = sorted({d for row in grid.values() for d in row})
     table = format_table(["context", *[f"depth {d:.0%}" for d in depth_values]],
                          [[length, *[row[d] for d in depth_values]] for length, row in sorted(grid.items())])
-    payload = {"model": str(model_dir), "data": data, "seed": seed, "trials": [asdict(t) | {"correct": t.correct}
+    payload = {"model": str(model_dir), "data": data, "seed": seed, "runtime": runtime, "sparse": sparse,
+               "sparse_config": sparse_config, "trials": [asdict(t) | {"correct": t.correct}
                                                                                 for t in results],
                "accuracy": {str(length): {str(d): v for d, v in row.items()} for length, row in grid.items()}}
     _emit(as_json, payload, table)
@@ -287,6 +316,128 @@ def eval_accept(targets, drafts, k, temperature, data, prompts, prompt_tokens, m
     table = format_table(["target", "draft", "tau", *[f"accept@{i + 1}" for i in range(k)]], rows)
     _emit(as_json, {"data": data, "prompts": prompts, "prompt_tokens": prompt_tokens,
                     "max_new_tokens": max_new_tokens, "seed": seed, "pairs": pairs}, table)
+
+
+def _runtime_options(fn):
+    """Options shared by `generate` and `chat`: the runtime and the sampler."""
+    options = [
+        click.option("--model", default="default", show_default=True,
+                     help="Any checkpoint quantkit reads: unquantized, or an artifact it wrote."),
+        click.option("--sparse", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+                     help="InfLLM v2 sparse attention: follow the checkpoint's sparse_config, force it, or dense."),
+        click.option("--sparse-config", "sparse_config", default=None, metavar="JSON",
+                     help='Override sparse_config keys, e.g. \'{"dense_len": 1024, "window_size": 256}\'.'),
+        click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True),
+        click.option("--max-new-tokens", default=256, show_default=True, type=int),
+        click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy."),
+        click.option("--top-p", default=1.0, show_default=True, type=float),
+        click.option("--seed", default=0, show_default=True, type=int),
+        click.option("--prefill-chunk", default=512, show_default=True, type=int,
+                     help="Prompt tokens per forward pass (bounds activation memory on long prompts)."),
+        click.option("--thinking/--no-thinking", default=False, show_default=True,
+                     help="MiniCPM4.1's hybrid reasoning (chat template enable_thinking)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _load_engine(model, sparse, sparse_config, device, prefill_chunk):
+    from quantkit.kernels.generate import load_engine
+
+    overrides = None
+    if sparse_config:
+        try:
+            overrides = json.loads(sparse_config)
+        except json.JSONDecodeError as e:
+            raise click.ClickException(f"--sparse-config is not valid JSON: {e}") from e
+    return load_engine(_resolve_model(model), sparse=sparse, sparse_overrides=overrides, device=device,
+                       prefill_chunk=prefill_chunk)
+
+
+@main.command()
+@click.option("--prompt", required=True, help="The text to continue, or the user message with --chat.")
+@click.option("--chat/--raw", default=True, show_default=True, help="Wrap the prompt in the chat template.")
+@_runtime_options
+@json_option
+@_friendly_errors
+def generate(prompt, chat, model, sparse, sparse_config, device, max_new_tokens, temperature, top_p, seed,
+             prefill_chunk, thinking, as_json):
+    """Generate text with quantkit's runtime, streaming it as it is decoded."""
+    from quantkit.kernels.sampling import Sampling
+
+    engine = _load_engine(model, sparse, sparse_config, device, prefill_chunk)
+    ids = (engine.chat_prompt([{"role": "user", "content": prompt}], enable_thinking=thinking) if chat
+           else engine.encode(prompt))
+    settings = dict(max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_p, seed))
+    if as_json:
+        result = engine.generate(ids, **settings)
+        _emit(True, {"text": result.text, "tokens": result.tokens, "prompt_tokens": result.prompt_tokens,
+                     "stop_reason": result.stop_reason,
+                     "prefill_tokens_per_second": result.prefill_tokens_per_second,
+                     "decode_tokens_per_second": result.decode_tokens_per_second}, "")
+        return
+    timings: dict = {}
+    for piece in engine.stream(ids, timings=timings, **settings):
+        click.echo(piece, nl=False)
+    click.echo()
+    click.echo(f"[{len(ids)} prompt tokens in {timings['prefill_seconds']:.2f} s; stopped on "
+               f"{timings['stop_reason']}; decode {timings['decode_seconds']:.2f} s]", err=True)
+
+
+@main.command()
+@_runtime_options
+@_friendly_errors
+def chat(model, sparse, sparse_config, device, max_new_tokens, temperature, top_p, seed, prefill_chunk, thinking):
+    """Interactive chat. The KV cache is kept between turns: each turn prefills only the new tokens.
+    Type /reset to start over, /exit (or Ctrl-D) to leave."""
+    from quantkit.kernels.chat import ChatSession
+    from quantkit.kernels.sampling import Sampling
+
+    engine = _load_engine(model, sparse, sparse_config, device, prefill_chunk)
+    session = ChatSession(engine, enable_thinking=thinking)
+    settings = dict(max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_p, seed))
+    while True:
+        try:
+            line = click.prompt("you", prompt_suffix="> ")
+        except (EOFError, click.Abort):
+            break
+        if line.strip() == "/exit":
+            break
+        if line.strip() == "/reset":
+            session.reset()
+            continue
+        click.echo("model> ", nl=False)
+        for piece in session.reply(line, **settings):
+            click.echo(piece, nl=False)
+        click.echo()
+
+
+@main.command()
+@click.option("--device", "target", type=click.Choice(["rtx4090", "orin"]), required=True)
+@click.option("--model", default="default", show_default=True, help="Checkpoint or quantized artifact.")
+@click.option("--context", "contexts", multiple=True, type=int, default=(4096,), show_default=True,
+              help="Tokens already in the KV cache (repeat for several).")
+@click.option("--sparse", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True)
+@json_option
+@_friendly_errors
+def roofline(target, model, contexts, sparse, as_json):
+    """Bandwidth-bound decode ceiling on a GPU: (weight + KV bytes per token) / peak bandwidth.
+    Arithmetic, not a measurement: no GPU exists where quantkit is tested."""
+    from quantkit.kernels.attention import sparse_config_for
+    from quantkit.kernels.roofline import DEVICES, roofline as ceiling
+    from quantkit.models import MiniCPMConfig
+
+    model_dir = _resolve_model(model)
+    sparse_settings = sparse_config_for(sparse, MiniCPMConfig.from_pretrained(model_dir).sparse_attention)
+    results = [ceiling(model_dir, target, context, sparse_settings) for context in contexts]
+    rows = [[r.context, r.attention, r.weight_bytes / 1e6, r.kv_bytes / 1e6, r.decode_tokens_per_second_ceiling,
+             "yes" if r.fits_in_memory else "NO"] for r in results]
+    spec = DEVICES[target]
+    text = (f"{spec.name}, {spec.memory_bandwidth_gb_s:g} GB/s peak ({spec.source})\n"
+            + format_table(["context", "attention", "weights MB", "KV read MB", "tok/s ceiling", "fits"], rows)
+            + "\n\nArithmetic, not measured: bytes read per decoded token over peak memory bandwidth.")
+    _emit(as_json, {"device": target, "model": str(model_dir), "results": [r.to_dict() for r in results]}, text)
 
 
 @main.group("export")

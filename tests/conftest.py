@@ -5,13 +5,19 @@ to ``tmp_path``).
 """
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Callable
+import os
 
-import pytest
+# No GPU exists where quantkit is tested: Triton kernels run in Triton's interpreter on CPU tensors.
+# It must be chosen before triton is first imported; set TRITON_INTERPRET=0 to test on a GPU.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pathlib import Path  # noqa: E402
+from typing import Callable  # noqa: E402
+
+import pytest  # noqa: E402
 
 import quantkit  # noqa: F401  (registers MiniCPM with the transformers Auto classes)
-from quantkit.models.fixtures import write_tiny_checkpoint
+from quantkit.models.fixtures import write_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")

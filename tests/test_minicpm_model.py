@@ -342,7 +342,7 @@ BAD_CONFIGS = {
                            "original_max_position_embeddings": 64}),
         "short_factor",
     ),
-    "sparse-missing": (dict(sparse_config={"kernel_size": 32}), "sparse_config: missing keys"),
+    "sparse-value": (dict(sparse_config={"block_size": 60}), "block_size \\(60\\) must be a multiple of kernel_stride"),
     "sparse-unknown": (dict(sparse_config={**MINICPM41_SPARSE_CONFIG, "topK": 1}), "unknown keys \\['topK'\\]"),
 }
 

@@ -7,36 +7,11 @@ unchanged and transformers' RoPE machinery never rewrites it: the model computes
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
 from transformers import PretrainedConfig
 
+from quantkit.kernels.infllm.config import SparseAttentionConfig
+
 LONGROPE_KEYS = frozenset({"short_factor", "long_factor", "original_max_position_embeddings"})
-
-
-@dataclass(frozen=True)
-class SparseAttentionConfig:
-    """InfLLM v2 settings (``sparse_config`` in MiniCPM4/4.1 config.json)."""
-
-    kernel_size: int
-    kernel_stride: int
-    init_blocks: int
-    block_size: int
-    window_size: int
-    topk: int
-    use_nope: bool
-    dense_len: int
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> "SparseAttentionConfig":
-        expected = {f.name for f in fields(cls)}
-        missing, unknown = expected - raw.keys(), raw.keys() - expected
-        if missing or unknown:
-            raise ValueError(
-                f"sparse_config: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}; "
-                f"expected exactly {sorted(expected)}"
-            )
-        return cls(**raw)
 
 
 class MiniCPMConfig(PretrainedConfig):

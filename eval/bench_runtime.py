@@ -1,0 +1,236 @@
+"""Runtime speed on this CPU, every contender in one run with the same threads: quantkit's runtime on a
+W4 artifact of the default model against transformers (float32 and bf16, eager) on the unquantized
+model and llama.cpp on a Q4_0 GGUF of it, plus the memory-bandwidth ceiling of a decode step.
+
+Prefill: one forward over a prompt of held-out text. Decode: greedy tokens after that prompt, one
+at a time. Each is the median of ``--repeats`` runs; ratios are against transformers float32 and
+llama.cpp Q4_0. A profile of quantkit's decode step says where its time goes.
+
+    python -m quantkit.eval.bench_runtime --artifact out/runtime-w4 --out out/bench-runtime
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import click
+import numpy as np
+import torch
+
+from quantkit.eval.bench_methods import machine
+from quantkit.table import format_table
+
+
+@dataclass
+class Contender:
+    name: str
+    prefill_tok_s: float
+    decode_tok_s: float
+    decode_bytes_per_token: float | None = None
+
+
+def median_rate(run: Callable[[], float], count: int, repeats: int) -> float:
+    """Tokens per second: ``run`` returns its own elapsed seconds for ``count`` tokens."""
+    return count / statistics.median(run() for _ in range(repeats))
+
+
+def memory_bandwidth_gb_s(repeats: int = 5) -> float:
+    """Read bandwidth as a 1 GiB float32 reduction sees it (what a decode step's weight stream gets)."""
+    data = torch.ones(2**28)
+    data.sum()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        seconds.append(time.perf_counter() - start)
+    return data.numel() * 4 / statistics.median(seconds) / 1e9
+
+
+def bench_quantkit(artifact: Path, prompt: list[int], new_tokens: int, repeats: int):
+    from quantkit.kernels.generate import load_engine
+
+    engine = load_engine(artifact, sparse="off")
+    runtime = engine.runtime
+    ids = torch.tensor(prompt)
+
+    def prefill() -> float:
+        cache = runtime.new_cache()
+        start = time.perf_counter()
+        runtime.forward(ids, cache)
+        return time.perf_counter() - start
+
+    def decode() -> float:
+        cache = runtime.new_cache()
+        token = int(runtime.forward(ids, cache).argmax())
+        start = time.perf_counter()
+        for _ in range(new_tokens):
+            token = int(runtime.forward(torch.tensor([token]), cache).argmax())
+        return time.perf_counter() - start
+
+    return engine, median_rate(prefill, len(prompt), repeats), median_rate(decode, new_tokens, repeats)
+
+
+def bench_transformers(model_dir: Path, dtype: torch.dtype, prompt: list[int], new_tokens: int, repeats: int):
+    from transformers import DynamicCache
+
+    from quantkit.loading import load_model
+
+    model = load_model(model_dir, dtype)
+    ids = torch.tensor([prompt])
+
+    @torch.inference_mode()
+    def prefill() -> float:
+        start = time.perf_counter()
+        model(ids, logits_to_keep=1)
+        return time.perf_counter() - start
+
+    @torch.inference_mode()
+    def decode() -> float:
+        cache = DynamicCache(config=model.config)
+        token = model(ids, past_key_values=cache, logits_to_keep=1).logits[0, -1].argmax()
+        start = time.perf_counter()
+        for _ in range(new_tokens):
+            token = model(token.view(1, 1), past_key_values=cache).logits[0, -1].argmax()
+        return time.perf_counter() - start
+
+    return median_rate(prefill, len(prompt), repeats), median_rate(decode, new_tokens, repeats)
+
+
+def bench_llamacpp(gguf: Path, prompt: list[int], new_tokens: int, repeats: int, threads: int):
+    import llama_cpp
+
+    from quantkit.eval.llamacpp import disable_weight_repacking
+
+    disable_weight_repacking()
+    llm = llama_cpp.Llama(str(gguf), n_ctx=len(prompt) + new_tokens + 8, n_batch=len(prompt), n_threads=threads,
+                          n_threads_batch=threads, verbose=False)
+    vocab = llm.n_vocab()
+
+    def last_logits() -> np.ndarray:
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))
+
+    def prefill() -> float:
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(prompt)
+        return time.perf_counter() - start
+
+    def decode() -> float:
+        llm.reset()
+        llm.eval(prompt)
+        token = int(last_logits().argmax())
+        start = time.perf_counter()
+        for _ in range(new_tokens):
+            llm.eval([token])
+            token = int(last_logits().argmax())
+        return time.perf_counter() - start
+
+    try:
+        return median_rate(prefill, len(prompt), repeats), median_rate(decode, new_tokens, repeats)
+    finally:
+        llm.close()
+
+
+def decode_bytes(engine, context: int) -> int:
+    """Bytes a decode step of quantkit's runtime reads: each quantized module's ``weight_bytes``, every
+    other parameter except the embedding table (one row is read), and the KV cache at ``context``."""
+    model = engine.runtime.model
+    total, counted = 0, set()
+    for module in model.modules():
+        if hasattr(module, "weight_bytes"):
+            total += module.weight_bytes
+            counted.update(id(t) for t in module.parameters())
+    embedding = model.model.embed_tokens.weight
+    total += sum(p.numel() * p.element_size() for p in model.parameters()
+                 if p is not embedding and id(p) not in counted)
+    config = model.config
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * context
+    return total + kv * engine.runtime.kv_dtype.itemsize
+
+
+def profile_decode(engine, prompt: list[int], steps: int = 16, rows: int = 10) -> list[dict]:
+    """Where a decode step's time goes: the operators with the most self CPU time."""
+    from torch.profiler import profile
+
+    runtime = engine.runtime
+    cache = runtime.new_cache()
+    token = int(runtime.forward(torch.tensor(prompt), cache).argmax())
+    with profile() as trace:
+        for _ in range(steps):
+            token = int(runtime.forward(torch.tensor([token]), cache).argmax())
+    events = sorted(trace.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    return [{"op": e.key, "share": e.self_cpu_time_total / total, "calls_per_token": e.count / steps,
+             "us_per_token": e.self_cpu_time_total / steps} for e in events[:rows]]
+
+
+@click.command()
+@click.option("--model", default="default", show_default=True, help="The unquantized model.")
+@click.option("--artifact", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="A W4 artifact of --model, run by quantkit's runtime.")
+@click.option("--gguf", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="llama.cpp's file (default: --model exported as Q4_0 by llama.cpp's quantizer).")
+@click.option("--prompt-tokens", default=512, show_default=True)
+@click.option("--new-tokens", default=128, show_default=True)
+@click.option("--repeats", default=3, show_default=True)
+@click.option("--threads", default=2, show_default=True)
+@click.option("--out", default="out/bench-runtime", show_default=True, type=click.Path(path_type=Path))
+def main(model, artifact, gguf, prompt_tokens, new_tokens, repeats, threads, out):
+    from transformers import AutoTokenizer
+
+    from quantkit import calib
+    from quantkit.cli import _resolve_model
+
+    torch.set_num_threads(threads)
+    model_dir = _resolve_model(model)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt = calib.heldout_tokens(tokenizer, max_tokens=prompt_tokens)[:prompt_tokens].tolist()
+    with tempfile.TemporaryDirectory() as scratch:
+        if gguf is None:
+            from quantkit.gguf.export import export_gguf
+
+            gguf = Path(scratch) / "q4_0.gguf"
+            export_gguf(model_dir, gguf, "q4_0", progress=False)
+        llama_prefill, llama_decode = bench_llamacpp(gguf, prompt, new_tokens, repeats, threads)
+    engine, ours_prefill, ours_decode = bench_quantkit(artifact, prompt, new_tokens, repeats)
+    fp32 = bench_transformers(model_dir, torch.float32, prompt, new_tokens, repeats)
+    bf16 = bench_transformers(model_dir, torch.bfloat16, prompt, new_tokens, repeats)
+    bandwidth = memory_bandwidth_gb_s()
+    context = prompt_tokens + new_tokens // 2
+    ours_bytes = decode_bytes(engine, context)
+    contenders = [
+        Contender(f"quantkit runtime, {artifact.name}", ours_prefill, ours_decode, ours_bytes),
+        Contender("transformers fp32 eager", *fp32),
+        Contender("transformers bf16 eager", *bf16),
+        Contender("llama.cpp Q4_0 (no repacking)", llama_prefill, llama_decode),
+    ]
+    rows = [[c.name, c.prefill_tok_s, c.prefill_tok_s / fp32[0], c.prefill_tok_s / llama_prefill,
+             c.decode_tok_s, c.decode_tok_s / fp32[1], c.decode_tok_s / llama_decode] for c in contenders]
+    table = format_table(["runtime", "prefill tok/s", "x fp32", "x llama.cpp", "decode tok/s", "x fp32",
+                          "x llama.cpp"], rows)
+    ceiling = bandwidth * 1e9 / ours_bytes
+    profile = profile_decode(engine, prompt)
+    profile_table = format_table(["op", "share", "calls/token", "us/token"],
+                                 [[p["op"], f"{100 * p['share']:.1f}%", p["calls_per_token"], p["us_per_token"]]
+                                  for p in profile])
+    header = (f"prompt {prompt_tokens} held-out tokens, {new_tokens} greedy decode steps, median of {repeats}; "
+              f"machine: {machine()}; measured read bandwidth {bandwidth:.1f} GB/s")
+    summary = (f"quantkit decode reads {ours_bytes / 1e6:.1f} MB per token (context {context}): ceiling "
+               f"{ceiling:.0f} tok/s at {bandwidth:.1f} GB/s; measured {ours_decode:.1f} tok/s = "
+               f"{ours_decode / ceiling:.0%} of the ceiling")
+    payload = {"setup": header, "bandwidth_gb_s": bandwidth, "ceiling_tok_s": ceiling,
+               "rows": [asdict(c) for c in contenders], "decode_profile": profile}
+    (out / "bench.json").write_text(json.dumps(payload, indent=2))
+    text = f"{header}\n\n{table}\n\n{summary}\n\nquantkit decode profile (top ops by self CPU time):\n{profile_table}"
+    (out / "bench.md").write_text(f"```\n{text}\n```\n")
+    click.echo(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""The runtime's attention: dense, or InfLLM v2 with the model's (or a given) ``sparse_config``.
+
+``--sparse auto`` follows the checkpoint (MiniCPM4.1 ships a sparse_config, most models do not),
+``on`` forces InfLLM v2 (with MiniCPM4.1's settings when the checkpoint has none), ``off`` forces
+dense attention. Below ``dense_len`` keys InfLLM v2 is dense attention anyway, as in the official
+model.
+"""
+from __future__ import annotations
+
+from quantkit.kernels.infllm import CompressedKeyCache, SparseAttentionConfig, dense_attention, sparse_attention
+from quantkit.kernels.kv_cache import KVCache
+
+SPARSE_MODES = ("auto", "on", "off")
+
+
+def sparse_config_for(mode: str, checkpoint_config: SparseAttentionConfig | None,
+                      overrides: dict | None = None) -> SparseAttentionConfig | None:
+    """The InfLLM v2 settings to run with, or None for dense attention. ``overrides`` replace single
+    keys (e.g. a smaller dense_len and window for a model trained on 8K tokens)."""
+    if mode not in SPARSE_MODES:
+        raise ValueError(f"sparse must be one of {SPARSE_MODES}, got {mode!r}")
+    if mode == "off":
+        return None
+    chosen = checkpoint_config
+    if mode == "on" and chosen is None:
+        chosen = SparseAttentionConfig()
+    if chosen is not None and overrides:
+        chosen = SparseAttentionConfig.from_dict({**chosen.to_dict(), **overrides})
+    if chosen is not None and chosen.use_nope:
+        raise ValueError("sparse_config.use_nope is true: the runtime keeps only post-RoPE keys; "
+                         "run with --sparse off, or a sparse_config with use_nope false")
+    return chosen
+
+
+class DenseAttention:
+    compressed_keys = None
+
+    def __call__(self, query, keys, values, layer: int, cache: KVCache):
+        return dense_attention(query, keys, values)
+
+
+class InfLLMv2Attention:
+    """InfLLM v2 per layer; the layer's compressed keys live in the KV cache and grow with it."""
+
+    def __init__(self, config: SparseAttentionConfig, backend: str = "cpu"):
+        self.config = config
+        self.backend = backend
+
+    def compressed_keys(self) -> CompressedKeyCache:
+        return CompressedKeyCache(self.config)
+
+    def __call__(self, query, keys, values, layer: int, cache: KVCache):
+        return sparse_attention(query, keys, values, self.config, cache.compressed[layer], backend=self.backend)
+
+
+def make_attention(config: SparseAttentionConfig | None, backend: str = "cpu"):
+    return DenseAttention() if config is None else InfLLMv2Attention(config, backend)

@@ -1,0 +1,40 @@
+"""A multi-turn chat that keeps its KV cache: each turn re-renders the conversation with the chat
+template, keeps the cached positions whose tokens did not change, and prefills only the rest."""
+from __future__ import annotations
+
+from typing import Iterator
+
+from quantkit.kernels.generate import Engine, TextStream
+
+
+class ChatSession:
+    def __init__(self, engine: Engine, enable_thinking: bool = False, system: str | None = None):
+        self.engine = engine
+        self.enable_thinking = enable_thinking
+        self.system = system
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
+        self.cache = self.engine.new_cache()
+        self.cached_tokens: list[int] = []  # the tokens whose keys and values the cache holds
+
+    def reply(self, text: str, **generation) -> Iterator[str]:
+        """Streams the model's answer to a user message and records it in the conversation."""
+        self.messages.append({"role": "user", "content": text})
+        prompt = self.engine.chat_prompt(self.messages, enable_thinking=self.enable_thinking)
+        reused = 0
+        for cached, new in zip(self.cached_tokens, prompt[:-1]):  # at least one token is prefilled
+            if cached != new:
+                break
+            reused += 1
+        self.cache.crop(reused)
+        stream, answer = TextStream(self.engine.tokenizer), []
+        for token in self.engine.tokens(prompt[reused:], cache=self.cache, **generation):
+            answer.append(token)
+            piece = stream.push(token)
+            if piece:
+                yield piece
+        self.cached_tokens = (prompt + answer)[:self.cache.length]
+        self.messages.append({"role": "assistant",
+                              "content": self.engine.tokenizer.decode(answer, skip_special_tokens=True)})

@@ -1,0 +1,27 @@
+"""Which devices the runtime runs on: the CPU, or a CUDA GPU of compute capability 8.0 or newer
+(the Triton kernels use bf16 and Ampere-class tensor cores; sm_89 RTX 4090 and sm_87 Jetson Orin
+are the tuned targets)."""
+from __future__ import annotations
+
+import torch
+
+DEVICES = ("cpu", "cuda")
+MIN_CUDA_CAPABILITY = (8, 0)
+
+
+def require_capability(capability: tuple[int, int], name: str = "this GPU") -> None:
+    if tuple(capability) < MIN_CUDA_CAPABILITY:
+        major, minor = capability
+        raise RuntimeError(f"{name} has compute capability {major}.{minor}; quantkit's CUDA kernels need "
+                           f"{MIN_CUDA_CAPABILITY[0]}.{MIN_CUDA_CAPABILITY[1]} or newer (Ampere, Ada, Orin). "
+                           "Use --device cpu.")
+
+
+def check_device(device: str) -> None:
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda: no CUDA device is visible to PyTorch (this build: "
+                               f"torch {torch.__version__}); use --device cpu")
+        require_capability(torch.cuda.get_device_capability(), torch.cuda.get_device_name())

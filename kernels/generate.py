@@ -1,0 +1,192 @@
+"""Text generation on the runtime: chunked prefill, decode, sampling, stop tokens, streaming.
+
+    engine = load_engine("path/to/artifact")               # or load_engine("default")
+    for piece in engine.stream("Hello", max_new_tokens=32):
+        print(piece, end="", flush=True)
+    result = engine.generate(engine.chat_prompt([{"role": "user", "content": "Hi"}], enable_thinking=False))
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Iterator
+
+import torch
+
+from quantkit.kernels.attention import make_attention, sparse_config_for
+from quantkit.kernels.kv_cache import KVCache
+from quantkit.kernels.model import RuntimeModel
+from quantkit.kernels.sampling import Sampler, Sampling
+
+DEFAULT_PREFILL_CHUNK = 512
+
+
+@dataclass
+class Generation:
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    stop_reason: str  # "stop token" or "length"
+    prefill_seconds: float
+    decode_seconds: float
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        # the first new token comes out of prefill: decode steps are the rest
+        steps = max(len(self.tokens) - 1, 0)
+        return steps / self.decode_seconds if self.decode_seconds else 0.0
+
+
+class TextStream:
+    """Incremental detokenization: emits text only once it is final. A piece is held back while it
+    ends in an incomplete UTF-8 sequence (U+FFFD), and re-decoding starts a few tokens back so that
+    tokenizers whose pieces depend on their neighbours (SentencePiece's leading space) stay exact."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._tokens: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def push(self, token: int) -> str:
+        self._tokens.append(token)
+        decode = self._tokenizer.decode
+        prefix = decode(self._tokens[self._prefix_offset:self._read_offset], skip_special_tokens=True)
+        text = decode(self._tokens[self._prefix_offset:], skip_special_tokens=True)
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
+        return text[len(prefix):]
+
+
+class Engine:
+    def __init__(self, runtime: RuntimeModel, tokenizer, stop_tokens: set[int],
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.runtime = runtime
+        self.tokenizer = tokenizer
+        self.stop_tokens = stop_tokens
+        self.prefill_chunk = prefill_chunk
+
+    def new_cache(self) -> KVCache:
+        return self.runtime.new_cache(self.runtime.attention.compressed_keys)
+
+    def chat_prompt(self, messages: list[dict], enable_thinking: bool = True) -> list[int]:
+        """MiniCPM4.1's chat template with its hybrid-reasoning switch, as token ids."""
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  enable_thinking=enable_thinking, return_dict=False)
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        return list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt)
+
+    def prefill(self, tokens: list[int], cache: KVCache) -> torch.Tensor:
+        """Runs the prompt through the model in chunks; returns the last position's logits."""
+        if not tokens:
+            raise ValueError("the prompt is empty")
+        ids = torch.tensor(tokens, dtype=torch.long)
+        for start in range(0, len(tokens), self.prefill_chunk):
+            logits = self.runtime.forward(ids[start:start + self.prefill_chunk], cache)
+        return logits
+
+    def tokens(self, prompt: str | list[int], max_new_tokens: int = 128, sampling: Sampling = Sampling(),
+               cache: KVCache | None = None, timings: dict | None = None) -> Iterator[int]:
+        """Yields new token ids until a stop token (not yielded) or max_new_tokens."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        cache = cache if cache is not None else self.new_cache()
+        sampler = Sampler(sampling)
+        timings = timings if timings is not None else {}
+        start = time.perf_counter()
+        logits = self.prefill(self.encode(prompt), cache)
+        timings["prefill_seconds"] = time.perf_counter() - start
+        timings["stop_reason"] = "length"
+        start = time.perf_counter()
+        for step in range(max_new_tokens):
+            token = sampler(logits)
+            if token in self.stop_tokens:
+                timings["stop_reason"] = "stop token"
+                break
+            yield token
+            if step + 1 < max_new_tokens:
+                logits = self.runtime.forward(torch.tensor([token]), cache)
+        timings["decode_seconds"] = time.perf_counter() - start
+
+    def stream(self, prompt: str | list[int], **kwargs) -> Iterator[str]:
+        text = TextStream(self.tokenizer)
+        for token in self.tokens(prompt, **kwargs):
+            piece = text.push(token)
+            if piece:
+                yield piece
+
+    def generate(self, prompt: str | list[int], **kwargs) -> Generation:
+        timings: dict = {}
+        prompt_ids = self.encode(prompt)
+        new = list(self.tokens(prompt_ids, timings=timings, **kwargs))
+        return Generation(self.tokenizer.decode(new, skip_special_tokens=True), new, len(prompt_ids),
+                          timings["stop_reason"], timings["prefill_seconds"], timings["decode_seconds"])
+
+
+class EngineLM:
+    """The engine behind the two calls the evaluation harness makes of a transformers model, so that
+    perplexity and needle retrieval measure the runtime itself (quantized linears, sparse attention)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def __call__(self, input_ids: torch.Tensor) -> SimpleNamespace:
+        """input_ids [1, T] -> logits [1, T, V] of a fresh sequence, prefilled in chunks."""
+        cache, ids = self.engine.new_cache(), input_ids[0]
+        chunk = self.engine.prefill_chunk
+        logits = [self.engine.runtime.forward(ids[start:start + chunk], cache, all_logits=True)
+                  for start in range(0, len(ids), chunk)]
+        return SimpleNamespace(logits=torch.cat(logits)[None])
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, do_sample: bool = False, **_) -> torch.Tensor:
+        if do_sample:
+            raise ValueError("EngineLM.generate is greedy only")
+        prompt = input_ids[0].tolist()
+        new = list(self.engine.tokens(prompt, max_new_tokens=max_new_tokens))
+        return torch.tensor([prompt + new])
+
+
+def stop_tokens_of(model_dir: Path, tokenizer, config) -> set[int]:
+    """EOS ids from the config and generation_config, plus the chat turn end ``<|im_end|>``."""
+    from transformers import GenerationConfig
+
+    ids: set[int] = set()
+    sources = [config.eos_token_id, tokenizer.eos_token_id]
+    if (model_dir / "generation_config.json").is_file():
+        sources.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+    for source in sources:
+        ids.update(source if isinstance(source, (list, tuple)) else [] if source is None else [source])
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(end_of_turn, int) and end_of_turn != tokenizer.unk_token_id:
+        ids.add(end_of_turn)
+    return ids
+
+
+def load_engine(model_dir: str | Path, *, sparse: str = "auto", sparse_overrides: dict | None = None, device: str = "cpu",
+                dtype: torch.dtype = torch.bfloat16, linear_backend: str = "cpu", lm_head: str = "auto",
+                prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Engine:
+    """An engine for any checkpoint quantkit reads: unquantized, or an artifact it wrote."""
+    from transformers import AutoTokenizer
+
+    from quantkit.kernels.device import check_device
+    from quantkit.kernels.load import load_runtime_model
+
+    check_device(device)
+    model_dir = Path(model_dir)
+    model = load_runtime_model(model_dir, dtype, "triton" if device == "cuda" else linear_backend, device, lm_head)
+    sparse_config = sparse_config_for(sparse, model.config.sparse_attention, sparse_overrides)
+    attention = make_attention(sparse_config, "triton" if device == "cuda" else "cpu")
+    runtime = RuntimeModel(model, attention)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return Engine(runtime, tokenizer, stop_tokens_of(model_dir, tokenizer, model.config), prefill_chunk)

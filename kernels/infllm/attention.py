@@ -1,0 +1,60 @@
+"""``sparse_attention``: InfLLM v2 for prefill, chunked prefill and decode (reference minicpm4.md §2.2-2.3).
+
+One call attends the last T positions of one sequence, head-major like the runtime's KV cache:
+
+    out = sparse_attention(q, k, v, config)                 # q [Hq, T, d]; k, v [Hkv, S, d] -> [Hq, T, d]
+    cache = CompressedKeyCache(config)
+    out = sparse_attention(q, k, v, config, cache=cache)    # the same, keeping the compressed keys
+    out = sparse_attention(q_t, k, v, config, cache=cache)  # decode: T == 1, compressed keys extended
+
+k and v hold every key and value so far (post-RoPE). Below ``config.dense_len`` keys the call is
+ordinary causal attention and the cache is left alone; the first sparse call pools the whole history
+into the cache, later calls only the windows completed since.
+"""
+from __future__ import annotations
+
+import torch
+
+from quantkit.kernels.infllm import cpu
+from quantkit.kernels.infllm.cache import CompressedKeyCache
+from quantkit.kernels.infllm.config import SparseAttentionConfig
+from quantkit.kernels.infllm.reference import check_inputs, compress_keys, query_positions, select_blocks
+
+BACKENDS = ("cpu", "triton")
+
+
+def dense_attention(q, k, v) -> torch.Tensor:
+    """Causal attention of the last T positions (q [Hq, T, d], k/v [Hkv, S, d] -> [Hq, T, d])."""
+    return cpu.dense_attention(q, k, v)
+
+
+def sparse_attention(q, k, v, config: SparseAttentionConfig, cache: CompressedKeyCache | None = None, *,
+                     q_nope=None, k_nope=None, backend: str = "cpu") -> torch.Tensor:
+    """InfLLM v2 attention of the last T positions -> [Hq, T, d] in q's dtype.
+
+    With ``config.use_nope`` pass the pre-RoPE ``q_nope`` / ``k_nope`` (same shapes): they score the
+    blocks (and fill the cache) while q and k attend. ``backend="triton"`` runs the block-sparse
+    stage as a Triton kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_inputs(q, k, v, config, q_nope, k_nope)
+    if cache is not None and cache.config != config:
+        raise ValueError("the cache was built for a different sparse_config")
+    num_keys = k.shape[1]
+    if config.is_dense(num_keys):
+        return cpu.dense_attention(q, k, v)
+    score_q, score_k = (q_nope, k_nope) if config.use_nope else (q, k)
+    if cache is not None:
+        fine, coarse = cache.update(score_k)
+    else:
+        fine = compress_keys(score_k, config.kernel_size, config.kernel_stride)
+        coarse = compress_keys(score_k, config.coarse_kernel_size, config.coarse_kernel_stride)
+    positions = query_positions(q.shape[1], num_keys, q.device)
+    scores = cpu.stage1_scores(score_q, fine, coarse, positions, config)
+    block_idx = select_blocks(cpu.block_scores(scores, positions, num_keys, config), positions, config)
+    if backend == "triton":
+        from quantkit.kernels.infllm.triton_attention import block_sparse_attention
+
+        return block_sparse_attention(q, k, v, block_idx, positions, config.block_size)
+    return cpu.block_sparse_attention(q, k, v, block_idx, positions, config.block_size)

@@ -1,0 +1,145 @@
+"""InfLLM v2 on the CPU: the reference's computation, organised for speed.
+
+- Stage 1 runs per chunk of query tokens as two batched float32 matmuls per KV group (coarse keys
+  for the LSE, then fine keys), over only the compressed keys the chunk's last token can see.
+- Block scores use one ``max_pool1d`` (window 5, stride 4, padding 1) instead of a loop over blocks.
+- Stage 2 gathers, per (KV group, token), only the selected 64-token blocks of K and V (whole-block
+  row copies) and runs ``scaled_dot_product_attention`` on them (float32 accumulation, also for bf16
+  inputs); the 16 query heads of a group are the rows of one small attention problem. Selections
+  come sorted with the unused (-1) slots last, so each chunk is trimmed to its longest selection.
+  A decode step needs no mask at all: every slot is used and only the last (current) block can be
+  partial, so the gathered keys are cut to length instead.
+
+Block scoring and selection are plain tensor code and run on any device; the Triton path reuses them.
+All tensors are head-major: q [Hq, T, d], k/v [Hkv, S, d] (each head's keys contiguous, as in the
+model's KV cache, makes the block gathers row copies; other strides cost one copy of K and V).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from quantkit.kernels.infllm.config import SparseAttentionConfig
+from quantkit.kernels.infllm.reference import forced_blocks
+
+# Query tokens per stage-1 / stage-2 step: bounds the float32 score buffer (Hkv·G·chunk·n1) and the
+# gathered K/V (Hkv·chunk·6144·d) to tens of MB at 64K keys.
+STAGE1_CHUNK = 64
+STAGE2_CHUNK = 16
+
+
+def dense_attention(q, k, v) -> torch.Tensor:
+    """Causal attention of the last T positions through SDPA (the ``dense_len`` fallback and the
+    benchmark's baseline). q [Hq, T, d], k/v [Hkv, S, d] -> [Hq, T, d].
+
+    A decode step folds each KV group's query heads into the rows of one problem: SDPA's
+    ``enable_gqa`` path measured 10x slower for a single query here (it expands K and V)."""
+    (Hq, T, d), (Hkv, S, _) = q.shape, k.shape
+    if T == 1:
+        return F.scaled_dot_product_attention(q.reshape(1, Hkv, Hq // Hkv, d), k[None], v[None]).view(Hq, 1, d)
+    mask = None
+    if T < S:  # SDPA's is_causal aligns the first query with the first key; ours end together
+        mask = torch.arange(S, device=q.device)[None, :] <= torch.arange(S - T, S, device=q.device)[:, None]
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=T == S,
+                                          enable_gqa=Hq != Hkv)[0]
+
+
+def visible_counts(positions, size: int, stride: int) -> torch.Tensor:
+    """Compressed keys visible at each position: windows ending at or before it (a prefix)."""
+    return ((positions + 1 - size).div(stride, rounding_mode="floor") + 1).clamp(min=0)
+
+
+def stage1_scores(q, fine, coarse, positions, config: SparseAttentionConfig,
+                  chunk: int = STAGE1_CHUNK) -> torch.Tensor:
+    """As reference.stage1_scores: [Hkv, T, n1] float32 group-summed exp(s - lse_coarse)."""
+    Hq, T, d = q.shape
+    Hkv, n1, _ = fine.shape
+    G = Hq // Hkv
+    rows_all = (q.float() * d ** -0.5).reshape(Hkv, G, T, d)
+    fine_t, coarse_t = fine.float().transpose(1, 2), coarse.float().transpose(1, 2)   # [Hkv, d, n]
+    sees_fine = visible_counts(positions, config.kernel_size, config.kernel_stride).tolist()
+    sees_coarse = visible_counts(positions, config.coarse_kernel_size, config.coarse_kernel_stride)
+    out = torch.zeros(Hkv, T, n1, dtype=torch.float32, device=q.device)
+    for t0 in range(0, T, chunk):
+        t1 = min(t0 + chunk, T)
+        width = sees_fine[t1 - 1]  # keys beyond the chunk's last token's view stay 0
+        if width == 0:
+            continue
+        rows = rows_all[:, :, t0:t1].reshape(Hkv, G * (t1 - t0), d)
+        lse = _masked_lse(rows @ coarse_t, sees_coarse[t0:t1])                     # [Hkv, G*C, 1]
+        p = torch.exp_((rows @ fine_t[..., :width]).sub_(lse)).view(Hkv, G, t1 - t0, width)
+        if sees_fine[t0] < width:
+            hidden = torch.arange(width, device=q.device)[None, :] >= torch.tensor(
+                sees_fine[t0:t1], device=q.device)[:, None]
+            p.masked_fill_(hidden, 0.0)
+        out[:, t0:t1, :width] = p.sum(1)
+    return out
+
+
+def _masked_lse(logits, sees) -> torch.Tensor:
+    """logsumexp over each row's visible coarse keys; rows are (head, token), tokens fastest."""
+    n2 = logits.shape[-1]
+    if int(sees.min()) < n2:
+        hidden = torch.arange(n2, device=logits.device)[None, :] >= sees[:, None]     # [C, n2]
+        logits = logits.masked_fill(hidden.repeat(logits.shape[1] // len(sees), 1), -math.inf)
+    return logits.logsumexp(-1, keepdim=True)
+
+
+def block_scores(scores, positions, num_keys: int, config: SparseAttentionConfig) -> torch.Tensor:
+    """As reference.block_scores, with one max_pool1d: padding 1 supplies the -inf that the
+    official kernel's clipped window [4j-1, 4j+4) implies at the left edge."""
+    Hkv, T, n1 = scores.shape
+    nb = math.ceil(num_keys / config.block_size)
+    stride = config.pool_stride
+    padded = F.pad(scores, (0, stride * nb - n1), value=-math.inf)     # n1 <= stride*nb - 1 always
+    pooled = F.max_pool1d(padded.view(Hkv * T, 1, -1), kernel_size=stride + 1, stride=stride, padding=1)
+    pooled = pooled.view(Hkv, T, -1)[..., :nb]
+    return pooled.masked_fill(forced_blocks(positions, nb, config)[None], math.inf)
+
+
+def gather_blocks(x, blocks, block_size: int) -> torch.Tensor:
+    """x [Hkv, S, d], blocks [Hkv, C, k] (valid indices) -> [Hkv, C, k*block_size, d]. A partial last
+    block is padded with zeros (callers mask or cut those positions)."""
+    Hkv, S, d = x.shape
+    C, k = blocks.shape[1:]
+    full = S // block_size
+    if full == 0:
+        gathered = x.new_zeros(Hkv, C, k, block_size, d)
+    else:
+        flat = x[:, : full * block_size].reshape(Hkv * full, block_size * d)
+        rows = blocks.clamp(max=full - 1) + torch.arange(Hkv, device=x.device)[:, None, None] * full
+        gathered = flat.index_select(0, rows.flatten()).view(Hkv, C, k, block_size, d)
+    if full * block_size < S:
+        tail = x.new_zeros(Hkv, 1, 1, block_size, d)
+        tail[:, 0, 0, : S - full * block_size] = x[:, full * block_size:]
+        gathered = torch.where((blocks == full)[..., None, None], tail, gathered)
+    return gathered.view(Hkv, C, k * block_size, d)
+
+
+def block_sparse_attention(q, k, v, block_idx, positions, block_size: int,
+                           chunk: int = STAGE2_CHUNK) -> torch.Tensor:
+    """As reference.block_sparse_attention, gathering only the selected blocks. -> [Hq, T, d]."""
+    Hq, T, d = q.shape
+    Hkv, S, _ = k.shape
+    G = Hq // Hkv
+    rows_all = q.reshape(Hkv, G, T, d)
+    if T == 1:  # decode: all slots used, the current block last (possibly partial), no mask needed
+        length = block_idx.shape[-1] * block_size - (-S % block_size)
+        keys = gather_blocks(k, block_idx, block_size)[:, :, :length]
+        values = gather_blocks(v, block_idx, block_size)[:, :, :length]
+        return F.scaled_dot_product_attention(rows_all.transpose(1, 2), keys, values).reshape(Hq, 1, d)
+    used = (block_idx >= 0).sum(-1)                                       # [Hkv, T]: a prefix of slots
+    offsets = torch.arange(block_size, device=q.device)
+    out = q.new_empty(Hkv, T, G, d)
+    for t0 in range(0, T, chunk):
+        t1 = min(t0 + chunk, T)
+        blocks = block_idx[:, t0:t1, : int(used[:, t0:t1].max())]          # [Hkv, C, kk]
+        tokens = (blocks[..., None] * block_size + offsets).flatten(2)     # -1 slots give negatives
+        allowed = (blocks >= 0).repeat_interleave(block_size, -1) & (tokens <= positions[None, t0:t1, None])
+        blocks = blocks.clamp(min=0)
+        out[:, t0:t1] = F.scaled_dot_product_attention(
+            rows_all[:, :, t0:t1].transpose(1, 2), gather_blocks(k, blocks, block_size),
+            gather_blocks(v, blocks, block_size), attn_mask=allowed[:, :, None, :])
+    return out.transpose(1, 2).reshape(Hq, T, d)

@@ -1,0 +1,63 @@
+"""Key/value cache of one sequence: per layer, head-major K and V buffers that grow by doubling.
+
+Head-major ([Hkv, capacity, d]) keeps each head's keys contiguous, so attention reads a prefix view
+without copying and InfLLM v2 gathers 64-token blocks as row copies. Sparse attention also keeps, per
+layer, the compressed keys it scores blocks with; they live here too so that cropping the sequence
+(speculative decoding, a new turn that rewrites the tail) drops them with the keys.
+"""
+from __future__ import annotations
+
+import torch
+
+INITIAL_CAPACITY = 256
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", compressed_keys=None):
+        """``compressed_keys``: a factory for a layer's compressed-key cache (sparse attention), or None."""
+        self.length = 0
+        self._shape = (num_kv_heads, head_dim)
+        self._dtype, self._device = dtype, device
+        self._keys: list[torch.Tensor | None] = [None] * num_layers
+        self._values: list[torch.Tensor | None] = [None] * num_layers
+        self._compressed_factory = compressed_keys
+        self.compressed = [compressed_keys() if compressed_keys else None for _ in range(num_layers)]
+
+    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store a layer's new keys/values [Hkv, T, d] at positions length..length+T-1 and return
+        views of every key and value so far. Call ``advance(T)`` once all layers have appended."""
+        new_length = self.length + keys.shape[1]
+        buffer = self._keys[layer]
+        if buffer is None or new_length > buffer.shape[1]:
+            self._grow(layer, new_length)
+        self._keys[layer][:, self.length:new_length] = keys
+        self._values[layer][:, self.length:new_length] = values
+        return self._keys[layer][:, :new_length], self._values[layer][:, :new_length]
+
+    def _grow(self, layer: int, needed: int) -> None:
+        old_keys, old_values = self._keys[layer], self._values[layer]
+        capacity = max(INITIAL_CAPACITY, needed, 2 * (0 if old_keys is None else old_keys.shape[1]))
+        heads, dim = self._shape
+        self._keys[layer] = torch.empty(heads, capacity, dim, dtype=self._dtype, device=self._device)
+        self._values[layer] = torch.empty(heads, capacity, dim, dtype=self._dtype, device=self._device)
+        if old_keys is not None:
+            self._keys[layer][:, :self.length] = old_keys[:, :self.length]
+            self._values[layer][:, :self.length] = old_values[:, :self.length]
+
+    def advance(self, count: int) -> None:
+        self.length += count
+
+    def crop(self, length: int) -> None:
+        """Forget every position from ``length`` on. Compressed keys cannot be un-pooled, so they are
+        rebuilt from the kept keys on the next sparse step (a rare event: a rejected draft or an edit)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")
+        if length < self.length and self._compressed_factory is not None:
+            self.compressed = [self._compressed_factory() for _ in self.compressed]
+        self.length = length
+
+    def nbytes(self) -> int:
+        """Bytes of keys and values held for the current length (what a decode step reads densely)."""
+        heads, dim = self._shape
+        return 2 * len(self._keys) * heads * dim * self.length * self._dtype.itemsize

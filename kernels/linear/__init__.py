@@ -1,0 +1,81 @@
+"""Quantized linear layers for the runtime, built from any artifact quantkit reads.
+
+Every format (GPTQ, AutoAWQ, Marlin, CPM.cu, GGUF blocks) is first read into its record by
+``quantkit.formats`` (the same code that writes it, tested bit-exact), then executed by the module
+its grid calls for:
+
+| backend     | 4-bit uniform grid (gptq, awq, marlin, cpmcu)     | anything else (2/3/8-bit, GGUF types) |
+|-------------|---------------------------------------------------|---------------------------------------|
+| "reference" | float32 dequantized weight (what the file means)   | same                                  |
+| "cpu"       | ``Int4Linear``: packed int4 decode, bf16 prefill   | bf16 dequantized weight               |
+| "triton"    | ``TritonW4A16Linear`` over the GPTQ layout         | bf16 dequantized weight               |
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quantkit.checkpoint import CheckpointReader
+from quantkit.engine import layer_records, linear_shapes
+from quantkit.kernels.linear.int4 import Int4Linear
+from quantkit.loading import artifact_format
+from quantkit.models import MiniCPMConfig
+from quantkit.models.layers import layer_prefix
+from quantkit.quant import QuantizedTensor
+
+BACKENDS = ("reference", "cpu", "triton")
+# Dequantized bf16 weights kept for prefill up to this many bytes in total; beyond it (an 8B model)
+# each prefill chunk dequantizes its layer's weights again.
+KEEP_DEQUANTIZED_BYTES = 4 << 30
+
+
+def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Linear:
+    module = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    module.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+    if bias is not None:
+        module.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+    module.weight_bytes = weight.numel() * module.weight.element_size()
+    return module
+
+
+def linear_for(record, bias: torch.Tensor | None, backend: str, dtype: torch.dtype,
+               keep_dequantized: bool = True) -> nn.Module:
+    """The module that executes one quantized linear's record on ``backend``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"linear backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference":
+        return dense_linear(record.dequantize(torch.float32), bias, torch.float32)
+    four_bit = isinstance(record, QuantizedTensor) and record.config.bits == 4
+    if four_bit and backend == "cpu":
+        return Int4Linear.from_record(record, bias, keep_dequantized)
+    if four_bit and backend == "triton":
+        from quantkit.kernels.linear.triton_w4a16 import TritonW4A16Linear
+
+        return TritonW4A16Linear.from_record(record, bias)
+    return dense_linear(record.dequantize(torch.float32), bias, dtype)
+
+
+def load_linears(model_dir: str | Path, backend: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> dict[str, nn.Module]:
+    """Every quantized linear of an artifact as a module, keyed by its name (``model.layers.3.mlp.up_proj``);
+    {} for an unquantized checkpoint. CPM.cu's fused tensors come back as their q/k/v and gate/up parts."""
+    model_dir = Path(model_dir)
+    config = MiniCPMConfig.from_pretrained(model_dir)
+    fmt = artifact_format(model_dir, config)
+    if fmt is None:
+        return {}
+    qconfig = fmt.parse_config(config.quantization_config)
+    reader = CheckpointReader(model_dir)
+    weights = config.num_hidden_layers * sum(n * k for n, k in linear_shapes(config).values())
+    keep = weights * 2 <= KEEP_DEQUANTIZED_BYTES
+    modules: dict[str, nn.Module] = {}
+    for index in range(config.num_hidden_layers):
+        prefix = layer_prefix(index)
+        tensors = {name: reader.get(name) for name in reader.names if name.startswith(prefix)}
+        plain, records = layer_records(tensors, index, config, qconfig, fmt)
+        for key, record in records.items():
+            name = key.removesuffix(".weight")
+            modules[name] = linear_for(record, plain.get(f"{name}.bias"), backend, dtype, keep)
+    return modules
+

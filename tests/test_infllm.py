@@ -1,0 +1,109 @@
+"""InfLLM v2: the readable reference against dense attention, the fast CPU path against the
+reference (outputs and block choices), the incremental compressed-key cache, and the runtime's
+sparse decode against the reference step by step."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantkit.kernels.infllm import CompressedKeyCache, SparseAttentionConfig, sparse_attention
+from quantkit.kernels.infllm import cpu, reference
+from quantkit.kernels.infllm.reference import (compress_keys, dense_causal_attention, query_positions,
+                                               reference_block_selection, sparse_attention_reference)
+
+# Scaled-down MiniCPM4.1 settings: same kernel/stride/block, a 128-token window and top-4, always sparse.
+SMALL = SparseAttentionConfig(window_size=128, topk=4, dense_len=-1)
+# float32 outputs of two orderings of the same sums (SDPA vs einsum): ~1e-6; 1e-5 leaves margin.
+FP32_TOL = 1e-5
+
+
+def qkv(heads_q, heads_kv, length, dim, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    make = lambda h: torch.randn(h, length, dim, generator=g).to(dtype)  # noqa: E731
+    return make(heads_q), make(heads_kv), make(heads_kv)
+
+
+def test_reference_equals_dense_attention_when_every_block_is_selected():
+    q, k, v = qkv(8, 2, 700, 32)
+    every_block = SparseAttentionConfig(window_size=0, topk=64, dense_len=-1)  # 11 blocks < topk
+    got = sparse_attention_reference(q, k, v, every_block)
+    assert (got - dense_causal_attention(q, k, v)).abs().max() < FP32_TOL
+    # and it is really sparse with MiniCPM4.1-like budgets: far-away blocks are dropped
+    assert (sparse_attention_reference(q, k, v, SMALL) - dense_causal_attention(q, k, v)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("queries", [1000, 37, 1])  # prefill, a later chunk, decode
+def test_cpu_path_equals_reference(queries):
+    q, k, v = qkv(8, 2, 1000, 32, seed=queries)
+    q = q[:, -queries:]
+    want = sparse_attention_reference(q, k, v, SMALL)
+    assert (sparse_attention(q, k, v, SMALL) - want).abs().max() < FP32_TOL
+    positions = query_positions(queries, 1000)
+    fine = compress_keys(k, SMALL.kernel_size, SMALL.kernel_stride)
+    coarse = compress_keys(k, SMALL.coarse_kernel_size, SMALL.coarse_kernel_stride)
+    scores = cpu.stage1_scores(q, fine, coarse, positions, SMALL)
+    # early tokens see no coarse key yet: +inf scores in both (only forced blocks exist then)
+    torch.testing.assert_close(scores, reference.stage1_scores(q, fine, coarse, positions, SMALL), rtol=1e-4, atol=1e-6)
+    chosen = reference.select_blocks(cpu.block_scores(scores, positions, 1000, SMALL), positions, SMALL)
+    assert torch.equal(chosen, reference_block_selection(q, k, SMALL))
+
+
+def test_cpu_path_with_minicpm41_head_shape_and_bf16():
+    """32 query heads, 2 KV heads, head dim 128 (MiniCPM4.1-8B), 4096 keys, sparse from 1024 on."""
+    config = SparseAttentionConfig(window_size=512, topk=16, dense_len=1024)
+    q, k, v = qkv(32, 2, 4096, 128, seed=3)
+    for queries in (1, 64):
+        want = sparse_attention_reference(q[:, -queries:], k, v, config)
+        assert (sparse_attention(q[:, -queries:], k, v, config) - want).abs().max() < FP32_TOL
+    qb, kb, vb = (t.bfloat16() for t in (q[:, -1:], k, v))
+    # bf16 inputs: float32 accumulation in both; the output is rounded to bf16 (relative 2^-8)
+    want = sparse_attention_reference(qb, kb, vb, config).float()
+    assert (sparse_attention(qb, kb, vb, config).float() - want).abs().max() < 2e-2
+
+
+def test_compressed_key_cache_grows_incrementally_and_decode_matches_reference():
+    q, k, v = qkv(4, 2, 900, 16, seed=7)
+    cache = CompressedKeyCache(SMALL)
+    sparse_attention(q[:, :700], k[:, :700], v[:, :700], SMALL, cache)  # prefill of 700
+    for end in range(701, 901, 13):  # decode steps, some completing a window, some not
+        got = sparse_attention(q[:, end - 1:end], k[:, :end], v[:, :end], SMALL, cache)
+        want = sparse_attention_reference(q[:, end - 1:end], k[:, :end], v[:, :end], SMALL)
+        assert (got - want).abs().max() < FP32_TOL
+    fine, coarse = cache.update(k[:, :end])
+    assert torch.equal(fine, compress_keys(k[:, :end], 32, 16).float())
+    assert torch.equal(coarse, compress_keys(k[:, :end], 128, 64).float())
+    with pytest.raises(ValueError, match="only grows"):
+        cache.update(k[:, :100])
+
+
+def test_runtime_sparse_decode_equals_reference_attention_per_layer(tiny_checkpoint):
+    """The engine's InfLLM v2 path (KV cache, compressed-key caches, chunked prefill, decode)
+    gives the logits of a model whose every layer calls the readable reference on the full history."""
+    from quantkit.kernels.attention import InfLLMv2Attention
+    from quantkit.kernels.load import load_runtime_model
+    from quantkit.kernels.model import RuntimeModel
+
+    config = SparseAttentionConfig(window_size=64, topk=2, dense_len=128)
+    tokens = torch.randint(0, 300, (420,), generator=torch.Generator().manual_seed(2))
+    fast = RuntimeModel(load_runtime_model(tiny_checkpoint, torch.float32), InfLLMv2Attention(config))
+    slow = RuntimeModel(load_runtime_model(tiny_checkpoint, torch.float32),
+                        lambda q, k, v, layer, cache: sparse_attention_reference(q, k, v, config))
+    cache_fast, cache_slow = fast.new_cache(fast.attention.compressed_keys), slow.new_cache()
+    for begin, end in [(0, 100), (100, 300)] + [(i, i + 1) for i in range(300, 420)]:
+        got = fast.forward(tokens[begin:end], cache_fast, all_logits=True)
+        want = slow.forward(tokens[begin:end], cache_slow, all_logits=True)
+        assert (got - want).abs().max() < 1e-4, (begin, end)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(block_size=60), "multiple of kernel_stride"),
+    (dict(kernel_size=48), "2 x kernel_stride"),
+    (dict(topk=1), "must exceed init_blocks"),
+    (dict(dense_len=-5), "dense_len"),
+    (dict(use_nope=1), "true or false"),
+])
+def test_bad_sparse_configs_are_refused(bad, message):
+    with pytest.raises(ValueError, match=message):
+        SparseAttentionConfig(**bad)
+    with pytest.raises(ValueError, match="unknown keys"):
+        SparseAttentionConfig.from_dict({"topK": 3})

@@ -1,0 +1,92 @@
+"""The runtime's quantized linears (quantkit.kernels.linear) on artifacts of every format: the
+reference path is the dequantized weight bit for bit, the fast CPU path is within bf16 tolerance of
+it (decode and prefill rows, act-order, ragged groups), and the runtime runs the artifact."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantkit.engine import quantize
+from quantkit.kernels.linear import load_linears
+from quantkit.kernels.linear.int4 import Int4Linear, pack_group_size
+from quantkit.kernels.linear.int8 import Int8RowLinear
+from quantkit.kernels.model import fuse_linears
+from quantkit.loading import load_model
+from quantkit.recipe import load_recipe
+
+FAST = {"calibration.n_samples": 4, "calibration.seq_len": 64}
+# (recipe, format override, extra settings, checkpoint variant)
+ARTIFACTS = {
+    "gptq-act-order": ("gptq-w4g128", {"gptq.desc_act": True, "gptq.group_aware": False},
+                       dict(hidden_size=320, num_attention_heads=10)),  # K = 320: a ragged last group
+    "awq": ("awq-w4g128", {}, dict()),
+    "marlin": ("rtn-w4g128", {"format": "marlin", "quant.sym": True}, dict(num_key_value_heads=4)),
+    "cpmcu": ("rtn-w4g128", {"format": "cpmcu", "quant.sym": True}, dict(num_key_value_heads=4)),
+    "gguf-q4_0": ("gguf-q4_0", {}, dict()),
+    "rtn-3bit": ("rtn-w4g128", {"quant.bits": 3}, dict(num_key_value_heads=2)),  # 3-bit packs N in 32s
+}
+
+
+@pytest.fixture(scope="module", params=sorted(ARTIFACTS))
+def artifact(request, tiny_checkpoint_factory, tmp_path_factory):
+    recipe, settings, variant = ARTIFACTS[request.param]
+    out = tmp_path_factory.mktemp(request.param) / "artifact"
+    quantize(tiny_checkpoint_factory(**variant), load_recipe(recipe, {**FAST, **settings}), out, progress=False)
+    return request.param, out
+
+
+def test_reference_is_the_dequantized_weight_and_cpu_is_within_bf16(artifact):
+    name, path = artifact
+    model = load_model(path)
+    reference, fast = load_linears(path, "reference"), load_linears(path, "cpu")
+    expected = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+    assert set(reference) == set(fast) == expected
+    for key, module in reference.items():
+        assert torch.equal(module.weight, model.get_submodule(key).weight), key
+        for rows in (1, 64):  # decode (packed int4 kernel) and prefill (bf16 dequantized matmul)
+            x = torch.randn(rows, module.in_features)
+            want = module(x)
+            got = fast[key](x.bfloat16()).float()
+            # bf16 inputs, scales and outputs: relative error a few 2^-8 of the output scale
+            assert ((got - want).abs().max() / want.abs().max()) < 3e-2, (name, key, rows)
+    if name != "rtn-3bit" and not name.startswith("gguf"):
+        assert all(isinstance(m, Int4Linear) for m in fast.values())
+
+
+def test_runtime_runs_the_artifact_close_to_the_reference(artifact):
+    from quantkit.kernels.generate import EngineLM, load_engine
+
+    _, path = artifact
+    tokens = torch.randint(0, 300, (1, 96), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = torch.log_softmax(load_model(path)(tokens).logits[0].double(), -1)
+    got = torch.log_softmax(EngineLM(load_engine(path, prefill_chunk=40))(tokens).logits[0].double(), -1)
+    kl = (want.exp() * (want - got)).sum(-1).mean()
+    # bf16 activations, int8 LM head: KL ~1e-3 on random tiny models; a wrong layout gives > 1
+    assert kl < 2e-2
+
+
+def test_pack_group_avoids_padding():
+    assert pack_group_size(128, 576) == 64 and pack_group_size(-1, 4096) == 256 and pack_group_size(32, 576) == 32
+    assert pack_group_size(128, 100) == 128  # no size divides 100: padded
+
+
+def test_fused_int4_linears_equal_the_separate_ones(tiny_checkpoint_factory, tmp_path):
+    out = tmp_path / "rtn"
+    quantize(tiny_checkpoint_factory(), load_recipe("rtn-w4g128", FAST), out, progress=False)
+    linears = load_linears(out, "cpu")
+    parts = [linears[f"model.layers.0.self_attn.{p}_proj"] for p in "qkv"]
+    fused = fuse_linears(parts)
+    for rows in (1, 20):
+        x = torch.randn(rows, parts[0].in_features).bfloat16()
+        assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+
+
+def test_int8_lm_head_error_is_half_a_step_per_row():
+    weight = torch.randn(300, 64)
+    head = Int8RowLinear(weight)
+    error = (head.dequantized(torch.float32) - weight).abs().amax(dim=1)
+    step = head.scales.float()
+    assert (error <= step * 0.51 + weight.abs().amax(dim=1) * 2**-8).all()  # half a step + bf16 scale rounding
+    x = torch.randn(1, 64).bfloat16()
+    assert torch.allclose(head(x).float(), x.float() @ head.dequantized(torch.float32).T, rtol=2e-2, atol=2e-2)

@@ -1,0 +1,232 @@
+"""The generation runtime (quantkit.kernels): its forward pass against the model it re-plays, the
+KV cache, chunked prefill, sampling, stop tokens, streaming text, multi-turn chat, roofline
+arithmetic and the CLI."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from quantkit.cli import main
+from quantkit.kernels.attention import make_attention, sparse_config_for
+from quantkit.kernels.chat import ChatSession
+from quantkit.kernels.device import check_device, require_capability
+from quantkit.kernels.generate import Engine, TextStream, load_engine
+from quantkit.kernels.kv_cache import KVCache
+from quantkit.kernels.load import load_runtime_model
+from quantkit.kernels.model import RuntimeModel
+from quantkit.kernels.roofline import DEVICES, roofline, weight_bytes_per_token
+from quantkit.kernels.sampling import Sampler, Sampling
+from quantkit.loading import load_model
+
+# Float32 runtime against the float32 model: the same operations in another order (fused q/k/v,
+# RoPE through roll): differences are float32 rounding, far below 1e-4 on logits of size ~10.
+FP32_LOGIT_TOLERANCE = 1e-4
+
+
+def _runtime(model_dir, dtype=torch.float32, sparse="off", overrides=None):
+    model = load_runtime_model(model_dir, dtype)
+    return RuntimeModel(model, make_attention(sparse_config_for(sparse, model.config.sparse_attention, overrides)))
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(tied=True), dict(attention_bias=True, longrope=False),
+                                     dict(num_key_value_heads=4)])
+def test_forward_equals_the_model_in_prefill_chunks_and_decode(tiny_checkpoint_factory, variant):
+    model_dir = tiny_checkpoint_factory(**variant)
+    reference = load_model(model_dir)
+    tokens = torch.randint(0, reference.config.vocab_size, (40,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = reference(tokens[None]).logits[0]
+    runtime = _runtime(model_dir)
+    cache = runtime.new_cache()
+    got = torch.cat([runtime.forward(tokens[:17], cache, all_logits=True),      # prefill
+                     runtime.forward(tokens[17:30], cache, all_logits=True)]     # a later chunk
+                    + [runtime.forward(tokens[i:i + 1], cache, all_logits=True) for i in range(30, 40)])  # decode
+    assert cache.length == 40
+    assert (got - want).abs().max() < FP32_LOGIT_TOLERANCE
+
+
+def test_greedy_generation_equals_transformers_generate(tiny_checkpoint):
+    reference = load_model(tiny_checkpoint)
+    prompt = [5, 17, 99, 3, 250, 41]
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    engine = Engine(_runtime(tiny_checkpoint), tokenizer=None, stop_tokens=set(), prefill_chunk=4)
+    assert list(engine.tokens(prompt, max_new_tokens=24)) == expected
+
+
+def test_kv_cache_grows_and_crops():
+    cache = KVCache(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
+    chunks = [torch.randn(2, n, 4) for n in (200, 100, 1)]  # crosses the initial 256 capacity
+    for chunk in chunks:
+        for layer in range(2):
+            keys, values = cache.append(layer, chunk, -chunk)
+        cache.advance(chunk.shape[1])
+    everything = torch.cat(chunks, dim=1)
+    assert torch.equal(keys, everything) and torch.equal(values, -everything)
+    assert cache.nbytes() == 2 * 2 * 2 * 4 * 301 * 4
+    cache.crop(250)
+    keys, _ = cache.append(0, torch.zeros(2, 1, 4), torch.zeros(2, 1, 4))
+    assert keys.shape[1] == 251 and torch.equal(keys[:, :250], everything[:, :250])
+    with pytest.raises(ValueError, match="cannot crop"):
+        cache.crop(400)
+
+
+def test_sampler_greedy_top_p_and_seed():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
+    assert Sampler(Sampling())(logits) == 0
+    nucleus = Sampler(Sampling(temperature=1.0, top_p=0.85))
+    probs = torch.softmax(logits.double(), -1)
+    assert probs[:2].sum() < 0.85 <= probs[:3].sum()  # the third token crosses top_p: it is kept
+    kept = probs[:3] / probs[:3].sum()
+    assert torch.allclose(nucleus.probabilities(logits)[:3], kept) and nucleus.probabilities(logits)[3:].sum() == 0
+    draws = torch.tensor([nucleus(logits) for _ in range(4000)])
+    frequencies = torch.bincount(draws, minlength=5).double() / 4000
+    sigma = (kept * (1 - kept) / 4000).sqrt()
+    assert frequencies[3:].sum() == 0 and ((frequencies[:3] - kept).abs() < 4.5 * sigma).all()
+    again = Sampler(Sampling(temperature=1.0, top_p=0.85))
+    assert [again(logits) for _ in range(4000)] == draws.tolist()  # same seed, same draws
+    with pytest.raises(ValueError, match="top_p"):
+        Sampling(top_p=0)
+
+
+def test_text_stream_pieces_add_up_to_the_decoded_text(default_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model)
+    text = "Hello  world — naïve café 東京 🙂 def f(x):\n    return x ** 2"
+    ids = tokenizer.encode(text)
+    stream = TextStream(tokenizer)
+    pieces = [stream.push(token) for token in ids]
+    assert "".join(pieces) == tokenizer.decode(ids) == text
+    assert all("\ufffd" not in piece for piece in pieces)  # a split emoji is held back, never shown broken
+
+
+class _ScriptedRuntime:
+    """A runtime whose logits put all mass on a scripted token sequence (for stop-token logic)."""
+
+    def __init__(self, script):
+        self.script, self.calls = script, 0
+        self.attention = make_attention(None)
+
+    def new_cache(self, compressed_keys=None):
+        return KVCache(1, 1, 1, torch.float32)
+
+    def forward(self, tokens, cache, all_logits=False):
+        cache.advance(tokens.shape[0])
+        logits = torch.full((10,), -1e9)
+        logits[self.script[min(self.calls, len(self.script) - 1)]] = 0
+        self.calls += 1
+        return logits
+
+
+def test_generation_stops_at_a_stop_token_or_the_length_limit():
+    engine = Engine(_ScriptedRuntime([4, 5, 6, 2, 7]), tokenizer=None, stop_tokens={2})
+    timings: dict = {}
+    assert list(engine.tokens([1, 1], max_new_tokens=10, timings=timings)) == [4, 5, 6]
+    assert timings["stop_reason"] == "stop token"
+    engine = Engine(_ScriptedRuntime([4, 5, 6, 2, 7]), tokenizer=None, stop_tokens={2})
+    assert list(engine.tokens([1], max_new_tokens=2, timings=timings)) == [4, 5]
+    assert timings["stop_reason"] == "length"
+    with pytest.raises(ValueError, match="empty"):
+        list(engine.tokens([], max_new_tokens=2))
+
+
+def test_chat_keeps_the_cache_between_turns_and_matches_a_fresh_run(tiny_checkpoint):
+    engine = load_engine(tiny_checkpoint, dtype=torch.float32)
+    session = ChatSession(engine)
+    first = "".join(session.reply("hello there", max_new_tokens=6))
+    kept_after_first = session.cache.length
+    second = "".join(session.reply("and again", max_new_tokens=6))
+    assert kept_after_first > 0 and session.messages[1]["content"] == first
+    # the second turn's answer equals a fresh engine's answer to the whole conversation
+    conversation = session.messages[:3]
+    fresh = engine.generate(engine.chat_prompt(conversation, enable_thinking=False), max_new_tokens=6)
+    assert fresh.text == second
+
+
+def test_chat_prompt_thinking_switch(default_model):
+    engine = load_engine(default_model)
+    messages = [{"role": "user", "content": "hi"}]
+    off = engine.tokenizer.decode(engine.chat_prompt(messages, enable_thinking=False))
+    on = engine.tokenizer.decode(engine.chat_prompt(messages, enable_thinking=True))
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert on.endswith("<|im_start|>assistant\n")
+
+
+def test_default_model_answers_and_stops(default_model):
+    engine = load_engine(default_model)
+    result = engine.generate(engine.chat_prompt([{"role": "user", "content": "What is the capital of France?"}],
+                                                enable_thinking=False), max_new_tokens=40)
+    assert "Paris" in result.text and result.stop_reason == "stop token"
+
+
+def test_roofline_arithmetic(tiny_checkpoint):
+    from quantkit.kernels.infllm import SparseAttentionConfig
+    from quantkit.models import MiniCPMConfig
+
+    config = MiniCPMConfig.from_pretrained(tiny_checkpoint)
+    model = load_model(tiny_checkpoint)
+    expected_weights = 2 * sum(t.numel() for name, t in model.state_dict().items() if name != "model.embed_tokens.weight")
+    assert weight_bytes_per_token(tiny_checkpoint) == expected_weights
+    per_key = config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
+    dense = roofline(tiny_checkpoint, "rtx4090", 65536, None)
+    assert dense.kv_bytes == 2 * 65536 * per_key
+    assert math.isclose(dense.decode_tokens_per_second_ceiling, 1008e9 / (expected_weights + 2 * 65536 * per_key))
+    sparse = roofline(tiny_checkpoint, "orin", 65536, SparseAttentionConfig())
+    # 64 top-k + 32 window blocks of 64 tokens, plus the fine (stride 16) and coarse (stride 64) keys
+    assert sparse.kv_bytes == (2 * 96 * 64 + 65536 // 16 + 65536 // 64) * per_key
+    assert sparse.attention == "InfLLM v2" and roofline(tiny_checkpoint, "orin", 4096, SparseAttentionConfig()).attention == "dense"
+    assert DEVICES["orin"].memory_bandwidth_gb_s == 204.8
+    with pytest.raises(ValueError, match="unknown device"):
+        roofline(tiny_checkpoint, "h100", 10, None)
+
+
+def test_devices_below_ampere_and_missing_cuda_are_refused():
+    require_capability((8, 9))
+    require_capability((8, 7))
+    with pytest.raises(RuntimeError, match="compute capability 7.5.*8.0 or newer"):
+        require_capability((7, 5))
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="no CUDA device"):
+            check_device("cuda")
+
+
+def test_cli_generate_chat_and_roofline(tiny_checkpoint):
+    runner = CliRunner()
+    result = runner.invoke(main, ["generate", "--model", str(tiny_checkpoint), "--prompt", "hello", "--raw",
+                                  "--max-new-tokens", "5", "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.output)
+    assert len(payload["tokens"]) <= 5 and payload["prompt_tokens"] > 0
+    result = runner.invoke(main, ["chat", "--model", str(tiny_checkpoint), "--max-new-tokens", "3"],
+                           input="hello\n/reset\nagain\n/exit\n")
+    assert result.exit_code == 0, result.output
+    assert result.output.count("model> ") == 2
+    result = runner.invoke(main, ["roofline", "--device", "orin", "--model", str(tiny_checkpoint),
+                                  "--context", "1024", "--context", "65536", "--sparse", "on", "--json"])
+    assert result.exit_code == 0, result.output
+    attention = [r["attention"] for r in json.loads(result.output)["results"]]
+    assert attention == ["dense", "InfLLM v2"]
+    result = runner.invoke(main, ["generate", "--model", str(tiny_checkpoint), "--prompt", "x",
+                                  "--sparse-config", "{bad"])
+    assert result.exit_code != 0 and "not valid JSON" in result.output
+
+
+def test_eval_ppl_through_the_runtime_dense_and_sparse(tiny_checkpoint):
+    runner = CliRunner()
+    base = ["eval", "ppl", "--model", str(tiny_checkpoint), "--max-tokens", "600", "--window", "512", "--json"]
+    reference = json.loads(runner.invoke(main, base).output)["perplexity"]
+    dense = json.loads(runner.invoke(main, base + ["--runtime", "--sparse", "off"]).output)["perplexity"]
+    result = runner.invoke(main, base + ["--runtime", "--sparse", "on", "--sparse-config",
+                                         '{"dense_len": 128, "window_size": 64, "topk": 2}'])
+    assert result.exit_code == 0, result.output
+    sparse = json.loads(result.output)["perplexity"]
+    assert abs(dense / reference - 1) < 0.01  # bf16 runtime vs float32 reference
+    assert sparse != dense  # 4 of 8 blocks attended: a different (approximate) model
+    refused = runner.invoke(main, base + ["--sparse", "on"])
+    assert refused.exit_code != 0 and "need --runtime" in refused.output

@@ -1,0 +1,91 @@
+"""Triton kernels in Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py) on CPU tensors,
+against float references: the W4A16 GEMV/GEMM over the GPTQ layout and InfLLM v2's block-sparse
+attention, at small shapes and at MiniCPM4.1-8B's."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from quantkit.kernels.linear.int4 import Int4Linear
+from quantkit.kernels.linear.triton_w4a16 import LAUNCH_CONFIGS, TritonW4A16Linear, launch_config
+from quantkit.quant import QuantConfig, QuantizedTensor, default_g_idx
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "these tests prove kernels in the interpreter"
+
+
+def random_record(n, k, group_size, act_order=False, seed=0) -> QuantizedTensor:
+    g = torch.Generator().manual_seed(seed)
+    config = QuantConfig(bits=4, group_size=group_size, sym=False)
+    groups = config.num_groups(k)
+    g_idx = default_g_idx(k, group_size)
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=g)]
+    return QuantizedTensor(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
+                           (torch.rand(groups, n, generator=g) * 0.02 + 0.005).half(),
+                           torch.randint(0, 16, (groups, n), generator=g, dtype=torch.uint8), g_idx.int(), config)
+
+
+# float32 accumulation of the same products in another order: relative error ~1e-6 of |x|·|W| sums
+def assert_matches(got, want):
+    scale = want.abs().max()
+    assert ((got - want).abs().max() / scale) < 1e-5
+
+
+@pytest.mark.parametrize("n, k, group_size, act_order, rows", [
+    (192, 576, 128, False, 1),     # default model k_proj: ragged last group
+    (576, 1536, 64, True, 3),      # act-order
+    (1536, 576, -1, False, 17),    # per-channel, GEMM
+    (4096, 4096, 128, False, 1),   # MiniCPM4.1-8B q_proj / o_proj, decode
+    (256, 4096, 128, True, 64),    # MiniCPM4.1-8B k_proj (2 KV heads x 128), prefill chunk
+])
+def test_w4a16_kernels_match_the_dequantized_reference(n, k, group_size, act_order, rows):
+    record = random_record(n, k, group_size, act_order)
+    x = torch.randn(rows, k)
+    want = x.double() @ record.dequantize(torch.float64).T
+    got = TritonW4A16Linear.from_record(record)(x)
+    assert_matches(got.double(), want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n, k, rows", [(16384, 4096, 1), (4096, 16384, 16)])  # gate/up decode, down prefill
+def test_w4a16_kernels_at_minicpm41_mlp_shapes(n, k, rows):
+    record = random_record(n, k, 128, seed=1)
+    x = torch.randn(rows, k)
+    assert_matches(TritonW4A16Linear.from_record(record)(x).double(), x.double() @ record.dequantize(torch.float64).T)
+
+
+def test_triton_and_cpu_paths_agree_in_bf16():
+    record = random_record(960, 576, 128, seed=2)
+    x = torch.randn(2, 576).bfloat16()
+    triton_out = TritonW4A16Linear.from_record(record)(x).float()
+    cpu_out = Int4Linear.from_record(record)(x).float()
+    # both bf16 outputs; the CPU kernel also rounds scales to bf16 (relative 2^-8 per group)
+    assert ((triton_out - cpu_out).abs().max() / cpu_out.abs().max()) < 2e-2
+
+
+def test_launch_configs_per_gpu():
+    assert launch_config((8, 9), "gemv") == LAUNCH_CONFIGS[(8, 9)]["gemv"]
+    assert launch_config((8, 7), "gemm") == LAUNCH_CONFIGS[(8, 7)]["gemm"]
+    assert launch_config((8, 6), "gemv") == LAUNCH_CONFIGS[(8, 9)]["gemv"]  # untuned Ampere: the 4090's tiles
+    assert launch_config((8, 7), "gemv").block_n < launch_config((8, 9), "gemv").block_n  # 16 SMs vs 128
+    with pytest.raises(RuntimeError, match="compute capability 7.5"):
+        launch_config((7, 5), "gemv")
+
+
+@pytest.mark.parametrize("heads_q, heads_kv, dim, length, queries", [
+    (8, 2, 32, 1000, 1),        # decode, a KV group of 4 heads padded to 16 in the kernel
+    (8, 2, 32, 1000, 24),       # a prefill chunk: causal inside the query's own block
+    (32, 2, 128, 2048, 1),      # MiniCPM4.1-8B's attention shape, decode
+])
+def test_block_sparse_attention_kernel_matches_the_cpu_path(heads_q, heads_kv, dim, length, queries):
+    from quantkit.kernels.infllm import SparseAttentionConfig, sparse_attention
+
+    config = SparseAttentionConfig(window_size=128, topk=4, dense_len=-1)
+    g = torch.Generator().manual_seed(length + queries)
+    q = torch.randn(heads_q, queries, dim, generator=g)
+    k, v = torch.randn(2, heads_kv, length, dim, generator=g)
+    want = sparse_attention(q, k, v, config, backend="cpu")
+    got = sparse_attention(q, k, v, config, backend="triton")
+    assert (got - want).abs().max() < 1e-5  # float32 online softmax vs SDPA: reordered sums only
