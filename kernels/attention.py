@@ -34,6 +34,7 @@ def sparse_config_for(mode: str, checkpoint_config: SparseAttentionConfig | None
 
 class DenseAttention:
     compressed_keys = None
+    dense = True  # the runtime may run a decode step's attention in its fused CPU operator
 
     def __call__(self, query, keys, values, layer: int, cache: KVCache):
         return dense_attention(query, keys, values)

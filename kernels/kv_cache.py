@@ -28,12 +28,18 @@ class KVCache:
         """Store a layer's new keys/values [Hkv, T, d] at positions length..length+T-1 and return
         views of every key and value so far. Call ``advance(T)`` once all layers have appended."""
         new_length = self.length + keys.shape[1]
+        key_buffer, value_buffer = self.buffers(layer, new_length)
+        key_buffer[:, self.length:new_length] = keys
+        value_buffer[:, self.length:new_length] = values
+        return key_buffer[:, :new_length], value_buffer[:, :new_length]
+
+    def buffers(self, layer: int, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's whole key and value buffers [Hkv, capacity, d], grown to hold ``needed`` positions
+        (for writers that fill positions length.. themselves)."""
         buffer = self._keys[layer]
-        if buffer is None or new_length > buffer.shape[1]:
-            self._grow(layer, new_length)
-        self._keys[layer][:, self.length:new_length] = keys
-        self._values[layer][:, self.length:new_length] = values
-        return self._keys[layer][:, :new_length], self._values[layer][:, :new_length]
+        if buffer is None or needed > buffer.shape[1]:
+            self._grow(layer, needed)
+        return self._keys[layer], self._values[layer]
 
     def _grow(self, layer: int, needed: int) -> None:
         old_keys, old_values = self._keys[layer], self._values[layer]

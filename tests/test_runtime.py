@@ -230,3 +230,63 @@ def test_eval_ppl_through_the_runtime_dense_and_sparse(tiny_checkpoint):
     assert sparse != dense  # 4 of 8 blocks attended: a different (approximate) model
     refused = runner.invoke(main, base + ["--sparse", "on"])
     assert refused.exit_code != 0 and "need --runtime" in refused.output
+
+
+def test_fused_cpu_operators_match_their_pytorch_specification():
+    import torch.nn.functional as F
+
+    from quantkit.kernels import cpu_ops
+    from quantkit.kernels.infllm import dense_attention
+    from quantkit.kernels.model import rotate
+
+    ops = cpu_ops.load()
+    assert ops is not None, "a C++ compiler is part of the supported setup; the fused operators must build"
+    g = torch.Generator().manual_seed(0)
+    bf16_step = 2**-7  # relative spacing of bf16: one rounding of the same float32 value may differ by it
+
+    x, weight = torch.randn(3, 576, generator=g) * 5, torch.rand(576, generator=g) + 0.5
+    want = F.rms_norm(x, (576,), weight=weight, eps=1e-5)
+    assert ((ops.rms_norm_bf16(x, weight, 1e-5).float() - want).abs() <= want.abs() * bf16_step + 1e-6).all()
+
+    q_heads, kv_heads, dim, start, tokens = 9, 3, 64, 5, 2
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * dim, generator=g).bfloat16()
+    cos, sin = torch.randn(2, tokens, dim, generator=g)
+    keys, values = torch.zeros(2, kv_heads, 16, dim).bfloat16()
+    query = ops.rope_and_store(qkv, cos, sin, keys, values, start, q_heads, kv_heads)
+    heads = qkv.view(tokens, -1, dim).transpose(0, 1)
+    rotated = rotate(heads[:q_heads + kv_heads], cos, sin, torch.float32)
+    assert torch.allclose(query, rotated[:q_heads], atol=1e-5)
+    written = keys[:, start:start + tokens].float()
+    assert ((written - rotated[q_heads:]).abs() <= rotated[q_heads:].abs() * bf16_step + 1e-6).all()
+    assert torch.equal(values[:, start:start + tokens], heads[q_heads + kv_heads:])
+    assert keys[:, :start].abs().sum() == 0 and keys[:, start + tokens:].abs().sum() == 0
+
+    cache_k, cache_v = torch.randn(2, kv_heads, 40, dim, generator=g).bfloat16()
+    one = torch.randn(q_heads, 1, dim, generator=g)
+    got = ops.decode_attention(one, cache_k, cache_v, 33, dim ** -0.5).float()
+    want = dense_attention(one, cache_k[:, :33].float(), cache_v[:, :33].float()).transpose(0, 1).reshape(1, -1)
+    assert ((got - want).abs() <= want.abs() * bf16_step + 1e-3).all()  # + fast-math exp
+
+    gate_up = torch.randn(2, 2 * 100, generator=g).bfloat16()
+    want = (F.silu(gate_up[:, :100].float()) * gate_up[:, 100:].float())
+    assert ((ops.silu_mul(gate_up).float() - want).abs() <= want.abs() * bf16_step + 1e-6).all()
+
+
+def test_fused_and_plain_runtime_paths_agree(tiny_checkpoint):
+    reference = load_model(tiny_checkpoint)
+    tokens = torch.randint(0, reference.config.vocab_size, (60,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = torch.log_softmax(reference(tokens[None]).logits[0].double(), -1)
+    runtime = _runtime(tiny_checkpoint, torch.bfloat16)
+    assert runtime._ops is not None
+    results = {}
+    for fused in (True, False):
+        ops, runtime._ops = runtime._ops, runtime._ops if fused else None
+        cache = runtime.new_cache()
+        logits = [runtime.forward(tokens[:40], cache, all_logits=True)]
+        logits += [runtime.forward(tokens[i:i + 1], cache, all_logits=True) for i in range(40, 60)]
+        runtime._ops = ops
+        got = torch.log_softmax(torch.cat(logits).double(), -1)
+        results[fused] = (want.exp() * (want - got)).sum(-1).mean()
+    # both are bf16 renderings of the float32 model: small KL, and of the same size
+    assert results[True] < 5e-3 and results[False] < 5e-3

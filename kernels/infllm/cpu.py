@@ -112,9 +112,11 @@ def gather_blocks(x, blocks, block_size: int) -> torch.Tensor:
         rows = blocks.clamp(max=full - 1) + torch.arange(Hkv, device=x.device)[:, None, None] * full
         gathered = flat.index_select(0, rows.flatten()).view(Hkv, C, k, block_size, d)
     if full * block_size < S:
-        tail = x.new_zeros(Hkv, 1, 1, block_size, d)
-        tail[:, 0, 0, : S - full * block_size] = x[:, full * block_size:]
-        gathered = torch.where((blocks == full)[..., None, None], tail, gathered)
+        # the partial last block: write it into the (few) slots that selected it, not a full-size select
+        tail = x.new_zeros(Hkv, block_size, d)
+        tail[:, : S - full * block_size] = x[:, full * block_size:]
+        heads, rows, slots = (blocks == full).nonzero(as_tuple=True)
+        gathered[heads, rows, slots] = tail[heads]
     return gathered.view(Hkv, C, k * block_size, d)
 
 

@@ -1,0 +1,27 @@
+"""Fused CPU operators for the runtime's decode step, compiled on first use (C++, -O3 -march=native).
+
+Each replaces a run of small PyTorch operators whose dispatch costs more than their arithmetic at
+one token (see decode_ops.cpp); ``load()`` returns None when no compiler is available, and the
+runtime then uses the PyTorch operators, which are also the specification the tests compare with.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+FUNCTIONS = ["rms_norm_bf16", "rope_and_store", "decode_attention", "silu_mul"]
+
+
+@functools.cache
+def load():
+    from torch.utils.cpp_extension import load_inline
+
+    source = (Path(__file__).with_name("decode_ops.cpp")).read_text()
+    try:
+        return load_inline("quantkit_decode_ops", cpp_sources=[source], functions=FUNCTIONS,
+                           extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], verbose=False)
+    except Exception as error:  # no compiler, headers or ninja: fall back to PyTorch operators
+        log.warning("fused CPU decode operators unavailable (%s); using PyTorch operators", error)
+        return None
