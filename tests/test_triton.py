@@ -89,3 +89,20 @@ def test_block_sparse_attention_kernel_matches_the_cpu_path(heads_q, heads_kv, d
     want = sparse_attention(q, k, v, config, backend="cpu")
     got = sparse_attention(q, k, v, config, backend="triton")
     assert (got - want).abs().max() < 1e-5  # float32 online softmax vs SDPA: reordered sums only
+
+
+@pytest.mark.parametrize("heads_q, heads_kv, dim, length, queries", [(8, 2, 32, 1000, 40), (32, 2, 128, 2048, 2)])
+def test_stage1_kernel_matches_the_reference_scores(heads_q, heads_kv, dim, length, queries):
+    from quantkit.kernels.infllm import SparseAttentionConfig, reference
+    from quantkit.kernels.infllm.triton_stage1 import stage1_scores
+
+    config = SparseAttentionConfig(window_size=128, topk=4, dense_len=-1)
+    g = torch.Generator().manual_seed(queries)
+    q = torch.randn(heads_q, queries, dim, generator=g)
+    k = torch.randn(heads_kv, length, dim, generator=g)
+    fine = reference.compress_keys(k, config.kernel_size, config.kernel_stride)
+    coarse = reference.compress_keys(k, config.coarse_kernel_size, config.coarse_kernel_stride)
+    for positions in (reference.query_positions(queries, length), torch.arange(queries)):  # late and early tokens
+        want = reference.stage1_scores(q, fine, coarse, positions, config)
+        # +inf where a token sees fine keys but no coarse key yet, in both; float32 sums reordered
+        torch.testing.assert_close(stage1_scores(q, fine, coarse, positions, config), want, rtol=1e-4, atol=1e-7)

@@ -33,8 +33,9 @@ def sparse_attention(q, k, v, config: SparseAttentionConfig, cache: CompressedKe
     """InfLLM v2 attention of the last T positions -> [Hq, T, d] in q's dtype.
 
     With ``config.use_nope`` pass the pre-RoPE ``q_nope`` / ``k_nope`` (same shapes): they score the
-    blocks (and fill the cache) while q and k attend. ``backend="triton"`` runs the block-sparse
-    stage as a Triton kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
+    blocks (and fill the cache) while q and k attend. ``backend="triton"`` runs stage 1 (scoring) and
+    stage 2 (block-sparse attention) as Triton kernels (CUDA tensors, or CPU tensors under
+    TRITON_INTERPRET=1); block pooling and top-k are tensor code shared by both backends.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -51,10 +52,12 @@ def sparse_attention(q, k, v, config: SparseAttentionConfig, cache: CompressedKe
         fine = compress_keys(score_k, config.kernel_size, config.kernel_stride)
         coarse = compress_keys(score_k, config.coarse_kernel_size, config.coarse_kernel_stride)
     positions = query_positions(q.shape[1], num_keys, q.device)
+    if backend == "triton":
+        from quantkit.kernels.infllm import triton_attention, triton_stage1
+
+        scores = triton_stage1.stage1_scores(score_q, fine, coarse, positions, config)
+        block_idx = select_blocks(cpu.block_scores(scores, positions, num_keys, config), positions, config)
+        return triton_attention.block_sparse_attention(q, k, v, block_idx, positions, config.block_size)
     scores = cpu.stage1_scores(score_q, fine, coarse, positions, config)
     block_idx = select_blocks(cpu.block_scores(scores, positions, num_keys, config), positions, config)
-    if backend == "triton":
-        from quantkit.kernels.infllm.triton_attention import block_sparse_attention
-
-        return block_sparse_attention(q, k, v, block_idx, positions, config.block_size)
     return cpu.block_sparse_attention(q, k, v, block_idx, positions, config.block_size)
