@@ -8,7 +8,7 @@ its grid calls for:
 |-------------|---------------------------------------------------|---------------------------------------|
 | "reference" | float32 dequantized weight (what the file means)   | same                                  |
 | "cpu"       | ``Int4Linear``: packed int4 decode, bf16 prefill   | bf16 dequantized weight               |
-| "triton"    | ``TritonW4A16Linear`` over the GPTQ layout         | bf16 dequantized weight               |
+| "triton"    | ``TritonMarlinLinear`` on a Marlin artifact's stored tiles and scales; ``TritonW4A16Linear`` over the GPTQ layout for the others | bf16 dequantized weight |
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from torch import nn
 
 from quantkit.checkpoint import CheckpointReader
 from quantkit.engine import layer_records, linear_shapes
+from quantkit.formats.gptq import tensor_key
 from quantkit.kernels.linear.int4 import Int4Linear
 from quantkit.loading import artifact_format
 from quantkit.models import MiniCPMConfig
@@ -76,6 +77,15 @@ def load_linears(model_dir: str | Path, backend: str = "cpu", dtype: torch.dtype
         plain, records = layer_records(tensors, index, config, qconfig, fmt)
         for key, record in records.items():
             name = key.removesuffix(".weight")
-            modules[name] = linear_for(record, plain.get(f"{name}.bias"), backend, dtype, keep)
+            bias = plain.get(f"{name}.bias")
+            if backend == "triton" and fmt.name == "marlin":  # the kernel reads the stored tiles as they are
+                from quantkit.kernels.linear.triton_marlin import TritonMarlinLinear
+
+                out_features, in_features = record.shape
+                modules[name] = TritonMarlinLinear.from_marlin_tensors(
+                    tensors[tensor_key(name, "qweight")], tensors[tensor_key(name, "scales")], in_features,
+                    out_features, qconfig.group_size, bias)
+            else:
+                modules[name] = linear_for(record, bias, backend, dtype, keep)
     return modules
 

@@ -51,7 +51,7 @@ def launch_config(capability: tuple[int, int], kind: str) -> LaunchConfig:
     return LAUNCH_CONFIGS.get(tuple(capability), LAUNCH_CONFIGS[(8, 9)])[kind]
 
 
-def _current_capability() -> tuple[int, int]:
+def current_capability() -> tuple[int, int]:
     if torch.cuda.is_available():
         return torch.cuda.get_device_capability()
     return (8, 9)  # the interpreter on a CPU: exercise the RTX 4090 tiles
@@ -107,12 +107,12 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     out = torch.empty(M, N, dtype=torch.float32, device=x.device)
     x = x.contiguous()
     if M <= GEMV_MAX_ROWS:
-        c = config or launch_config(_current_capability(), "gemv")
+        c = config or launch_config(current_capability(), "gemv")
         grid = (M, triton.cdiv(N, c.block_n))
         _gemv_kernel[grid](x, qweight, scales, zeros, g_idx, out, K, N, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
                            num_warps=c.num_warps, num_stages=c.num_stages)
     else:
-        c = config or launch_config(_current_capability(), "gemm")
+        c = config or launch_config(current_capability(), "gemm")
         grid = (triton.cdiv(M, c.block_m), triton.cdiv(N, c.block_n))
         _gemm_kernel[grid](x, qweight, scales, zeros, g_idx, out, M, K, N, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
                            BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
