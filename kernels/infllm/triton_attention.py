@@ -18,17 +18,25 @@ MIN_DOT = 16  # tl.dot needs every dimension >= 16: small KV groups are padded w
 
 
 @triton.jit
-def _block_sparse_kernel(q_ptr, k_ptr, v_ptr, blocks_ptr, positions_ptr, out_ptr,
-                         T, S, NUM_SLOTS, GROUP, scale,
-                         HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr):
+def group_queries(q_ptr, positions_ptr, T, GROUP, HEADS: tl.constexpr, DIM: tl.constexpr):
+    """Where every InfLLM kernel starts: the program's KV head and token, its group's query rows
+    (heads past GROUP are padding, masked), their queries as float32 [HEADS, DIM], the token's position."""
     kv_head = tl.program_id(0)
     token = tl.program_id(1)
     heads = tl.arange(0, HEADS)
-    dims = tl.arange(0, DIM)
     head_ok = heads < GROUP
     q_rows = (kv_head * GROUP + heads) * T + token
-    q = tl.load(q_ptr + q_rows[:, None] * DIM + dims[None, :], mask=head_ok[:, None], other=0.0).to(tl.float32)
-    position = tl.load(positions_ptr + token)
+    q = tl.load(q_ptr + q_rows[:, None] * DIM + tl.arange(0, DIM)[None, :], mask=head_ok[:, None],
+                other=0.0).to(tl.float32)
+    return kv_head, token, head_ok, q_rows, q, tl.load(positions_ptr + token)
+
+
+@triton.jit
+def _block_sparse_kernel(q_ptr, k_ptr, v_ptr, blocks_ptr, positions_ptr, out_ptr,
+                         T, S, NUM_SLOTS, GROUP, scale,
+                         HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr):
+    kv_head, token, head_ok, q_rows, q, position = group_queries(q_ptr, positions_ptr, T, GROUP, HEADS, DIM)
+    dims = tl.arange(0, DIM)
     best = tl.full((HEADS,), -1.0e30, dtype=tl.float32)
     total = tl.zeros((HEADS,), dtype=tl.float32)
     acc = tl.zeros((HEADS, DIM), dtype=tl.float32)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from quantkit.kernels.infllm.config import SparseAttentionConfig
-from quantkit.kernels.infllm.triton_attention import MIN_DOT
+from quantkit.kernels.infllm.triton_attention import MIN_DOT, group_queries
 
 KEYS_PER_STEP = 64
 
@@ -24,14 +24,8 @@ KEYS_PER_STEP = 64
 def _stage1_kernel(q_ptr, fine_ptr, coarse_ptr, positions_ptr, out_ptr, T, N_FINE, N_COARSE, GROUP, scale,
                    FINE_SIZE, FINE_STRIDE, COARSE_SIZE, COARSE_STRIDE,
                    HEADS: tl.constexpr, DIM: tl.constexpr, STEP: tl.constexpr):
-    kv_head = tl.program_id(0)
-    token = tl.program_id(1)
-    heads = tl.arange(0, HEADS)
+    kv_head, token, head_ok, q_rows, q, position = group_queries(q_ptr, positions_ptr, T, GROUP, HEADS, DIM)
     dims = tl.arange(0, DIM)
-    head_ok = heads < GROUP
-    q_rows = (kv_head * GROUP + heads) * T + token
-    q = tl.load(q_ptr + q_rows[:, None] * DIM + dims[None, :], mask=head_ok[:, None], other=0.0).to(tl.float32)
-    position = tl.load(positions_ptr + token)
     best = tl.full((HEADS,), -1.0e30, dtype=tl.float32)
     total = tl.zeros((HEADS,), dtype=tl.float32)
     for c0 in range(0, N_COARSE, STEP):
