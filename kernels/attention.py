@@ -26,17 +26,15 @@ def sparse_config_for(mode: str, checkpoint_config: SparseAttentionConfig | None
         chosen = SparseAttentionConfig()
     if chosen is not None and overrides:
         chosen = SparseAttentionConfig.from_dict({**chosen.to_dict(), **overrides})
-    if chosen is not None and chosen.use_nope:
-        raise ValueError("sparse_config.use_nope is true: the runtime keeps only post-RoPE keys; "
-                         "run with --sparse off, or a sparse_config with use_nope false")
     return chosen
 
 
 class DenseAttention:
     compressed_keys = None
     dense = True  # the runtime may run a decode step's attention in its fused CPU operator
+    scores_pre_rope = False
 
-    def __call__(self, query, keys, values, layer: int, cache: KVCache):
+    def __call__(self, query, keys, values, layer: int, cache: KVCache, query_pre_rope=None):
         return dense_attention(query, keys, values)
 
 
@@ -46,12 +44,17 @@ class InfLLMv2Attention:
     def __init__(self, config: SparseAttentionConfig, backend: str = "cpu"):
         self.config = config
         self.backend = backend
+        # use_nope: blocks are scored with pre-RoPE queries and keys, which the runtime then keeps
+        self.scores_pre_rope = config.use_nope
 
     def compressed_keys(self) -> CompressedKeyCache:
         return CompressedKeyCache(self.config)
 
-    def __call__(self, query, keys, values, layer: int, cache: KVCache):
-        return sparse_attention(query, keys, values, self.config, cache.compressed[layer], backend=self.backend)
+    def __call__(self, query, keys, values, layer: int, cache: KVCache, query_pre_rope=None):
+        if not self.scores_pre_rope:
+            return sparse_attention(query, keys, values, self.config, cache.compressed[layer], backend=self.backend)
+        return sparse_attention(query, keys, values, self.config, cache.compressed[layer], backend=self.backend,
+                                q_nope=query_pre_rope, k_nope=cache.pre_rope_keys(layer, keys.shape[1]))
 
 
 def make_attention(config: SparseAttentionConfig | None, backend: str = "cpu"):

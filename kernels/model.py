@@ -19,8 +19,9 @@ from quantkit.kernels import cpu_ops
 from quantkit.kernels.kv_cache import KVCache
 from quantkit.models.minicpm import MiniCPMForCausalLM
 
-# (q [Hq, T, d], keys [Hkv, S, d], values [Hkv, S, d], layer index, cache) -> [Hq, T, d]
-Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, KVCache], torch.Tensor]
+# (q [Hq, T, d], keys [Hkv, S, d], values [Hkv, S, d], layer index, cache) -> [Hq, T, d]; an attention
+# with ``scores_pre_rope`` also takes ``query_pre_rope=`` and reads pre-RoPE keys from the cache.
+Attention = Callable[..., torch.Tensor]
 
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
@@ -89,6 +90,7 @@ class RuntimeModel:
             kv_dtype = self.dtype if self._ops is not None or self.device.type != "cpu" else torch.float32
         self.kv_dtype = kv_dtype
         self.attention = attention
+        self.scores_pre_rope = getattr(attention, "scores_pre_rope", False)
         self.residual_scale = config.residual_scale
         self._rotary = model.model.rotary_emb
         self._heads = (config.num_attention_heads, config.num_key_value_heads, config.head_dim)
@@ -102,7 +104,7 @@ class RuntimeModel:
     def new_cache(self, compressed_keys=None) -> KVCache:
         config = self.config
         return KVCache(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, self.kv_dtype,
-                       self.device, compressed_keys)
+                       self.device, compressed_keys, pre_rope_keys=self.scores_pre_rope)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
@@ -121,7 +123,7 @@ class RuntimeModel:
         return self.model.logits_from_hidden(rms_norm(hidden, self.final_norm, self.eps, self.dtype))
 
     def _layer(self, index, layer: "_RuntimeLayer", hidden, cos, signed_sin, cache: KVCache) -> torch.Tensor:
-        if self._ops is not None:
+        if self._ops is not None and not self.scores_pre_rope:  # the fused RoPE + KV write keeps no pre-RoPE keys
             return self._fused_layer(index, layer, hidden, cos, signed_sin, cache)
         return self._plain_layer(index, layer, hidden, cos, signed_sin, cache)
 
@@ -146,8 +148,13 @@ class RuntimeModel:
         qkv = layer.qkv(rms_norm(hidden, layer.input_norm, self.eps, self.dtype))
         qkv = qkv.view(length, -1, head_dim).transpose(0, 1)
         rotated = rotate(qkv[:q_heads + kv_heads], cos, signed_sin, self.kv_dtype)
-        keys, values = cache.append(index, rotated[q_heads:], qkv[q_heads + kv_heads:])
-        mixed = self.attention(rotated[:q_heads], keys, values, index, cache)
+        if self.scores_pre_rope:
+            pre_rope = qkv[:q_heads + kv_heads].to(self.kv_dtype)
+            keys, values = cache.append(index, rotated[q_heads:], qkv[q_heads + kv_heads:], pre_rope[q_heads:])
+            mixed = self.attention(rotated[:q_heads], keys, values, index, cache, query_pre_rope=pre_rope[:q_heads])
+        else:
+            keys, values = cache.append(index, rotated[q_heads:], qkv[q_heads + kv_heads:])
+            mixed = self.attention(rotated[:q_heads], keys, values, index, cache)
         mixed = mixed.to(self.dtype).transpose(0, 1).reshape(length, -1)
         hidden = torch.add(hidden, layer.o_proj(mixed), alpha=self.residual_scale)
         gate, up = layer.gate_up(rms_norm(hidden, layer.post_norm, self.eps, self.dtype)).chunk(2, dim=-1)

@@ -33,7 +33,7 @@ from quantkit.models.layers import (ATTENTION_PROJECTIONS, EMBEDDING, FINAL_NORM
                                     layer_prefix, scaling_groups_for)
 from quantkit.quant import QuantConfig, QuantizedTensor
 from quantkit.recipe import Recipe
-from quantkit.stats import InputStats, relative_error
+from quantkit.stats import InputStats, fast_relative_error
 
 
 class EngineError(RuntimeError):
@@ -326,7 +326,7 @@ class _LayerJob:
                 records[name] = algorithm(weight, stats, target, self.recipe.values)
                 self.solve_seconds += time.perf_counter() - started
                 approx = records[name].dequantize(torch.float32)
-                errors[name] = relative_error(weight, approx, stats.hessian)
+                errors[name] = fast_relative_error(weight, approx, stats.hessian)
                 runner.layer.get_submodule(name).weight.data = approx.to(self.dtype)
             if group == ATTENTION_PROJECTIONS:
                 started = time.perf_counter()

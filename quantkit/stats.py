@@ -36,6 +36,37 @@ class InputStats:
         self.tokens = total
 
 
+# Elements of M per bfloat16 product M·H: enough rows (≥ 1024 at K = 16384) to amortise repacking H.
+_BLOCK_ELEMENTS = 1 << 24
+# Elements per float32 dot of the product with M: the temporaries stay in cache.
+_DOT_ELEMENTS = 1 << 20
+
+
+def hessian_norm(matrix: torch.Tensor, hessian: torch.Tensor) -> float:
+    """tr(M H Mᵀ) = Σ_i m_i H m_iᵀ over the rows of ``matrix`` [N, K], with M and H in bfloat16.
+
+    The products run on AMX with float32 accumulation, several times float32's speed: an 8B
+    down_proj's W·H alone is 2.2 TFLOP, ~15 s at float32's ~0.15 TFLOP/s on two cores, and
+    ``relative_error`` needs two. Within 1e-3 of the float64 value (tested). Pass H already in
+    bfloat16 when calling repeatedly with the same H.
+    """
+    hessian = hessian.bfloat16()
+    dot_rows = max(1, _DOT_ELEMENTS // matrix.shape[1])
+    total = 0.0
+    for block in matrix.split(max(dot_rows, _BLOCK_ELEMENTS // matrix.shape[1])):
+        block = block.bfloat16()
+        for p, m in zip((block @ hessian).split(dot_rows), block.split(dot_rows)):
+            total += torch.dot(p.flatten().float(), m.flatten().float()).item()
+    return total
+
+
+def fast_relative_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor) -> float:
+    """``relative_error`` from bfloat16 products (``hessian_norm``): for per-layer reports."""
+    hessian = hessian.bfloat16()
+    denom = hessian_norm(weight, hessian)
+    return hessian_norm(weight.float() - approx.float(), hessian) / denom if denom > 0 else 0.0
+
+
 def relative_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor) -> float:
     """‖(W − Ŵ)X‖² / ‖WX‖² on the inputs summarised by H (both [N, K], H [K, K])."""
     w = weight.float()

@@ -83,7 +83,7 @@ def test_runtime_sparse_decode_equals_reference_attention_per_layer(tiny_checkpo
     from quantkit.kernels.load import load_runtime_model
     from quantkit.kernels.model import RuntimeModel
 
-    config = SparseAttentionConfig(window_size=64, topk=2, dense_len=128)
+    config = SparseAttentionConfig(window_size=64, topk=3, dense_len=128)
     tokens = torch.randint(0, 300, (420,), generator=torch.Generator().manual_seed(2))
     fast = RuntimeModel(load_runtime_model(tiny_checkpoint, torch.float32), InfLLMv2Attention(config))
     slow = RuntimeModel(load_runtime_model(tiny_checkpoint, torch.float32),
@@ -93,6 +93,45 @@ def test_runtime_sparse_decode_equals_reference_attention_per_layer(tiny_checkpo
         got = fast.forward(tokens[begin:end], cache_fast, all_logits=True)
         want = slow.forward(tokens[begin:end], cache_slow, all_logits=True)
         assert (got - want).abs().max() < 1e-4, (begin, end)
+
+
+def test_runtime_use_nope_scores_blocks_with_pre_rope_queries_and_keys(tiny_checkpoint):
+    """With use_nope the engine keeps pre-RoPE keys and scores blocks with them. The reference here
+    recovers them independently, by inverting RoPE on the post-RoPE q and k it is handed; the same
+    runtime without use_nope picks other blocks, so the test tells the two apart."""
+    from quantkit.kernels.attention import InfLLMv2Attention
+    from quantkit.kernels.load import load_runtime_model
+    from quantkit.kernels.model import RuntimeModel
+
+    config = SparseAttentionConfig(window_size=64, topk=3, dense_len=128, use_nope=True)
+    tokens = torch.randint(0, 300, (360,), generator=torch.Generator().manual_seed(3))
+    model = load_runtime_model(tiny_checkpoint, torch.float32)
+    rotary = model.model.rotary_emb
+
+    def unrotate(states, first):  # RoPE is a scaled rotation per pair (i, i + d/2): undo it
+        cos, sin = (t[0] for t in rotary(states, torch.arange(first, first + states.shape[1])[None]))
+        half = states.shape[-1] // 2
+        rotated_half = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
+        return (states * cos - rotated_half * sin) / (cos * cos + sin * sin)
+
+    def reference_nope(q, k, v, layer, cache):
+        start = k.shape[1] - q.shape[1]
+        return sparse_attention_reference(q, k, v, config, q_nope=unrotate(q, start), k_nope=unrotate(k, 0))
+
+    nope = RuntimeModel(model, InfLLMv2Attention(config))
+    rope = RuntimeModel(load_runtime_model(tiny_checkpoint, torch.float32),
+                        InfLLMv2Attention(SparseAttentionConfig(window_size=64, topk=3, dense_len=128)))
+    slow = RuntimeModel(load_runtime_model(tiny_checkpoint, torch.float32), reference_nope)
+    caches = [m.new_cache(m.attention.compressed_keys) if isinstance(m.attention, InfLLMv2Attention)
+              else m.new_cache() for m in (nope, rope, slow)]
+    rope_differs = False
+    for begin, end in [(0, 100), (100, 250)] + [(i, i + 1) for i in range(250, 360)]:
+        got, without_nope, want = (m.forward(tokens[begin:end], c, all_logits=True)
+                                   for m, c in zip((nope, rope, slow), caches))
+        assert (got - want).abs().max() < 1e-4, (begin, end)
+        rope_differs |= bool((without_nope - want).abs().max() > 1e-3)
+    assert rope_differs
+    assert caches[0].pre_rope_keys(0, 360).shape[1] == 360
 
 
 @pytest.mark.parametrize("bad, message", [

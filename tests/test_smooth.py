@@ -10,8 +10,10 @@ import torch
 from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.algorithms.smooth import (
     SCALE_FLOOR,
+    SEARCH_BUDGET,
     apply_scale,
     round_to_nearest,
+    scored_rows,
     search_scale,
     smooth_layer,
     smoothing_scale,
@@ -155,6 +157,17 @@ def test_smoothing_scale_formula():
 def test_round_to_nearest_is_rtn_bit_for_bit(config, features):
     w = torch.randn(48, features, generator=_generator(6))
     assert torch.equal(round_to_nearest(w, config), rtn_quantize(w, config).dequantize())
+
+
+def test_small_groups_score_every_row_and_8b_groups_evenly_spaced_rows():
+    small = [torch.ones(3072, 576), torch.ones(1536, 576)]  # the default model's gate/up: all rows
+    kept, factor = scored_rows(small)
+    assert [k.shape for k in kept] == [w.shape for w in small] and factor == 1.0
+    down = torch.arange(4096.0)[:, None].expand(4096, 16384)  # MiniCPM4.1-8B's down_proj: row i holds i
+    (kept,), factor = scored_rows([down])
+    assert kept.shape[0] * 16384 ** 2 <= SEARCH_BUDGET < 2 * kept.shape[0] * 16384 ** 2
+    assert torch.equal(kept[:, 0], torch.arange(0.0, 4096, 4096 // kept.shape[0]))
+    assert factor == 4096 / kept.shape[0]
 
 
 # ---------------------------------------------------------------- folding

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from quantkit.stats import InputStats, relative_error
+from quantkit.stats import InputStats, fast_relative_error, hessian_norm, relative_error
 
 FEATURES = 96
 SHAPES = [(2, 40), (3, 17), (1, 64)]  # [batch, seq] of successive calibration batches
@@ -86,6 +86,20 @@ def test_relative_error_matches_direct_output_error():
     direct = ((w.double() - approx.double()) @ x.T).square().sum() / (w.double() @ x.T).square().sum()
     assert relative_error(w, approx, hessian) == pytest.approx(direct.item(), rel=1e-5)
     assert relative_error(w, w, hessian) == 0.0
+    # bf16 products (AMX) for per-layer reports: within the 1e-3 hessian_norm documents
+    assert fast_relative_error(w, approx, hessian) == pytest.approx(direct.item(), rel=1e-3)
+    assert fast_relative_error(w, w, hessian) == 0.0
+
+
+def test_hessian_norm_is_the_trace_across_row_blocks(monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    hessian = _accumulate(_batches()).hessian
+    m = torch.randn(300, FEATURES, generator=g)
+    exact = torch.trace(m.double() @ hessian.double() @ m.double().T).item()
+    whole = hessian_norm(m, hessian)
+    monkeypatch.setattr("quantkit.stats._BLOCK_ELEMENTS", 7 * FEATURES)  # 43 blocks of 7 rows and one of 6
+    assert hessian_norm(m, hessian) == pytest.approx(whole, rel=1e-6)
+    assert whole == pytest.approx(exact, rel=1e-3)
 
 
 def test_rejects_unbatched_inputs():
