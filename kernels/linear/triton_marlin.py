@@ -29,7 +29,7 @@ import triton.language as tl
 from torch import nn
 
 from quantkit.formats.marlin import ZERO_POINT, check_marlin, marlin_shapes
-from quantkit.kernels.linear.triton_w4a16 import LaunchConfig, current_capability, launch_config
+from quantkit.kernels.linear.triton_w4a16 import LaunchConfig, current_capability, launch_config, load_rows, store_rows
 from quantkit.quant import QuantConfig
 
 _ZERO_POINT = tl.constexpr(ZERO_POINT)  # jit code may only read constexpr globals
@@ -76,12 +76,10 @@ def _gemm_kernel(x_ptr, b_ptr, s_ptr, out_ptr, M, K, N, GROUP_SIZE, SINGLE_GROUP
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :],
-                    mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+        x = load_rows(x_ptr, offs_m, offs_k, M, K)
         w = _dequantized_tile(b_ptr, s_ptr, offs_k, offs_n, K, N, GROUP_SIZE, SINGLE_GROUP)
         acc += tl.dot(x, w)
-    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc,
-             mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    store_rows(out_ptr, acc, offs_m, offs_n, M, N)
 
 
 def marlin_matmul(x: torch.Tensor, B: torch.Tensor, s: torch.Tensor, group_size: int,

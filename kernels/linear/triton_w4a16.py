@@ -58,6 +58,19 @@ def current_capability() -> tuple[int, int]:
 
 
 @triton.jit
+def load_rows(x_ptr, offs_m, offs_k, M, K):
+    """The float32 tile x[offs_m, offs_k] of a row-major [M, K] matrix, zero outside it."""
+    return tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :],
+                   mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_rows(out_ptr, acc, offs_m, offs_n, M, N):
+    """Write the tile acc to out[offs_m, offs_n] of a row-major [M, N] matrix, inside it only."""
+    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
 def _dequantized_tile(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, offs_k, offs_n, K, N):
     """W[offs_k, offs_n] as float32 (out-of-range entries are 0)."""
     mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
@@ -91,12 +104,10 @@ def _gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr, 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :],
-                    mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+        x = load_rows(x_ptr, offs_m, offs_k, M, K)
         w = _dequantized_tile(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, offs_k, offs_n, K, N)
         acc += tl.dot(x, w)
-    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc,
-             mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    store_rows(out_ptr, acc, offs_m, offs_n, M, N)
 
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
