@@ -56,6 +56,44 @@ def test_w4a16_kernels_at_minicpm41_mlp_shapes(n, k, rows):
     assert_matches(TritonW4A16Linear.from_record(record)(x).double(), x.double() @ record.dequantize(torch.float64).T)
 
 
+@pytest.mark.parametrize("n, k, group_size, rows", [
+    (192, 512, 128, 1),       # small, decode
+    (1536, 576, 64, 17),      # default model's gate/up at AWQ-legal g64, GEMM
+    (4096, 4096, 128, 1),     # MiniCPM4.1-8B q_proj / o_proj, decode
+    (256, 4096, -1, 64),      # MiniCPM4.1-8B k_proj, per-channel, prefill chunk
+])
+def test_w4a16_kernels_read_autoawq_tensors_as_stored(n, k, group_size, rows):
+    """The kernels on an AutoAWQ checkpoint's qweight/qzeros/scales (nibble-interleaved along N),
+    against the float64 weight the AWQ reader decodes from the same tensors."""
+    from quantkit.formats.awq import awq_tensors, read_awq_tensors
+
+    record = random_record(n, k, group_size, seed=3)
+    tensors = awq_tensors(record, "linear")
+    decoded = read_awq_tensors(tensors, "linear", record.config, k, n)
+    linear = TritonW4A16Linear.from_awq_tensors(tensors["linear.qweight"], tensors["linear.qzeros"],
+                                                tensors["linear.scales"], k, group_size)
+    x = torch.randn(rows, k)
+    assert_matches(linear(x).double(), x.double() @ decoded.dequantize(torch.float64).T)
+    assert torch.equal(linear.qweight, tensors["linear.qweight"])  # used as stored, not repacked
+
+
+def test_triton_backend_runs_an_awq_artifact_from_its_stored_tensors(tiny_checkpoint_factory, tmp_path):
+    from quantkit.engine import quantize
+    from quantkit.kernels.linear import load_linears
+    from quantkit.recipe import load_recipe
+
+    out = tmp_path / "awq"
+    recipe = load_recipe("rtn-w4g128", {"format": "awq", "calibration.n_samples": 2, "calibration.seq_len": 32})
+    quantize(tiny_checkpoint_factory(num_key_value_heads=4), recipe, out, progress=False)
+    reference, triton_linears = load_linears(out, "reference"), load_linears(out, "triton")
+    assert set(triton_linears) == set(reference)
+    assert all(isinstance(m, TritonW4A16Linear) and m.awq for m in triton_linears.values())
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        rows = torch.randn(6, reference[name].in_features, generator=torch.Generator().manual_seed(2))
+        for batch in (rows[:1], rows):  # GEMV and GEMM
+            assert_matches(triton_linears[name](batch).double(), reference[name](batch).double())
+
+
 def test_triton_and_cpu_paths_agree_in_bf16():
     record = random_record(960, 576, 128, seed=2)
     x = torch.randn(2, 576).bfloat16()

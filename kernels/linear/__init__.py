@@ -8,7 +8,7 @@ its grid calls for:
 |-------------|---------------------------------------------------|---------------------------------------|
 | "reference" | float32 dequantized weight (what the file means)   | same                                  |
 | "cpu"       | ``Int4Linear``: packed int4 decode, bf16 prefill   | bf16 dequantized weight               |
-| "triton"    | ``TritonMarlinLinear`` on a Marlin artifact's stored tiles and scales; ``TritonW4A16Linear`` over the GPTQ layout for the others | bf16 dequantized weight |
+| "triton"    | the stored tensors of Marlin (``TritonMarlinLinear``) and AWQ artifacts; ``TritonW4A16Linear`` over the GPTQ layout for the others | bf16 dequantized weight |
 """
 from __future__ import annotations
 
@@ -58,6 +58,26 @@ def linear_for(record, bias: torch.Tensor | None, backend: str, dtype: torch.dty
     return dense_linear(record.dequantize(torch.float32), bias, dtype)
 
 
+def _triton_marlin(tensors: dict, name: str, shape: tuple[int, int], group_size: int, bias) -> nn.Module:
+    from quantkit.kernels.linear.triton_marlin import TritonMarlinLinear
+
+    out_features, in_features = shape
+    qweight, scales = (tensors[tensor_key(name, part)] for part in ("qweight", "scales"))
+    return TritonMarlinLinear.from_marlin_tensors(qweight, scales, in_features, out_features, group_size, bias)
+
+
+def _triton_awq(tensors: dict, name: str, shape: tuple[int, int], group_size: int, bias) -> nn.Module:
+    from quantkit.kernels.linear.triton_w4a16 import TritonW4A16Linear
+
+    qweight, qzeros, scales = (tensors[tensor_key(name, part)] for part in ("qweight", "qzeros", "scales"))
+    return TritonW4A16Linear.from_awq_tensors(qweight, qzeros, scales, shape[1], group_size, bias)
+
+
+# Formats whose stored tensors the Triton kernels read as they are, with no repacking at load (the
+# tensors were already validated by the format's reader).
+TRITON_STORED_LAYOUTS = {"marlin": _triton_marlin, "awq": _triton_awq}
+
+
 def load_linears(model_dir: str | Path, backend: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> dict[str, nn.Module]:
     """Every quantized linear of an artifact as a module, keyed by its name (``model.layers.3.mlp.up_proj``);
     {} for an unquantized checkpoint. CPM.cu's fused tensors come back as their q/k/v and gate/up parts."""
@@ -78,13 +98,9 @@ def load_linears(model_dir: str | Path, backend: str = "cpu", dtype: torch.dtype
         for key, record in records.items():
             name = key.removesuffix(".weight")
             bias = plain.get(f"{name}.bias")
-            if backend == "triton" and fmt.name == "marlin":  # the kernel reads the stored tiles as they are
-                from quantkit.kernels.linear.triton_marlin import TritonMarlinLinear
-
-                out_features, in_features = record.shape
-                modules[name] = TritonMarlinLinear.from_marlin_tensors(
-                    tensors[tensor_key(name, "qweight")], tensors[tensor_key(name, "scales")], in_features,
-                    out_features, qconfig.group_size, bias)
+            stored = TRITON_STORED_LAYOUTS.get(fmt.name) if backend == "triton" else None
+            if stored is not None:
+                modules[name] = stored(tensors, name, record.shape, qconfig.group_size, bias)
             else:
                 modules[name] = linear_for(record, bias, backend, dtype, keep)
     return modules
