@@ -1,6 +1,7 @@
 """Triton kernels in Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py) on CPU tensors,
-against float references: the W4A16 GEMV/GEMM over the GPTQ layout and InfLLM v2's block-sparse
-attention, at small shapes and at MiniCPM4.1-8B's."""
+against float references: the W4A16 GEMV/GEMM over the GPTQ and AWQ layouts, the triton backend
+on Marlin and AWQ artifacts, and InfLLM v2's block-sparse attention, at small shapes and at
+MiniCPM4.1-8B's."""
 from __future__ import annotations
 
 import os
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from quantkit.kernels.linear.int4 import Int4Linear
+from quantkit.kernels.linear.triton_marlin import TritonMarlinLinear
 from quantkit.kernels.linear.triton_w4a16 import LAUNCH_CONFIGS, TritonW4A16Linear, launch_config
 from quantkit.quant import QuantConfig, QuantizedTensor, default_g_idx
 
@@ -77,17 +79,21 @@ def test_w4a16_kernels_read_autoawq_tensors_as_stored(n, k, group_size, rows):
     assert torch.equal(linear.qweight, tensors["linear.qweight"])  # used as stored, not repacked
 
 
-def test_triton_backend_runs_an_awq_artifact_from_its_stored_tensors(tiny_checkpoint_factory, tmp_path):
+@pytest.mark.parametrize("fmt, module", [("marlin", TritonMarlinLinear), ("awq", TritonW4A16Linear)])
+def test_triton_backend_runs_marlin_and_awq_artifacts_from_their_stored_tensors(tiny_checkpoint_factory, tmp_path,
+                                                                                 fmt, module):
+    """load_linears(artifact, "triton") hands the kernels the file's own tensors; they agree with the
+    reference backend (the format reader's float32 weight), for decode and for a prefill chunk."""
     from quantkit.engine import quantize
     from quantkit.kernels.linear import load_linears
     from quantkit.recipe import load_recipe
 
-    out = tmp_path / "awq"
-    recipe = load_recipe("rtn-w4g128", {"format": "awq", "calibration.n_samples": 2, "calibration.seq_len": 32})
+    out = tmp_path / fmt
+    recipe = load_recipe("rtn-w4g128", {"format": fmt, "calibration.n_samples": 2, "calibration.seq_len": 32})
     quantize(tiny_checkpoint_factory(num_key_value_heads=4), recipe, out, progress=False)
     reference, triton_linears = load_linears(out, "reference"), load_linears(out, "triton")
     assert set(triton_linears) == set(reference)
-    assert all(isinstance(m, TritonW4A16Linear) and m.awq for m in triton_linears.values())
+    assert all(type(m) is module and getattr(m, "awq", False) == (fmt == "awq") for m in triton_linears.values())
     for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
         rows = torch.randn(6, reference[name].in_features, generator=torch.Generator().manual_seed(2))
         for batch in (rows[:1], rows):  # GEMV and GEMM

@@ -106,20 +106,3 @@ def test_wrong_shapes_are_refused():
         TritonMarlinLinear.from_marlin_tensors(B, s, 256, 32, 128)
     with pytest.raises(ValueError, match=r"bias must have shape \(64,\)"):
         TritonMarlinLinear.from_marlin_tensors(B, s, 256, 64, 128, torch.zeros(128))
-
-
-def test_triton_backend_runs_a_marlin_artifact_from_its_stored_tensors(tiny_checkpoint_factory, tmp_path):
-    from quantkit.engine import quantize
-    from quantkit.kernels.linear import load_linears
-    from quantkit.recipe import load_recipe
-
-    out = tmp_path / "marlin"
-    recipe = load_recipe("rtn-w4g128", {"format": "marlin", "calibration.n_samples": 2, "calibration.seq_len": 32})
-    quantize(tiny_checkpoint_factory(num_key_value_heads=4), recipe, out, progress=False)
-    reference, triton_linears = load_linears(out, "reference"), load_linears(out, "triton")
-    assert set(triton_linears) == set(reference)
-    assert all(isinstance(m, TritonMarlinLinear) for m in triton_linears.values())
-    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.gate_proj"):
-        rows = torch.randn(3, reference[name].in_features, generator=torch.Generator().manual_seed(2))
-        for batch in (rows[:1], rows):  # GEMV and GEMM
-            assert relative_error(triton_linears[name](batch), reference[name](batch).double()) < 1e-5, name
