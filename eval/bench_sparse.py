@@ -17,7 +17,6 @@ import click
 import torch
 
 from quantkit.eval.bench_methods import machine
-from quantkit.kernels import cpu_ops
 from quantkit.kernels.infllm import CompressedKeyCache, SparseAttentionConfig, dense_attention, sparse_attention
 from quantkit.table import format_table
 
@@ -35,14 +34,12 @@ def median_seconds(run, repeats: int) -> float:
 
 
 def fastest_dense(q, k, v, repeats: int) -> tuple[str, float]:
-    """The faster of the runtime's dense paths: SDPA, and for one query over a bf16 cache the fused
-    CPU operator the runtime's dense decode uses. -> (name, median seconds)."""
-    timings = {"SDPA": median_seconds(lambda: dense_attention(q, k, v), repeats)}
-    ops = cpu_ops.load()
-    if q.shape[1] == 1 and ops is not None:
-        query = q.float().contiguous()
-        timings["fused operator"] = median_seconds(
-            lambda: ops.decode_attention(query, k, v, k.shape[1], q.shape[-1] ** -0.5), repeats)
+    """The faster of the runtime's dense paths (for a decode step also the fused CPU operator,
+    ``bench_decode_attention``) -> (name, median seconds)."""
+    from quantkit.eval.bench_decode_attention import dense_decode_paths
+
+    timings = dense_decode_paths(q, k, v, repeats) if q.shape[1] == 1 else {
+        "SDPA": median_seconds(lambda: dense_attention(q, k, v), repeats)}
     name = min(timings, key=timings.get)
     return name, timings[name]
 

@@ -20,10 +20,10 @@ from quantkit.kernels.kv_cache import KVCache
 from quantkit.models.minicpm import MiniCPMForCausalLM
 
 # Query-key scores per KV head (group size x keys) up to which a decode step's dense attention runs in
-# the fused operator rather than SDPA. Measured on 2 threads over a bf16 cache: with the default model's
-# group of 3 the fused operator is faster up to ~512 keys (1.8x at 128), with MiniCPM4.1-8B's group of 16
-# SDPA is 1.8-4x faster from 128 keys on (the operator's per-key loop does not vectorise across heads).
-FUSED_ATTENTION_MAX_SCORES = 1536
+# the fused operator rather than SDPA: where the two cross on 2 threads over a bf16 cache
+# (`python -m quantkit.eval.bench_decode_attention`): ~350 keys for the default model's group of 3,
+# 64 keys for MiniCPM4.1-8B's group of 16 (SDPA is 4-5x faster there from 512 keys on).
+FUSED_ATTENTION_MAX_SCORES = 1024
 
 # (q [Hq, T, d], keys [Hkv, S, d], values [Hkv, S, d], layer index, cache) -> [Hq, T, d]; an attention
 # with ``scores_pre_rope`` also takes ``query_pre_rope=`` and reads pre-RoPE keys from the cache.

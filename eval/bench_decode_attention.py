@@ -1,0 +1,66 @@
+"""The runtime's two dense attention paths for one decode step, side by side: the fused one-query
+CPU operator (kernels/cpu_ops) and SDPA, over a bf16 cache, at the default model's head shape
+(9 query / 3 KV heads, d 64) and MiniCPM4.1-8B's (32 / 2, d 128). The crossover is where
+``FUSED_ATTENTION_MAX_SCORES`` in kernels/model.py comes from. Medians of repeats.
+
+    python -m quantkit.eval.bench_decode_attention --json out/bench-decode-attention.json
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+import torch
+
+from quantkit.eval.bench_methods import machine
+from quantkit.eval.bench_sparse import median_seconds
+from quantkit.kernels import cpu_ops
+from quantkit.kernels.infllm import dense_attention
+from quantkit.kernels.model import FUSED_ATTENTION_MAX_SCORES
+from quantkit.table import format_table
+
+SHAPES = {"default model": (9, 3, 64), "MiniCPM4.1-8B": (32, 2, 128)}  # query heads, KV heads, head dim
+
+
+def dense_decode_paths(q, k, v, repeats: int) -> dict[str, float]:
+    """Median seconds of one query's dense attention (q [Hq, 1, d] bf16; k, v [Hkv, S, d] bf16) by
+    SDPA and, when it builds, by the fused operator the runtime uses for short contexts."""
+    timings = {"SDPA": median_seconds(lambda: dense_attention(q, k, v), repeats)}
+    ops = cpu_ops.load()
+    if ops is not None:
+        query = q.float().contiguous()
+        timings["fused operator"] = median_seconds(
+            lambda: ops.decode_attention(query, k, v, k.shape[1], q.shape[-1] ** -0.5), repeats)
+    return timings
+
+
+@click.command()
+@click.option("--lengths", default="64,128,256,384,512,1024,8192", show_default=True, help="Cached keys.")
+@click.option("--repeats", default=15, show_default=True)
+@click.option("--threads", default=2, show_default=True)
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None)
+def main(lengths, repeats, threads, json_path):
+    torch.set_num_threads(threads)
+    rows, records = [], []
+    for shape, (q_heads, kv_heads, dim) in SHAPES.items():
+        g = torch.Generator().manual_seed(q_heads)
+        for length in (int(n) for n in lengths.split(",")):
+            k, v = torch.randn(2, kv_heads, length, dim, generator=g).bfloat16()
+            q = torch.randn(q_heads, 1, dim, generator=g).bfloat16()
+            timings = dense_decode_paths(q, k, v, repeats)
+            fused = timings.get("fused operator", float("nan"))
+            runtime_uses = "fused operator" if length * (q_heads // kv_heads) <= FUSED_ATTENTION_MAX_SCORES else "SDPA"
+            rows.append([shape, length, fused * 1e3, timings["SDPA"] * 1e3, timings["SDPA"] / fused, runtime_uses])
+            records.append({"shape": shape, "keys": length, "fused_ms": fused * 1e3, "sdpa_ms": timings["SDPA"] * 1e3,
+                            "runtime_uses": runtime_uses})
+    setup = f"one decode step's dense attention, bf16 cache; median of {repeats}; machine: {machine()}"
+    table = format_table(["shape", "keys", "fused ms", "SDPA ms", "SDPA / fused", "runtime uses"], rows)
+    click.echo(f"{setup}\n\n{table}")
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({"setup": setup, "rows": records}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
