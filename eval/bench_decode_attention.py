@@ -7,18 +7,16 @@ CPU operator (kernels/cpu_ops) and SDPA, over a bf16 cache, at the default model
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 import torch
 
 from quantkit.eval.bench_methods import machine
-from quantkit.eval.bench_sparse import median_seconds
+from quantkit.eval.bench_sparse import median_seconds, report
 from quantkit.kernels import cpu_ops
 from quantkit.kernels.infllm import dense_attention
 from quantkit.kernels.model import FUSED_ATTENTION_MAX_SCORES
-from quantkit.table import format_table
 
 SHAPES = {"default model": (9, 3, 64), "MiniCPM4.1-8B": (32, 2, 128)}  # query heads, KV heads, head dim
 
@@ -55,11 +53,7 @@ def main(lengths, repeats, threads, json_path):
             records.append({"shape": shape, "keys": length, "fused_ms": fused * 1e3, "sdpa_ms": timings["SDPA"] * 1e3,
                             "runtime_uses": runtime_uses})
     setup = f"one decode step's dense attention, bf16 cache; median of {repeats}; machine: {machine()}"
-    table = format_table(["shape", "keys", "fused ms", "SDPA ms", "SDPA / fused", "runtime uses"], rows)
-    click.echo(f"{setup}\n\n{table}")
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({"setup": setup, "rows": records}, indent=2))
+    report(setup, ["shape", "keys", "fused ms", "SDPA ms", "SDPA / fused", "runtime uses"], rows, records, json_path)
 
 
 if __name__ == "__main__":

@@ -68,8 +68,13 @@ def main(contexts, chunk, repeats, threads, json_path):
                             "sparse_ms": sparse * 1e3, "speedup": dense / sparse})
     setup = (f"attention only, {Q_HEADS} q heads / {KV_HEADS} KV heads / d {HEAD_DIM}, bf16, MiniCPM4.1 "
              f"sparse_config; median of {repeats}; machine: {machine()}")
-    table = format_table(["context", "work", "fastest dense path", "dense ms", "InfLLM v2 ms", "dense / sparse"], rows)
-    click.echo(f"{setup}\n\n{table}")
+    report(setup, ["context", "work", "fastest dense path", "dense ms", "InfLLM v2 ms", "dense / sparse"], rows,
+           records, json_path)
+
+
+def report(setup: str, headers: list[str], rows: list[list], records: list[dict], json_path: Path | None) -> None:
+    """Print the setup line and the table; write both as JSON when asked."""
+    click.echo(f"{setup}\n\n{format_table(headers, rows)}")
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps({"setup": setup, "rows": records}, indent=2))
