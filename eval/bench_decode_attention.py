@@ -13,24 +13,10 @@ import click
 import torch
 
 from quantkit.eval.bench_methods import machine
-from quantkit.eval.bench_sparse import median_seconds, report
-from quantkit.kernels import cpu_ops
-from quantkit.kernels.infllm import dense_attention
+from quantkit.eval.bench_sparse import dense_paths, report
 from quantkit.kernels.model import FUSED_ATTENTION_MAX_SCORES
 
 SHAPES = {"default model": (9, 3, 64), "MiniCPM4.1-8B": (32, 2, 128)}  # query heads, KV heads, head dim
-
-
-def dense_decode_paths(q, k, v, repeats: int) -> dict[str, float]:
-    """Median seconds of one query's dense attention (q [Hq, 1, d] bf16; k, v [Hkv, S, d] bf16) by
-    SDPA and, when it builds, by the fused operator the runtime uses for short contexts."""
-    timings = {"SDPA": median_seconds(lambda: dense_attention(q, k, v), repeats)}
-    ops = cpu_ops.load()
-    if ops is not None:
-        query = q.float().contiguous()
-        timings["fused operator"] = median_seconds(
-            lambda: ops.decode_attention(query, k, v, k.shape[1], q.shape[-1] ** -0.5), repeats)
-    return timings
 
 
 @click.command()
@@ -46,7 +32,7 @@ def main(lengths, repeats, threads, json_path):
         for length in (int(n) for n in lengths.split(",")):
             k, v = torch.randn(2, kv_heads, length, dim, generator=g).bfloat16()
             q = torch.randn(q_heads, 1, dim, generator=g).bfloat16()
-            timings = dense_decode_paths(q, k, v, repeats)
+            timings = dense_paths(q, k, v, repeats)
             fused = timings.get("fused operator", float("nan"))
             runtime_uses = "fused operator" if length * (q_heads // kv_heads) <= FUSED_ATTENTION_MAX_SCORES else "SDPA"
             rows.append([shape, length, fused * 1e3, timings["SDPA"] * 1e3, timings["SDPA"] / fused, runtime_uses])

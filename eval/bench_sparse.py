@@ -17,6 +17,7 @@ import click
 import torch
 
 from quantkit.eval.bench_methods import machine
+from quantkit.kernels import cpu_ops
 from quantkit.kernels.infllm import CompressedKeyCache, SparseAttentionConfig, dense_attention, sparse_attention
 from quantkit.table import format_table
 
@@ -33,13 +34,21 @@ def median_seconds(run, repeats: int) -> float:
     return statistics.median(times)
 
 
-def fastest_dense(q, k, v, repeats: int) -> tuple[str, float]:
-    """The faster of the runtime's dense paths (for a decode step also the fused CPU operator,
-    ``bench_decode_attention``) -> (name, median seconds)."""
-    from quantkit.eval.bench_decode_attention import dense_decode_paths
+def dense_paths(q, k, v, repeats: int) -> dict[str, float]:
+    """Median seconds of dense attention of the last T positions by each of the runtime's dense paths:
+    SDPA, and for one query (T = 1) over a bf16 cache the fused CPU operator, when it builds."""
+    timings = {"SDPA": median_seconds(lambda: dense_attention(q, k, v), repeats)}
+    ops = cpu_ops.load()
+    if q.shape[1] == 1 and ops is not None:
+        query = q.float().contiguous()
+        timings["fused operator"] = median_seconds(
+            lambda: ops.decode_attention(query, k, v, k.shape[1], q.shape[-1] ** -0.5), repeats)
+    return timings
 
-    timings = dense_decode_paths(q, k, v, repeats) if q.shape[1] == 1 else {
-        "SDPA": median_seconds(lambda: dense_attention(q, k, v), repeats)}
+
+def fastest_dense(q, k, v, repeats: int) -> tuple[str, float]:
+    """The faster of the runtime's dense paths -> (name, median seconds)."""
+    timings = dense_paths(q, k, v, repeats)
     name = min(timings, key=timings.get)
     return name, timings[name]
 

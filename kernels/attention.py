@@ -51,10 +51,9 @@ class InfLLMv2Attention:
         return CompressedKeyCache(self.config)
 
     def __call__(self, query, keys, values, layer: int, cache: KVCache, query_pre_rope=None):
-        if not self.scores_pre_rope:
-            return sparse_attention(query, keys, values, self.config, cache.compressed[layer], backend=self.backend)
+        keys_pre_rope = cache.pre_rope_keys(layer, keys.shape[1]) if self.scores_pre_rope else None
         return sparse_attention(query, keys, values, self.config, cache.compressed[layer], backend=self.backend,
-                                q_nope=query_pre_rope, k_nope=cache.pre_rope_keys(layer, keys.shape[1]))
+                                q_nope=query_pre_rope, k_nope=keys_pre_rope)
 
 
 def make_attention(config: SparseAttentionConfig | None, backend: str = "cpu"):

@@ -90,6 +90,7 @@ def load_linears(model_dir: str | Path, backend: str = "cpu", dtype: torch.dtype
     reader = CheckpointReader(model_dir)
     weights = config.num_hidden_layers * sum(n * k for n, k in linear_shapes(config).values())
     keep = weights * 2 <= KEEP_DEQUANTIZED_BYTES
+    stored = TRITON_STORED_LAYOUTS.get(fmt.name) if backend == "triton" else None
     modules: dict[str, nn.Module] = {}
     for index in range(config.num_hidden_layers):
         prefix = layer_prefix(index)
@@ -98,7 +99,6 @@ def load_linears(model_dir: str | Path, backend: str = "cpu", dtype: torch.dtype
         for key, record in records.items():
             name = key.removesuffix(".weight")
             bias = plain.get(f"{name}.bias")
-            stored = TRITON_STORED_LAYOUTS.get(fmt.name) if backend == "triton" else None
             if stored is not None:
                 modules[name] = stored(tensors, name, record.shape, qconfig.group_size, bias)
             else:
