@@ -94,6 +94,7 @@ bench-runtime: $(INSTALLED) $(RUNTIME_ARTIFACT)
 	$(BIN)/python -m quantkit.eval.bench_runtime --model $(MODEL) --artifact $(RUNTIME_ARTIFACT) --out $(OUT)/bench-runtime
 	$(BIN)/python -m quantkit.eval.bench_sparse --json $(OUT)/bench-runtime/sparse.json
 	$(BIN)/python -m quantkit.eval.bench_decode_attention --json $(OUT)/bench-runtime/decode-attention.json
+	$(BIN)/python -m quantkit.eval.bench_linear --json $(OUT)/bench-runtime/linear.json
 
 # Sparse attention's quality on MODEL within its trained context, with a scaled-down sparse_config:
 # perplexity dense vs InfLLM v2 through the runtime, then needle retrieval with InfLLM v2.

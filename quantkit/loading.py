@@ -17,7 +17,7 @@ from quantkit.formats import FORMATS, Format
 from quantkit.models import MiniCPMConfig, MiniCPMForCausalLM
 
 # quant_method of checkpoints other tools wrote -> the format that reads them
-_FOREIGN_METHODS = {"gptq": "gptq", "awq": "awq"}
+_FOREIGN_METHODS = {"gptq": "gptq", "awq": "awq", "quantkit_ternary": "ternary"}
 
 
 def artifact_format(model_dir: Path, config: MiniCPMConfig) -> Format | None:

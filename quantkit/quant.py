@@ -24,9 +24,14 @@ _MIN_FP16_SCALE = 2.0**-24
 
 @dataclass(frozen=True)
 class QuantConfig:
+    """A uniform grid per group of input channels. ``ternary`` is BitCPM4's grid {-s, 0, +s} with
+    s = mean|w| of the group (BitCPM-CANN §3.2), stored as GPTQ's asymmetric 2-bit codes t + 1 with
+    zero point 1, so every writer, reader and solver of the uniform grid handles it unchanged."""
+
     bits: int
     group_size: int
     sym: bool
+    ternary: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS:
@@ -35,10 +40,15 @@ class QuantConfig:
             raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {self.group_size!r}")
         if not isinstance(self.sym, bool):
             raise ValueError(f"sym must be a bool, got {self.sym!r}")
+        if not isinstance(self.ternary, bool):
+            raise ValueError(f"ternary must be a bool, got {self.ternary!r}")
+        if self.ternary and (self.bits != 2 or self.sym):
+            raise ValueError("a ternary grid stores codes t + 1 in 0..2 with zero point 1 (GPTQ's asymmetric "
+                             f"2-bit layout): it needs bits=2 and sym=False, got bits={self.bits}, sym={self.sym}")
 
     @property
     def maxq(self) -> int:
-        return 2**self.bits - 1
+        return 2 if self.ternary else 2**self.bits - 1
 
     def num_groups(self, in_features: int) -> int:
         """Groups per output row; a ragged last group counts (576 channels at g128 -> 5)."""
@@ -88,6 +98,8 @@ def find_group_params(weights: Tensor, config: QuantConfig) -> GroupParams:
         raise ValueError(f"expected a [rows, group_width] weight slice, got shape {tuple(weights.shape)}")
     w = weights.to(torch.float32)
     require_finite(w)
+    if config.ternary:
+        return _absmean_params(w)
     xmin = w.amin(dim=1).clamp(max=0.0)
     xmax = w.amax(dim=1).clamp(min=0.0)
     if config.sym:
@@ -111,6 +123,12 @@ def find_group_params(weights: Tensor, config: QuantConfig) -> GroupParams:
     return GroupParams(scale, zero)
 
 
+def _absmean_params(w: Tensor) -> GroupParams:
+    """BitCPM4's ternary grid: s = mean|w| per row (float16, never 0), codes round(w / s) + 1 in 0..2."""
+    scale = w.abs().mean(dim=1).clamp(min=_MIN_FP16_SCALE).to(torch.float16).to(torch.float32)
+    return GroupParams(scale, torch.ones_like(scale))
+
+
 # Clipping search after the reference GPTQ quantizer (``Quantizer.configure(mse=True)``): shrink
 # each row's range by p = 1 - i/100, i < 80, keeping the p whose |error|^2.4 sum is least. Rather
 # than all 80 shrinks, every 5th is tried, then the 8 neighbours of each row's best: a third of the
@@ -130,6 +148,9 @@ def search_group_params(weights: Tensor, config: QuantConfig, hessian: Tensor | 
     Parameters depend only on each row's extremes, and ``max(p·w) = p·max(w)`` exactly in floating
     point for p > 0, so every candidate's parameters come from the scaled extremes.
     """
+    if config.ternary:
+        raise ValueError("the clipping search shrinks a min/max range; a ternary grid's scale is the group's "
+                         "mean |w|, so it has no range to clip (turn gptq.clip_search off, or use gptq/rtn, not awq)")
     w = weights.to(torch.float32)
     require_finite(w)
     rows, width = w.shape

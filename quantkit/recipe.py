@@ -16,6 +16,7 @@ import yaml
 
 from quantkit.algorithms import ALGORITHMS, SOLVES_BLOCK_TYPES
 from quantkit.formats import FORMATS
+from quantkit.quant import QuantConfig
 
 
 class RecipeError(ValueError):
@@ -52,6 +53,8 @@ SCHEMA: dict[str, Any] = {
         "bits": Field(int, required=True, choices=(2, 3, 4, 8)),
         "group_size": Field(int, default=128, choices=(-1, 32, 64, 128)),
         "sym": Field(bool, default=True),
+        "ternary": Field(bool, default=False,
+                         help="BitCPM4's absmean ternary grid {-s, 0, +s} per group (needs bits 2, sym false)"),
     },
     "gptq": {
         "damp_percent": Field(float, default=0.01, check=lambda v: 0 < v < 1, rule="in (0, 1)"),
@@ -177,6 +180,14 @@ def load_recipe(name_or_path: str | Path, overrides: dict[str, Any] | None = Non
     values = _validate(raw, SCHEMA, "", str(path))
     if values["gptq"]["desc_act"] and values["gptq"]["group_aware"]:
         raise RecipeError(f"{path}: 'gptq.desc_act' and 'gptq.group_aware' are two column orders: enable one")
+    try:
+        config = QuantConfig(**values["quant"])
+    except ValueError as e:
+        raise RecipeError(f"{path}: 'quant': {e}") from e
+    clips = values["algorithm"] == "awq" or (values["algorithm"] == "gptq" and values["gptq"]["clip_search"])
+    if config.ternary and clips:
+        raise RecipeError(f"{path}: a ternary grid's scale is the group's mean |w|, with no range to clip: "
+                          "set gptq.clip_search: false and use algorithm rtn or gptq")
     if FORMATS[values["format"]].block_types and values["algorithm"] not in SOLVES_BLOCK_TYPES:
         raise RecipeError(f"{path}: format '{values['format']}' is solved on GGUF block types, which "
                           f"'{values['algorithm']}' cannot do (use one of {', '.join(SOLVES_BLOCK_TYPES)})")

@@ -10,6 +10,7 @@ from quantkit.engine import quantize
 from quantkit.kernels.linear import load_linears
 from quantkit.kernels.linear.int4 import Int4Linear, pack_group_size
 from quantkit.kernels.linear.int8 import Int8RowLinear
+from quantkit.kernels.linear.ternary import TernaryLinear
 from quantkit.kernels.model import fuse_linears
 from quantkit.loading import load_model
 from quantkit.recipe import load_recipe
@@ -24,7 +25,9 @@ ARTIFACTS = {
     "cpmcu": ("rtn-w4g128", {"format": "cpmcu", "quant.sym": True}, dict(num_key_value_heads=4)),
     "gguf-q4_0": ("gguf-q4_0", {}, dict()),
     "rtn-3bit": ("rtn-w4g128", {"quant.bits": 3}, dict(num_key_value_heads=2)),  # 3-bit packs N in 32s
+    "ternary": ("rtn-ternary-g32", {}, dict()),
 }
+FAST_MODULE = {"ternary": TernaryLinear}  # others with a 4-bit uniform grid: Int4Linear
 
 
 @pytest.fixture(scope="module", params=sorted(ARTIFACTS))
@@ -50,7 +53,7 @@ def test_reference_is_the_dequantized_weight_and_cpu_is_within_bf16(artifact):
             # bf16 inputs, scales and outputs: relative error a few 2^-8 of the output scale
             assert ((got - want).abs().max() / want.abs().max()) < 3e-2, (name, key, rows)
     if name != "rtn-3bit" and not name.startswith("gguf"):
-        assert all(isinstance(m, Int4Linear) for m in fast.values())
+        assert all(isinstance(m, FAST_MODULE.get(name, Int4Linear)) for m in fast.values())
 
 
 def test_runtime_runs_the_artifact_close_to_the_reference(artifact):
@@ -71,12 +74,14 @@ def test_pack_group_avoids_padding():
     assert pack_group_size(128, 100) == 128  # no size divides 100: padded
 
 
-def test_fused_int4_linears_equal_the_separate_ones(tiny_checkpoint_factory, tmp_path):
+@pytest.mark.parametrize("recipe,kind", [("rtn-w4g128", Int4Linear), ("rtn-ternary-g32", TernaryLinear)])
+def test_fused_quantized_linears_equal_the_separate_ones(recipe, kind, tiny_checkpoint_factory, tmp_path):
     out = tmp_path / "rtn"
-    quantize(tiny_checkpoint_factory(), load_recipe("rtn-w4g128", FAST), out, progress=False)
+    quantize(tiny_checkpoint_factory(), load_recipe(recipe, FAST), out, progress=False)
     linears = load_linears(out, "cpu")
     parts = [linears[f"model.layers.0.self_attn.{p}_proj"] for p in "qkv"]
     fused = fuse_linears(parts)
+    assert isinstance(fused, kind)
     for rows in (1, 20):
         x = torch.randn(rows, parts[0].in_features).bfloat16()
         assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))

@@ -1,7 +1,8 @@
 """Fused CPU operators for the runtime's decode step, compiled on first use (C++, -O3 -march=native).
 
 Each replaces a run of small PyTorch operators whose dispatch costs more than their arithmetic at
-one token (see decode_ops.cpp); ``load()`` returns None when no compiler is available, and the
+one token (see decode_ops.cpp), or is a kernel PyTorch lacks (``ternary_gemv``, the ternary linear's
+decode path, see kernels/linear/ternary.py); ``load()`` returns None when no compiler is available, and the
 runtime then uses the PyTorch operators, which are also the specification the tests compare with.
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ import logging
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-FUNCTIONS = ["rms_norm_bf16", "rope_and_store", "decode_attention", "silu_mul"]
+FUNCTIONS = ["rms_norm_bf16", "rope_and_store", "decode_attention", "silu_mul", "ternary_gemv"]
 
 
 @functools.cache

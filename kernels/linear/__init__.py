@@ -1,13 +1,13 @@
 """Quantized linear layers for the runtime, built from any artifact quantkit reads.
 
-Every format (GPTQ, AutoAWQ, Marlin, CPM.cu, GGUF blocks) is first read into its record by
+Every format (GPTQ, AutoAWQ, Marlin, CPM.cu, ternary, GGUF blocks) is first read into its record by
 ``quantkit.formats`` (the same code that writes it, tested bit-exact), then executed by the module
 its grid calls for:
 
 | backend     | 4-bit uniform grid (gptq, awq, marlin, cpmcu)     | anything else (2/3/8-bit, GGUF types) |
 |-------------|---------------------------------------------------|---------------------------------------|
 | "reference" | float32 dequantized weight (what the file means)   | same                                  |
-| "cpu"       | ``Int4Linear``: packed int4 decode, bf16 prefill   | bf16 dequantized weight               |
+| "cpu"       | ``Int4Linear``: packed int4 decode, bf16 prefill   | ternary: ``TernaryLinear`` on the stored bit planes; others: bf16 dequantized weight |
 | "triton"    | the stored tensors of Marlin (``TritonMarlinLinear``) and AWQ artifacts; ``TritonW4A16Linear`` over the GPTQ layout for the others | bf16 dequantized weight |
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ from quantkit.checkpoint import CheckpointReader
 from quantkit.engine import layer_records, linear_shapes
 from quantkit.formats.gptq import tensor_key
 from quantkit.kernels.linear.int4 import Int4Linear
+from quantkit.kernels.linear.ternary import TernaryLinear
 from quantkit.loading import artifact_format
 from quantkit.models import MiniCPMConfig
 from quantkit.models.layers import layer_prefix
@@ -48,7 +49,10 @@ def linear_for(record, bias: torch.Tensor | None, backend: str, dtype: torch.dty
         raise ValueError(f"linear backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
         return dense_linear(record.dequantize(torch.float32), bias, torch.float32)
-    four_bit = isinstance(record, QuantizedTensor) and record.config.bits == 4
+    uniform = isinstance(record, QuantizedTensor)
+    if uniform and record.config.ternary and backend == "cpu":
+        return TernaryLinear.from_record(record, bias, keep_dequantized)
+    four_bit = uniform and record.config.bits == 4
     if four_bit and backend == "cpu":
         return Int4Linear.from_record(record, bias, keep_dequantized)
     if four_bit and backend == "triton":
@@ -58,7 +62,7 @@ def linear_for(record, bias: torch.Tensor | None, backend: str, dtype: torch.dty
     return dense_linear(record.dequantize(torch.float32), bias, dtype)
 
 
-def _triton_marlin(tensors: dict, name: str, shape: tuple[int, int], group_size: int, bias) -> nn.Module:
+def _triton_marlin(tensors: dict, name: str, shape: tuple[int, int], group_size: int, bias, keep: bool) -> nn.Module:
     from quantkit.kernels.linear.triton_marlin import TritonMarlinLinear
 
     out_features, in_features = shape
@@ -66,16 +70,23 @@ def _triton_marlin(tensors: dict, name: str, shape: tuple[int, int], group_size:
     return TritonMarlinLinear.from_marlin_tensors(qweight, scales, in_features, out_features, group_size, bias)
 
 
-def _triton_awq(tensors: dict, name: str, shape: tuple[int, int], group_size: int, bias) -> nn.Module:
+def _triton_awq(tensors: dict, name: str, shape: tuple[int, int], group_size: int, bias, keep: bool) -> nn.Module:
     from quantkit.kernels.linear.triton_w4a16 import TritonW4A16Linear
 
     qweight, qzeros, scales = (tensors[tensor_key(name, part)] for part in ("qweight", "qzeros", "scales"))
     return TritonW4A16Linear.from_awq_tensors(qweight, qzeros, scales, shape[1], group_size, bias)
 
 
-# Formats whose stored tensors the Triton kernels read as they are, with no repacking at load (the
-# tensors were already validated by the format's reader).
-TRITON_STORED_LAYOUTS = {"marlin": _triton_marlin, "awq": _triton_awq}
+def _cpu_ternary(tensors: dict, name: str, shape: tuple[int, int], group_size: int, bias, keep: bool) -> nn.Module:
+    qweight, scales = (tensors[tensor_key(name, part)] for part in ("qweight", "scales"))
+    return TernaryLinear(qweight, scales, group_size, bias, keep)
+
+
+# (backend, format) pairs whose kernels read the stored tensors as they are, with no repacking at
+# load (the tensors were already validated by the format's reader). ``keep``: whether a CPU module
+# may keep a bf16 dequantized copy for prefill (see KEEP_DEQUANTIZED_BYTES).
+STORED_LAYOUTS = {("triton", "marlin"): _triton_marlin, ("triton", "awq"): _triton_awq,
+                  ("cpu", "ternary"): _cpu_ternary}
 
 
 def load_linears(model_dir: str | Path, backend: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> dict[str, nn.Module]:
@@ -90,7 +101,7 @@ def load_linears(model_dir: str | Path, backend: str = "cpu", dtype: torch.dtype
     reader = CheckpointReader(model_dir)
     weights = config.num_hidden_layers * sum(n * k for n, k in linear_shapes(config).values())
     keep = weights * 2 <= KEEP_DEQUANTIZED_BYTES
-    stored = TRITON_STORED_LAYOUTS.get(fmt.name) if backend == "triton" else None
+    stored = STORED_LAYOUTS.get((backend, fmt.name))
     modules: dict[str, nn.Module] = {}
     for index in range(config.num_hidden_layers):
         prefix = layer_prefix(index)
@@ -100,7 +111,7 @@ def load_linears(model_dir: str | Path, backend: str = "cpu", dtype: torch.dtype
             name = key.removesuffix(".weight")
             bias = plain.get(f"{name}.bias")
             if stored is not None:
-                modules[name] = stored(tensors, name, record.shape, qconfig.group_size, bias)
+                modules[name] = stored(tensors, name, record.shape, qconfig.group_size, bias, keep)
             else:
                 modules[name] = linear_for(record, bias, backend, dtype, keep)
     return modules

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import Tensor
 
-from quantkit.formats import awq, cpmcu, gguf, gptq, marlin
+from quantkit.formats import awq, cpmcu, gguf, gptq, marlin, ternary
 from quantkit.gguf.types import TensorType
 from quantkit.quant import QuantConfig, QuantizedTensor, default_g_idx
 
@@ -85,6 +85,19 @@ def _marlin_read(tensors: Mapping[str, Tensor], prefix: str, config: QuantConfig
             for name, (n, k) in shapes.items()}
 
 
+def _ternary_check(config: QuantConfig, k: int, n: int, desc_act: bool, name: str) -> None:
+    ternary.check_ternary(config, k, n, desc_act, name)
+
+
+def _ternary_write(records: Mapping[str, QuantizedTensor], prefix: str) -> dict[str, Tensor]:
+    return {key: t for name, qt in records.items() for key, t in ternary.ternary_tensors(qt, prefix + name).items()}
+
+
+def _ternary_read(tensors: Mapping[str, Tensor], prefix: str, config: QuantConfig, shapes: Shapes):
+    return {name: ternary.read_ternary_tensors(tensors, prefix + name, config, k, n)
+            for name, (n, k) in shapes.items()}
+
+
 def _cpmcu_read(tensors: Mapping[str, Tensor], prefix: str, config: QuantConfig, shapes: Shapes):
     parts = cpmcu.read_cpmcu_layer(tensors, prefix, shapes, config.group_size)
     return {name: _symmetric_record(codes, scales, config) for name, (codes, scales) in parts.items()}
@@ -110,5 +123,8 @@ FORMATS: dict[str, Format] = {
     "cpmcu": Format("cpmcu", "CPM.cu model_gptq.safetensors: fused qkv/gate_up Marlin tensors",
                     _marlin_check, cpmcu.cpmcu_layer_tensors, _cpmcu_read, marlin.quantization_config, _gptq_parse,
                     weights_file="model_gptq.safetensors"),
+    "ternary": Format("ternary", "BitCPM4 ternary weights as +1/-1 bit planes with per-group scales (quantkit runtime)",
+                      _ternary_check, _ternary_write, _ternary_read, ternary.quantization_config,
+                      ternary.parse_quantization_config),
 }
 FORMATS.update({f"gguf-{file_type}": _gguf_format(file_type) for file_type in gguf.FILE_TYPES})
