@@ -3,6 +3,8 @@ reference (outputs and block choices), the incremental compressed-key cache, and
 sparse decode against the reference step by step."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -46,6 +48,21 @@ def test_cpu_path_equals_reference(queries):
     torch.testing.assert_close(scores, reference.stage1_scores(q, fine, coarse, positions, SMALL), rtol=1e-4, atol=1e-6)
     chosen = reference.select_blocks(cpu.block_scores(scores, positions, 1000, SMALL), positions, SMALL)
     assert torch.equal(chosen, reference_block_selection(q, k, SMALL))
+
+
+def test_cpu_selection_equals_the_reference_stable_sort_on_ties_infinities_and_signed_zeros():
+    g = torch.Generator().manual_seed(0)
+    special = torch.tensor([0.0, -0.0, 1.0, 0.5, math.inf, -math.inf, 2.0, 1e-30, -1.0])
+    for trial in range(100):
+        blocks, queries = int(torch.randint(2, 300, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
+        picks = special[torch.randint(0, len(special), (2, queries, blocks), generator=g)]
+        pooled = torch.where(torch.rand(2, queries, blocks, generator=g) < 0.5, picks,
+                             torch.rand(2, queries, blocks, generator=g))
+        config = SparseAttentionConfig(topk=int(torch.randint(2, 40, (1,), generator=g)), window_size=128,
+                                       dense_len=-1)
+        positions = query_positions(queries, blocks * 64)
+        want = reference.select_blocks(pooled, positions, config)
+        assert torch.equal(cpu.select_blocks(pooled, positions, config), want), trial
 
 
 def test_cpu_path_with_minicpm41_head_shape_and_bf16():

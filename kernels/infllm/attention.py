@@ -18,7 +18,7 @@ import torch
 from quantkit.kernels.infllm import cpu
 from quantkit.kernels.infllm.cache import CompressedKeyCache
 from quantkit.kernels.infllm.config import SparseAttentionConfig
-from quantkit.kernels.infllm.reference import check_inputs, compress_keys, query_positions, select_blocks
+from quantkit.kernels.infllm.reference import check_inputs, compress_keys, query_positions
 
 BACKENDS = ("cpu", "triton")
 
@@ -56,8 +56,8 @@ def sparse_attention(q, k, v, config: SparseAttentionConfig, cache: CompressedKe
         from quantkit.kernels.infllm import triton_attention, triton_stage1
 
         scores = triton_stage1.stage1_scores(score_q, fine, coarse, positions, config)
-        block_idx = select_blocks(cpu.block_scores(scores, positions, num_keys, config), positions, config)
+        block_idx = cpu.select_blocks(cpu.block_scores(scores, positions, num_keys, config), positions, config)
         return triton_attention.block_sparse_attention(q, k, v, block_idx, positions, config.block_size)
     scores = cpu.stage1_scores(score_q, fine, coarse, positions, config)
-    block_idx = select_blocks(cpu.block_scores(scores, positions, num_keys, config), positions, config)
+    block_idx = cpu.select_blocks(cpu.block_scores(scores, positions, num_keys, config), positions, config)
     return cpu.block_sparse_attention(q, k, v, block_idx, positions, config.block_size)
