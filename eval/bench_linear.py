@@ -1,7 +1,7 @@
 """The runtime's CPU linears side by side at MiniCPM4.1-8B's shapes, for decode (1 row) and prefill
 (256 rows): bf16 dense (the baseline), the packed int4 kernel (``Int4Linear``, W4 g128) and the
 ternary bit-plane kernel (``TernaryLinear``, g32). Ratios are dense time over each path's time, so
-above 1 is faster than bf16; medians of repeats. ``DECODE_ROWS`` in kernels/linear/int4.py comes
+above 1 is faster than bf16; medians of repeats. ``DECODE_ROWS`` in kernels/linear/packed.py comes
 from where the packed kernels stop beating the bf16 matmul.
 
     python -m quantkit.eval.bench_linear --json out/bench-linear.json

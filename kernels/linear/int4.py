@@ -1,10 +1,9 @@
 """4-bit linears on the CPU: PyTorch's packed int4 kernel for decode, AMX bf16 matmuls for prefill.
 
 Measured on this machine's Xeon (2 threads; ``python -m quantkit.eval.bench_linear``): for one row,
-``_weight_int4pack_mm_for_cpu`` streams int4 weights ~2-3x faster than a float32 or bf16 GEMV; for
-hundreds of rows it is ~10x slower than a bf16 matmul, which runs on AMX. So a few rows use the
-packed kernel and more rows multiply by the bf16 dequantized weight (kept when ``keep_dequantized``,
-else rebuilt from the nibbles on each call).
+``_weight_int4pack_mm_for_cpu`` streams int4 weights 2.6-3.4x faster than a bf16 GEMV. A few rows use
+the packed kernel and more rows multiply by the bf16 dequantized weight (``PackedLinear``; kept when
+``keep_dequantized``, else rebuilt from the nibbles on each call).
 
 The packed kernel computes ``w = (q - 8) * s + z`` per group of 32/64/128/256 input channels with
 bf16 scale and offset; a GPTQ grid ``(q - zero) * s`` is that with ``z = (8 - zero) * s``. Act-order
@@ -17,12 +16,11 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from quantkit.kernels.linear.packed import PackedLinear, fused_bias
 from quantkit.quant import QuantizedTensor
 
 PACK_GROUP_SIZES = (256, 128, 64, 32)  # what the packed kernel accepts, largest first
-DECODE_ROWS = 4  # up to this many rows use the packed kernel (the crossover measured in bench_linear)
 INNER_K_TILES = 2
 
 
@@ -45,7 +43,7 @@ def _unpack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
     return torch.stack((nibbles & 15, nibbles >> 4), dim=-1).flatten(1)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(PackedLinear):
     """y = x W^T (+ bias) with W = (q - 8) * s + z per group; q in natural column order after ``perm``."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int,
@@ -63,7 +61,6 @@ class Int4Linear(nn.Module):
         self.register_buffer("perm", perm)
         self.register_buffer("bias", None if bias is None else bias.float())
         self.keep_dequantized = keep_dequantized
-        self._dequantized: torch.Tensor | None = None
         self.backend = "cpu"
 
     @classmethod
@@ -93,31 +90,23 @@ class Int4Linear(nn.Module):
         """Bytes a decode step reads: the packed codes and the bf16 scale/offset pairs."""
         return self.packed.numel() * self.packed.element_size() + self.scale_offset_bf16.numel() * 2
 
-    def dequantized(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """W [N, Kp] as the packed kernel computes it (bf16 scale and offset), in ``dtype``."""
-        if self._dequantized is not None and self._dequantized.dtype == dtype:
-            return self._dequantized
         codes = _unpack_nibbles(self.nibbles).float()
         pairs = self.scale_offset_bf16.float().repeat_interleave(self.group_size, dim=0)  # [Kp, N, 2]
-        weight = ((codes - 8) * pairs[..., 0].T + pairs[..., 1].T).to(dtype)
-        if self.keep_dequantized:
-            self._dequantized = weight
-        return weight
+        return ((codes - 8) * pairs[..., 0].T + pairs[..., 1].T).to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def prepare(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
         if self.padded_in != self.in_features:
             x = F.pad(x, (0, self.padded_in - self.in_features))
-        rows = x.reshape(-1, self.padded_in)
-        if rows.shape[0] <= DECODE_ROWS and x.dtype == torch.bfloat16:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size,
-                                                             self.scale_offset_bf16)
-        else:
-            out = rows @ self.dequantized(x.dtype).T
-        if self.bias is not None:
-            out = out + self.bias.to(out.dtype)
-        return out.view(*x.shape[:-1], self.out_features)
+        return x
+
+    def decode(self, rows: torch.Tensor) -> torch.Tensor | None:
+        if rows.dtype != torch.bfloat16:
+            return None
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scale_offset_bf16)
 
     @classmethod
     def fuse(cls, modules: list["Int4Linear"]) -> "Int4Linear | None":
@@ -127,11 +116,10 @@ class Int4Linear(nn.Module):
         if any(m.perm is not None or m.group_size != first.group_size or m.padded_in != first.padded_in
                for m in modules):
             return None
-        biases = [m.bias for m in modules]
-        if any(b is None for b in biases) and not all(b is None for b in biases):
+        fusable, bias = fused_bias(modules)
+        if not fusable:
             return None
         codes = torch.cat([_unpack_nibbles(m.nibbles) for m in modules])
         pairs = torch.cat([m.scale_offset for m in modules], dim=1)
-        bias = None if biases[0] is None else torch.cat(biases)
         return cls(codes, pairs[..., 0], pairs[..., 1], first.group_size, first.in_features, None, bias,
                    first.keep_dequantized)

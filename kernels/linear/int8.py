@@ -8,12 +8,11 @@ the bf16 dequantized weight.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from quantkit.kernels.linear.int4 import DECODE_ROWS
+from quantkit.kernels.linear.packed import PackedLinear
 
 
-class Int8RowLinear(nn.Module):
+class Int8RowLinear(PackedLinear):
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         weight = weight.float()
@@ -21,21 +20,17 @@ class Int8RowLinear(nn.Module):
         self.register_buffer("codes", torch.round(weight / scales[:, None]).to(torch.int8))
         self.register_buffer("scales", scales.bfloat16())
         self.out_features, self.in_features = weight.shape
-        self._dequantized: torch.Tensor | None = None
+        self.bias = None
+        self.keep_dequantized = True
 
     @property
     def weight_bytes(self) -> int:
         return self.codes.numel() + self.scales.numel() * 2
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        if self._dequantized is None or self._dequantized.dtype != dtype:
-            self._dequantized = (self.codes.float() * self.scales.float()[:, None]).to(dtype)
-        return self._dequantized
+    def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.codes.float() * self.scales.float()[:, None]).to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= DECODE_ROWS and x.dtype == torch.bfloat16:
-            out = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
-        else:
-            out = rows @ self.dequantized(x.dtype).T
-        return out.view(*x.shape[:-1], self.out_features)
+    def decode(self, rows: torch.Tensor) -> torch.Tensor | None:
+        if rows.dtype != torch.bfloat16:
+            return None
+        return torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)

@@ -8,15 +8,14 @@ weight on AMX, like the 4-bit linears. Without a compiler, decode also uses the 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from quantkit.formats.ternary import LANES, ternary_tensors, unpack_planes
 from quantkit.kernels import cpu_ops
-from quantkit.kernels.linear.int4 import DECODE_ROWS
+from quantkit.kernels.linear.packed import PackedLinear, fused_bias
 from quantkit.quant import QuantizedTensor
 
 
-class TernaryLinear(nn.Module):
+class TernaryLinear(PackedLinear):
     def __init__(self, planes: torch.Tensor, scales: torch.Tensor, group_size: int, bias: torch.Tensor | None = None,
                  keep_dequantized: bool = True):
         """planes int32 [N, K/16] and scales float16 [N, G], as the ternary format stores them."""
@@ -27,7 +26,6 @@ class TernaryLinear(nn.Module):
         self.register_buffer("scales", scales.contiguous())
         self.register_buffer("bias", None if bias is None else bias.float())
         self.keep_dequantized = keep_dequantized
-        self._dequantized: torch.Tensor | None = None
         self._ops = cpu_ops.load()
         self.backend = "cpu"
 
@@ -41,26 +39,15 @@ class TernaryLinear(nn.Module):
     def weight_bytes(self) -> int:
         return self.planes.numel() * 4 + self.scales.numel() * 2
 
-    def dequantized(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        if self._dequantized is not None and self._dequantized.dtype == dtype:
-            return self._dequantized
+    def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         width = self.in_features if self.group_size == -1 else self.group_size
         scales = self.scales.float().repeat_interleave(width, dim=1)[:, :self.in_features]
-        weight = (unpack_planes(self.planes).float() * scales).to(dtype)
-        if self.keep_dequantized:
-            self._dequantized = weight
-        return weight
+        return (unpack_planes(self.planes).float() * scales).to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= DECODE_ROWS and self._ops is not None:
-            out = self._ops.ternary_gemv(rows.float().contiguous(), self.planes, self.scales,
-                                         self.group_size).to(x.dtype)
-        else:
-            out = rows @ self.dequantized(x.dtype).T
-        if self.bias is not None:
-            out = out + self.bias.to(out.dtype)
-        return out.view(*x.shape[:-1], self.out_features)
+    def decode(self, rows: torch.Tensor) -> torch.Tensor | None:
+        if self._ops is None:
+            return None
+        return self._ops.ternary_gemv(rows.float().contiguous(), self.planes, self.scales, self.group_size).to(rows.dtype)
 
     @classmethod
     def fuse(cls, modules: list["TernaryLinear"]) -> "TernaryLinear | None":
@@ -68,9 +55,8 @@ class TernaryLinear(nn.Module):
         first = modules[0]
         if any(m.group_size != first.group_size or m.in_features != first.in_features for m in modules):
             return None
-        biases = [m.bias for m in modules]
-        if any(b is None for b in biases) and not all(b is None for b in biases):
+        fusable, bias = fused_bias(modules)
+        if not fusable:
             return None
-        bias = None if biases[0] is None else torch.cat(biases)
         return cls(torch.cat([m.planes for m in modules]), torch.cat([m.scales for m in modules]),
                    first.group_size, bias, first.keep_dequantized)
