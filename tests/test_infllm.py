@@ -78,6 +78,78 @@ def test_cpu_path_with_minicpm41_head_shape_and_bf16():
     assert (sparse_attention(qb, kb, vb, config).float() - want).abs().max() < 2e-2
 
 
+def fused_ops():
+    from quantkit.kernels import cpu_ops
+
+    ops = cpu_ops.load()
+    assert ops is not None, "the fused CPU kernels did not build"
+    return ops
+
+
+# (query heads, KV heads, head dim, keys): MiniCPM4.1-8B's group of 16 with a partial last block, the
+# default model's 3 x 3 at d 64, a group of 20 (head chunks 8 + 8 + 4) at d 32, a group of 1.
+FUSED_SHAPES = [(32, 2, 128, 5037), (9, 3, 64, 3000), (20, 1, 32, 2111), (2, 2, 64, 2048)]
+
+
+@pytest.mark.parametrize("heads_q, heads_kv, dim, length", FUSED_SHAPES)
+def test_fused_decode_kernels_equal_the_pytorch_path(heads_q, heads_kv, dim, length):
+    """The three fused decode kernels (kernels/cpu_ops/infllm_ops.cpp) against this package's PyTorch
+    functions for one query: stage-1 scores, the chosen blocks (exactly) and the attention output."""
+    ops, config = fused_ops(), SparseAttentionConfig(window_size=256, topk=8, dense_len=1024)
+    q, k, v = (t.bfloat16() for t in qkv(heads_q, heads_kv, length, dim, seed=length))
+    q = q[:, -1:]
+    fine, coarse = compress_keys(k, 32, 16), compress_keys(k, 128, 64)
+    positions = query_positions(1, length)
+    scores = ops.infllm_decode_scores(q[:, 0], fine, coarse, dim ** -0.5)
+    # float32 sums in another order: relative ~1e-7 of the largest score
+    torch.testing.assert_close(scores[:, None], cpu.stage1_scores(q, fine, coarse, positions, config),
+                               rtol=1e-5, atol=1e-6 * float(scores.max()))
+    blocks = ops.infllm_decode_select(scores, math.ceil(length / 64), config.pool_stride, config.init_blocks,
+                                      config.local_blocks, config.selected_blocks)
+    want_blocks = cpu.select_blocks(cpu.block_scores(scores[:, None], positions, length, config), positions, config)
+    assert torch.equal(blocks, want_blocks[:, 0])
+    out = ops.infllm_decode_attention(q[:, 0], k, v, blocks, length, 64, dim ** -0.5)
+    want = reference.block_sparse_attention(q.float(), k.float(), v.float(), want_blocks, positions, 64)
+    assert (out - want[:, 0]).abs().max() < FP32_TOL
+    # and the entry point takes this path for a bf16 decode step, within bf16 rounding of the reference
+    assert cpu.decode_kernels(q, k, v, fine, coarse) is not None
+    got = sparse_attention(q, k, v, config).float()
+    assert (got - sparse_attention_reference(q, k, v, config).float()).abs().max() < 2e-2
+
+
+def test_fused_selection_equals_the_pytorch_path_on_ties_infinities_and_signed_zeros():
+    ops = fused_ops()
+    g = torch.Generator().manual_seed(1)
+    special = torch.tensor([0.0, -0.0, 1.0, 0.5, math.inf, 2.0, 1e-30, 3.0])
+    for trial in range(100):
+        length = int(torch.randint(300, 20000, (1,), generator=g))
+        n1 = (length - 32) // 16 + 1
+        picks = special[torch.randint(0, len(special), (2, n1), generator=g)]
+        scores = torch.where(torch.rand(2, n1, generator=g) < 0.7, picks, torch.rand(2, n1, generator=g))
+        config = SparseAttentionConfig(topk=int(torch.randint(2, 40, (1,), generator=g)), window_size=128,
+                                       dense_len=-1)
+        positions = query_positions(1, length)
+        num_blocks = math.ceil(length / 64)
+        want = cpu.select_blocks(cpu.block_scores(scores[:, None], positions, length, config), positions, config)
+        got = ops.infllm_decode_select(scores, num_blocks, config.pool_stride, config.init_blocks,
+                                       config.local_blocks, min(config.selected_blocks, num_blocks))
+        assert torch.equal(got, want[:, 0]), trial
+
+
+def test_fused_decode_refuses_bad_blocks_and_is_skipped_where_it_does_not_apply():
+    ops = fused_ops()
+    q, k, v = (t.bfloat16() for t in qkv(4, 2, 1000, 64))
+    with pytest.raises(RuntimeError, match="outside the 16 blocks"):
+        ops.infllm_decode_attention(q[:, -1], k, v, torch.tensor([[0, 16], [1, 2]]), 1000, 64, 0.125)
+    fine, coarse = compress_keys(k, 32, 16), compress_keys(k, 128, 64)
+    assert cpu.decode_kernels(q[:, -1:], k, v, fine, coarse) is not None
+    assert cpu.decode_kernels(q[:, -2:], k, v, fine, coarse) is None                        # two queries
+    assert cpu.decode_kernels(q[:, -1:], k.float(), v, fine, coarse) is None                # float32 keys
+    assert cpu.decode_kernels(q[:, -1:], k.transpose(1, 2).contiguous().transpose(1, 2), v, fine, coarse) is None
+    assert cpu.decode_kernels(q[:, -1:, :48], k[..., :48], v[..., :48], fine, coarse) is None  # d % 32
+    assert cpu.decode_kernels(q[:, -1:], k, v, fine, coarse[:, :0]) is None                 # no coarse key
+
+
 def test_compressed_key_cache_grows_incrementally_and_decode_matches_reference():
     q, k, v = qkv(4, 2, 900, 16, seed=7)
     cache = CompressedKeyCache(SMALL)
@@ -87,8 +159,8 @@ def test_compressed_key_cache_grows_incrementally_and_decode_matches_reference()
         want = sparse_attention_reference(q[:, end - 1:end], k[:, :end], v[:, :end], SMALL)
         assert (got - want).abs().max() < FP32_TOL
     fine, coarse = cache.update(k[:, :end])
-    assert torch.equal(fine, compress_keys(k[:, :end], 32, 16).float())
-    assert torch.equal(coarse, compress_keys(k[:, :end], 128, 64).float())
+    assert torch.equal(fine, compress_keys(k[:, :end], 32, 16))
+    assert torch.equal(coarse, compress_keys(k[:, :end], 128, 64))
     with pytest.raises(ValueError, match="only grows"):
         cache.update(k[:, :100])
 

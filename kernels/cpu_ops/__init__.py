@@ -1,8 +1,9 @@
 """Fused CPU operators for the runtime's decode step, compiled on first use (C++, -O3 -march=native).
 
 Each replaces a run of small PyTorch operators whose dispatch costs more than their arithmetic at
-one token (see decode_ops.cpp), or is a kernel PyTorch lacks (``ternary_gemv``, the ternary linear's
-decode path, see kernels/linear/ternary.py); ``load()`` returns None when no compiler is available, and the
+one token (see decode_ops.cpp), or is a kernel PyTorch lacks: ``ternary_gemv``, the ternary linear's
+decode path (kernels/linear/ternary.py), and InfLLM v2's two decode stages reading the bf16 caches in
+place (infllm_ops.cpp, used by kernels/infllm/cpu.py); ``load()`` returns None when no compiler is available, and the
 runtime then uses the PyTorch operators, which are also the specification the tests compare with.
 """
 from __future__ import annotations
@@ -12,16 +13,18 @@ import logging
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-FUNCTIONS = ["rms_norm_bf16", "rope_and_store", "decode_attention", "silu_mul", "ternary_gemv"]
+SOURCES = ["decode_ops.cpp", "infllm_ops.cpp"]
+FUNCTIONS = ["rms_norm_bf16", "rope_and_store", "decode_attention", "silu_mul", "ternary_gemv",
+             "infllm_decode_scores", "infllm_decode_select", "infllm_decode_attention"]
 
 
 @functools.cache
 def load():
     from torch.utils.cpp_extension import load_inline
 
-    source = (Path(__file__).with_name("decode_ops.cpp")).read_text()
+    sources = [Path(__file__).with_name(name).read_text() for name in SOURCES]
     try:
-        return load_inline("quantkit_decode_ops", cpp_sources=[source], functions=FUNCTIONS,
+        return load_inline("quantkit_decode_ops", cpp_sources=sources, functions=FUNCTIONS,
                            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], verbose=False)
     except Exception as error:  # no compiler, headers or ninja: fall back to PyTorch operators
         log.warning("fused CPU decode operators unavailable (%s); using PyTorch operators", error)

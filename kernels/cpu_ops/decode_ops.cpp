@@ -3,11 +3,13 @@
 // loops replace the longest runs of them (see kernels/cpu_ops/__init__.py for the PyTorch spec of
 // each function, which the tests compare against).
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/extension.h>
 #include <algorithm>
 #include <cmath>
 #include <vector>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 using torch::Tensor;
 

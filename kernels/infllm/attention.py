@@ -58,6 +58,9 @@ def sparse_attention(q, k, v, config: SparseAttentionConfig, cache: CompressedKe
         scores = triton_stage1.stage1_scores(score_q, fine, coarse, positions, config)
         block_idx = cpu.select_blocks(cpu.block_scores(scores, positions, num_keys, config), positions, config)
         return triton_attention.block_sparse_attention(q, k, v, block_idx, positions, config.block_size)
+    ops = cpu.decode_kernels(q, k, v, fine, coarse)
+    if ops is not None:
+        return cpu.fused_decode(ops, q, score_q, k, v, fine, coarse, config)
     scores = cpu.stage1_scores(score_q, fine, coarse, positions, config)
     block_idx = cpu.select_blocks(cpu.block_scores(scores, positions, num_keys, config), positions, config)
     return cpu.block_sparse_attention(q, k, v, block_idx, positions, config.block_size)

@@ -14,9 +14,10 @@ from quantkit.kernels.infllm.config import SparseAttentionConfig
 from quantkit.kernels.infllm.reference import compress_keys, num_windows
 
 
-class _Columns:
-    """Compressed keys [Hkv, n, d], stored as the columns of a float32 [Hkv, d, capacity] buffer: a
-    key-major matrix for stage 1's ``q @ K^T``, with amortised O(1) appends (capacity doubles)."""
+class _Rows:
+    """Compressed keys [Hkv, n, d] in the keys' dtype, stored as the first n rows of a [Hkv, capacity, d]
+    buffer, with amortised O(1) appends (capacity doubles). Rows of d contiguous elements are what the
+    fused decode kernel reads in place (kernels/cpu_ops/infllm_ops.cpp)."""
 
     def __init__(self):
         self._buffer: torch.Tensor | None = None
@@ -25,32 +26,32 @@ class _Columns:
     def append(self, rows: torch.Tensor) -> None:
         heads, count, dim = rows.shape
         needed = self.length + count
-        if self._buffer is None or needed > self._buffer.shape[2]:
-            capacity = max(needed, 2 * (0 if self._buffer is None else self._buffer.shape[2]))
-            grown = rows.new_empty((heads, dim, capacity), dtype=torch.float32)
+        if self._buffer is None or needed > self._buffer.shape[1]:
+            capacity = max(needed, 2 * (0 if self._buffer is None else self._buffer.shape[1]))
+            grown = rows.new_empty((heads, capacity, dim))
             if self.length:
-                grown[..., : self.length] = self._buffer[..., : self.length]
+                grown[:, : self.length] = self._buffer[:, : self.length]
             self._buffer = grown
-        self._buffer[..., self.length: needed] = rows.transpose(1, 2)
+        self._buffer[:, self.length: needed] = rows
         self.length = needed
 
     def view(self) -> torch.Tensor:
-        return self._buffer[..., : self.length].transpose(1, 2)
+        return self._buffer[:, : self.length]
 
 
 class CompressedKeyCache:
     """Fine and coarse compressed keys of one layer's sequence, extended as keys arrive.
 
-    Stored in float32, holding the values the official cache holds in the model dtype (pooled in
-    float32, rounded to the keys' dtype), so stage 1 reads them without a per-step conversion.
+    Stored as the official cache stores them: pooled in float32, held in the keys' dtype (bf16 in the
+    runtime, half the bytes a decode step's stage 1 reads).
     """
 
     def __init__(self, config: SparseAttentionConfig):
         self.config = config
         self.num_keys = 0
         self._heads_dim: tuple[int, int] | None = None
-        self._fine = _Columns()
-        self._coarse = _Columns()
+        self._fine = _Rows()
+        self._coarse = _Rows()
         self._windows = ((self._fine, config.kernel_size, config.kernel_stride),
                          (self._coarse, config.coarse_kernel_size, config.coarse_kernel_stride))
 
