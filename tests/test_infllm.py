@@ -87,8 +87,15 @@ def fused_ops():
 
 
 # (query heads, KV heads, head dim, keys): MiniCPM4.1-8B's group of 16 with a partial last block, the
-# default model's 3 x 3 at d 64, a group of 20 (head chunks 8 + 8 + 4) at d 32, a group of 1.
-FUSED_SHAPES = [(32, 2, 128, 5037), (9, 3, 64, 3000), (20, 1, 32, 2111), (2, 2, 64, 2048)]
+# default model's 3 x 3 at d 64, a group of 1; these run on AMX tiles where the CPU has them. A group
+# of 20 at d 32 runs the float32 FMA path (head chunks 8 + 8 + 4) everywhere.
+FUSED_SHAPES = [(32, 2, 128, 5037), (9, 3, 64, 3000), (2, 2, 64, 2048), (20, 1, 32, 2111)]
+
+
+def fused_tolerance(v) -> float:
+    """The AMX path rounds the attention probabilities to bf16 (relative error <= 2^-9 each, as PyTorch's
+    bf16 attention does), which moves an output by at most 2^-9 max|v|; plus float32 reordering."""
+    return 2 ** -9 * float(v.float().abs().max()) + FP32_TOL
 
 
 @pytest.mark.parametrize("heads_q, heads_kv, dim, length", FUSED_SHAPES)
@@ -108,13 +115,28 @@ def test_fused_decode_kernels_equal_the_pytorch_path(heads_q, heads_kv, dim, len
                                       config.local_blocks, config.selected_blocks)
     want_blocks = cpu.select_blocks(cpu.block_scores(scores[:, None], positions, length, config), positions, config)
     assert torch.equal(blocks, want_blocks[:, 0])
-    out = ops.infllm_decode_attention(q[:, 0], k, v, blocks, length, 64, dim ** -0.5)
+    out = ops.infllm_block_attention(q, k, v, blocks[:, None], length - 1, 64, dim ** -0.5)
     want = reference.block_sparse_attention(q.float(), k.float(), v.float(), want_blocks, positions, 64)
-    assert (out - want[:, 0]).abs().max() < FP32_TOL
+    assert (out - want).abs().max() < fused_tolerance(v)
     # and the entry point takes this path for a bf16 decode step, within bf16 rounding of the reference
-    assert cpu.decode_kernels(q, k, v, fine, coarse) is not None
+    assert cpu.fused_ops(q, k, v) is not None and cpu.fused_decode_applies(q, fine, coarse)
     got = sparse_attention(q, k, v, config).float()
     assert (got - sparse_attention_reference(q, k, v, config).float()).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("heads_q, heads_kv, dim, length", FUSED_SHAPES)
+def test_fused_block_attention_of_a_prefill_chunk_equals_the_reference(heads_q, heads_kv, dim, length):
+    """A chunk of 37 queries: per-token blocks with unused (-1) slots early on, token-level causality
+    inside each token's own block."""
+    ops, config = fused_ops(), SparseAttentionConfig(window_size=256, topk=8, dense_len=1024)
+    q, k, v = (t.bfloat16() for t in qkv(heads_q, heads_kv, length, dim, seed=length + 1))
+    positions = query_positions(37, length)
+    blocks = reference_block_selection(q[:, -37:], k, config)
+    out = ops.infllm_block_attention(q[:, -37:], k, v, blocks, length - 37, 64, dim ** -0.5)
+    want = reference.block_sparse_attention(q[:, -37:].float(), k.float(), v.float(), blocks, positions, 64)
+    assert (out - want).abs().max() < fused_tolerance(v)
+    got = sparse_attention(q[:, -37:], k, v, config).float()
+    assert (got - sparse_attention_reference(q[:, -37:], k, v, config).float()).abs().max() < 2e-2
 
 
 def test_fused_selection_equals_the_pytorch_path_on_ties_infinities_and_signed_zeros():
@@ -139,15 +161,18 @@ def test_fused_selection_equals_the_pytorch_path_on_ties_infinities_and_signed_z
 def test_fused_decode_refuses_bad_blocks_and_is_skipped_where_it_does_not_apply():
     ops = fused_ops()
     q, k, v = (t.bfloat16() for t in qkv(4, 2, 1000, 64))
-    with pytest.raises(RuntimeError, match="outside the 16 blocks"):
-        ops.infllm_decode_attention(q[:, -1], k, v, torch.tensor([[0, 16], [1, 2]]), 1000, 64, 0.125)
+    with pytest.raises(RuntimeError, match="outside blocks 0..15 of token 999"):
+        ops.infllm_block_attention(q[:, -1:], k, v, torch.tensor([[[0, 16]], [[1, 2]]]), 999, 64, 0.125)
+    with pytest.raises(RuntimeError, match="outside blocks 0..14 of token 959"):  # the next token's block
+        ops.infllm_block_attention(q[:, -2:], k, v, torch.tensor([[[15], [15]], [[1], [2]]]), 959, 64, 0.125)
     fine, coarse = compress_keys(k, 32, 16), compress_keys(k, 128, 64)
-    assert cpu.decode_kernels(q[:, -1:], k, v, fine, coarse) is not None
-    assert cpu.decode_kernels(q[:, -2:], k, v, fine, coarse) is None                        # two queries
-    assert cpu.decode_kernels(q[:, -1:], k.float(), v, fine, coarse) is None                # float32 keys
-    assert cpu.decode_kernels(q[:, -1:], k.transpose(1, 2).contiguous().transpose(1, 2), v, fine, coarse) is None
-    assert cpu.decode_kernels(q[:, -1:, :48], k[..., :48], v[..., :48], fine, coarse) is None  # d % 32
-    assert cpu.decode_kernels(q[:, -1:], k, v, fine, coarse[:, :0]) is None                 # no coarse key
+    assert cpu.fused_ops(q, k, v) is not None and cpu.fused_decode_applies(q[:, -1:], fine, coarse)
+    assert not cpu.fused_decode_applies(q[:, -2:], fine, coarse)                       # two queries
+    assert not cpu.fused_decode_applies(q[:, -1:], fine.float(), coarse)               # float32 compressed keys
+    assert not cpu.fused_decode_applies(q[:, -1:], fine, coarse[:, :0])                # no coarse key
+    assert cpu.fused_ops(q, k.float(), v) is None                                       # float32 keys
+    assert cpu.fused_ops(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, ) is None  # d not contiguous
+    assert cpu.fused_ops(q[..., :48], k[..., :48], v[..., :48]) is None                 # d % 32
 
 
 def test_compressed_key_cache_grows_incrementally_and_decode_matches_reference():

@@ -2,7 +2,7 @@
 
 Each replaces a run of small PyTorch operators whose dispatch costs more than their arithmetic at
 one token (see decode_ops.cpp), or is a kernel PyTorch lacks: ``ternary_gemv``, the ternary linear's
-decode path (kernels/linear/ternary.py), and InfLLM v2's two decode stages reading the bf16 caches in
+decode path (kernels/linear/ternary.py), and InfLLM v2's stages reading the bf16 caches in
 place (infllm_ops.cpp, used by kernels/infllm/cpu.py); ``load()`` returns None when no compiler is available, and the
 runtime then uses the PyTorch operators, which are also the specification the tests compare with.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 SOURCES = ["decode_ops.cpp", "infllm_ops.cpp"]
 FUNCTIONS = ["rms_norm_bf16", "rope_and_store", "decode_attention", "silu_mul", "ternary_gemv",
-             "infllm_decode_scores", "infllm_decode_select", "infllm_decode_attention"]
+             "infllm_decode_scores", "infllm_decode_select", "infllm_block_attention"]
 
 
 @functools.cache

@@ -18,6 +18,11 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define INFLLM_AMX 1
+#endif
 
 using torch::Tensor;
 
@@ -27,11 +32,13 @@ using Bf16 = at::BFloat16;
 constexpr float kMinusHuge = -1e30f;  // not -inf: -ffast-math assumes no infinities
 constexpr int64_t kMaxDim = 256;
 
-// One KV group's query heads, float32 rows [heads, dim]; scores are q · k · scale.
+// One KV group's query heads, float32 rows [heads, dim]; scores are q · k · scale. With AMX, `tiles`
+// also holds them as the B operands of q · k (see amx_query_tiles), and both products run on tiles.
 struct Queries {
   const float* values;
   int64_t heads, dim;
   float scale;
+  std::vector<uint16_t> tiles;
 };
 
 #ifdef __AVX512F__
@@ -100,6 +107,125 @@ static inline __m512 high_bf16(__m512i w) {
   return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
+#ifdef INFLLM_AMX
+// AMX tiles multiply bf16 at 16 x 16 x 32 per instruction, ~16x the float32 FMAs above, so with them
+// the selected blocks cost little more than reading them. Linux hands out the tile state on request.
+static bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return permitted;
+}
+
+static bool use_amx(int64_t heads) { return heads <= 16 && amx_permitted(); }
+
+// The thread's tile configuration while it scores: every tile 16 rows of 64 bytes. Tiles: 0 scores
+// [16 keys x 16 heads] float32, 1 keys [16 x 32 dims], 2 queries [16 dim pairs x 16 heads x 2],
+// 3 output [16 heads x 16 dims] float32, 4 probabilities [16 heads x 32 keys], 5 values [16 key pairs x 16 dims x 2].
+struct TileScope {
+  const bool active;
+  explicit TileScope(bool active) : active(active) {
+    if (!active) return;
+    alignas(64) uint8_t config[64] = {};
+    config[0] = 1;  // palette 1
+    for (int t = 0; t < 6; ++t) {
+      reinterpret_cast<uint16_t*>(config + 16)[t] = 64;
+      config[48 + t] = 16;
+    }
+    _tile_loadconfig(config);
+  }
+  ~TileScope() {
+    if (active) _tile_release();
+  }
+};
+
+// q as bf16 B tiles [part][dim / 32][16 pairs][16 heads][2], heads past the group zero. Part 0 is
+// bf16(q); part 1, present only when q is not bf16 already, bf16(q - part 0): q to 16 mantissa bits.
+static std::vector<uint16_t> amx_query_tiles(const float* q, int64_t heads, int64_t dim) {
+  const int64_t chunks = dim / 32;
+  std::vector<uint16_t> tiles(2 * chunks * 512, 0);
+  bool exact = true;
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t i = 0; i < dim; ++i) {
+      const Bf16 high(q[h * dim + i]), low(q[h * dim + i] - static_cast<float>(high));
+      const int64_t at = (i / 32) * 512 + (i % 32 / 2) * 32 + h * 2 + i % 2;
+      tiles[at] = high.x;
+      tiles[chunks * 512 + at] = low.x;
+      exact &= (low.x & 0x7FFF) == 0;
+    }
+  if (exact) tiles.resize(chunks * 512);
+  return tiles;
+}
+
+static void score_keys_amx(const Queries& q, const Bf16* keys, int64_t n, float* scores, int64_t ld) {
+  const int64_t dim = q.dim, chunks = dim / 32, parts = q.tiles.size() / (chunks * 512);
+  alignas(64) Bf16 padded[16 * kMaxDim];
+  alignas(64) float block[16 * 16];
+  const __m512 scale = _mm512_set1_ps(q.scale);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t rows = std::min<int64_t>(16, n - j0);
+    const Bf16* a = keys + j0 * dim;
+    if (rows < 16) {  // never read past the last key
+      std::fill(std::copy(a, a + rows * dim, padded), padded + 16 * dim, Bf16(0.f));
+      a = padded;
+    }
+    _tile_zero(0);
+    for (int64_t part = 0; part < parts; ++part)
+      for (int64_t c = 0; c < chunks; ++c) {
+        _tile_loadd(1, a + 32 * c, dim * 2);
+        _tile_loadd(2, q.tiles.data() + (part * chunks + c) * 512, 64);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+    _tile_stored(0, block, 64);  // [key][head]
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(block + 16 * i);
+    transpose16(r);  // [head][key]
+    for (int64_t h = 0; h < q.heads; ++h)
+      _mm512_mask_storeu_ps(scores + h * ld + j0, first(rows), _mm512_mul_ps(_mm512_castsi512_ps(r[h]), scale));
+  }
+}
+
+// acc [16 rows, dim] += p [heads, n] (rounded to bf16, as PyTorch's bf16 attention does) · values [n, dim].
+static void accumulate_values_amx(const Queries& q, const float* p, int64_t ldp, const Bf16* values, int64_t n, float* acc) {
+  const int64_t dim = q.dim;
+  alignas(64) uint16_t probs[16 * 32];
+  alignas(64) uint16_t pairs[kMaxDim / 16][16 * 32];
+  __m512i interleave;
+  {
+    alignas(64) uint16_t order[32];
+    for (int i = 0; i < 16; ++i) order[2 * i] = i, order[2 * i + 1] = 16 + i;
+    interleave = _mm512_load_si512(order);
+  }
+  for (int64_t k0 = 0; k0 < n; k0 += 32) {
+    const int64_t keys = std::min<int64_t>(32, n - k0);
+    for (int64_t h = 0; h < 16; ++h) {
+      __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
+      if (h < q.heads) {
+        x0 = _mm512_maskz_loadu_ps(first(keys), p + h * ldp + k0);
+        x1 = _mm512_maskz_loadu_ps(first(keys - 16 > 0 ? keys - 16 : 0), p + h * ldp + k0 + 16);
+      }
+      _mm512_store_si512(probs + 32 * h, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
+    }
+    for (int64_t pair = 0; pair < 16; ++pair) {  // rows 2 pair and 2 pair + 1, interleaved per dim
+      const int64_t j = k0 + 2 * pair;
+      for (int64_t c = 0; c < dim / 16; ++c) {
+        const __m256i even = j < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + j * dim + 16 * c))
+                                   : _mm256_setzero_si256();
+        const __m256i odd = j + 1 < n
+            ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + (j + 1) * dim + 16 * c)) : _mm256_setzero_si256();
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1);
+        _mm512_store_si512(pairs[c] + 32 * pair, _mm512_permutexvar_epi16(interleave, both));
+      }
+    }
+    _tile_loadd(4, probs, 64);
+    for (int64_t c = 0; c < dim / 16; ++c) {
+      _tile_loadd(3, acc + 16 * c, dim * 4);
+      _tile_loadd(5, pairs[c], 64);
+      _tile_dpbf16ps(3, 4, 5);
+      _tile_stored(3, acc + 16 * c, dim * 4);
+    }
+  }
+}
+#endif
+
 // Scores of query heads h0..h0+H-1 for 16 keys given as dim/2 vectors of transposed dim pairs;
 // stored (scaled) for the first `rows` keys at out[h * ld + lane].
 template <int H>
@@ -121,6 +247,9 @@ static void score_heads(const Queries& q, int64_t h0, const __m512i* pairs, floa
 
 // scores[h * ld + j] = scale · q[h] · keys[j] for every query head and n bf16 key rows (stride dim).
 static void score_keys(const Queries& q, const Bf16* keys, int64_t n, float* scores, int64_t ld) {
+#ifdef INFLLM_AMX
+  if (!q.tiles.empty()) return score_keys_amx(q, keys, n, scores, ld);
+#endif
   const int64_t dim = q.dim;
   __m512i pairs[kMaxDim / 2];
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
@@ -157,9 +286,12 @@ static void accumulate_heads(const float* p, int64_t ldp, const Bf16* values, in
   }
 }
 
-// acc[h] += sum_j p[h * ldp + j] · values[j] for `heads` rows of weights over n bf16 value rows.
-static void accumulate_values(const float* p, int64_t ldp, int64_t heads, const Bf16* values, int64_t n, int64_t dim,
-                              float* acc) {
+// acc[h] += sum_j p[h * ldp + j] · values[j] for the group's heads over n bf16 value rows.
+static void accumulate_values(const Queries& q, const float* p, int64_t ldp, const Bf16* values, int64_t n, float* acc) {
+#ifdef INFLLM_AMX
+  if (!q.tiles.empty()) return accumulate_values_amx(q, p, ldp, values, n, acc);
+#endif
+  const int64_t heads = q.heads, dim = q.dim;
   for (int64_t h = 0; h < heads;) {
     const int64_t left = heads - h;
     const float* ph = p + h * ldp;
@@ -188,18 +320,26 @@ static void score_keys(const Queries& q, const Bf16* keys, int64_t n, float* sco
     }
 }
 
-static void accumulate_values(const float* p, int64_t ldp, int64_t heads, const Bf16* values, int64_t n, int64_t dim,
-                              float* acc) {
-  for (int64_t h = 0; h < heads; ++h)
+static void accumulate_values(const Queries& q, const float* p, int64_t ldp, const Bf16* values, int64_t n, float* acc) {
+  for (int64_t h = 0; h < q.heads; ++h)
     for (int64_t j = 0; j < n; ++j)
-      for (int64_t i = 0; i < dim; ++i) acc[h * dim + i] += p[h * ldp + j] * static_cast<float>(values[j * dim + i]);
+      for (int64_t i = 0; i < q.dim; ++i) acc[h * q.dim + i] += p[h * ldp + j] * static_cast<float>(values[j * q.dim + i]);
 }
+#endif
+
+#ifndef INFLLM_AMX
+static bool use_amx(int64_t) { return false; }
+struct TileScope {
+  explicit TileScope(bool) {}
+};
 #endif
 
 // Running softmax state of `heads` query rows over the keys seen so far: max, sum of exp, sum of exp·v.
 struct Partial {
   std::vector<float> best, total, acc;
-  Partial(int64_t heads, int64_t dim) : best(heads, kMinusHuge), total(heads, 0.f), acc(heads * dim, 0.f) {}
+  // acc has at least 16 rows: the AMX output tile's
+  Partial(int64_t heads, int64_t dim)
+      : best(heads, kMinusHuge), total(heads, 0.f), acc(std::max<int64_t>(heads, 16) * dim, 0.f) {}
 };
 
 // Splits each KV head's work in ranges so that the (KV head, range) tasks keep every thread busy.
@@ -213,17 +353,24 @@ static void check_rows(const Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.stride(2) == 1 && (t.size(1) <= 1 || t.stride(1) == dim), name, ": rows of d contiguous elements");
 }
 
-// The query heads of each KV group; `storage` keeps the float32 copy they point into alive.
+// The query heads of each (token, KV group) of query [Hq, T, d], at [t * Hkv + g]; `storage` keeps
+// the float32 copy [T, Hq, d] they point into alive.
 static std::vector<Queries> group_queries(const Tensor& query, int64_t kv_heads, int64_t dim, double scale,
                                           Tensor& storage) {
-  TORCH_CHECK(query.dim() == 2 && query.size(1) == dim && query.size(0) % kv_heads == 0,
-              "query: [Hq, d], Hq a multiple of the ", kv_heads, " KV heads");
+  TORCH_CHECK(query.dim() == 3 && query.size(2) == dim && query.size(0) % kv_heads == 0,
+              "query: [Hq, T, d], Hq a multiple of the ", kv_heads, " KV heads");
   TORCH_CHECK(dim % 32 == 0 && dim <= kMaxDim, "head dim must be a multiple of 32, at most ", kMaxDim, ", got ", dim);
-  storage = query.to(torch::kFloat32).contiguous();
-  const int64_t group = query.size(0) / kv_heads;
+  storage = query.to(torch::kFloat32).transpose(0, 1).contiguous();
+  const int64_t heads = query.size(0), group = heads / kv_heads;
   std::vector<Queries> groups;
-  for (int64_t kv = 0; kv < kv_heads; ++kv)
-    groups.push_back({storage.data_ptr<float>() + kv * group * dim, group, dim, static_cast<float>(scale)});
+  for (int64_t t = 0; t < query.size(1); ++t)
+    for (int64_t kv = 0; kv < kv_heads; ++kv) {
+      const float* values = storage.data_ptr<float>() + (t * heads + kv * group) * dim;
+      groups.push_back({values, group, dim, static_cast<float>(scale), {}});
+#ifdef INFLLM_AMX
+      if (use_amx(group)) groups.back().tiles = amx_query_tiles(values, group, dim);
+#endif
+    }
   return groups;
 }
 
@@ -239,7 +386,7 @@ Tensor infllm_decode_scores(Tensor query, Tensor fine, Tensor coarse, double sca
   check_rows(coarse, "coarse", dim);
   TORCH_CHECK(n2 > 0, "no coarse key yet: the log-sum-exp is undefined");
   Tensor storage;
-  const std::vector<Queries> queries = group_queries(query, kv_heads, dim, scale, storage);
+  const std::vector<Queries> queries = group_queries(query.unsqueeze(1), kv_heads, dim, scale, storage);
   const int64_t group = queries[0].heads;
   constexpr int64_t kKeys = 64;
 
@@ -247,6 +394,7 @@ Tensor infllm_decode_scores(Tensor query, Tensor fine, Tensor coarse, double sca
   std::vector<Partial> lse_parts(kv_heads * coarse_ranges, Partial(group, 0));
   at::parallel_for(0, kv_heads * coarse_ranges, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(group * kKeys);
+    const TileScope tiles(!queries[0].tiles.empty());
     for (int64_t task = begin; task < end; ++task) {
       const int64_t kv = task / coarse_ranges, r = task % coarse_ranges;
       Partial& part = lse_parts[task];
@@ -279,6 +427,7 @@ Tensor infllm_decode_scores(Tensor query, Tensor fine, Tensor coarse, double sca
   const int64_t fine_ranges = ranges_per_head(kv_heads, (n1 + kKeys - 1) / kKeys);
   at::parallel_for(0, kv_heads * fine_ranges, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(group * kKeys);
+    const TileScope tiles(!queries[0].tiles.empty());
     for (int64_t task = begin; task < end; ++task) {
       const int64_t kv = task / fine_ranges, r = task % fine_ranges;
       const Bf16* keys = fine.data_ptr<Bf16>() + kv * fine.stride(0);
@@ -296,38 +445,48 @@ Tensor infllm_decode_scores(Tensor query, Tensor fine, Tensor coarse, double sca
   return out;
 }
 
-// Stage 2 for one query: attention of each KV group's query heads over its selected blocks of the
-// first `length` keys (blocks [Hkv, k] int64, each in [0, ceil(length / block_size))), read in place
-// from the bf16 caches [Hkv, >= length, d]. Returns float32 [Hq, d].
-Tensor infllm_decode_attention(Tensor query, Tensor keys, Tensor values, Tensor blocks, int64_t length,
-                               int64_t block_size, double scale) {
+// Stage 2: attention of each query token's KV-group heads over its selected blocks, read in place
+// from the bf16 caches [Hkv, S, d]. query [Hq, T, d] are the tokens at positions first..first+T-1;
+// blocks [Hkv, T, k] int64, -1 for an unused slot; token t attends the keys of its blocks up to its
+// own position. Returns float32 [Hq, T, d]. Tasks are (token, KV head, range of slots): a decode step
+// splits its slots in ranges to occupy every thread, a prefill chunk has tokens enough.
+Tensor infllm_block_attention(Tensor query, Tensor keys, Tensor values, Tensor blocks, int64_t first,
+                              int64_t block_size, double scale) {
   using namespace infllm;
-  const int64_t dim = query.size(-1), kv_heads = keys.size(0);
+  const int64_t dim = query.size(-1), kv_heads = keys.size(0), tokens = query.size(1);
   check_rows(keys, "keys", dim);
   check_rows(values, "values", dim);
-  TORCH_CHECK(keys.size(1) >= length && values.size(1) >= length, "the caches hold fewer than ", length, " keys");
-  TORCH_CHECK(blocks.dtype() == torch::kInt64 && blocks.dim() == 2 && blocks.size(0) == kv_heads, "blocks: int64 [Hkv, k]");
+  TORCH_CHECK(keys.size(1) >= first + tokens && values.size(1) >= first + tokens, "the caches hold fewer than ",
+              first + tokens, " keys");
+  TORCH_CHECK(blocks.dtype() == torch::kInt64 && blocks.dim() == 3 && blocks.size(0) == kv_heads &&
+              blocks.size(1) == tokens, "blocks: int64 [Hkv, T, k]");
   Tensor storage;
   const std::vector<Queries> queries = group_queries(query, kv_heads, dim, scale, storage);
   const Tensor chosen = blocks.contiguous();
-  const int64_t group = queries[0].heads, selected = chosen.size(1);
+  const int64_t group = queries[0].heads, selected = chosen.size(2);
   const int64_t* idx = chosen.data_ptr<int64_t>();
-  const int64_t last = (length + block_size - 1) / block_size;
-  for (int64_t i = 0; i < chosen.numel(); ++i)
-    TORCH_CHECK(idx[i] >= 0 && idx[i] < last, "block ", idx[i], " outside the ", last, " blocks of ", length, " keys");
+  for (int64_t i = 0; i < chosen.numel(); ++i) {
+    const int64_t own = (first + (i / selected) % tokens) / block_size;  // the token's own block: the last it sees
+    TORCH_CHECK(idx[i] >= -1 && idx[i] <= own, "block ", idx[i], " outside blocks 0..", own, " of token ",
+                first + (i / selected) % tokens);
+  }
 
-  const int64_t ranges = ranges_per_head(kv_heads, selected);
-  std::vector<Partial> parts(kv_heads * ranges, Partial(group, dim));
-  at::parallel_for(0, kv_heads * ranges, 1, [&](int64_t begin, int64_t end) {
+  const int64_t ranges = ranges_per_head(kv_heads * tokens, selected), tasks = tokens * kv_heads * ranges;
+  std::vector<Partial> parts(tasks, Partial(group, dim));
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> p(group * block_size);
+    const TileScope tiles(!queries[0].tiles.empty());
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t kv = task / ranges, r = task % ranges;
+      const int64_t t = task / (kv_heads * ranges), kv = task / ranges % kv_heads, r = task % ranges;
+      const int64_t length = first + t + 1;
+      const int64_t* slots = idx + (kv * tokens + t) * selected;
       Partial& part = parts[task];
       const Bf16* k = keys.data_ptr<Bf16>() + kv * keys.stride(0);
       const Bf16* v = values.data_ptr<Bf16>() + kv * values.stride(0);
       for (int64_t slot = selected * r / ranges; slot < selected * (r + 1) / ranges; ++slot) {
-        const int64_t start = idx[kv * selected + slot] * block_size, n = std::min(block_size, length - start);
-        score_keys(queries[kv], k + start * dim, n, p.data(), block_size);
+        if (slots[slot] < 0) continue;
+        const int64_t start = slots[slot] * block_size, n = std::min(block_size, length - start);
+        score_keys(queries[t * kv_heads + kv], k + start * dim, n, p.data(), block_size);
         for (int64_t h = 0; h < group; ++h) {
           const float best = std::max(part.best[h], max_of(p.data() + h * block_size, n));
           const float shrink = std::exp(part.best[h] - best);
@@ -336,26 +495,30 @@ Tensor infllm_decode_attention(Tensor query, Tensor keys, Tensor values, Tensor 
           if (shrink != 1.f)
             for (int64_t i = 0; i < dim; ++i) part.acc[h * dim + i] *= shrink;
         }
-        accumulate_values(p.data(), block_size, group, v + start * dim, n, dim, part.acc.data());
+        accumulate_values(queries[t * kv_heads + kv], p.data(), block_size, v + start * dim, n, part.acc.data());
       }
     }
   });
-  auto out = torch::empty({kv_heads * group, dim}, storage.options());
+  auto out = torch::empty({kv_heads * group, tokens, dim}, storage.options());
   float* o = out.data_ptr<float>();
-  for (int64_t kv = 0; kv < kv_heads; ++kv)
-    for (int64_t h = 0; h < group; ++h) {
-      float best = kMinusHuge, total = 0.f;
-      for (int64_t r = 0; r < ranges; ++r) best = std::max(best, parts[kv * ranges + r].best[h]);
-      float* dst = o + (kv * group + h) * dim;
-      std::fill(dst, dst + dim, 0.f);
-      for (int64_t r = 0; r < ranges; ++r) {
-        const Partial& part = parts[kv * ranges + r];
-        const float weight = std::exp(part.best[h] - best);
-        total += part.total[h] * weight;
-        for (int64_t i = 0; i < dim; ++i) dst[i] += part.acc[h * dim + i] * weight;
+  at::parallel_for(0, tokens * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / kv_heads, kv = item % kv_heads;
+      const Partial* merged = parts.data() + item * ranges;
+      for (int64_t h = 0; h < group; ++h) {
+        float best = kMinusHuge, total = 0.f;
+        for (int64_t r = 0; r < ranges; ++r) best = std::max(best, merged[r].best[h]);
+        float* dst = o + ((kv * group + h) * tokens + t) * dim;
+        std::fill(dst, dst + dim, 0.f);
+        for (int64_t r = 0; r < ranges; ++r) {
+          const float weight = std::exp(merged[r].best[h] - best);
+          total += merged[r].total[h] * weight;
+          for (int64_t i = 0; i < dim; ++i) dst[i] += merged[r].acc[h * dim + i] * weight;
+        }
+        for (int64_t i = 0; i < dim; ++i) dst[i] /= total;
       }
-      for (int64_t i = 0; i < dim; ++i) dst[i] /= total;
     }
+  });
   return out;
 }
 

@@ -58,9 +58,11 @@ def sparse_attention(q, k, v, config: SparseAttentionConfig, cache: CompressedKe
         scores = triton_stage1.stage1_scores(score_q, fine, coarse, positions, config)
         block_idx = cpu.select_blocks(cpu.block_scores(scores, positions, num_keys, config), positions, config)
         return triton_attention.block_sparse_attention(q, k, v, block_idx, positions, config.block_size)
-    ops = cpu.decode_kernels(q, k, v, fine, coarse)
-    if ops is not None:
+    ops = cpu.fused_ops(q, k, v)
+    if ops is not None and cpu.fused_decode_applies(score_q, fine, coarse):
         return cpu.fused_decode(ops, q, score_q, k, v, fine, coarse, config)
     scores = cpu.stage1_scores(score_q, fine, coarse, positions, config)
     block_idx = cpu.select_blocks(cpu.block_scores(scores, positions, num_keys, config), positions, config)
+    if ops is not None:
+        return cpu.fused_block_attention(ops, q, k, v, block_idx, config.block_size)
     return cpu.block_sparse_attention(q, k, v, block_idx, positions, config.block_size)

@@ -10,9 +10,10 @@
   come sorted with the unused (-1) slots last, so each chunk is trimmed to its longest selection.
   A decode step needs no mask at all: every slot is used and only the last (current) block can be
   partial, so the gathered keys are cut to length instead.
-- A decode step over bf16 caches skips both the float32 copies and the gathers when the fused
-  kernels build (``decode_kernels``): stage 1 and stage 2 read the bf16 rows in place
-  (kernels/cpu_ops/infllm_ops.cpp); this module's PyTorch functions are their specification.
+- Over bf16 caches, when the fused kernels build (``fused_ops``, kernels/cpu_ops/infllm_ops.cpp),
+  stage 2 reads the selected blocks in place instead of gathering them, and a decode step runs
+  stage 1 and the selection fused too, over the bf16 compressed keys. This module's PyTorch
+  functions are their specification.
 
 Block scoring and selection are plain tensor code and run on any device; the Triton path reuses them.
 All tensors are head-major: q [Hq, T, d], k/v [Hkv, S, d] (each head's keys contiguous, as in the
@@ -168,26 +169,40 @@ def block_sparse_attention(q, k, v, block_idx, positions, block_size: int,
     return out.transpose(1, 2).reshape(Hq, T, d)
 
 
-def decode_kernels(q, k, v, fine, coarse):
-    """The fused decode kernels when they apply to this step, else None: one query; bf16 keys, values
-    and compressed keys on the CPU, each a stack of rows of d contiguous elements (the KV cache's
-    layout); a head dim that is a multiple of 32, at most 256; and a coarse key to take the LSE over."""
-    rows = (k, v, fine, coarse)
+def _bf16_rows(t, d: int) -> bool:
+    return t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.stride(2) == 1 and (t.shape[1] <= 1 or t.stride(1) == d)
+
+
+def fused_ops(q, k, v):
+    """The fused kernels (kernels/cpu_ops/infllm_ops.cpp) when they apply to these tensors, else None:
+    bf16 keys and values on the CPU, each a stack of rows of d contiguous elements (the KV cache's
+    layout), and a head dim that is a multiple of 32, at most 256."""
     d = q.shape[-1]
-    applies = (q.shape[1] == 1 and q.device.type == "cpu" and d % 32 == 0 and d <= 256 and coarse.shape[1] > 0
-               and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.stride(2) == 1
-                       and (t.shape[1] <= 1 or t.stride(1) == d) for t in rows))
+    applies = q.device.type == "cpu" and d % 32 == 0 and d <= 256 and _bf16_rows(k, d) and _bf16_rows(v, d)
     return cpu_ops.load() if applies else None
 
 
+def fused_decode_applies(q, fine, coarse) -> bool:
+    """Stage 1 and selection run fused too for one query over bf16 compressed keys, once a coarse key
+    exists to take the log-sum-exp over."""
+    d = q.shape[-1]
+    return q.shape[1] == 1 and coarse.shape[1] > 0 and _bf16_rows(fine, d) and _bf16_rows(coarse, d)
+
+
+def fused_block_attention(ops, q, k, v, block_idx, block_size: int) -> torch.Tensor:
+    """``block_sparse_attention`` by the fused kernel, reading the selected blocks in place -> [Hq, T, d]
+    in q's dtype."""
+    out = ops.infllm_block_attention(q, k, v, block_idx, k.shape[1] - q.shape[1], block_size, q.shape[-1] ** -0.5)
+    return out.to(q.dtype)
+
+
 def fused_decode(ops, q, score_q, k, v, fine, coarse, config: SparseAttentionConfig) -> torch.Tensor:
-    """One decode step by the fused kernels (``ops`` from ``decode_kernels``): stage 1, block
-    selection and block-sparse attention, each held by the tests to this module's PyTorch functions
-    for T = 1. score_q is q, or the pre-RoPE queries with use_nope. -> [Hq, 1, d] in q's dtype."""
-    d, num_keys = q.shape[-1], k.shape[1]
-    scores = ops.infllm_decode_scores(score_q[:, 0], fine, coarse, d ** -0.5)
+    """One decode step by the fused kernels: stage 1, block selection and block-sparse attention, each
+    held by the tests to this module's PyTorch functions for T = 1. score_q is q, or the pre-RoPE
+    queries with use_nope. -> [Hq, 1, d] in q's dtype."""
+    num_keys = k.shape[1]
+    scores = ops.infllm_decode_scores(score_q[:, 0], fine, coarse, q.shape[-1] ** -0.5)
     num_blocks = math.ceil(num_keys / config.block_size)
     blocks = ops.infllm_decode_select(scores, num_blocks, config.pool_stride, config.init_blocks,
                                       config.local_blocks, min(config.selected_blocks, num_blocks))
-    out = ops.infllm_decode_attention(q[:, 0], k, v, blocks, num_keys, config.block_size, d ** -0.5)
-    return out.to(q.dtype)[:, None]
+    return fused_block_attention(ops, q, k, v, blocks[:, None], config.block_size)
