@@ -1,13 +1,16 @@
-// InfLLM v2's two stages for one decode step, reading the bf16 caches in place (their PyTorch
-// specification is kernels/infllm/cpu.py: stage1_scores and block_sparse_attention, T = 1).
+// InfLLM v2 on the bf16 caches, read in place (their PyTorch specification is kernels/infllm/cpu.py):
+// stage-1 scores and block selection for one decode step, and attention over the selected blocks
+// for a decode step or a prefill chunk.
 //
-// A decode step at 64K keys scores ~4,096 compressed keys and attends ~6,144 selected keys per KV
-// head. PyTorch needs float32 copies of the compressed keys for its matmul and gathered copies of
-// the selected blocks for SDPA, which together cost as much as the attention itself; here both
-// stages read the bf16 rows where they lie. Keys are scored 16 at a time, one key per vector lane:
-// a 16 x 16 transpose of their 32-bit dim pairs, amortised over the query heads of the KV group,
-// replaces a horizontal sum per (head, key). Values accumulate with the dims in the lanes.
-// Softmax is online per block; KV heads and ranges of blocks run in parallel and merge at the end.
+// At 64K keys a decode step scores ~4,096 compressed keys and attends ~6,144 selected keys per KV
+// head. PyTorch needs float32 copies of the compressed keys for its matmul and gathered copies of the
+// selected blocks for SDPA, which together cost as much as the attention itself; here both stages
+// read the bf16 rows where they lie. q · k runs 16 keys at a time: on AMX the keys are an A tile
+// loaded from the cache and the KV group's query heads the B tile; otherwise a 16 x 16 transpose of
+// the keys' 32-bit dim pairs puts one key per vector lane, shared by all the group's heads, so no
+// (head, key) needs a horizontal sum. p · v is a second tile product, or FMAs with the dims in the
+// lanes. Softmax is online per block; tasks (token, KV head, range of blocks) run in parallel and
+// merge at the end.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 #include <algorithm>

@@ -35,7 +35,9 @@ def sparse_attention(q, k, v, config: SparseAttentionConfig, cache: CompressedKe
     With ``config.use_nope`` pass the pre-RoPE ``q_nope`` / ``k_nope`` (same shapes): they score the
     blocks (and fill the cache) while q and k attend. ``backend="triton"`` runs stage 1 (scoring) and
     stage 2 (block-sparse attention) as Triton kernels (CUDA tensors, or CPU tensors under
-    TRITON_INTERPRET=1); block pooling and top-k are tensor code shared by both backends.
+    TRITON_INTERPRET=1); block pooling and top-k are tensor code shared by both backends. On the
+    ``cpu`` backend over bf16 caches, the fused kernels of kernels/cpu_ops run a decode step whole and
+    a prefill chunk's block-sparse attention (see ``cpu.fused_ops``).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
