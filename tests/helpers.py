@@ -8,6 +8,16 @@ from quantkit.recipe import Recipe, builtin_dir, load_recipe
 SMALL_CALIBRATION = {"n_samples": 8, "seq_len": 64, "batch_size": 4}
 
 
+def built_cpu_ops():
+    """The fused C++ operators (kernels/cpu_ops). A C++ compiler is part of the supported setup, so a
+    failed build fails the test instead of quietly testing the PyTorch fallback."""
+    from quantkit.kernels import cpu_ops
+
+    ops = cpu_ops.load()
+    assert ops is not None, "the fused CPU operators did not build"
+    return ops
+
+
 def random_record(config: QuantConfig, n: int, k: int, seed: int, g_idx=None) -> QuantizedTensor:
     """Random codes, zero points and positive fp16 scales: a valid record no algorithm produced."""
     gen = torch.Generator().manual_seed(seed)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import built_cpu_ops
 from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.formats.ternary import (
     pack_planes,
@@ -95,11 +96,9 @@ def test_refusals_name_the_problem():
 
 @pytest.mark.parametrize("n,k,group_size", [(4096, 4096, 32), (66, 576, 128), (97, 320, 128), (31, 64, -1)])
 def test_ternary_kernel_matches_float64(n, k, group_size):
-    from quantkit.kernels import cpu_ops
     from quantkit.kernels.linear.ternary import TernaryLinear
 
-    ops = cpu_ops.load()
-    assert ops is not None, "a C++ compiler is part of the supported setup; ternary_gemv must build"
+    ops = built_cpu_ops()
     g = torch.Generator().manual_seed(n)
     record = rtn_quantize(torch.randn(n, k, generator=g), QuantConfig(2, group_size, False, ternary=True))
     module = TernaryLinear.from_record(record)

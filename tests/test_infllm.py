@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from helpers import built_cpu_ops
 from quantkit.kernels.infllm import CompressedKeyCache, SparseAttentionConfig, sparse_attention
 from quantkit.kernels.infllm import cpu, reference
 from quantkit.kernels.infllm.reference import (compress_keys, dense_causal_attention, query_positions,
@@ -78,14 +79,6 @@ def test_cpu_path_with_minicpm41_head_shape_and_bf16():
     assert (sparse_attention(qb, kb, vb, config).float() - want).abs().max() < 2e-2
 
 
-def fused_ops():
-    from quantkit.kernels import cpu_ops
-
-    ops = cpu_ops.load()
-    assert ops is not None, "the fused CPU kernels did not build"
-    return ops
-
-
 # (query heads, KV heads, head dim, keys): MiniCPM4.1-8B's group of 16 with a partial last block, the
 # default model's 3 x 3 at d 64, a group of 1; these run on AMX tiles where the CPU has them. A group
 # of 20 at d 32 runs the float32 FMA path (head chunks 8 + 8 + 4) everywhere.
@@ -102,7 +95,7 @@ def fused_tolerance(v) -> float:
 def test_fused_decode_kernels_equal_the_pytorch_path(heads_q, heads_kv, dim, length):
     """The three fused decode kernels (kernels/cpu_ops/infllm_ops.cpp) against this package's PyTorch
     functions for one query: stage-1 scores, the chosen blocks (exactly) and the attention output."""
-    ops, config = fused_ops(), SparseAttentionConfig(window_size=256, topk=8, dense_len=1024)
+    ops, config = built_cpu_ops(), SparseAttentionConfig(window_size=256, topk=8, dense_len=1024)
     q, k, v = (t.bfloat16() for t in qkv(heads_q, heads_kv, length, dim, seed=length))
     q = q[:, -1:]
     fine, coarse = compress_keys(k, 32, 16), compress_keys(k, 128, 64)
@@ -128,7 +121,7 @@ def test_fused_decode_kernels_equal_the_pytorch_path(heads_q, heads_kv, dim, len
 def test_fused_block_attention_of_a_prefill_chunk_equals_the_reference(heads_q, heads_kv, dim, length):
     """A chunk of 37 queries: per-token blocks with unused (-1) slots early on, token-level causality
     inside each token's own block."""
-    ops, config = fused_ops(), SparseAttentionConfig(window_size=256, topk=8, dense_len=1024)
+    ops, config = built_cpu_ops(), SparseAttentionConfig(window_size=256, topk=8, dense_len=1024)
     q, k, v = (t.bfloat16() for t in qkv(heads_q, heads_kv, length, dim, seed=length + 1))
     positions = query_positions(37, length)
     blocks = reference_block_selection(q[:, -37:], k, config)
@@ -140,7 +133,7 @@ def test_fused_block_attention_of_a_prefill_chunk_equals_the_reference(heads_q, 
 
 
 def test_fused_selection_equals_the_pytorch_path_on_ties_infinities_and_signed_zeros():
-    ops = fused_ops()
+    ops = built_cpu_ops()
     g = torch.Generator().manual_seed(1)
     special = torch.tensor([0.0, -0.0, 1.0, 0.5, math.inf, 2.0, 1e-30, 3.0])
     for trial in range(100):
@@ -159,7 +152,7 @@ def test_fused_selection_equals_the_pytorch_path_on_ties_infinities_and_signed_z
 
 
 def test_fused_decode_refuses_bad_blocks_and_is_skipped_where_it_does_not_apply():
-    ops = fused_ops()
+    ops = built_cpu_ops()
     q, k, v = (t.bfloat16() for t in qkv(4, 2, 1000, 64))
     with pytest.raises(RuntimeError, match="outside blocks 0..15 of token 999"):
         ops.infllm_block_attention(q[:, -1:], k, v, torch.tensor([[[0, 16]], [[1, 2]]]), 999, 64, 0.125)

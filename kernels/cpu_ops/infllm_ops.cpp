@@ -17,6 +17,7 @@
 #include <climits>
 #include <cmath>
 #include <functional>
+#include <utility>
 #include <vector>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -338,12 +339,40 @@ struct TileScope {
 #endif
 
 // Running softmax state of `heads` query rows over the keys seen so far: max, sum of exp, sum of exp·v.
+// dim 0 keeps no acc (a log-sum-exp); otherwise acc has at least 16 rows, the AMX output tile's.
 struct Partial {
+  int64_t dim;
   std::vector<float> best, total, acc;
-  // acc has at least 16 rows: the AMX output tile's
   Partial(int64_t heads, int64_t dim)
-      : best(heads, kMinusHuge), total(heads, 0.f), acc(std::max<int64_t>(heads, 16) * dim, 0.f) {}
+      : dim(dim), best(heads, kMinusHuge), total(heads, 0.f), acc(std::max<int64_t>(heads, 16) * dim, 0.f) {}
+
+  // Takes n more scores of head h: they become exp(score - max) in place, for the caller's p · v,
+  // and the sum and acc so far are rescaled to the new max.
+  void absorb(int64_t h, float* scores, int64_t n) {
+    const float now = std::max(best[h], max_of(scores, n));
+    const float shrink = std::exp(best[h] - now);
+    total[h] = total[h] * shrink + exp_shifted(scores, n, now);
+    best[h] = now;
+    if (shrink != 1.f)
+      for (int64_t i = 0; i < dim; ++i) acc[h * dim + i] *= shrink;
+  }
 };
+
+// Head h of `count` partials over disjoint key ranges, merged: returns {max, sum of exp(score - max)}
+// and, given `out`, writes the merged acc row (still to be divided by the sum) there.
+static std::pair<float, float> merge_head(const Partial* parts, int64_t count, int64_t h, float* out) {
+  float best = kMinusHuge, total = 0.f;
+  for (int64_t r = 0; r < count; ++r) best = std::max(best, parts[r].best[h]);
+  const int64_t dim = parts[0].dim;
+  if (out != nullptr) std::fill(out, out + dim, 0.f);
+  for (int64_t r = 0; r < count; ++r) {
+    const float weight = std::exp(parts[r].best[h] - best);
+    total += parts[r].total[h] * weight;
+    if (out != nullptr)
+      for (int64_t i = 0; i < dim; ++i) out[i] += parts[r].acc[h * dim + i] * weight;
+  }
+  return {best, total};
+}
 
 // Splits each KV head's work in ranges so that the (KV head, range) tasks keep every thread busy.
 static int64_t ranges_per_head(int64_t kv_heads, int64_t items) {
@@ -405,23 +434,14 @@ Tensor infllm_decode_scores(Tensor query, Tensor fine, Tensor coarse, double sca
       for (int64_t j0 = n2 * r / coarse_ranges; j0 < n2 * (r + 1) / coarse_ranges; j0 += kKeys) {
         const int64_t n = std::min(kKeys, n2 * (r + 1) / coarse_ranges - j0);
         score_keys(queries[kv], keys + j0 * dim, n, s.data(), kKeys);
-        for (int64_t h = 0; h < group; ++h) {
-          const float best = std::max(part.best[h], max_of(s.data() + h * kKeys, n));
-          part.total[h] = part.total[h] * std::exp(part.best[h] - best) + exp_shifted(s.data() + h * kKeys, n, best);
-          part.best[h] = best;
-        }
+        for (int64_t h = 0; h < group; ++h) part.absorb(h, s.data() + h * kKeys, n);
       }
     }
   });
   std::vector<float> lse(kv_heads * group);
   for (int64_t kv = 0; kv < kv_heads; ++kv)
     for (int64_t h = 0; h < group; ++h) {
-      float best = kMinusHuge, total = 0.f;
-      for (int64_t r = 0; r < coarse_ranges; ++r) best = std::max(best, lse_parts[kv * coarse_ranges + r].best[h]);
-      for (int64_t r = 0; r < coarse_ranges; ++r) {
-        const Partial& part = lse_parts[kv * coarse_ranges + r];
-        total += part.total[h] * std::exp(part.best[h] - best);
-      }
+      const auto [best, total] = merge_head(lse_parts.data() + kv * coarse_ranges, coarse_ranges, h, nullptr);
       lse[kv * group + h] = best + std::log(total);
     }
 
@@ -490,14 +510,7 @@ Tensor infllm_block_attention(Tensor query, Tensor keys, Tensor values, Tensor b
         if (slots[slot] < 0) continue;
         const int64_t start = slots[slot] * block_size, n = std::min(block_size, length - start);
         score_keys(queries[t * kv_heads + kv], k + start * dim, n, p.data(), block_size);
-        for (int64_t h = 0; h < group; ++h) {
-          const float best = std::max(part.best[h], max_of(p.data() + h * block_size, n));
-          const float shrink = std::exp(part.best[h] - best);
-          part.total[h] = part.total[h] * shrink + exp_shifted(p.data() + h * block_size, n, best);
-          part.best[h] = best;
-          if (shrink != 1.f)
-            for (int64_t i = 0; i < dim; ++i) part.acc[h * dim + i] *= shrink;
-        }
+        for (int64_t h = 0; h < group; ++h) part.absorb(h, p.data() + h * block_size, n);
         accumulate_values(queries[t * kv_heads + kv], p.data(), block_size, v + start * dim, n, part.acc.data());
       }
     }
@@ -507,17 +520,9 @@ Tensor infllm_block_attention(Tensor query, Tensor keys, Tensor values, Tensor b
   at::parallel_for(0, tokens * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / kv_heads, kv = item % kv_heads;
-      const Partial* merged = parts.data() + item * ranges;
       for (int64_t h = 0; h < group; ++h) {
-        float best = kMinusHuge, total = 0.f;
-        for (int64_t r = 0; r < ranges; ++r) best = std::max(best, merged[r].best[h]);
         float* dst = o + ((kv * group + h) * tokens + t) * dim;
-        std::fill(dst, dst + dim, 0.f);
-        for (int64_t r = 0; r < ranges; ++r) {
-          const float weight = std::exp(merged[r].best[h] - best);
-          total += merged[r].total[h] * weight;
-          for (int64_t i = 0; i < dim; ++i) dst[i] += merged[r].acc[h * dim + i] * weight;
-        }
+        const float total = merge_head(parts.data() + item * ranges, ranges, h, dst).second;
         for (int64_t i = 0; i < dim; ++i) dst[i] /= total;
       }
     }
