@@ -15,6 +15,7 @@ import resource
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 import torch
 from tqdm.auto import tqdm
@@ -114,13 +115,14 @@ class LayerRunner:
 
     @torch.no_grad()
     def input_stats(self, hidden: torch.Tensor, linear_names: tuple[str, ...],
-                    skip_prefix: int) -> dict[str, InputStats]:
-        """Statistics of the inputs reaching each linear (named in forward order); each forward
-        stops as soon as the last of them has been reached."""
+                    skip_prefix: Mapping[str, int]) -> dict[str, InputStats]:
+        """Statistics of the inputs reaching each linear (named in forward order), leaving out the
+        first ``skip_prefix[name]`` positions of each sequence; each forward stops as soon as the last
+        of them has been reached."""
         stats, handles = {}, []
         for name in linear_names:
             linear = self.layer.get_submodule(name)
-            stats[name] = InputStats(linear.in_features, skip_prefix)
+            stats[name] = InputStats(linear.in_features, skip_prefix[name])
 
             def capture(_module, args, name=name):
                 stats[name].add(args[0])
@@ -284,7 +286,8 @@ class _LayerJob:
         self.config, self.index, self.recipe, self.qconfig, self.dtype = config, index, recipe, qconfig, dtype
         self.prefix = layer_prefix(index)
         self.position_embeddings = position_embeddings
-        self.skip_prefix = recipe["prefix_tokens"]
+        self.skip_prefix = {name: recipe["prefix_tokens"] if name in recipe["prefix_linears"] else 0
+                            for name in LINEARS}
         self.stats_seconds = self.solve_seconds = 0.0
 
     def _stats(self, runner: "LayerRunner", hidden: torch.Tensor, names: tuple[str, ...]) -> dict[str, InputStats]:

@@ -16,6 +16,7 @@ import yaml
 
 from quantkit.algorithms import ALGORITHMS, SOLVES_BLOCK_TYPES
 from quantkit.formats import FORMATS
+from quantkit.models.layers import LINEARS, SEQUENTIAL_GROUPS
 from quantkit.quant import QuantConfig
 
 
@@ -38,6 +39,14 @@ def _positive(v) -> bool:
     return v > 0
 
 
+def _whole_groups(names: list) -> bool:
+    """Known linears, each listed once, and every sequential group in or out as a whole: q/k/v share one
+    input and so one Hessian, as do gate/up."""
+    chosen = set(names)
+    return (len(chosen) == len(names) and chosen <= set(LINEARS)
+            and all(len(chosen & set(group)) in (0, len(group)) for group in SEQUENTIAL_GROUPS))
+
+
 
 SCHEMA: dict[str, Any] = {
     "name": Field(str, required=True, help="recipe name, as `quantkit quantize --recipe NAME`"),
@@ -47,6 +56,11 @@ SCHEMA: dict[str, Any] = {
     "prefix_tokens": Field(int, default=0, check=lambda v: v >= 0, rule=">= 0",
                            help="P-GPTQ: leave the first N positions of every calibration sequence out of "
                                 "the statistics (the forward pass still runs on all tokens)"),
+    "prefix_linears": Field(list, default=list(LINEARS), check=_whole_groups,
+                            rule=f"a list of distinct linears from {list(LINEARS)} in which q/k/v and gate/up "
+                                 "appear together or not at all (each set shares one input)",
+                            help="the linears whose statistics leave the prefix out (default: all of them, "
+                                 "as the MiniCPM4 report does); the others see every position"),
     "compute_dtype": Field(str, default="bfloat16", choices=("bfloat16", "float32"),
                            help="dtype of calibration forwards (bf16 uses AMX; statistics accumulate in fp32)"),
     "quant": {

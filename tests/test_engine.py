@@ -104,6 +104,18 @@ def test_unknown_recipe_key_names_key_and_file(tmp_path):
         load_recipe(path)
 
 
+def test_prefix_linears_default_to_all_and_keep_shared_inputs_together(tmp_path):
+    path = tmp_path / "scoped.yaml"
+    path.write_text(RECIPE)
+    assert load_recipe(path)["prefix_linears"] == list(LINEARS)
+    path.write_text(RECIPE + "prefix_linears: [mlp.gate_proj, mlp.up_proj, mlp.down_proj]\n")
+    assert load_recipe(path)["prefix_linears"] == ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    for bad in ("[self_attn.q_proj]", "[mlp.down_proj, mlp.down_proj]", "[mlp.dwn_proj]", "mlp.down_proj"):
+        path.write_text(RECIPE + f"prefix_linears: {bad}\n")
+        with pytest.raises(RecipeError, match=r"scoped\.yaml.*prefix_linears"):
+            load_recipe(path)
+
+
 def _broken_copy(tiny: Path, tmp_path: Path, edit) -> Path:
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -169,7 +181,7 @@ def test_reused_attention_gives_the_same_statistics_and_outputs(tiny):
     reusing.fix_attention(hidden)
     assert reusing.mixed.shape == (5, 24, layer.self_attn.o_proj.in_features)
     for name in (O, GATE, DOWN):
-        expected = recomputing.input_stats(hidden, (name,), skip_prefix=4)[name]
-        got = reusing.input_stats(hidden, (name,), skip_prefix=4)[name]
+        expected = recomputing.input_stats(hidden, (name,), skip_prefix={name: 4})[name]
+        got = reusing.input_stats(hidden, (name,), skip_prefix={name: 4})[name]
         assert torch.equal(got.hessian, expected.hessian) and torch.equal(got.abs_mean, expected.abs_mean)
     assert torch.equal(reusing.forward(hidden), recomputing.forward(hidden))

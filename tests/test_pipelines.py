@@ -9,7 +9,7 @@ from helpers import small_recipe
 from quantkit.artifact import staging_dir
 from quantkit.engine import quantize
 from quantkit.loading import load_model
-from quantkit.models.layers import LINEARS
+from quantkit.models.layers import DOWN, LINEARS
 
 def _errors(out):
     return {(e["layer"], name): err for e in json.loads((out / "quantkit.json").read_text())["layer_errors"]
@@ -67,3 +67,10 @@ def test_prefix_tokens_change_the_result(marlin_legal, tmp_path):
     plain = quantize(marlin_legal, small_recipe("gptq-w4g128", tmp_path), tmp_path / "g", progress=False)
     prefix = quantize(marlin_legal, small_recipe("p-gptq-w4g128", tmp_path), tmp_path / "p", progress=False)
     assert plain.layers[0].errors != prefix.layers[0].errors
+    # The cut on down_proj only: every other linear of the first layer sees what plain GPTQ saw.
+    scoped = quantize(marlin_legal, small_recipe("p-gptq-w4g128", tmp_path, prefix_linears=[DOWN]),
+                      tmp_path / "d", progress=False)
+    errors = scoped.layers[0].errors
+    assert errors[DOWN] != plain.layers[0].errors[DOWN]
+    assert {n: e for n, e in errors.items() if n != DOWN} == {n: e for n, e in plain.layers[0].errors.items()
+                                                             if n != DOWN}
