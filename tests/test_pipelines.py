@@ -68,7 +68,7 @@ def test_prefix_tokens_change_the_result(marlin_legal, tmp_path):
     prefix = quantize(marlin_legal, small_recipe("p-gptq-w4g128", tmp_path), tmp_path / "p", progress=False)
     assert plain.layers[0].errors != prefix.layers[0].errors
     # The cut on down_proj only: every other linear of the first layer sees what plain GPTQ saw.
-    scoped = quantize(marlin_legal, small_recipe("p-gptq-w4g128", tmp_path, prefix_linears=[DOWN]),
+    scoped = quantize(marlin_legal, small_recipe("gptq-w4g128", tmp_path, prefix_tokens=4, prefix_linears=[DOWN]),
                       tmp_path / "d", progress=False)
     errors = scoped.layers[0].errors
     assert errors[DOWN] != plain.layers[0].errors[DOWN]
