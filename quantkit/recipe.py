@@ -47,7 +47,6 @@ def _whole_groups(names: list) -> bool:
             and all(len(chosen & set(group)) in (0, len(group)) for group in SEQUENTIAL_GROUPS))
 
 
-
 SCHEMA: dict[str, Any] = {
     "name": Field(str, required=True, help="recipe name, as `quantkit quantize --recipe NAME`"),
     "description": Field(str, required=True, help="one line: what the recipe is for"),

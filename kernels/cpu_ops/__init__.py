@@ -3,8 +3,8 @@
 Each replaces a run of small PyTorch operators whose dispatch costs more than their arithmetic at
 one token (see decode_ops.cpp), or is a kernel PyTorch lacks: ``ternary_gemv``, the ternary linear's
 decode path (kernels/linear/ternary.py), and InfLLM v2's stages reading the bf16 caches in
-place (infllm_ops.cpp, used by kernels/infllm/cpu.py); ``load()`` returns None when no compiler is available, and the
-runtime then uses the PyTorch operators, which are also the specification the tests compare with.
+place (infllm_ops.cpp, used by kernels/infllm/cpu.py). ``load()`` returns None when no compiler is
+available, and the runtime then uses the PyTorch operators, which are also the specification the tests compare with.
 """
 from __future__ import annotations
 

@@ -170,7 +170,8 @@ def block_sparse_attention(q, k, v, block_idx, positions, block_size: int,
 
 
 def _bf16_rows(t, d: int) -> bool:
-    return t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.stride(2) == 1 and (t.shape[1] <= 1 or t.stride(1) == d)
+    return (t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.stride(2) == 1
+            and (t.shape[1] <= 1 or t.stride(1) == d))
 
 
 def fused_ops(q, k, v):
