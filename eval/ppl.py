@@ -44,9 +44,14 @@ ROWS_PER_CHUNK = 256
 @torch.inference_mode()
 def window_log_probs(model, tokens: torch.Tensor, w: Window) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(log-probabilities in float64, targets) of the positions scored by ``w``, ROWS_PER_CHUNK at a time."""
-    logits = model(tokens[None, w.begin:w.end]).logits[0]
-    # logits at position p predict token p + 1
-    predicting = logits[w.first_scored - 1 - w.begin: w.end - 1 - w.begin]
+    yield from chunked_log_probs(model(tokens[None, w.begin:w.end]).logits[0], w.begin, tokens, w)
+
+
+def chunked_log_probs(logits: torch.Tensor, logits_begin: int, tokens: torch.Tensor,
+                      w: Window) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The scored rows of ``logits`` (positions ``logits_begin`` … ``w.end - 1``) as in
+    ``window_log_probs``: the logits at position p predict token p + 1."""
+    predicting = logits[w.first_scored - 1 - logits_begin: w.end - 1 - logits_begin]
     targets = tokens[w.first_scored:w.end]
     for start in range(0, len(targets), ROWS_PER_CHUNK):
         rows = slice(start, start + ROWS_PER_CHUNK)

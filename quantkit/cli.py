@@ -159,15 +159,18 @@ def eval_ppl(model, data, max_tokens, window, stride, as_json, runtime, sparse, 
 @eval_group.command("kld")
 @click.option("--model", required=True, help="The model under test (e.g. a quantized artifact).")
 @click.option("--ref", default="default", show_default=True, help="The reference (unquantized) model.")
+@click.option("--reference-prefix", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Each window's first N positions run through the reference, and the model continues "
+                   "from their K/V (a full-precision stored prefix); only later positions are scored.")
 @_eval_options
-def eval_kld(model, ref, data, max_tokens, window, stride, as_json):
+def eval_kld(model, ref, data, max_tokens, window, stride, as_json, reference_prefix):
     """KL divergence and top-1 agreement against a reference model."""
     from quantkit.eval.kld import kl_divergence
     from quantkit.loading import load_model
 
     model_dir, ref_dir = _resolve_model(model), _resolve_model(ref)
     result = kl_divergence(load_model(model_dir), load_model(ref_dir), _eval_tokens(ref_dir, data, max_tokens),
-                           window, stride, progress=not as_json)
+                           window, stride, progress=not as_json, reference_prefix=reference_prefix)
     payload = {"model": str(model_dir), "reference": str(ref_dir), "data": data, **asdict(result)}
     rows = [[model_dir.name, result.tokens, result.perplexity, result.reference_perplexity, result.mean_kl,
              result.top1_agreement]]

@@ -52,6 +52,46 @@ def test_kl_of_model_with_itself_is_zero(model, tokens):
     assert result.perplexity == result.reference_perplexity
 
 
+PREFIX = 4
+
+
+def test_reference_prefix_of_model_with_itself_is_zero_and_scores_the_later_positions(model, tokens):
+    result = kl_divergence(model, model, tokens, window=64, reference_prefix=PREFIX)
+    plain = kl_divergence(model, model, tokens, window=64)
+    windows_used = len(list(windows(len(tokens), 64)))
+    assert result.tokens == plain.tokens - PREFIX * windows_used
+    # the cached continuation equals the whole-window forward up to float32 summation order
+    assert result.mean_kl < 1e-9 and result.top1_agreement == 1.0
+    with pytest.raises(ValueError, match="reference_prefix"):
+        kl_divergence(model, model, tokens, window=64, reference_prefix=63)
+
+
+@pytest.mark.parametrize("rows_per_chunk", [7, 4096])
+def test_reference_prefix_changes_only_what_the_prefix_keys_and_values_change(model, tokens, rows_per_chunk,
+                                                                             monkeypatch):
+    """The last layer's MLP feeds no layer's K/V, so with it perturbed the reference's prefix cache is
+    the model's own, and the result is the plain KL of the later positions. A first-layer k_proj
+    perturbation reaches the prefix's keys, so there the stored prefix changes the result."""
+    monkeypatch.setattr("quantkit.eval.ppl.ROWS_PER_CHUNK", rows_per_chunk)
+    late = copy.deepcopy(model)
+    with torch.no_grad():
+        late.model.layers[-1].mlp.down_proj.weight.mul_(1.5)
+        logp = torch.log_softmax(model(tokens[None]).logits[0, :-1].double(), -1)
+        logq = torch.log_softmax(late(tokens[None]).logits[0, :-1].double(), -1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)[PREFIX:]  # logits at p predict p + 1 >= PREFIX + 1
+    result = kl_divergence(late, model, tokens, window=len(tokens), reference_prefix=PREFIX)
+    assert result.tokens == len(kl)
+    assert result.mean_kl == pytest.approx(kl.mean().item(), rel=1e-4)
+
+    early = copy.deepcopy(model)
+    with torch.no_grad():
+        early.model.layers[0].self_attn.k_proj.weight.mul_(3.0)
+    stored = kl_divergence(early, model, tokens, window=len(tokens), reference_prefix=PREFIX)
+    own = kl_divergence(early, model, tokens, window=len(tokens), reference_prefix=0)
+    assert stored.tokens == own.tokens - PREFIX
+    assert 0 < stored.mean_kl != own.mean_kl
+
+
 @pytest.mark.parametrize("rows_per_chunk", [7, 4096])  # several chunks per window, and one
 def test_kl_against_perturbed_copy_equals_direct_computation(model, tokens, rows_per_chunk, monkeypatch):
     monkeypatch.setattr("quantkit.eval.ppl.ROWS_PER_CHUNK", rows_per_chunk)
