@@ -37,8 +37,8 @@ def _log_probs_after_prefix(model, reference, tokens: torch.Tensor, w: Window, p
     """``window_log_probs`` of ``model`` continuing from the reference's K/V of the window's first
     ``prefix`` positions."""
     cache = DynamicCache(config=reference.config)
-    reference(tokens[None, w.begin:w.begin + prefix], past_key_values=cache, use_cache=True)
-    logits = model(tokens[None, w.begin + prefix:w.end], past_key_values=cache, use_cache=True).logits[0]
+    reference(tokens[None, w.begin:w.begin + prefix], cache=cache, use_cache=True)
+    logits = model(tokens[None, w.begin + prefix:w.end], cache=cache, use_cache=True).logits[0]
     yield from chunked_log_probs(logits, w.begin + prefix, tokens, w)
 
 

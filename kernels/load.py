@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from quantkit.checkpoint import CheckpointReader
-from quantkit.loading import artifact_format
+from quantkit.reader import artifact_format
 from quantkit.models import MiniCPMConfig, MiniCPMForCausalLM
 
 

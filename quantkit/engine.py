@@ -26,13 +26,13 @@ from quantkit.algorithms import ALGORITHMS
 from quantkit.artifact import ArtifactWriter, staging_dir
 from quantkit.checkpoint import CheckpointReader
 from quantkit.algorithms.smooth import smooth_layer
-from quantkit.formats import FORMATS, Format, gptq
-from quantkit.formats import gguf as gguf_format
+from quantkit.formats import FORMATS, Format
 from quantkit.models import MiniCPMConfig, MiniCPMDecoderLayer, MiniCPMRotaryEmbedding
 from quantkit.models.minicpm import weight_shapes
 from quantkit.models.layers import (ATTENTION_PROJECTIONS, EMBEDDING, FINAL_NORM, LINEARS, LM_HEAD, SEQUENTIAL_GROUPS,
                                     layer_prefix, scaling_groups_for)
-from quantkit.quant import QuantConfig, QuantizedTensor
+from quantkit.quant import QuantConfig
+from quantkit.reader import dequantize_layer
 from quantkit.recipe import Recipe
 from quantkit.stats import InputStats, fast_relative_error
 
@@ -347,35 +347,9 @@ def _is_linear_weight(name: str, index: int) -> bool:
     return name in {f"{layer_prefix(index)}{linear}.weight" for linear in LINEARS}
 
 
-def linear_shapes(config: MiniCPMConfig) -> dict[str, tuple[int, int]]:
-    """(out_features, in_features) of each linear of a decoder layer."""
-    shapes = weight_shapes(config)
-    return {linear: shapes[f"{layer_prefix(0)}{linear}.weight"] for linear in LINEARS}
-
-
 def _replayed(writer: ArtifactWriter, index: int, config: MiniCPMConfig, qconfig: QuantConfig, fmt: Format) -> dict:
     """A finished layer as the run used it: its shard's tensors with the linears dequantized."""
     from safetensors.torch import load_file
 
     shard = load_file(str(writer.shard_path(index)))
     return dequantize_layer(shard, index, config, qconfig, fmt)
-
-
-def layer_records(tensors: dict, index: int, config: MiniCPMConfig, qconfig: QuantConfig,
-                  fmt: Format) -> tuple[dict, dict[str, QuantizedTensor]]:
-    """Layer ``index``'s unquantized tensors, and its linears' records keyed by weight name."""
-    prefix = layer_prefix(index)
-    records = fmt.read_layer(tensors, prefix, qconfig, linear_shapes(config))
-    plain = {n: t for n, t in tensors.items() if n.startswith(prefix) and not _is_packed(n)}
-    return plain, {f"{prefix}{name}.weight": qt for name, qt in records.items()}
-
-
-def dequantize_layer(tensors: dict, index: int, config: MiniCPMConfig, qconfig: QuantConfig, fmt: Format) -> dict:
-    """Layer ``index``'s tensors with its quantized linears replaced by dequantized weights."""
-    plain, records = layer_records(tensors, index, config, qconfig, fmt)
-    return plain | {key: qt.dequantize(torch.float32) for key, qt in records.items()}
-
-
-def _is_packed(name: str) -> bool:
-    suffix = name.rsplit(".", 1)[-1]  # Marlin/CPM.cu store a subset of GPTQ's tensor names
-    return suffix in gptq.TENSOR_NAMES or suffix.startswith(gguf_format.SUFFIX)

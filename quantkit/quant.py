@@ -26,12 +26,18 @@ _MIN_FP16_SCALE = 2.0**-24
 class QuantConfig:
     """A uniform grid per group of input channels. ``ternary`` is BitCPM4's grid {-s, 0, +s} with
     s = mean|w| of the group (BitCPM-CANN §3.2), stored as GPTQ's asymmetric 2-bit codes t + 1 with
-    zero point 1, so every writer, reader and solver of the uniform grid handles it unchanged."""
+    zero point 1, so every writer, reader and solver of the uniform grid handles it unchanged.
+
+    ``min_zero`` is the smallest zero point the target format can store. GPTQ's v1 checkpoints store
+    zero − 1 in ``bits`` bits, so a zero of 0 has no encoding there that every consumer decodes
+    alike (docs/formats.md, "GPTQ zero points"); their asymmetric grid is therefore [1, maxq]. The
+    solvers choose parameters on this grid, so nothing is re-rounded when the record is written."""
 
     bits: int
     group_size: int
     sym: bool
     ternary: bool = False
+    min_zero: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS:
@@ -45,6 +51,8 @@ class QuantConfig:
         if self.ternary and (self.bits != 2 or self.sym):
             raise ValueError("a ternary grid stores codes t + 1 in 0..2 with zero point 1 (GPTQ's asymmetric "
                              f"2-bit layout): it needs bits=2 and sym=False, got bits={self.bits}, sym={self.sym}")
+        if isinstance(self.min_zero, bool) or self.min_zero not in (0, 1):
+            raise ValueError(f"min_zero must be 0 or 1, got {self.min_zero!r}")
 
     @property
     def maxq(self) -> int:
@@ -90,8 +98,10 @@ def find_group_params(weights: Tensor, config: QuantConfig) -> GroupParams:
 
     The range always includes 0. Sym: ``zero = 2^(bits-1)``, ``scale = 2·max|w| / maxq``, except that a
     row with no negative value keeps ``xmin = 0`` (``scale = max / maxq``), as the reference does.
-    Asym: ``scale = (xmax - xmin) / maxq``, ``zero = round(-xmin / scale)``. An all-zero row gets the
-    range [-1, 1]. The scale is rounded to float16 *before* the zero point and the codes are derived,
+    Asym: ``scale = (xmax - xmin) / maxq``, ``zero = round(-xmin / scale)``. Where that zero falls
+    below ``config.min_zero`` (a row with no value under −scale/2), the zero is raised to it and the
+    scale widened to ``max(xmax / (maxq - min_zero), -xmin / min_zero)``, the least that still
+    covers the row's range. An all-zero row gets the range [-1, 1]. The scale is rounded to float16 *before* the zero point and the codes are derived,
     so the stored checkpoint dequantizes to exactly the weights the algorithm saw.
     """
     if weights.dim() != 2 or weights.shape[1] == 0:
@@ -109,7 +119,13 @@ def find_group_params(weights: Tensor, config: QuantConfig) -> GroupParams:
     xmin = torch.where(empty, -1.0, xmin)
     xmax = torch.where(empty, 1.0, xmax)
 
-    scale16 = ((xmax - xmin) / config.maxq).clamp(min=_MIN_FP16_SCALE).to(torch.float16)
+    scale = (xmax - xmin) / config.maxq
+    if not config.sym and config.min_zero:
+        floor = config.min_zero
+        below = torch.round(-xmin / scale) < floor
+        widened = torch.maximum(xmax / (config.maxq - floor), -xmin / floor)
+        scale = torch.where(below, widened, scale)
+    scale16 = scale.clamp(min=_MIN_FP16_SCALE).to(torch.float16)
     if not torch.isfinite(scale16).all():
         raise ValueError(
             f"weight range up to {float(xmax.max()):.4g} / down to {float(xmin.min()):.4g} "
@@ -119,7 +135,7 @@ def find_group_params(weights: Tensor, config: QuantConfig) -> GroupParams:
     if config.sym:
         zero = torch.full_like(scale, float((config.maxq + 1) // 2))
     else:
-        zero = torch.round(-xmin / scale).clamp(0, config.maxq)
+        zero = torch.round(-xmin / scale).clamp(config.min_zero, config.maxq)
     return GroupParams(scale, zero)
 
 
@@ -256,12 +272,14 @@ class QuantizedTensor:
             raise ValueError(f"codes exceed maxq={maxq} for {self.config.bits}-bit: max {int(self.codes.max())}")
         if int(self.zeros.max()) > maxq:
             raise ValueError(f"zeros exceed maxq={maxq} for {self.config.bits}-bit: max {int(self.zeros.max())}")
+        if int(self.zeros.min()) < self.config.min_zero:
+            raise ValueError(f"zeros below min_zero={self.config.min_zero}: min {int(self.zeros.min())}")
         if int(self.g_idx.min()) < 0 or int(self.g_idx.max()) >= groups:
             raise ValueError(
                 f"g_idx values must lie in [0, {groups}), got [{int(self.g_idx.min())}, {int(self.g_idx.max())}]"
             )
-        if not (torch.isfinite(self.scales).all() and (self.scales > 0).all()):
-            raise ValueError("scales must be finite and positive")
+        if not (torch.isfinite(self.scales).all() and (self.scales >= 0).all()):
+            raise ValueError("scales must be finite and not negative")
 
     @property
     def shape(self) -> tuple[int, int]:

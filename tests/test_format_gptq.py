@@ -12,6 +12,7 @@ from quantkit.formats.gptq import (
     parse_quantization_config,
     quantization_config,
     read_gptq_tensors,
+    storable_grid,
     unpack_cols,
     unpack_rows,
 )
@@ -91,7 +92,7 @@ def test_hand_computed_words():
 
 
 def test_fields_are_masked():
-    # Asym zero 0 is stored as -1: it must become one all-ones field without touching its neighbours.
+    # A value of -1 (what a v1 zero of 0 would be) becomes one all-ones field, leaving its neighbours.
     z = torch.tensor([[-1, 0, 5, 0, 0, 0, 0, 0]])
     assert _words(pack_cols(z, 4)).tolist() == [[0x0000050F]]
     z3 = torch.zeros(1, 32, dtype=torch.int64)
@@ -124,12 +125,16 @@ def test_sym_v1_qzeros_word():
 def test_rtn_round_trip_and_reference_dequant(bits, group_size, sym):
     gen = torch.Generator().manual_seed(bits * 1000 + group_size)
     w = torch.randn(64, 576, generator=gen)  # K = 576: a ragged last group at g128
-    w[0] = w[0].abs()   # all positive: asym zero 0, stored as -1
+    w[0] = w[0].abs()   # all positive: asym zero 0 on the full grid, 1 on v1's
     w[1] = -w[1].abs()  # all negative: asym zero maxq
-    config = QuantConfig(bits, group_size, sym)
+    config = storable_grid(QuantConfig(bits, group_size, sym), "gptq")
     qt = rtn_quantize(w, config)
     if not sym:
-        assert (qt.zeros[:, 0] == 0).all() and (qt.zeros[:, 1] == config.maxq).all()
+        assert (qt.zeros[:, 0] == 1).all() and (qt.zeros[:, 1] == config.maxq).all()
+        assert (qt.zeros >= 1).all()
+        # the widened grid still covers row 0: no weight is clipped, each is within half a step
+        step = qt.scales[qt.g_idx.long(), 0].float()
+        assert ((qt.dequantize()[0] - w[0]).abs() <= step / 2 + 1e-6).all()
     tensors = gptq_tensors(qt, PREFIX)
     groups = config.num_groups(576)
     expected = {
@@ -151,7 +156,7 @@ def test_rtn_round_trip_and_reference_dequant(bits, group_size, sym):
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_random_record_with_act_order_g_idx_round_trips(bits):
-    config = QuantConfig(bits, 32, False)
+    config = QuantConfig(bits, 32, False, min_zero=1)
     g_idx = default_g_idx(96, 32)[torch.randperm(96, generator=torch.Generator().manual_seed(bits))]
     qt = random_record(config, n=32, k=96, seed=bits, g_idx=g_idx)
     tensors = gptq_tensors(qt, "")
@@ -218,7 +223,37 @@ def test_quantization_config_contents_and_parse():
     assert parse_quantization_config(d) == (QuantConfig(4, 128, True), False)
     rtn = quantization_config(QuantConfig(3, -1, False), desc_act=True)
     assert "damp_percent" not in rtn and rtn["meta"]["quantizer"] == ["quantkit:0.1.0"]
-    assert parse_quantization_config(rtn) == (QuantConfig(3, -1, False), True)
+    assert parse_quantization_config(rtn) == (QuantConfig(3, -1, False, min_zero=1), True)
+    v2 = quantization_config(QuantConfig(4, 32, False), checkpoint_format="gptq_v2")
+    assert v2["checkpoint_format"] == "gptq_v2"
+    assert parse_quantization_config(v2) == (QuantConfig(4, 32, False), False)
+
+
+def test_v1_refuses_a_zero_point_of_zero():
+    record = random_record(QuantConfig(4, 32, False), n=16, k=64, seed=3)
+    record.zeros[1, 5] = 0
+    with pytest.raises(ValueError, match=f"{PREFIX}: a zero point of 0 cannot be stored in checkpoint_format 'gptq'"):
+        gptq_tensors(record, PREFIX)
+    back = read_gptq_tensors(gptq_tensors(record, PREFIX, "gptq_v2"), PREFIX, record.config, "gptq_v2")
+    _assert_same_record(record, back)  # v2 stores the full grid [0, maxq]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_v1_reader_refuses_an_all_ones_zero_field_as_ambiguous(bits):
+    config = QuantConfig(bits, 32, False, min_zero=1)
+    tensors = gptq_tensors(random_record(config, n=32, k=64, seed=bits), PREFIX)
+    assert (unpack_cols(tensors[f"{PREFIX}.qzeros"], bits) < 2**bits - 1).all()  # v1 never writes one
+    zeros = unpack_cols(tensors[f"{PREFIX}.qzeros"], bits).to(torch.int64)
+    zeros[1, 7] = 2**bits - 1  # what a zero of 0 looks like in a v1 file another tool wrote
+    tensors[f"{PREFIX}.qzeros"] = pack_cols(zeros, bits)
+    with pytest.raises(ValueError, match=r"qzeros'.*1 group\(s\) store a zero field of all ones.*ambiguous"):
+        read_gptq_tensors(tensors, PREFIX, config)
+
+
+def test_storable_grid():
+    assert storable_grid(QuantConfig(4, 128, False), "gptq") == QuantConfig(4, 128, False, min_zero=1)
+    assert storable_grid(QuantConfig(4, 128, False), "gptq_v2") == QuantConfig(4, 128, False)
+    assert storable_grid(QuantConfig(4, 128, True), "gptq") == QuantConfig(4, 128, True)
 
 
 def test_parse_accepts_old_autogptq_file():
@@ -229,7 +264,6 @@ def test_parse_accepts_old_autogptq_file():
 
 @pytest.mark.parametrize("change, message", [
     ({"quant_method": "awq"}, "quant_method 'awq'"),
-    ({"checkpoint_format": "gptq_v2"}, "checkpoint_format 'gptq_v2'"),
     ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
     ({"is_marlin_format": True}, "Marlin"),
     ({"pack_dtype": "int16"}, "pack_dtype 'int16'"),

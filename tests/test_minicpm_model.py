@@ -256,9 +256,9 @@ def test_kv_cache_decoding_matches_full_forward(tiny_checkpoint):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
-        steps = [model(ids[:, :24], past_key_values=cache, use_cache=True).logits]
+        steps = [model(ids[:, :24], cache=cache, use_cache=True).logits]
         for t in range(24, 40):
-            steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+            steps.append(model(ids[:, t : t + 1], cache=cache, use_cache=True).logits)
     assert cache.get_seq_length() == 40
     assert (torch.cat(steps, dim=1) - full).abs().max() <= 1e-5
 

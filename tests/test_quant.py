@@ -124,7 +124,8 @@ def test_dequantize_formula_with_permuted_g_idx():
     ("codes", torch.full((8, 96), 16, dtype=torch.uint8), "codes exceed maxq=15"),
     ("scales", torch.ones(3, 8, dtype=torch.float32), "scales must be torch.float16"),
     ("scales", torch.ones(2, 8, dtype=torch.float16), r"scales must have shape \(3, 8\)"),
-    ("scales", torch.zeros(3, 8, dtype=torch.float16), "finite and positive"),
+    ("scales", torch.full((3, 8), -1.0, dtype=torch.float16), "finite and not negative"),
+    ("scales", torch.full((3, 8), float("inf"), dtype=torch.float16), "finite and not negative"),
     ("zeros", torch.full((3, 8), 200, dtype=torch.uint8), "zeros exceed"),
     ("g_idx", torch.zeros(95, dtype=torch.int32), r"g_idx must have shape \(96,\)"),
     ("g_idx", torch.full((96,), 3, dtype=torch.int32), r"g_idx values must lie in \[0, 3\)"),
@@ -160,3 +161,30 @@ def test_clip_search_picks_the_best_shrunk_range_per_row(sym, bits):
     # Measured |error|^2.4 ratios, searched / plain: 0.64 (3-bit sym), 0.74 (3-bit asym), 0.79 (4-bit
     # sym), 0.90 (4-bit asym).
     assert searched.sum() < 0.95 * plain.sum()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_min_zero_grid_covers_each_row_with_the_least_scale(bits):
+    """GPTQ v1's asymmetric grid keeps zero >= 1: a row with nothing below -scale/2 gets zero 1 and
+    the least scale that still covers it; every other row's grid is unchanged."""
+    gen = torch.Generator().manual_seed(bits)
+    w = torch.randn(64, 32, generator=gen)
+    w[:16] = w[:16].abs()                       # all positive
+    w[16:24] = w[16:24].abs() - 1e-4            # nearly all positive: round(-xmin / scale) == 0
+    full, floored = QuantConfig(bits, 32, False), QuantConfig(bits, 32, False, min_zero=1)
+    a, b = find_group_params(w, full), find_group_params(w, floored)
+    raised = a.zero < 1
+    assert raised[:24].all() and (b.zero >= 1).all() and (b.zero[raised] == 1).all()
+    assert torch.equal(a.zero[~raised], b.zero[~raised]) and torch.equal(a.scale[~raised], b.scale[~raised])
+    # covered: nothing is clipped, so every weight is within half a step of its code (plus what the
+    # float16 rounding of the scale moves the far end of the grid: maxq steps of 2^-11 relative)
+    error = (fake_quantize(w, b, floored.maxq) - w).abs()
+    assert (error <= b.scale.unsqueeze(1) * (0.5 + floored.maxq * 2**-11)).all()
+    # least: the scale needed for xmax with zero 1, as float16
+    expected = (w[raised].amax(1) / (floored.maxq - 1)).half().float()
+    assert torch.equal(b.scale[raised], torch.maximum(expected, (-w[raised].amin(1).clamp(max=0)).half().float()))
+
+
+def test_min_zero_only_zero_or_one():
+    with pytest.raises(ValueError, match="min_zero must be 0 or 1"):
+        QuantConfig(4, 32, False, min_zero=2)

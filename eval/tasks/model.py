@@ -66,7 +66,7 @@ class TaskModel:
         if not prompt_ids:
             raise ValueError("generation needs a non-empty prompt")
         cache = DynamicCache(config=self.model.config)
-        logits = self.model(torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = self.model(torch.tensor([prompt_ids]), cache=cache, use_cache=True, logits_to_keep=1).logits
         generated, text = [], ""
         for _ in range(max_new_tokens):
             token = int(logits[0, -1].argmax())
@@ -77,7 +77,7 @@ class TaskModel:
             cut = min((text.find(s) for s in stop if s in text), default=-1)
             if cut >= 0:
                 return text[:cut]
-            logits = self.model(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits
+            logits = self.model(torch.tensor([[token]]), cache=cache, use_cache=True).logits
         return text
 
     @torch.inference_mode()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.kernels.infllm.config import SparseAttentionConfig
+from quantkit.models.sparse_attention import SparseAttentionConfig
 from quantkit.kernels.infllm.reference import compress_keys, num_windows
 
 

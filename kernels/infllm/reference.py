@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from quantkit.kernels.infllm.config import SparseAttentionConfig
+from quantkit.models.sparse_attention import SparseAttentionConfig
 
 
 def check_inputs(q, k, v, config: SparseAttentionConfig, q_nope=None, k_nope=None) -> None:

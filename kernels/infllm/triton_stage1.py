@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quantkit.kernels.infllm.config import SparseAttentionConfig
+from quantkit.models.sparse_attention import SparseAttentionConfig
 from quantkit.kernels.infllm.triton_attention import MIN_DOT, group_queries
 
 KEYS_PER_STEP = 64

@@ -17,15 +17,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from quantkit.checkpoint import CheckpointReader
-from quantkit.engine import layer_records, linear_shapes
 from quantkit.formats.gptq import tensor_key
 from quantkit.kernels.linear.int4 import Int4Linear
 from quantkit.kernels.linear.ternary import TernaryLinear
-from quantkit.loading import artifact_format
-from quantkit.models import MiniCPMConfig
-from quantkit.models.layers import layer_prefix
 from quantkit.quant import QuantizedTensor
+from quantkit.reader import ArtifactReader, layer_records
 
 BACKENDS = ("reference", "cpu", "triton")
 # Dequantized bf16 weights kept for prefill up to this many bytes in total; beyond it (an 8B model)
@@ -92,26 +88,21 @@ STORED_LAYOUTS = {("triton", "marlin"): _triton_marlin, ("triton", "awq"): _trit
 def load_linears(model_dir: str | Path, backend: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> dict[str, nn.Module]:
     """Every quantized linear of an artifact as a module, keyed by its name (``model.layers.3.mlp.up_proj``);
     {} for an unquantized checkpoint. CPM.cu's fused tensors come back as their q/k/v and gate/up parts."""
-    model_dir = Path(model_dir)
-    config = MiniCPMConfig.from_pretrained(model_dir)
-    fmt = artifact_format(model_dir, config)
-    if fmt is None:
+    artifact = ArtifactReader(model_dir)
+    if artifact.format is None:
         return {}
-    qconfig = fmt.parse_config(config.quantization_config)
-    reader = CheckpointReader(model_dir)
-    weights = config.num_hidden_layers * sum(n * k for n, k in linear_shapes(config).values())
+    weights = artifact.num_layers * sum(n * k for n, k in artifact.shapes.values())
     keep = weights * 2 <= KEEP_DEQUANTIZED_BYTES
-    stored = STORED_LAYOUTS.get((backend, fmt.name))
+    stored = STORED_LAYOUTS.get((backend, artifact.format.name))
     modules: dict[str, nn.Module] = {}
-    for index in range(config.num_hidden_layers):
-        prefix = layer_prefix(index)
-        tensors = {name: reader.get(name) for name in reader.names if name.startswith(prefix)}
-        plain, records = layer_records(tensors, index, config, qconfig, fmt)
+    for index in range(artifact.num_layers):
+        tensors = artifact.layer_tensors(index)
+        plain, records = layer_records(tensors, index, artifact.config, artifact.qconfig, artifact.format)
         for key, record in records.items():
             name = key.removesuffix(".weight")
             bias = plain.get(f"{name}.bias")
             if stored is not None:
-                modules[name] = stored(tensors, name, record.shape, qconfig.group_size, bias, keep)
+                modules[name] = stored(tensors, name, record.shape, artifact.qconfig.group_size, bias, keep)
             else:
                 modules[name] = linear_for(record, bias, backend, dtype, keep)
     return modules

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from quantkit.formats import gptq
+from quantkit.formats.base import Format, per_linear
 from quantkit.formats.gptq import tensor_key
 from quantkit.formats.marlin import NIBBLE_INTERLEAVE
 from quantkit.quant import QuantConfig, QuantizedTensor, default_g_idx
@@ -121,3 +122,9 @@ def parse_quantization_config(d: Mapping[str, Any]) -> QuantConfig:
     if d.get("modules_to_not_convert"):
         raise ValueError(f"modules_to_not_convert {d['modules_to_not_convert']!r} is not supported")
     return QuantConfig(bits=bits, group_size=group_size, sym=not d["zero_point"])
+
+
+FORMATS = (Format("awq", "AutoAWQ GEMM checkpoint (vLLM awq/awq_marlin, transformers)", check_awq,
+                  *per_linear(awq_tensors, lambda tensors, module, config, shape:
+                              read_awq_tensors(tensors, module, config, shape[1], shape[0])),
+                  quantization_config, parse_quantization_config, suffixes=TENSOR_NAMES, reads=(("awq", None),)),)

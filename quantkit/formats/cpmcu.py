@@ -12,6 +12,8 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
+from quantkit.formats import marlin
+from quantkit.formats.base import Format
 from quantkit.formats.marlin import marlin_tensors, read_marlin_tensors
 from quantkit.models.layers import FUSIONS, LINEARS
 from quantkit.quant import QuantizedTensor
@@ -96,3 +98,13 @@ def read_cpmcu_layer(tensors: Mapping[str, Tensor], prefix: str, shapes: Mapping
         for name, part_codes, part_scales in zip(parts, codes.split(widths, dim=0), scales.split(widths, dim=1)):
             layer[name] = (part_codes.contiguous(), part_scales.contiguous())
     return layer
+
+
+def _read_layer(tensors: Mapping[str, Tensor], prefix: str, config, shapes: Mapping[str, tuple[int, int]]):
+    parts = read_cpmcu_layer(tensors, prefix, shapes, config.group_size)
+    return {name: marlin.symmetric_record(codes, scales, config) for name, (codes, scales) in parts.items()}
+
+
+FORMATS = (Format("cpmcu", "CPM.cu model_gptq.safetensors: fused qkv/gate_up Marlin tensors", marlin.check_marlin,
+                  cpmcu_layer_tensors, _read_layer, marlin.quantization_config, marlin.parse_config,
+                  suffixes=marlin.SUFFIXES, weights_file="model_gptq.safetensors"),)

@@ -8,11 +8,13 @@ file unchanged; everything else (embeddings, norms) is quantized by the export a
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Mapping
 
 import torch
 from torch import Tensor
 
+from quantkit.formats.base import Format
 from quantkit.gguf.mixes import MIXES, choose_type
 from quantkit.gguf.names import gguf_name
 from quantkit.gguf.record import GGUFTensor
@@ -68,3 +70,15 @@ def quantization_config(file_type: str, config: QuantConfig, *, damp_percent: fl
 
 def parse_config(d: Mapping[str, Any]) -> QuantConfig:
     return QuantConfig(d["bits"], d["group_size"], d["sym"])
+
+
+def _format(file_type: str) -> Format:
+    return Format(
+        f"gguf-{file_type}", f"GGUF {file_type.upper()} blocks per linear, copied unchanged by `export gguf`",
+        check, write_layer, lambda tensors, prefix, config, shapes: read_layer(tensors, prefix, shapes),
+        partial(quantization_config, file_type), parse_config, suffixes=(SUFFIX,),
+        target=lambda config, linear, layer, layers, shape: target(file_type, linear, layer, layers, shape),
+        block_types=True)
+
+
+FORMATS = tuple(_format(file_type) for file_type in FILE_TYPES)

@@ -1,25 +1,34 @@
-"""GPTQ checkpoint tensors (AutoGPTQ / GPTQModel ``checkpoint_format: "gptq"``, the v1 zero offset).
+"""GPTQ checkpoint tensors (AutoGPTQ / GPTQModel), ``checkpoint_format`` "gptq" (v1) or "gptq_v2".
 
 Per linear: ``qweight`` int32 [K·bits/32, N] (codes packed down each column, along the input dim),
-``qzeros`` int32 [G, N·bits/32] (zero − 1, packed along the output dim), ``scales`` fp16 [G, N],
+``qzeros`` int32 [G, N·bits/32] (packed along the output dim), ``scales`` fp16 [G, N],
 ``g_idx`` int32 [K]. Packing is an LSB-first bit stream: value j of a run occupies bits
 [bits·j, bits·j + bits) of the run's words, so 3-bit values straddle words (32 values -> 3 words)
-while 2/4/8-bit values never do. Every field is masked, so an asym zero of 0 (stored as −1 =
-all ones) cannot spill into its neighbours. Reference: formats.md §1.
+while 2/4/8-bit values never do.
+
+v1 stores zero − 1 and v2 the zero itself. In v1 a zero of 0 would be stored as −1, which the
+consumers decode three different ways (masked back to 0 by AutoGPTQ, 2^bits by vLLM's kernels, a
+carry into the neighbouring field by GPTQModel's word-wise v1→v2 conversion), so v1 holds zeros in
+[1, maxq] only: the writer refuses a record with a zero of 0 and the reader refuses a stored field of
+all ones as ambiguous. See docs/formats.md, "GPTQ zero points".
 """
 from __future__ import annotations
 
 import math
+from dataclasses import replace
+from functools import partial
 from importlib.metadata import version
 from typing import Any, Mapping
 
 import torch
 from torch import Tensor
 
+from quantkit.formats.base import Format, per_linear
 from quantkit.quant import SUPPORTED_BITS, QuantConfig, QuantizedTensor
 
 TENSOR_NAMES = ("qweight", "qzeros", "scales", "g_idx")
-V1_ZERO_OFFSET = 1  # checkpoint_format "gptq" stores zero - 1
+# checkpoint_format -> what is subtracted from each zero point before it is packed
+ZERO_OFFSETS = {"gptq": 1, "gptq_v2": 0}
 _WORD_MASK = 0xFFFFFFFF
 
 
@@ -108,16 +117,35 @@ def check_packable(in_features: int, out_features: int, config: QuantConfig, pre
     _require_packable("out_features N", out_features, config.bits, prefix)
 
 
-def gptq_tensors(qt: QuantizedTensor, prefix: str) -> dict[str, Tensor]:
+def check(config: QuantConfig, in_features: int, out_features: int, desc_act: bool, name: str) -> None:
+    check_packable(in_features, out_features, config, name)
+
+
+def storable_grid(config: QuantConfig, checkpoint_format: str) -> QuantConfig:
+    """The grid a linear must be rounded to so that ``checkpoint_format`` stores it unambiguously."""
+    if ZERO_OFFSETS[checkpoint_format] and not config.sym:
+        return replace(config, min_zero=ZERO_OFFSETS[checkpoint_format])
+    return config
+
+
+def gptq_tensors(qt: QuantizedTensor, prefix: str, checkpoint_format: str = "gptq") -> dict[str, Tensor]:
     """``{prefix}.qweight/.qzeros/.scales/.g_idx`` for one linear (``prefix`` = its module name)."""
     n, k = qt.shape
     bits = qt.config.bits
     check_packable(k, n, qt.config, prefix)
+    offset = ZERO_OFFSETS[checkpoint_format]
+    keys = {name: tensor_key(prefix, name) for name in TENSOR_NAMES}
+    if int(qt.zeros.min()) < offset:
+        raise ValueError(
+            f"{prefix or 'linear'}: a zero point of 0 cannot be stored in checkpoint_format {checkpoint_format!r} "
+            "(it stores zero - 1, which consumers decode differently); quantkit's gptq format quantizes onto "
+            "zero points in [1, maxq], or write format gptq-v2"
+        )
     return {
-        tensor_key(prefix, "qweight"): pack_rows(qt.codes.T, bits),
-        tensor_key(prefix, "qzeros"): pack_cols(qt.zeros.to(torch.int64) - V1_ZERO_OFFSET, bits),
-        tensor_key(prefix, "scales"): qt.scales.contiguous(),
-        tensor_key(prefix, "g_idx"): qt.g_idx.contiguous(),
+        keys["qweight"]: pack_rows(qt.codes.T, bits),
+        keys["qzeros"]: pack_cols(qt.zeros.to(torch.int64) - offset, bits),
+        keys["scales"]: qt.scales.contiguous(),
+        keys["g_idx"]: qt.g_idx.contiguous(),
     }
 
 
@@ -146,7 +174,8 @@ def _expect_shape(tensor: Tensor, key: str, shape: tuple[int, ...]) -> None:
         raise ValueError(f"GPTQ tensor {key!r} must have shape {shape}, got {tuple(tensor.shape)}")
 
 
-def read_gptq_tensors(tensors: Mapping[str, Tensor], prefix: str, config: QuantConfig) -> QuantizedTensor:
+def read_gptq_tensors(tensors: Mapping[str, Tensor], prefix: str, config: QuantConfig,
+                      checkpoint_format: str = "gptq") -> QuantizedTensor:
     """Exact inverse of ``gptq_tensors``: validates each tensor, then decodes zeros per field."""
     bits = config.bits
     per_run, words_per_run = _run(bits)
@@ -173,7 +202,16 @@ def read_gptq_tensors(tensors: Mapping[str, Tensor], prefix: str, config: QuantC
     _expect_shape(g_idx, keys["g_idx"], (k,))
 
     stored_zeros = unpack_cols(qzeros, bits).to(torch.int64)
-    zeros = ((stored_zeros + V1_ZERO_OFFSET) & config.maxq).to(torch.uint8)
+    offset = ZERO_OFFSETS[checkpoint_format]
+    if offset:
+        ambiguous = int((stored_zeros == 2**bits - 1).sum())
+        if ambiguous:
+            raise ValueError(
+                f"GPTQ tensor {keys['qzeros']!r}: {ambiguous} group(s) store a zero field of all ones, which "
+                f"checkpoint_format {checkpoint_format!r} leaves ambiguous (zero 0 to AutoGPTQ, {2**bits} to vLLM's "
+                "kernels, a carry into the next field in GPTQModel); re-quantize, or write gptq_v2"
+            )
+    zeros = (stored_zeros + offset).to(torch.uint8)
     codes = unpack_rows(qweight, bits).T.contiguous()
     return QuantizedTensor(codes, scales.contiguous(), zeros, g_idx.contiguous(), config)
 
@@ -186,6 +224,7 @@ def quantization_config(
     damp_percent: float | None = None,
     true_sequential: bool = True,
     quantizer: str | None = None,
+    checkpoint_format: str = "gptq",
 ) -> dict[str, Any]:
     """The ``config.json["quantization_config"]`` / ``quantize_config.json`` dict.
 
@@ -199,7 +238,7 @@ def quantization_config(
         "sym": config.sym,
         "lm_head": False,
         "quant_method": "gptq",
-        "checkpoint_format": "gptq",
+        "checkpoint_format": checkpoint_format,
         "pack_dtype": "int32",
         "static_groups": bool(static_groups),
         "true_sequential": bool(true_sequential),
@@ -210,21 +249,27 @@ def quantization_config(
     return result
 
 
-def parse_quantization_config(d: Mapping[str, Any]) -> tuple[QuantConfig, bool]:
-    """(QuantConfig, desc_act) from a GPTQ v1 quantization config; anything else is refused.
+def checkpoint_format_of(d: Mapping[str, Any]) -> str:
+    """``checkpoint_format`` of a GPTQ quantization config; missing means v1 (old AutoGPTQ files omit it)."""
+    checkpoint_format = d.get("checkpoint_format", "gptq")
+    if checkpoint_format not in ZERO_OFFSETS:
+        raise ValueError(
+            f"checkpoint_format {checkpoint_format!r} is not supported; only {', '.join(map(repr, ZERO_OFFSETS))} are"
+        )
+    return checkpoint_format
 
-    A missing ``quant_method``/``checkpoint_format`` means GPTQ v1 (old AutoGPTQ files omit them).
+
+def parse_quantization_config(d: Mapping[str, Any]) -> tuple[QuantConfig, bool]:
+    """(QuantConfig on the format's storable grid, desc_act) from a GPTQ quantization config.
+
+    A missing ``quant_method`` means GPTQ (old AutoGPTQ files omit it).
     """
     method = d.get("quant_method", "gptq")
     if method != "gptq":
         raise ValueError(f"quant_method {method!r} is not supported here; only 'gptq' is")
     if d.get("is_marlin_format"):
         raise ValueError("is_marlin_format: true marks a Marlin checkpoint, not GPTQ v1")
-    checkpoint_format = d.get("checkpoint_format", "gptq")
-    if checkpoint_format != "gptq":
-        raise ValueError(
-            f"checkpoint_format {checkpoint_format!r} is not supported; only 'gptq' (v1 zero offset) is"
-        )
+    checkpoint_format = checkpoint_format_of(d)
     if d.get("pack_dtype", "int32") != "int32":
         raise ValueError(f"pack_dtype {d['pack_dtype']!r} is not supported; only 'int32' is")
     if d.get("lm_head", False):
@@ -236,4 +281,24 @@ def parse_quantization_config(d: Mapping[str, Any]) -> tuple[QuantConfig, bool]:
         raise ValueError(f"GPTQ quantization config lacks required key(s): {', '.join(missing)}")
     if not isinstance(d["desc_act"], bool):
         raise ValueError(f"desc_act must be a bool, got {d['desc_act']!r}")
-    return QuantConfig(bits=d["bits"], group_size=d["group_size"], sym=d["sym"]), d["desc_act"]
+    config = QuantConfig(bits=d["bits"], group_size=d["group_size"], sym=d["sym"])
+    return storable_grid(config, checkpoint_format), d["desc_act"]
+
+
+def _format(name: str, checkpoint_format: str, summary: str, reads: tuple) -> Format:
+    write_layer, read_layer = per_linear(
+        lambda record, module: gptq_tensors(record, module, checkpoint_format),
+        lambda tensors, module, config, shape: read_gptq_tensors(tensors, module, config, checkpoint_format))
+    return Format(name, summary, check, write_layer, read_layer,
+                  partial(quantization_config, checkpoint_format=checkpoint_format),
+                  lambda d: parse_quantization_config(d)[0], suffixes=TENSOR_NAMES, reads=reads,
+                  target=lambda config, linear, layer, layers, shape: storable_grid(config, checkpoint_format))
+
+
+FORMATS = (
+    _format("gptq", "gptq", "AutoGPTQ/GPTQModel checkpoint_format 'gptq' (vLLM, transformers, GPTQModel); "
+            "asymmetric zero points kept in [1, maxq], which v1 stores unambiguously",
+            reads=(("gptq", "gptq"), ("gptq", None))),
+    _format("gptq-v2", "gptq_v2", "GPTQModel checkpoint_format 'gptq_v2' (zero points stored as they are; "
+            "GPTQModel, vLLM's gptq path): the full asymmetric grid", reads=(("gptq", "gptq_v2"),)),
+)

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from quantkit.formats import gptq
+from quantkit.formats.base import Format, per_linear
 from quantkit.formats.gptq import tensor_key
 from quantkit.quant import QuantConfig, QuantizedTensor, default_g_idx
 
@@ -162,6 +163,19 @@ def read_marlin_tensors(tensors: Mapping[str, Tensor], prefix: str, in_features:
     return unpack_codes(qweight, in_features, out_features), unpermute_scales(scales)
 
 
+def symmetric_record(codes: Tensor, scales: Tensor, config: QuantConfig) -> QuantizedTensor:
+    """Marlin stores neither zero points (always 8) nor g_idx (natural order): restore them."""
+    zeros = torch.full_like(scales, ZERO_POINT, dtype=torch.uint8)
+    return QuantizedTensor(codes, scales, zeros, default_g_idx(codes.shape[1], config.group_size), config)
+
+
+def read_record(tensors: Mapping[str, Tensor], prefix: str, config: QuantConfig,
+                shape: tuple[int, int]) -> QuantizedTensor:
+    """The record behind ``{prefix}.qweight/.scales`` of a linear of ``shape`` (N, K)."""
+    n, k = shape
+    return symmetric_record(*read_marlin_tensors(tensors, prefix, k, n, config.group_size), config)
+
+
 def quantization_config(config: QuantConfig, *, desc_act: bool = False, static_groups: bool = True,
                         damp_percent: float | None = None, true_sequential: bool = True,
                         quantizer: str | None = None) -> dict[str, Any]:
@@ -176,3 +190,14 @@ def quantization_config(config: QuantConfig, *, desc_act: bool = False, static_g
     _enforce(_CONFIG_RULES, _Facts(config.bits, config.sym, config.group_size, desc_act, 0, 0), "quantization_config")
     return gptq.quantization_config(config, desc_act=False, static_groups=True, damp_percent=damp_percent,
                                     true_sequential=true_sequential, quantizer=quantizer)
+
+
+def parse_config(d: Mapping[str, Any]) -> QuantConfig:
+    """A Marlin artifact keeps its GPTQ source's quantization config."""
+    return gptq.parse_quantization_config(d)[0]
+
+
+SUFFIXES = ("qweight", "scales")
+FORMATS = (Format("marlin", "Marlin W4A16 tile layout (vLLM gptq_marlin after repack, IST-DASLab kernels)",
+                  check_marlin, *per_linear(marlin_tensors, read_record), quantization_config, parse_config,
+                  suffixes=SUFFIXES),)

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from quantkit.formats import gptq
+from quantkit.formats.base import Format, per_linear
 from quantkit.formats.gptq import tensor_key
 from quantkit.quant import QuantConfig, QuantizedTensor, default_g_idx
 
@@ -106,3 +107,10 @@ def parse_quantization_config(d: Mapping[str, Any]) -> QuantConfig:
     if d.get("layout") != "sign_planes_int32":
         raise ValueError(f"ternary layout {d.get('layout')!r} is not supported; only 'sign_planes_int32' is")
     return QuantConfig(bits=2, group_size=d["group_size"], sym=False, ternary=True)
+
+
+FORMATS = (Format("ternary", "BitCPM4 ternary weights as +1/-1 bit planes with per-group scales (quantkit runtime)",
+                  check_ternary, *per_linear(ternary_tensors, lambda tensors, module, config, shape:
+                                             read_ternary_tensors(tensors, module, config, shape[1], shape[0])),
+                  quantization_config, parse_quantization_config, suffixes=("qweight", "scales"),
+                  reads=((QUANT_METHOD, None),)),)

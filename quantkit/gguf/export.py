@@ -21,7 +21,6 @@ import torch
 from tqdm.auto import tqdm
 
 from quantkit.atomic import atomic_path
-from quantkit.checkpoint import CheckpointReader
 from quantkit.gguf.mixes import FILE_TYPES, choose_type
 from quantkit.gguf.exact import exact_blocks
 from quantkit.gguf.names import gguf_name, permute_rows, unpermute_rows
@@ -31,6 +30,7 @@ from quantkit.models import MiniCPMConfig, MiniCPMRotaryEmbedding
 from quantkit.models.layers import K, Q, layer_prefix
 from quantkit.models.minicpm import weight_shapes
 from quantkit.quant import QuantizedTensor
+from quantkit.reader import ArtifactReader
 
 ARCH = "minicpm"
 QUANTIZE_CHUNK_ELEMENTS = 1 << 22  # weights per quantizer call: 16 MB of float32 and its temporaries
@@ -63,13 +63,11 @@ class _Planned:
 class _LayerTensors:
     """The checkpoint's tensors one layer at a time: floats, and the quantized linears' records."""
 
-    def __init__(self, model_dir: Path, config: MiniCPMConfig):
-        from quantkit.loading import artifact_format
-
-        self.reader = CheckpointReader(model_dir)
-        self.config = config
-        self.format = artifact_format(model_dir, config)
-        self.qconfig = self.format.parse_config(config.quantization_config) if self.format else None
+    def __init__(self, model_dir: Path):
+        self.artifact = ArtifactReader(model_dir)
+        self.reader = self.artifact.tensors
+        self.config = self.artifact.config
+        self.format = self.artifact.format
         self._index: int | None = None
         self._plain: dict[str, torch.Tensor] = {}
         self._records: dict[str, QuantizedTensor] = {}
@@ -78,13 +76,7 @@ class _LayerTensors:
         index = int(key.split(".")[2])
         if self._index == index:
             return
-        prefix = layer_prefix(index)
-        tensors = {n: self.reader.get(n) for n in self.reader.names if n.startswith(prefix)}
-        self._plain, self._records = tensors, {}
-        if self.format is not None:
-            from quantkit.engine import layer_records
-
-            self._plain, self._records = layer_records(tensors, index, self.config, self.qconfig, self.format)
+        self._plain, self._records = self.artifact.layer(index)
         self._index = index
 
     def record(self, key: str) -> QuantizedTensor | None:
@@ -227,7 +219,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, file_type: str, *, token
     config = MiniCPMConfig.from_pretrained(model_dir)
     _check_exportable(config)
     planned = _plan(config, file_type)
-    source = _LayerTensors(model_dir, config)
+    source = _LayerTensors(model_dir)
     report = ExportReport(str(out), file_type)
     with atomic_path(out) as tmp:
         writer = gguf.GGUFWriter(tmp, ARCH)
@@ -258,7 +250,7 @@ def exported_weights(model_dir: str | Path, file_type: str) -> dict[str, torch.T
     reference for what llama.cpp should compute from the file."""
     model_dir = Path(model_dir)
     config = MiniCPMConfig.from_pretrained(model_dir)
-    source = _LayerTensors(model_dir, config)
+    source = _LayerTensors(model_dir)
     state = {}
     for item in _plan(config, file_type):
         if item.name.startswith("rope_factors_"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from quantkit.kernels.infllm.config import SparseAttentionConfig
+from quantkit.models.sparse_attention import SparseAttentionConfig
 
 LONGROPE_KEYS = frozenset({"short_factor", "long_factor", "original_max_position_embeddings"})
 
@@ -19,7 +19,7 @@ class MiniCPMConfig(PretrainedConfig):
     key, like MiniCPM4-0.5B's missing ``tie_word_embeddings``, means what it means officially)."""
 
     model_type = "minicpm"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache"]
 
     vocab_size: int = 32000
     hidden_size: int = 4096

@@ -1,0 +1,53 @@
+"""The one interface every checkpoint format implements (``Format``), and the per-linear shape most
+formats have (``per_linear``). A format module ends with ``FORMATS = (Format(...), ...)``; the
+registry in ``quantkit.formats`` is built from the list of modules."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from torch import Tensor
+
+from quantkit.quant import QuantConfig, QuantizedTensor
+
+Shapes = Mapping[str, tuple[int, int]]  # linear name -> (out_features, in_features)
+
+
+def _recipe_grid(config: QuantConfig, linear: str, layer: int, layers: int, shape: tuple[int, int]) -> QuantConfig:
+    return config
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    summary: str
+    check: Callable[[QuantConfig, int, int, bool, str], None]  # (config, K, N, desc_act, linear name); raises
+    write_layer: Callable[[Mapping[str, QuantizedTensor], str], dict[str, Tensor]]  # (records, "model.layers.i.")
+    read_layer: Callable[[Mapping[str, Tensor], str, QuantConfig, Shapes], dict[str, QuantizedTensor]]
+    quantization_config: Callable[..., dict[str, Any]]  # (config, desc_act=, static_groups=, damp_percent=, ...)
+    parse_config: Callable[[Mapping[str, Any]], QuantConfig]  # inverse of quantization_config
+    suffixes: tuple[str, ...]  # names a quantized linear's tensors end with ("qweight", ...), or their prefix
+    # (quant_method, checkpoint_format or None) of checkpoints other tools write that this format reads
+    reads: tuple[tuple[str, str | None], ...] = ()
+    weights_file: str | None = None  # a single weights file the consumer insists on (else sharded + index)
+    # (recipe grid, linear name, layer, layers, (N, K)) -> what the algorithm rounds that linear to
+    target: Callable[..., Any] = _recipe_grid
+    block_types: bool = False  # linears are solved on GGUF block types, not on the recipe's uniform grid
+
+    def stores(self, tensor_name: str) -> bool:
+        """Whether ``tensor_name`` is part of a quantized linear in this format."""
+        suffix = tensor_name.rsplit(".", 1)[-1]
+        return any(suffix == s or (s.endswith("_") and suffix.startswith(s)) for s in self.suffixes)
+
+
+def per_linear(write: Callable[[QuantizedTensor, str], dict[str, Tensor]],
+               read: Callable[[Mapping[str, Tensor], str, QuantConfig, tuple[int, int]], QuantizedTensor]):
+    """(write_layer, read_layer) of a format that stores each linear on its own, from its per-linear
+    ``write(record, module name)`` and ``read(tensors, module name, config, (N, K))``."""
+    def write_layer(records: Mapping[str, QuantizedTensor], prefix: str) -> dict[str, Tensor]:
+        return {key: t for linear, record in records.items() for key, t in write(record, prefix + linear).items()}
+
+    def read_layer(tensors: Mapping[str, Tensor], prefix: str, config: QuantConfig, shapes: Shapes):
+        return {linear: read(tensors, prefix + linear, config, shape) for linear, shape in shapes.items()}
+
+    return write_layer, read_layer
