@@ -7,15 +7,32 @@ TORCH ?= torch==2.13.0
 OUT ?= out
 PYTEST_ARGS ?=
 BIN := $(VENV)/bin
+# Two stamps: INSTALLED is torch and quantkit with its runtime dependencies (what demo, eval and bench
+# targets need); TEST_INSTALLED adds the test extra (pytest, llama-cpp-python, lm-eval, build), which
+# bench-gguf and bench-runtime need too: they score and time llama.cpp through llama-cpp-python.
 INSTALLED := $(VENV)/.installed
+TEST_INSTALLED := $(VENV)/.installed-test
 
-.PHONY: install demo demo-marlin test test-fast default-model bench-gptq bench-awq bench-gguf bench-scale bench-runtime eval-sparse interop interop-peer clean help \
+# The peers' own venvs (bench-gptq, bench-awq, interop), defined before any rule names them.
+# GPTQModel pulls its own (CUDA) torch, so it gets a venv of its own; quantkit goes in without deps.
+INTEROP_VENV ?= .venv-interop
+INTEROP_BIN := $(INTEROP_VENV)/bin
+INTEROP_INSTALLED := $(INTEROP_VENV)/.installed
+GPTQMODEL ?= gptqmodel==7.7.0
+# llm-compressor accepts torch 2.13, so $(TORCH) goes in first and it adds only its own packages.
+LLMC_VENV ?= .venv-llmc
+LLMC_BIN := $(LLMC_VENV)/bin
+LLMC_INSTALLED := $(LLMC_VENV)/.installed
+LLMCOMPRESSOR ?= llmcompressor==0.14.0.1
+
+.PHONY: install demo demo-marlin test test-fast lint default-model bench-gptq bench-awq bench-gguf bench-scale bench-runtime eval-sparse interop interop-peer clean help \
 	eval-ppl eval-kld eval-report eval-niah eval-tasks eval-accept
 
 help:
 	@echo "make demo       quantize the embedded default model (RTN W4 g128, GPTQ format), print perplexity and KL"
 	@echo "make test       the whole test suite (what CI runs)"
 	@echo "make test-fast  the suite without tests marked slow"
+	@echo "make lint       ruff (pyflakes, pycodestyle, import order; settings in pyproject.toml)"
 	@echo "make eval-tasks  HumanEval / GSM / family-relationships scores of the default model (EVAL_TASKS_ARGS='--limit N')"
 	@echo "make demo-marlin  the marlin recipe end to end on Qwen2.5-Coder-0.5B (Marlin-legal shapes), KL vs RTN and GPTQ"
 	@echo "make bench-gptq  RTN / GPTQ / P-GPTQ / S-P-GPTQ / GPTQModel at W4 and W3 g128 on the default model, one table"
@@ -24,7 +41,7 @@ help:
 	@echo "make bench-runtime  quantkit's runtime (W4) vs transformers fp32/bf16 and llama.cpp Q4_0, decode and prefill; InfLLM v2 vs dense attention"
 	@echo "make eval-sparse  InfLLM v2 on MODEL with a scaled-down SPARSE_CONFIG: perplexity vs dense, needle retrieval"
 	@echo "make bench-scale  the marlin recipe on an 8B-shaped random MiniCPM4.1 checkpoint: time, memory, projection"
-	@echo "make interop    GPTQModel (own venv, ~6 GB) reads a quantkit GPTQ checkpoint: weights bit-exact, logits vs quantkit"
+	@echo "make interop    GPTQModel (own venv, ~6 GB) reads quantkit GPTQ checkpoints, sym and asym: weights bit-exact, logits"
 	@echo "make interop-peer  GPTQModel quantizes the default model on quantkit's calibration rows, then its KL"
 	@echo "make default-model  fetch and convert the default model into the cache"
 	@echo "make eval-ppl   perplexity of MODEL (default: the default model) on held-out text"
@@ -37,10 +54,14 @@ help:
 $(INSTALLED): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install $(TORCH)
+	$(BIN)/python -m pip install -e .
+	touch $@
+
+$(TEST_INSTALLED): $(INSTALLED)
 	$(BIN)/python -m pip install -e ".[test]"
 	touch $@
 
-install: $(INSTALLED)
+install: $(TEST_INSTALLED)
 
 default-model: $(INSTALLED)
 	$(BIN)/quantkit default-model
@@ -72,7 +93,7 @@ GPTQMODEL_PEER = GPTQModel=$(INTEROP_BIN)/python -m quantkit.eval.interop.gptqmo
 	--bits {bits} --group-size {group_size} --nsamples {n_samples} --seqlen {seq_len}
 
 bench-gptq: $(INSTALLED) $(INTEROP_INSTALLED)
-	$(BIN)/python -m quantkit.eval.bench_methods --out $(OUT)/bench-gptq --peer "$(GPTQMODEL_PEER)"
+	$(BIN)/python -m quantkit.eval.bench.bench_methods --out $(OUT)/bench-gptq --peer "$(GPTQMODEL_PEER)"
 
 # llm-compressor cannot quantize K = 576 in groups of 128 (it requires K % group_size == 0), so it
 # meets quantkit's AWQ in a second table at group 64, W4.
@@ -80,21 +101,21 @@ LLMC_PEER = llm-compressor=$(LLMC_BIN)/python -m quantkit.eval.interop.llmcompre
 	--bits {bits} --group-size {group_size} --nsamples {n_samples} --seqlen {seq_len}
 
 bench-awq: $(INSTALLED) $(LLMC_INSTALLED)
-	$(BIN)/python -m quantkit.eval.bench_methods --out $(OUT)/bench-awq --methods AWQ,RTN,GPTQ,S-P-GPTQ
-	$(BIN)/python -m quantkit.eval.bench_methods --out $(OUT)/bench-awq-g64 --methods AWQ,RTN --bits 4 \
+	$(BIN)/python -m quantkit.eval.bench.bench_methods --out $(OUT)/bench-awq --methods AWQ,RTN,GPTQ,S-P-GPTQ
+	$(BIN)/python -m quantkit.eval.bench.bench_methods --out $(OUT)/bench-awq-g64 --methods AWQ,RTN --bits 4 \
 	  --group-size 64 --baseline AWQ --peer "$(LLMC_PEER)"
 
-bench-gguf: $(INSTALLED)
-	$(BIN)/python -m quantkit.eval.bench_gguf --out $(OUT)/bench-gguf
+bench-gguf: $(TEST_INSTALLED)
+	$(BIN)/python -m quantkit.eval.bench.bench_gguf --out $(OUT)/bench-gguf
 
 # The runtime: quantkit's decode and prefill on a W4 artifact against transformers and llama.cpp Q4_0,
 # then InfLLM v2 against dense attention at 8K/32K/64K on MiniCPM4.1-8B's attention shape.
 RUNTIME_ARTIFACT ?= $(OUT)/eval-gptq-w4g128
-bench-runtime: $(INSTALLED) $(RUNTIME_ARTIFACT)
-	$(BIN)/python -m quantkit.eval.bench_runtime --model $(MODEL) --artifact $(RUNTIME_ARTIFACT) --out $(OUT)/bench-runtime
-	$(BIN)/python -m quantkit.eval.bench_sparse --json $(OUT)/bench-runtime/sparse.json
-	$(BIN)/python -m quantkit.eval.bench_decode_attention --json $(OUT)/bench-runtime/decode-attention.json
-	$(BIN)/python -m quantkit.eval.bench_linear --json $(OUT)/bench-runtime/linear.json
+bench-runtime: $(TEST_INSTALLED) $(RUNTIME_ARTIFACT)
+	$(BIN)/python -m quantkit.eval.bench.bench_runtime --model $(MODEL) --artifact $(RUNTIME_ARTIFACT) --out $(OUT)/bench-runtime
+	$(BIN)/python -m quantkit.eval.bench.bench_sparse --json $(OUT)/bench-runtime/sparse.json
+	$(BIN)/python -m quantkit.eval.bench.bench_decode_attention --json $(OUT)/bench-runtime/decode-attention.json
+	$(BIN)/python -m quantkit.eval.bench.bench_linear --json $(OUT)/bench-runtime/linear.json
 
 # Sparse attention's quality on MODEL within its trained context, with a scaled-down sparse_config:
 # perplexity dense vs InfLLM v2 through the runtime, then needle retrieval with InfLLM v2.
@@ -108,25 +129,13 @@ eval-sparse: $(INSTALLED)
 	  --plot $(OUT)/niah-sparse.png
 
 bench-scale: $(INSTALLED)
-	$(BIN)/python -m quantkit.eval.scale_8b --work $(OUT)/scale-8b
-
-# GPTQModel pulls its own (CUDA) torch, so it gets a venv of its own; quantkit goes in without deps.
-INTEROP_VENV ?= .venv-interop
-INTEROP_BIN := $(INTEROP_VENV)/bin
-INTEROP_INSTALLED := $(INTEROP_VENV)/.installed
-GPTQMODEL ?= gptqmodel==7.7.0
+	$(BIN)/python -m quantkit.eval.bench.scale_8b --work $(OUT)/scale-8b
 
 $(INTEROP_INSTALLED): pyproject.toml
 	test -x $(INTEROP_BIN)/python || $(PYTHON) -m venv $(INTEROP_VENV)
 	$(INTEROP_BIN)/python -m pip install $(GPTQMODEL) gguf
 	$(INTEROP_BIN)/python -m pip install --no-deps -e .
 	touch $@
-
-# llm-compressor accepts torch 2.13, so $(TORCH) goes in first and it adds only its own packages.
-LLMC_VENV ?= .venv-llmc
-LLMC_BIN := $(LLMC_VENV)/bin
-LLMC_INSTALLED := $(LLMC_VENV)/.installed
-LLMCOMPRESSOR ?= llmcompressor==0.14.0.1
 
 $(LLMC_INSTALLED): pyproject.toml
 	test -x $(LLMC_BIN)/python || $(PYTHON) -m venv $(LLMC_VENV)
@@ -135,10 +144,16 @@ $(LLMC_INSTALLED): pyproject.toml
 	$(LLMC_BIN)/python -m pip install -e .
 	touch $@
 
+# A symmetric GPTQ checkpoint, and an asymmetric one (AWQ's algorithm written as GPTQ v1, zero points
+# in [1, 15]); each read by GPTQModel (weights bit for bit, logits) and by every consumer rule.
 interop: $(INSTALLED) $(INTEROP_INSTALLED)
-	rm -rf $(OUT)/interop-gptq $(OUT)/interop-gptq.partial
+	rm -rf $(OUT)/interop-gptq $(OUT)/interop-gptq.partial $(OUT)/interop-asym $(OUT)/interop-asym.partial
 	$(BIN)/quantkit quantize --recipe gptq-w4g128 --model default --out $(OUT)/interop-gptq --set calibration.n_samples=16 --no-progress
-	$(BIN)/python -m quantkit.eval.interop.check_gptqmodel $(OUT)/interop-gptq --interop-python $(INTEROP_BIN)/python
+	$(BIN)/quantkit quantize --recipe awq-w4g128 --model default --out $(OUT)/interop-asym --set format=gptq \
+	  --set calibration.n_samples=16 --no-progress
+	for a in interop-gptq interop-asym; do \
+	  $(BIN)/python -m quantkit.eval.interop.check_gptqmodel $(OUT)/$$a --interop-python $(INTEROP_BIN)/python || exit 1; \
+	  $(BIN)/quantkit eval conformance --model $(OUT)/$$a || exit 1; done
 
 interop-peer: $(INSTALLED) $(INTEROP_INSTALLED)
 	rm -rf $(OUT)/gptqmodel-w4g128
@@ -182,10 +197,13 @@ eval-report: $(INSTALLED) $(VARIANTS)
 	$(BIN)/quantkit eval report --ref $(MODEL) --variants "$(subst $(space),$(comma),$(strip $(VARIANTS)))" \
 	  --out $(REPORT) $(EVAL_ARGS)
 
-test: $(INSTALLED)
+test: $(TEST_INSTALLED)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-fast: $(INSTALLED)
+lint: $(TEST_INSTALLED)
+	$(BIN)/ruff check .
+
+test-fast: $(TEST_INSTALLED)
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 clean:

@@ -78,7 +78,7 @@ class _Stepper:
     def feed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits [len(pending) + len(tokens), V] after feeding the pending tokens and ``tokens``."""
         ids = torch.cat([self.pending, tokens])
-        logits = self.model(ids[None], past_key_values=self.cache, use_cache=True).logits[0]
+        logits = self.model(ids[None], cache=self.cache, use_cache=True).logits[0]
         self.length += len(ids)
         self.pending = ids[:0]
         return logits
@@ -145,3 +145,25 @@ def speculative_generate(target, draft, prompt: torch.Tensor, k: int, max_new_to
         if any(t in stop_ids for t in new):
             break
     return out[:max_new_tokens], stats
+
+
+def prompt_rows(tokens: torch.Tensor, prompts: int, length: int) -> torch.Tensor:
+    """The first ``prompts`` x ``length`` of ``tokens`` as prompts [prompts, length]."""
+    if len(tokens) < prompts * length:
+        raise ValueError(f"{prompts} prompts of {length} tokens need {prompts * length} tokens, the data gives "
+                         f"{len(tokens)}")
+    return tokens[:prompts * length].view(prompts, length)
+
+
+def acceptance(target, draft, prompts: torch.Tensor, k: int, max_new_tokens: int, temperature: float = 0.0,
+               seed: int = 0, progress: bool = False, description: str | None = None) -> AcceptanceStats:
+    """The acceptance statistics (τ, per-position rates) of ``draft`` for ``target`` over every prompt of
+    ``prompts`` [N, T], ``max_new_tokens`` generated after each; one sampler seeded with ``seed`` runs
+    through all of them (temperature > 0)."""
+    from tqdm.auto import tqdm
+
+    total = AcceptanceStats(k)
+    generator = torch.Generator().manual_seed(seed)
+    for prompt in tqdm(prompts, desc=description, disable=not progress, leave=False):
+        total.merge(speculative_generate(target, draft, prompt, k, max_new_tokens, temperature, generator)[1])
+    return total

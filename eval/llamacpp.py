@@ -17,7 +17,7 @@ _REPACKING_DISABLED = False
 
 
 def disable_weight_repacking() -> None:
-    """pitfalls.md §1: llama.cpp's CPU weight repacking (AMX/AVX512 layouts) segfaults on quantized
+    """docs/interop.md, "llama.cpp": llama.cpp's CPU weight repacking (AMX/AVX512 layouts) segfaults on quantized
     files on these CPUs; ``Llama()`` has no argument for it, so every model params default loses it.
     Speeds measured this way are llama.cpp without repacking."""
     global _REPACKING_DISABLED

@@ -10,7 +10,8 @@ tokens estimate the expectation without bias; x − 1 − log x is second order 
 estimate's spread is a small fraction of the one plain E[log(p/q)] would have. (Lumping the rest
 into one bucket instead is biased low: on the default model it gave 0.81× the KL at K = 64 and
 0.91× at K = 256.) With K ≥ vocabulary the
-KL is exact up to the float32 storage of log p; top-1 agreement and both perplexities always are. The file is keyed by the reference's
+KL is exact up to the float32 storage of log p; top-1 agreement and both perplexities always are.
+The file is keyed by the reference's
 weights, the tokens, the windowing and K/S, so a changed model or data set is never read back.
 """
 from __future__ import annotations
@@ -22,13 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from quantkit.eval.kld import KLResult
+from quantkit.eval.ppl import window_log_probs, windows
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from quantkit.atomic import atomic_path
-from quantkit.eval.kld import KLResult
-from quantkit.eval.ppl import window_log_probs, windows
 
 CACHE_VERSION = 2
 DEFAULT_TOP_K = 256
@@ -57,7 +58,8 @@ TENSORS = ("top_ids", "top_log_probs", "tail_ids", "tail_log_probs", "tail_mass"
 
 def cache_key(model_fingerprint: str, tokens: torch.Tensor, window: int, stride: int | None, top_k: int,
               tail_samples: int) -> str:
-    payload = {"model": model_fingerprint, "tokens": hashlib.sha256(tokens.to(torch.int64).numpy().tobytes()).hexdigest(),
+    payload = {"model": model_fingerprint,
+               "tokens": hashlib.sha256(tokens.to(torch.int64).numpy().tobytes()).hexdigest(),
                "window": window, "stride": stride, "top_k": top_k, "tail_samples": tail_samples, "seed": SEED,
                "version": CACHE_VERSION}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
@@ -76,7 +78,8 @@ def compute_reference(reference, tokens: torch.Tensor, window: int, stride: int 
             mass = rest.sum(-1)
             samples = tail_samples if top.indices.shape[1] < log_p.shape[-1] else 0
             drawn = (torch.multinomial(rest.clamp_(min=0) + (mass == 0)[:, None], samples, replacement=True,
-                                       generator=generator) if samples else torch.empty(len(log_p), 0, dtype=torch.long))
+                                       generator=generator)
+                     if samples else torch.empty(len(log_p), 0, dtype=torch.long))
             for name, value in (("top_ids", top.indices.to(torch.int32)), ("top_log_probs", top.values.float()),
                                 ("tail_ids", drawn.to(torch.int32)), ("tail_log_probs", log_p.gather(1, drawn).float()),
                                 ("tail_mass", mass), ("target_log_probs", log_p.gather(1, target[:, None])[:, 0])):

@@ -4,7 +4,8 @@ For each variant (the FP model, and artifacts in any format quantkit reads): its
 bits per parameter, perplexity and its change, KL divergence and top-1 agreement against the
 reference (from the on-disk reference cache, ``refcache``), the per-layer reconstruction error
 its quantization run recorded, and on request task scores (``quantkit.eval.tasks``) and the
-speculative acceptance length τ of the variant as target with a given draft (``accept``). Written as ``report.json`` (with seeds, data hash and package
+speculative acceptance length τ of the variant as target with a given draft (``accept``).
+Written as ``report.json`` (with seeds, data hash and package
 versions), ``report.md``, and two PNG plots: KL against bits per parameter, and error per layer.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from quantkit.table import format_table
 
 PACKAGES = ("quantkit", "torch", "transformers", "numpy", "safetensors", "gguf")
+ACCEPT_PROMPT_TOKENS = 64  # tokens per τ prompt
 
 
 @dataclass
@@ -65,18 +67,6 @@ def layer_errors(model_dir: Path) -> list[float]:
     return [sum(entry["errors"].values()) / len(entry["errors"]) for entry in layers]
 
 
-def _tau(model, draft, tokens: torch.Tensor, extras: Extras) -> float:
-    from quantkit.eval.accept import AcceptanceStats, speculative_generate
-
-    length = 64
-    if len(tokens) < extras.accept_prompts * length:
-        raise ValueError(f"τ needs {extras.accept_prompts} x {length} prompt tokens, the data has {len(tokens)}")
-    total = AcceptanceStats(extras.accept_k)
-    for prompt in tokens[:extras.accept_prompts * length].view(extras.accept_prompts, length):
-        total.merge(speculative_generate(model, draft, prompt, extras.accept_k, extras.accept_new_tokens)[1])
-    return total.tau
-
-
 def _task_scores(path: Path, extras: Extras, progress: bool) -> dict[str, float]:
     from quantkit.eval.tasks.model import TaskModel
     from quantkit.eval.tasks.registry import evaluate_tasks
@@ -88,7 +78,9 @@ def _task_scores(path: Path, extras: Extras, progress: bool) -> dict[str, float]
 def evaluate(reference_dir: Path, variants: list[Path], tokens: torch.Tensor, window: int, stride: int | None,
              top_k: int, cache_dir: Path, progress: bool = False,
              extras: Extras = Extras()) -> tuple[list[VariantResult], Path]:
+    from quantkit.eval.accept import acceptance, prompt_rows
     from quantkit.eval.refcache import cached_reference, kl_against_reference
+
     from quantkit.loading import load_model
 
     reference, cache_path = cached_reference(reference_dir, tokens, window, stride, top_k, cache_dir, progress)
@@ -99,7 +91,10 @@ def evaluate(reference_dir: Path, variants: list[Path], tokens: torch.Tensor, wi
         parameters = sum(t.numel() for t in model.state_dict().values()) - (
             model.lm_head.weight.numel() if model.config.tie_word_embeddings else 0)
         kl = kl_against_reference(model, reference, tokens, progress)
-        tau = _tau(model, draft, tokens, extras) if extras.draft is not None else None
+        tau = None
+        if extras.draft is not None:
+            prompts = prompt_rows(tokens, extras.accept_prompts, ACCEPT_PROMPT_TOKENS)
+            tau = acceptance(model, draft, prompts, extras.accept_k, extras.accept_new_tokens).tau
         del model
         size = weight_bytes(path)
         results.append(VariantResult(
@@ -143,7 +138,6 @@ def plot(results: list[VariantResult], out: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.ticker import MaxNLocator
 
     colors = {r.name: f"C{i}" for i, r in enumerate(results)}  # one colour per variant in both plots

@@ -7,7 +7,12 @@ model.
 """
 from __future__ import annotations
 
-from quantkit.kernels.infllm import CompressedKeyCache, SparseAttentionConfig, dense_attention, sparse_attention
+from quantkit.kernels.infllm import (
+    CompressedKeyCache,
+    SparseAttentionConfig,
+    causal_attention_of_last_positions,
+    sparse_attention,
+)
 from quantkit.kernels.kv_cache import KVCache
 
 SPARSE_MODES = ("auto", "on", "off")
@@ -35,7 +40,7 @@ class DenseAttention:
     scores_pre_rope = False
 
     def __call__(self, query, keys, values, layer: int, cache: KVCache, query_pre_rope=None):
-        return dense_attention(query, keys, values)
+        return causal_attention_of_last_positions(query, keys, values)
 
 
 class InfLLMv2Attention:

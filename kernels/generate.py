@@ -14,7 +14,6 @@ from types import SimpleNamespace
 from typing import Iterator
 
 import torch
-
 from quantkit.kernels.attention import make_attention, sparse_config_for
 from quantkit.kernels.kv_cache import KVCache
 from quantkit.kernels.model import RuntimeModel
@@ -173,14 +172,13 @@ def stop_tokens_of(model_dir: Path, tokenizer, config) -> set[int]:
     return ids
 
 
-def load_engine(model_dir: str | Path, *, sparse: str = "auto", sparse_overrides: dict | None = None, device: str = "cpu",
-                dtype: torch.dtype = torch.bfloat16, linear_backend: str = "cpu", lm_head: str = "auto",
-                prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Engine:
+def load_engine(model_dir: str | Path, *, sparse: str = "auto", sparse_overrides: dict | None = None,
+                device: str = "cpu", dtype: torch.dtype = torch.bfloat16, linear_backend: str = "cpu",
+                lm_head: str = "auto", prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Engine:
     """An engine for any checkpoint quantkit reads: unquantized, or an artifact it wrote."""
-    from transformers import AutoTokenizer
-
     from quantkit.kernels.device import check_device
     from quantkit.kernels.load import load_runtime_model
+    from transformers import AutoTokenizer
 
     check_device(device)
     model_dir = Path(model_dir)

@@ -10,9 +10,8 @@ from pathlib import Path
 import torch
 
 from quantkit.checkpoint import CheckpointReader
-from quantkit.reader import artifact_format
 from quantkit.models import MiniCPMConfig, MiniCPMForCausalLM
-
+from quantkit.reader import artifact_format
 
 LM_HEADS = ("auto", "int8", "float")
 

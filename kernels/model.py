@@ -13,15 +13,15 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from quantkit.kernels import cpu_ops
 from quantkit.kernels.kv_cache import KVCache
+from torch import nn
+
 from quantkit.models.minicpm import MiniCPMForCausalLM
 
 # Query-key scores per KV head (group size x keys) up to which a decode step's dense attention runs in
 # the fused operator rather than SDPA: where the two cross on 2 threads over a bf16 cache
-# (`python -m quantkit.eval.bench_decode_attention`): ~350 keys for the default model's group of 3,
+# (`python -m quantkit.eval.bench.bench_decode_attention`): ~350 keys for the default model's group of 3,
 # 64 keys for MiniCPM4.1-8B's group of 16 (SDPA is 4-5x faster there from 512 keys on).
 FUSED_ATTENTION_MAX_SCORES = 1024
 

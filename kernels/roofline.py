@@ -11,8 +11,9 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from quantkit.checkpoint import CheckpointReader
 from quantkit.kernels.infllm import SparseAttentionConfig
+
+from quantkit.checkpoint import CheckpointReader
 from quantkit.models import MiniCPMConfig
 from quantkit.models.layers import EMBEDDING
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -11,36 +12,45 @@ import click
 
 from quantkit.table import format_table
 
+DEBUG_ENV = "QUANTKIT_DEBUG"  # set to 1: every error shows its traceback
+
+
+def _raised_by_quantkit(error: BaseException) -> bool:
+    """Whether quantkit's own code raised ``error``: the innermost frame of its traceback is in a quantkit
+    module, stopped at a ``raise`` statement. An error raised by a library quantkit called (torch,
+    transformers, safetensors, ...) ends in that library's frame, or, from C code, at a call."""
+    import dis
+
+    tb = error.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb.tb_frame.f_globals.get("__name__", "").partition(".")[0] != "quantkit":
+        return False
+    code = tb.tb_frame.f_code.co_code
+    return not 0 <= tb.tb_lasti < len(code) or code[tb.tb_lasti] == dis.opmap["RAISE_VARARGS"]
+
 
 def _friendly_errors(fn):
-    """Known failures become one clear line and exit code 1, not a traceback."""
+    """quantkit's own errors become one clear line and exit code 1: its recipe, engine and checkpoint
+    errors, and a ValueError, RuntimeError or missing / existing file that quantkit's code raised. Any
+    other error (torch's included) keeps its traceback, and with QUANTKIT_DEBUG=1 every error does."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         from quantkit.checkpoint import CheckpointError
         from quantkit.engine import EngineError
         from quantkit.recipe import RecipeError
 
+        own = (RecipeError, EngineError, CheckpointError)
         try:
             return fn(*args, **kwargs)
-        except (RecipeError, EngineError, CheckpointError, FileExistsError, FileNotFoundError, ValueError,
-                RuntimeError) as e:
+        except (*own, FileExistsError, FileNotFoundError, ValueError, RuntimeError) as e:
+            debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+            if debug or not (isinstance(e, own) or _raised_by_quantkit(e)):
+                raise
             raise click.ClickException(str(e)) from e
     return wrapper
-
-
-def _resolve_model(model: str) -> Path:
-    """`default` (or a registry name) is fetched and converted on first use; anything else is a path."""
-    from quantkit.models import zoo
-
-    if model == "default":
-        model = zoo.DEFAULT_MODEL
-    if model in zoo.MODELS:
-        return zoo.ensure_model(model)
-    path = Path(model)
-    if not path.is_dir():
-        raise click.ClickException(f"model directory not found: {path} (or use 'default', or one of "
-                                   f"{', '.join(zoo.MODELS)})")
-    return path
 
 
 def _emit(as_json: bool, payload: dict, text: str) -> None:
@@ -48,9 +58,20 @@ def _emit(as_json: bool, payload: dict, text: str) -> None:
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table.")
+sparse_option = click.option(
+    "--sparse", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+    help="InfLLM v2 sparse attention: follow the checkpoint's sparse_config (auto), force it (on), or dense "
+         "attention (off). `quantkit eval` commands: with --runtime.")
+sparse_config_option = click.option(
+    "--sparse-config", "sparse_config", default=None, metavar="JSON",
+    help='Override sparse_config keys, e.g. \'{"dense_len": 1024, "window_size": 256}\'. '
+         "`quantkit eval` commands: with --runtime.")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"]},
+             epilog=f"Errors quantkit itself detects print as one line; an error raised inside a library it calls "
+                    f"(torch, transformers, ...) keeps its traceback. Set {DEBUG_ENV}=1 to see the traceback of "
+                    "every error.")
 @click.version_option(package_name="quantkit")
 def main():
     """quantkit: quantize MiniCPM4.1 (and its EAGLE3 head) and measure what it cost."""
@@ -69,10 +90,11 @@ def main():
 def quantize(recipe, model, out, overrides, resume, progress, as_json):
     """Quantize a model layer by layer and write the recipe's checkpoint format."""
     from quantkit.engine import quantize as run
+    from quantkit.models.zoo import resolve_model
     from quantkit.recipe import load_recipe, parse_override
 
     settings = dict(parse_override(text) for text in overrides)
-    report = run(_resolve_model(model), load_recipe(recipe, settings), out, resume=resume, progress=progress)
+    report = run(resolve_model(model), load_recipe(recipe, settings), out, resume=resume, progress=progress)
     rows = []
     for layer in report.layers:
         worst = max(layer.errors, key=layer.errors.get)
@@ -102,10 +124,8 @@ def _eval_runtime_options(fn):
     the reference model that dequantizes every weight."""
     options = [
         click.option("--runtime", is_flag=True, help="Run through quantkit's runtime instead of the reference model."),
-        click.option("--sparse", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
-                     help="With --runtime: InfLLM v2 sparse attention (see `quantkit generate --help`)."),
-        click.option("--sparse-config", "sparse_config", default=None, metavar="JSON",
-                     help="With --runtime: override sparse_config keys."),
+        sparse_option,
+        sparse_config_option,
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -146,8 +166,9 @@ def _eval_tokens(model_dir: Path, data: str, max_tokens: int):
 def eval_ppl(model, data, max_tokens, window, stride, as_json, runtime, sparse, sparse_config):
     """Perplexity on held-out text."""
     from quantkit.eval.ppl import perplexity
+    from quantkit.models.zoo import resolve_model
 
-    model_dir = _resolve_model(model)
+    model_dir = resolve_model(model)
     evaluated = _evaluated_model(model_dir, runtime, sparse, sparse_config)
     result = perplexity(evaluated, _eval_tokens(model_dir, data, max_tokens), window, stride, progress=not as_json)
     payload = {"model": str(model_dir), "data": data, "runtime": runtime, "sparse": sparse,
@@ -167,8 +188,9 @@ def eval_kld(model, ref, data, max_tokens, window, stride, as_json, reference_pr
     """KL divergence and top-1 agreement against a reference model."""
     from quantkit.eval.kld import kl_divergence
     from quantkit.loading import load_model
+    from quantkit.models.zoo import resolve_model
 
-    model_dir, ref_dir = _resolve_model(model), _resolve_model(ref)
+    model_dir, ref_dir = resolve_model(model), resolve_model(ref)
     result = kl_divergence(load_model(model_dir), load_model(ref_dir), _eval_tokens(ref_dir, data, max_tokens),
                            window, stride, progress=not as_json, reference_prefix=reference_prefix)
     payload = {"model": str(model_dir), "reference": str(ref_dir), "data": data, **asdict(result)}
@@ -196,13 +218,14 @@ def eval_report(ref, variants, out, top_k, cache_dir, task_names, task_limit, dr
     from quantkit.eval import report
     from quantkit.eval.refcache import DEFAULT_DIR
     from quantkit.eval.tasks.registry import parse_task_names
+    from quantkit.models.zoo import resolve_model
 
     if out.exists():
         raise click.ClickException(f"{out} already exists; choose another --out or remove it")
-    ref_dir = _resolve_model(ref)
-    variant_dirs = [_resolve_model(v.strip()) for v in variants.split(",") if v.strip()]
+    ref_dir = resolve_model(ref)
+    variant_dirs = [resolve_model(v.strip()) for v in variants.split(",") if v.strip()]
     extras = report.Extras(tuple(parse_task_names(task_names)) if task_names else (), task_limit,
-                           _resolve_model(draft) if draft else None, accept_k)
+                           resolve_model(draft) if draft else None, accept_k)
     tokens = _eval_tokens(ref_dir, data, max_tokens)
     results, cache = report.evaluate(ref_dir, variant_dirs, tokens, window, stride, top_k, cache_dir or DEFAULT_DIR,
                                      progress=not as_json, extras=extras)
@@ -211,6 +234,27 @@ def eval_report(ref, variants, out, top_k, cache_dir, task_names, task_limit, dr
     report.write(out, results, setup)
     _emit(as_json, {"setup": setup, "variants": [asdict(r) for r in results], "out": str(out)},
           report.markdown(results, setup))
+
+
+@eval_group.command("conformance")
+@click.option("--model", required=True, help="A quantized artifact (quantkit's, or a GPTQ/AWQ checkpoint).")
+@json_option
+@_friendly_errors
+def eval_conformance(model, as_json):
+    """Decode every quantized linear the way each consumer does (AutoGPTQ, vLLM, GPTQModel, AutoAWQ,
+    Marlin, CPM.cu) and compare with quantkit's reading, bit for bit. Exits 1 on any difference."""
+    from quantkit.eval.conformance import check_artifact
+    from quantkit.models.zoo import resolve_model
+
+    report = check_artifact(resolve_model(model))
+    rows = [[c.consumer, c.linears, "yes" if c.identical else f"no ({len(c.mismatched)} differ)", c.max_abs_diff]
+            for c in report.checks]
+    text = format_table(["consumer", "linears", "identical", "max |diff|"], rows)
+    if report.quantkit_error:
+        text += f"\nquantkit refuses this artifact: {report.quantkit_error}"
+    _emit(as_json, report.as_dict(), f"{report.artifact} ({report.format})\n{text}")
+    if not report.passed:
+        raise SystemExit(1)
 
 
 @eval_group.command("niah")
@@ -231,8 +275,9 @@ def eval_niah(model, data, lengths, depths, trials, seed, plot_path, as_json, ru
 
     from quantkit import calib
     from quantkit.eval import niah
+    from quantkit.models.zoo import resolve_model
 
-    model_dir = _resolve_model(model)
+    model_dir = resolve_model(model)
     text = "\n\n".join(calib.load_documents(data))
     evaluated = _evaluated_model(model_dir, runtime, sparse, sparse_config)
     results = niah.run(evaluated, AutoTokenizer.from_pretrained(model_dir), text,
@@ -265,9 +310,10 @@ def eval_tasks(model, task_names, limit, record, progress, as_json):
     from quantkit.atomic import write_json
     from quantkit.eval.tasks.model import TaskModel
     from quantkit.eval.tasks.registry import evaluate_tasks, parse_task_names
+    from quantkit.models.zoo import resolve_model
 
     names = parse_task_names(task_names)
-    model_dir = _resolve_model(model)
+    model_dir = resolve_model(model)
     results = evaluate_tasks(TaskModel.load(model_dir), names, limit, progress=progress and not as_json)
     summaries = [{k: v for k, v in asdict(r).items() if k != "records"} for r in results]
     if record is not None:
@@ -292,26 +338,19 @@ def eval_tasks(model, task_names, limit, record, progress, as_json):
 @json_option
 def eval_accept(targets, drafts, k, temperature, data, prompts, prompt_tokens, max_new_tokens, seed, as_json):
     """Speculative decoding acceptance length tau for every target x draft pair, on the same prompts."""
-    import torch
-    from tqdm.auto import tqdm
-
-    from quantkit.eval.accept import AcceptanceStats, speculative_generate
+    from quantkit.eval.accept import acceptance, prompt_rows
     from quantkit.loading import load_model
+    from quantkit.models.zoo import resolve_model
 
-    target_dirs, draft_dirs = [_resolve_model(t) for t in targets], [_resolve_model(d) for d in drafts]
-    tokens = _eval_tokens(target_dirs[0], data, prompts * prompt_tokens)
-    if len(tokens) < prompts * prompt_tokens:
-        raise click.ClickException(f"{data} gives {len(tokens)} tokens, fewer than {prompts} x {prompt_tokens}")
-    batch = tokens[:prompts * prompt_tokens].view(prompts, prompt_tokens)
+    target_dirs, draft_dirs = [resolve_model(t) for t in targets], [resolve_model(d) for d in drafts]
+    batch = prompt_rows(_eval_tokens(target_dirs[0], data, prompts * prompt_tokens), prompts, prompt_tokens)
     pairs, rows = [], []
     for target_dir in target_dirs:
         target = load_model(target_dir)
         for draft_dir in draft_dirs:
             draft = target if draft_dir == target_dir else load_model(draft_dir)
-            total = AcceptanceStats(k)
-            generator = torch.Generator().manual_seed(seed)
-            for prompt in tqdm(batch, desc=f"{target_dir.name} <- {draft_dir.name}", disable=as_json, leave=False):
-                total.merge(speculative_generate(target, draft, prompt, k, max_new_tokens, temperature, generator)[1])
+            total = acceptance(target, draft, batch, k, max_new_tokens, temperature, seed, progress=not as_json,
+                               description=f"{target_dir.name} <- {draft_dir.name}")
             pairs.append({"target": str(target_dir), "draft": str(draft_dir), "k": k, "shape": f"chain of {k}",
                           "temperature": temperature, "tau": total.tau, "position_rates": total.position_rates,
                           "rounds": total.rounds, "committed": total.committed})
@@ -326,10 +365,8 @@ def _runtime_options(fn):
     options = [
         click.option("--model", default="default", show_default=True,
                      help="Any checkpoint quantkit reads: unquantized, or an artifact it wrote."),
-        click.option("--sparse", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
-                     help="InfLLM v2 sparse attention: follow the checkpoint's sparse_config, force it, or dense."),
-        click.option("--sparse-config", "sparse_config", default=None, metavar="JSON",
-                     help='Override sparse_config keys, e.g. \'{"dense_len": 1024, "window_size": 256}\'.'),
+        sparse_option,
+        sparse_config_option,
         click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True),
         click.option("--max-new-tokens", default=256, show_default=True, type=int),
         click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy."),
@@ -347,6 +384,7 @@ def _runtime_options(fn):
 
 def _load_engine(model, sparse, sparse_config, device, prefill_chunk):
     from quantkit.kernels.generate import load_engine
+    from quantkit.models.zoo import resolve_model
 
     overrides = None
     if sparse_config:
@@ -354,7 +392,7 @@ def _load_engine(model, sparse, sparse_config, device, prefill_chunk):
             overrides = json.loads(sparse_config)
         except json.JSONDecodeError as e:
             raise click.ClickException(f"--sparse-config is not valid JSON: {e}") from e
-    return load_engine(_resolve_model(model), sparse=sparse, sparse_overrides=overrides, device=device,
+    return load_engine(resolve_model(model), sparse=sparse, sparse_overrides=overrides, device=device,
                        prefill_chunk=prefill_chunk)
 
 
@@ -421,17 +459,19 @@ def chat(model, sparse, sparse_config, device, max_new_tokens, temperature, top_
 @click.option("--model", default="default", show_default=True, help="Checkpoint or quantized artifact.")
 @click.option("--context", "contexts", multiple=True, type=int, default=(4096,), show_default=True,
               help="Tokens already in the KV cache (repeat for several).")
-@click.option("--sparse", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True)
+@sparse_option
 @json_option
 @_friendly_errors
 def roofline(target, model, contexts, sparse, as_json):
     """Bandwidth-bound decode ceiling on a GPU: (weight + KV bytes per token) / peak bandwidth.
     Arithmetic, not a measurement: no GPU exists where quantkit is tested."""
     from quantkit.kernels.attention import sparse_config_for
-    from quantkit.kernels.roofline import DEVICES, roofline as ceiling
+    from quantkit.kernels.roofline import DEVICES
+    from quantkit.kernels.roofline import roofline as ceiling
     from quantkit.models import MiniCPMConfig
+    from quantkit.models.zoo import resolve_model
 
-    model_dir = _resolve_model(model)
+    model_dir = resolve_model(model)
     sparse_settings = sparse_config_for(sparse, MiniCPMConfig.from_pretrained(model_dir).sparse_attention)
     results = [ceiling(model_dir, target, context, sparse_settings) for context in contexts]
     rows = [[r.context, r.attention, r.weight_bytes / 1e6, r.kv_bytes / 1e6, r.decode_tokens_per_second_ceiling,
@@ -450,7 +490,8 @@ def export_group():
 
 @export_group.command("gguf")
 @click.option("--model", default="default", show_default=True,
-              help="Checkpoint or quantized artifact (a quantized linear is copied as it is where the type holds its grid, else dequantized and re-quantized).")
+              help="Checkpoint or quantized artifact (a quantized linear is copied as it is where the type holds "
+                   "its grid, else dequantized and re-quantized).")
 @click.option("--type", "file_type", required=True, metavar="TYPE",
               help="f32, f16, bf16, q8_0, q6_k, q5_k_m, q5_k_s, q4_k_m, q4_k_s, q4_0, q4_1, tq2_0 or tq1_0; "
                    "each tensor's type is chosen as llama.cpp's quantizer chooses it.")
@@ -462,8 +503,9 @@ def export_group():
 def export_gguf(model, file_type, out, tokenizer_pre, progress, as_json):
     """Export a MiniCPM model as a GGUF file for llama.cpp (and Ollama, LM Studio)."""
     from quantkit.gguf.export import export_gguf as export
+    from quantkit.models.zoo import resolve_model
 
-    report = export(_resolve_model(model), out, file_type, tokenizer_pre=tokenizer_pre, progress=progress)
+    report = export(resolve_model(model), out, file_type, tokenizer_pre=tokenizer_pre, progress=progress)
     payload = {**asdict(report), "bits_per_weight": report.bits_per_weight}
     rows = [["file", report.path], ["type", report.file_type], ["size MB", report.file_bytes / 2**20],
             ["bits per weight", report.bits_per_weight], ["tensors by type", report.tensors_by_type],

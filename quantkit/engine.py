@@ -23,18 +23,26 @@ from tqdm.auto import tqdm
 import quantkit
 from quantkit import calib
 from quantkit.algorithms import ALGORITHMS
+from quantkit.algorithms.smooth import smooth_layer
 from quantkit.artifact import ArtifactWriter, staging_dir
 from quantkit.checkpoint import CheckpointReader
-from quantkit.algorithms.smooth import smooth_layer
 from quantkit.formats import FORMATS, Format
 from quantkit.models import MiniCPMConfig, MiniCPMDecoderLayer, MiniCPMRotaryEmbedding
+from quantkit.models.layers import (
+    ATTENTION_PROJECTIONS,
+    EMBEDDING,
+    FINAL_NORM,
+    LINEARS,
+    LM_HEAD,
+    SEQUENTIAL_GROUPS,
+    layer_prefix,
+    scaling_groups_for,
+)
 from quantkit.models.minicpm import weight_shapes
-from quantkit.models.layers import (ATTENTION_PROJECTIONS, EMBEDDING, FINAL_NORM, LINEARS, LM_HEAD, SEQUENTIAL_GROUPS,
-                                    layer_prefix, scaling_groups_for)
 from quantkit.quant import QuantConfig
 from quantkit.reader import dequantize_layer
 from quantkit.recipe import Recipe
-from quantkit.stats import InputStats, fast_relative_error
+from quantkit.stats import BF16_IN_HARDWARE, InputStats, fast_relative_error
 
 
 class EngineError(RuntimeError):
@@ -179,10 +187,18 @@ def validate_checkpoint(reader: CheckpointReader, config: MiniCPMConfig, qconfig
             raise EngineError(f"tensor '{name}' in {reader.directory} contains NaN or Inf values")
 
 
-def run_fingerprint(model: str, recipe: Recipe, calibration: str) -> str:
+def run_fingerprint(model: str, recipe: Recipe, calibration: str, dtype: torch.dtype) -> str:
     payload = json.dumps({"model": model, "recipe": recipe.fingerprint(), "calibration": calibration,
-                          "quantkit": quantkit.__version__}, sort_keys=True)
+                          "compute_dtype": str(dtype), "quantkit": quantkit.__version__}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def compute_dtype(name: str) -> torch.dtype:
+    """The calibration forwards' dtype. "auto" is bfloat16 where the CPU multiplies it in hardware and
+    float32 elsewhere, where bfloat16 is emulated and many times slower (quantkit.stats.BF16_IN_HARDWARE)."""
+    if name == "auto":
+        return torch.bfloat16 if BF16_IN_HARDWARE else torch.float32
+    return getattr(torch, name)
 
 
 def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resume: bool = False,
@@ -205,7 +221,7 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
     qconfig = QuantConfig(**recipe["quant"])
     fmt = FORMATS[recipe["format"]]
     validate_checkpoint(reader, config, qconfig, fmt, recipe["gptq"]["desc_act"], progress)
-    dtype = getattr(torch, recipe["compute_dtype"])
+    dtype = compute_dtype(recipe["compute_dtype"])
 
     from transformers import AutoTokenizer
 
@@ -214,7 +230,7 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
     calibration = calib.calibration_set(tokenizer, source=cal["source"], n_samples=cal["n_samples"],
                                         seq_len=cal["seq_len"], seed=cal["seed"], chat=cal["chat"])
     model_fingerprint = reader.fingerprint()
-    fingerprint = run_fingerprint(model_fingerprint, recipe, calibration.fingerprint)
+    fingerprint = run_fingerprint(model_fingerprint, recipe, calibration.fingerprint, dtype)
 
     writer = ArtifactWriter(staging, config.num_hidden_layers)
     layer_errors: list[dict] = []
@@ -268,6 +284,7 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
         "quantkit_version": quantkit.__version__,
         "format": fmt.name,
         "recipe": recipe.values,
+        "compute_dtype": str(dtype).removeprefix("torch."),
         "fingerprints": {"model": model_fingerprint, "recipe": recipe.fingerprint(),
                          "calibration": calibration.fingerprint, "run": fingerprint},
         "calibration": calibration.describe(),

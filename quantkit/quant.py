@@ -101,7 +101,8 @@ def find_group_params(weights: Tensor, config: QuantConfig) -> GroupParams:
     Asym: ``scale = (xmax - xmin) / maxq``, ``zero = round(-xmin / scale)``. Where that zero falls
     below ``config.min_zero`` (a row with no value under −scale/2), the zero is raised to it and the
     scale widened to ``max(xmax / (maxq - min_zero), -xmin / min_zero)``, the least that still
-    covers the row's range. An all-zero row gets the range [-1, 1]. The scale is rounded to float16 *before* the zero point and the codes are derived,
+    covers the row's range. An all-zero row gets the range [-1, 1]. The scale is rounded to float16
+    *before* the zero point and the codes are derived,
     so the stored checkpoint dequantizes to exactly the weights the algorithm saw.
     """
     if weights.dim() != 2 or weights.shape[1] == 0:

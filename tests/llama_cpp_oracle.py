@@ -6,7 +6,6 @@ import ctypes
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 
 def _libggml():

@@ -8,22 +8,19 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-
 from quantkit.eval.accept import _Stepper, accept_or_resample, speculative_generate
+
 from quantkit.loading import load_model
 
 
-# float64: a random tiny model's top logits are close, and the float32 rounding of a k-token
-# verification forward differs from one-token decoding by the CPU's summation order (AVX2 vs AMX
-# BLAS kernels), which can flip a near-tie; in float64 that noise is ~1e-16, far below the margins.
 @pytest.fixture(scope="module")
 def target(tiny_checkpoint_factory):
-    return load_model(tiny_checkpoint_factory(num_hidden_layers=2), dtype=torch.float64)
+    return load_model(tiny_checkpoint_factory(num_hidden_layers=2))
 
 
 @pytest.fixture(scope="module")
 def unrelated(tiny_checkpoint_factory):
-    return load_model(tiny_checkpoint_factory(num_hidden_layers=2, seed=11), dtype=torch.float64)
+    return load_model(tiny_checkpoint_factory(num_hidden_layers=2, seed=11))
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,8 @@ def files(*folders: str) -> list[Path]:
 def offenders(paths: list[Path], forbidden: tuple[str, ...]) -> dict[str, list[str]]:
     bad = {}
     for path in paths:
-        hits = sorted(m for m in imports_of(path, package_of(path)) if any(m == f or m.startswith(f + ".") for f in forbidden))
+        hits = sorted(m for m in imports_of(path, package_of(path))
+                      if any(m == f or m.startswith(f + ".") for f in forbidden))
         if hits:
             bad[str(path.relative_to(ROOT))] = hits
     return bad

@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 
-from helpers import small_recipe
 from quantkit.algorithms.awq import awq_quantize
 from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.algorithms.smooth import search_scale
@@ -18,6 +17,8 @@ from quantkit.loading import load_model
 from quantkit.models.layers import LINEARS
 from quantkit.quant import CLIP_STEPS, QuantConfig, fake_quantize, find_group_params, search_group_params
 from quantkit.stats import InputStats
+
+from helpers import small_recipe
 
 CONFIG = QuantConfig(4, 64, False)
 

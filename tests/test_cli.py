@@ -42,7 +42,8 @@ def test_every_builtin_recipe_loads_says_what_it_is_for_and_matches_its_name():
         assert text.startswith("# "), f"{name}: no comment at the top saying what it is for"
         recipe = load_recipe(name)
         family = name.split("-w")[0]  # rtn, awq, gptq, p-gptq, s-gptq, s-p-gptq (marlin, cpmcu: S-P-GPTQ)
-        family = {"marlin": "s-p-gptq", "cpmcu": "s-p-gptq", "gguf-q4_0": "gptq", "rtn-ternary-g32": "rtn"}.get(family, family)
+        family = {"marlin": "s-p-gptq", "cpmcu": "s-p-gptq", "gguf-q4_0": "gptq",
+                  "rtn-ternary-g32": "rtn"}.get(family, family)
         assert recipe["algorithm"] == (family if family in ("rtn", "awq") else "gptq"), name
         assert recipe["smooth"]["enabled"] == (family.startswith("s-") or family == "awq"), name
         assert (recipe["prefix_tokens"] == 4) == ("p-gptq" in family), name
@@ -83,6 +84,33 @@ def test_failures_are_one_clear_line(tiny, tmp_path):
     assert result.exit_code == 1 and "not found" in result.output
 
 
+def test_errors_quantkit_did_not_raise_keep_their_traceback(tiny, tmp_path, monkeypatch):
+    import torch
+
+    import quantkit.inspect
+
+    def shapes_mismatch(model_dir):  # torch raises it, from C++, as in a model with a wrong shape
+        return torch.zeros(2, 3) @ torch.zeros(2, 3)
+
+    monkeypatch.setattr(quantkit.inspect, "describe", shapes_mismatch)
+    result = CliRunner().invoke(main, ["inspect", str(tiny)])
+    assert result.exit_code == 1 and isinstance(result.exception, RuntimeError)  # not a one-line ClickException
+
+    monkeypatch.setenv("QUANTKIT_DEBUG", "1")  # and with it, quantkit's own errors keep theirs too
+    result = CliRunner().invoke(main, ["eval", "ppl", "--model", str(tmp_path / "missing")])
+    assert result.exit_code == 1 and isinstance(result.exception, FileNotFoundError)
+    assert "QUANTKIT_DEBUG=1" in CliRunner().invoke(main, ["--help"]).output
+
+
+def test_help_does_not_import_torch():
+    import subprocess
+    import sys
+
+    probe = "import sys, quantkit.cli; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=True).stdout.strip() == "[]"
+
+
 def test_set_overrides_are_validated_like_the_file(tiny, tmp_path):
     from quantkit.recipe import RecipeError, load_recipe
 
@@ -101,6 +129,7 @@ def test_export_gguf_prints_a_summary_and_json(tiny, tmp_path):
                                        "--no-progress", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
-    assert report["file_bytes"] == out.stat().st_size and report["tensors_by_type"]["q8_0"] == 2 * 7 + 2  # linears, embedding, output
+    assert report["file_bytes"] == out.stat().st_size
+    assert report["tensors_by_type"]["q8_0"] == 2 * 7 + 2  # linears, embedding, output
     again = CliRunner().invoke(main, ["export", "gguf", "--model", str(tiny), "--type", "q8_0", "--out", str(out)])
     assert again.exit_code == 1 and "already exists" in again.output

@@ -4,8 +4,6 @@ artifacts the engine wrote; and a planted v1 zero point of 0 must be caught."""
 import numpy as np
 import pytest
 import torch
-
-from quantkit.engine import quantize
 from quantkit.eval.conformance import (
     MARLIN_WEIGHT_PERM,
     autogptq_v1_zeros,
@@ -15,12 +13,14 @@ from quantkit.eval.conformance import (
     unpack_stream,
     vllm_v1_zeros,
 )
+
+from quantkit.engine import quantize
 from quantkit.formats import FORMATS, gptq
 from quantkit.formats.gptq import pack_cols, storable_grid
 from quantkit.models.layers import LINEARS
 from quantkit.quant import QuantConfig, QuantizedTensor, default_g_idx
-from quantkit.recipe import load_recipe
 from quantkit.reader import ArtifactReader
+from quantkit.recipe import load_recipe
 
 from helpers import SMALL_CALIBRATION
 
@@ -178,8 +178,14 @@ def test_engine_artifacts_conform(recipe, settings, checkpoint, tiny_checkpoint,
 def test_planted_zero_point_of_zero_is_caught(tiny_checkpoint, tmp_path):
     """Asymmetric v1 artifacts pass; the same artifact with one zero field set to all ones (a zero
     of 0 as another tool would have written it) is refused by quantkit and flagged by the check."""
+    from click.testing import CliRunner
+
+    from quantkit.cli import main
+
     out = _quantize("gptq-w4g128", tiny_checkpoint, tmp_path / "asym", quant={"sym": False, "group_size": 32})
     assert check_artifact(out).passed
+    result = CliRunner().invoke(main, ["eval", "conformance", "--model", str(out)])
+    assert result.exit_code == 0 and "vLLM gptq" in result.output and "no (" not in result.output
     from safetensors.torch import load_file, save_file
 
     shard = sorted(out.glob("model-00001-*.safetensors"))[0]
@@ -195,6 +201,8 @@ def test_planted_zero_point_of_zero_is_caught(tiny_checkpoint, tmp_path):
     mismatched = {check.consumer: check.mismatched for check in report.checks}
     assert mismatched["vLLM gptq"] == [f"{PREFIX}mlp.down_proj.weight"]
     assert mismatched["GPTQModel"] == [f"{PREFIX}mlp.down_proj.weight"]
+    result = CliRunner().invoke(main, ["eval", "conformance", "--model", str(out), "--json"])
+    assert result.exit_code == 1 and '"passed": false' in result.output
     with pytest.raises(ValueError, match="ambiguous"):
         from quantkit.loading import load_model
 

@@ -23,9 +23,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import quantkit  # noqa: F401  (registers MiniCPM with the Auto classes)
-from quantkit.models import CHAT_TEMPLATE, MiniCPMForCausalLM
-from quantkit.models import gguf_convert, zoo
 from quantkit.gguf.names import minicpm_name, unpermute_rows
+from quantkit.models import CHAT_TEMPLATE, MiniCPMForCausalLM, gguf_convert, zoo
 
 SOURCE = zoo.MODELS[zoo.DEFAULT_MODEL]
 N_TOKENS = 300
@@ -170,14 +169,16 @@ def test_tokenizer_matches_the_gguf_tokenizer(model_dir, gguf_file, tokenizer):
     assert tokenizer("Hello").input_ids == [19556]  # SmolLM2 adds no BOS
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (original.bos_token_id, original.eos_token_id) == (1, 2)
     assert tokenizer.chat_template == CHAT_TEMPLATE
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                         add_generation_prompt=True)
     assert tokenizer(chat).input_ids[0] == 1  # <|im_start|> is one special token
 
 
 @pytest.mark.llamacpp
 def test_tokenizer_matches_llama_cpp_token_for_token(gguf_file, tokenizer):
-    import llama_cpp
     import pydoc_data.topics
+
+    import llama_cpp
 
     vocab = llama_cpp.Llama(str(gguf_file), vocab_only=True, verbose=False)
     texts = list(pydoc_data.topics.topics.values()) + ["中文 🚀 naïve ١٢٣ ½ ² 3.14\r\n\r\n 1\n\t2  33"]

@@ -10,8 +10,8 @@ from quantkit.artifact import REPORT_FILE, staging_dir
 from quantkit.checkpoint import CheckpointError
 from quantkit.engine import EngineError, quantize
 from quantkit.loading import load_model
-from quantkit.models.fixtures import write_tiny_checkpoint
 from quantkit.models import MiniCPMConfig
+from quantkit.models.fixtures import write_tiny_checkpoint
 from quantkit.models.layers import LINEARS
 from quantkit.recipe import RecipeError, load_recipe
 
@@ -171,7 +171,7 @@ def test_reused_attention_gives_the_same_statistics_and_outputs(tiny):
     from quantkit.checkpoint import CheckpointReader
     from quantkit.engine import LayerRunner, _build_layer, _layer_tensors
     from quantkit.models import MiniCPMRotaryEmbedding
-    from quantkit.models.layers import DOWN, GATE, O
+    from quantkit.models.layers import DOWN, GATE, O_PROJ
 
     config = MiniCPMConfig.from_pretrained(tiny)
     layer = _build_layer(config, 1, _layer_tensors(CheckpointReader(tiny), 1), torch.bfloat16)
@@ -180,7 +180,7 @@ def test_reused_attention_gives_the_same_statistics_and_outputs(tiny):
     recomputing, reusing = (LayerRunner(layer, position_embeddings, batch_size=2) for _ in range(2))
     reusing.fix_attention(hidden)
     assert reusing.mixed.shape == (5, 24, layer.self_attn.o_proj.in_features)
-    for name in (O, GATE, DOWN):
+    for name in (O_PROJ, GATE, DOWN):
         expected = recomputing.input_stats(hidden, (name,), skip_prefix={name: 4})[name]
         got = reusing.input_stats(hidden, (name,), skip_prefix={name: 4})[name]
         assert torch.equal(got.hessian, expected.hessian) and torch.equal(got.abs_mean, expected.abs_mean)

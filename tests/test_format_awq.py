@@ -1,10 +1,9 @@
 """AutoAWQ GEMM layout: bit-exact round trips, the nibble order against an element-by-element
-reference written from formats.md §2.1, the documented dequantization, and clear refusals."""
+reference written from docs/formats.md, "AutoAWQ GEMM", the documented dequantization, and clear refusals."""
 import numpy as np
 import pytest
 import torch
 
-from helpers import random_record
 from quantkit.formats.awq import (
     awq_tensors,
     check_awq,
@@ -15,6 +14,8 @@ from quantkit.formats.awq import (
     unpack_awq,
 )
 from quantkit.quant import QuantConfig, default_g_idx
+
+from helpers import random_record
 
 PREFIX = "model.layers.0.mlp.down_proj"
 W4G128_ASYM = QuantConfig(4, 128, False)
@@ -40,7 +41,7 @@ def test_pack_matches_the_documented_nibble_order():
     assert torch.equal(unpack_awq(packed), values)
 
     one_hot = torch.zeros(1, 8, dtype=torch.uint8)
-    one_hot[0, 2] = 0xF  # formats.md: "nibble 1 of word 0 holds column 2"
+    one_hot[0, 2] = 0xF  # docs/formats.md, "AutoAWQ GEMM": nibble 1 of word 0 holds column 2
     assert pack_awq(one_hot).item() == 0xF << 4
 
 
@@ -60,7 +61,7 @@ def test_round_trip_is_bit_exact_and_dequantizes_as_documented(config):
     for field in ("codes", "scales", "zeros", "g_idx"):
         assert torch.equal(getattr(back, field), getattr(qt, field)), field
 
-    # formats.md: W = (unpack(qweight) - repeat(unpack(qzeros), gs)) * repeat(scales, gs), [K, N]
+    # docs/formats.md, "AutoAWQ GEMM": W = (unpack(qweight) - repeat(unpack(qzeros), gs)) * repeat(scales, gs), [K, N]
     width = k if config.group_size == -1 else config.group_size
     q = unpack_awq(tensors[f"{PREFIX}.qweight"]).float()
     z = unpack_awq(tensors[f"{PREFIX}.qzeros"]).float().repeat_interleave(width, 0)

@@ -3,19 +3,20 @@ import torch
 
 from quantkit.formats.cpmcu import PACKED_MODULES, cpmcu_layer_tensors, read_cpmcu_layer
 from quantkit.formats.marlin import marlin_shapes, read_marlin_tensors
-from quantkit.models.layers import DOWN, GATE, K, LINEARS, O, Q, UP, V, layer_prefix
+from quantkit.models.layers import DOWN, GATE, LINEARS, O_PROJ, UP, K, Q, V, layer_prefix
 from quantkit.quant import QuantConfig, QuantizedTensor, default_g_idx
 
 PREFIX = layer_prefix(3)
 W4G128 = QuantConfig(4, 128, True)
 
 # (out_features, in_features) per linear.
-MINICPM_8B = {Q: (4096, 4096), K: (256, 4096), V: (256, 4096), O: (4096, 4096),
+MINICPM_8B = {Q: (4096, 4096), K: (256, 4096), V: (256, 4096), O_PROJ: (4096, 4096),
               GATE: (16384, 4096), UP: (16384, 4096), DOWN: (4096, 16384)}
 # The same structure scaled down (hidden 256, 2 KV heads of 32, intermediate 512).
-SMALL = {Q: (256, 256), K: (64, 256), V: (64, 256), O: (256, 256), GATE: (512, 256), UP: (512, 256), DOWN: (256, 512)}
+SMALL = {Q: (256, 256), K: (64, 256), V: (64, 256), O_PROJ: (256, 256),
+         GATE: (512, 256), UP: (512, 256), DOWN: (256, 512)}
 
-# minicpm4.md §6.1: CPM.cu model_gptq.safetensors tensors of one MiniCPM4.1-8B decoder layer.
+# docs/formats.md, "CPM.cu": model_gptq.safetensors tensors of one MiniCPM4.1-8B decoder layer.
 CPMCU_8B_TENSORS = {
     "self_attn.qkv_proj.qweight": (torch.int32, (256, 9216)), "self_attn.qkv_proj.scales": (torch.float16, (32, 4608)),
     "self_attn.o_proj.qweight": (torch.int32, (256, 8192)), "self_attn.o_proj.scales": (torch.float16, (32, 4096)),
@@ -52,7 +53,8 @@ def _assert_layer_round_trip(shapes, config):
 
 
 def test_packed_modules_follow_the_fusion_table():
-    assert PACKED_MODULES == {"self_attn.qkv_proj": (Q, K, V), O: (O,), "mlp.gate_up_proj": (GATE, UP), DOWN: (DOWN,)}
+    assert PACKED_MODULES == {"self_attn.qkv_proj": (Q, K, V), O_PROJ: (O_PROJ,),
+                              "mlp.gate_up_proj": (GATE, UP), DOWN: (DOWN,)}
     assert sorted(name for parts in PACKED_MODULES.values() for name in parts) == sorted(LINEARS)
 
 

@@ -28,7 +28,7 @@ def _words(tensor):
     return tensor.numpy().view(np.uint32)
 
 
-# --- independent NumPy decoder, written from the layout tables in formats.md §1.2 ---------------
+# --- independent NumPy decoder, written from the layout tables in docs/formats.md, "GPTQ" ---------------
 
 def _np_unpack_rows(words, bits):
     w = words.view(np.uint32).astype(np.int64)
@@ -46,7 +46,7 @@ def _np_unpack_rows(words, bits):
 
 
 def _np_reference_dequant(tensors, bits, prefix=PREFIX):
-    """formats.md §1.3: W = (q - ((z + 1) & maxq)[g_idx]) * scales[g_idx], transposed to [N, K]."""
+    """docs/formats.md, "GPTQ zero points": W = (q - ((z + 1) & maxq)[g_idx]) * scales[g_idx], transposed to [N, K]."""
     maxq = 2**bits - 1
     get = lambda name: tensors[f"{prefix}.{name}" if prefix else name].numpy()  # noqa: E731
     q = _np_unpack_rows(get("qweight"), bits)

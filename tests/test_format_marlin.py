@@ -21,7 +21,7 @@ W4G128 = QuantConfig(4, 128, True)
 W4_CHANNEL = QuantConfig(4, -1, True)
 
 
-# --- independent reference, element by element from formats.md §3.2 ---------------------------
+# --- independent reference, element by element from docs/formats.md, "Marlin" ---------------------------
 # Word c of tiled row kt, nibble s, holds position P = 8c + s of the permuted row. P lies in run
 # P // 1024 (four tiles side by side); inside the run, thread t = p // 32 owns positions
 # [32t, 32t + 32), 8 per tile j; the 8 are interleaved [0,2,4,6,1,3,5,7] and entry e of a

@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import built_cpu_ops
 from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.formats.ternary import (
     pack_planes,
@@ -17,6 +16,8 @@ from quantkit.formats.ternary import (
 )
 from quantkit.quant import QuantConfig, QuantizedTensor, search_group_params
 from quantkit.recipe import RecipeError, load_recipe
+
+from helpers import built_cpu_ops
 
 PREFIX = "model.layers.0.mlp.down_proj"
 TERNARY_G32 = QuantConfig(2, 32, sym=False, ternary=True)

@@ -97,9 +97,8 @@ def test_quantized_export_matches_quantkit_reference_in_llama_cpp(default_model,
 
 @pytest.mark.slow  # the default model, exported in every type
 def test_tokenizer_matches_llama_cpp(default_model, exports):
-    from transformers import AutoTokenizer
-
     import llama_cpp
+    from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(default_model)
     llm = llama_cpp.Llama(str(exports["q8_0"][1]), vocab_only=True, verbose=False)
     samples = [TEXT, "  leading spaces\tand tabs\n\n\nnewlines", "x=12345678901234567890; y = 3.14159",
@@ -114,9 +113,8 @@ def test_tokenizer_matches_llama_cpp(default_model, exports):
 
 @pytest.mark.slow  # the default model, exported in every type
 def test_greedy_chat_generation_matches_llama_cpp(default_model, exports):
-    from transformers import AutoTokenizer
-
     import llama_cpp
+    from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(default_model)
     messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -296,10 +294,11 @@ def test_every_minicpm_tensor_name_round_trips(tiny_checkpoint):
 
 def test_gptq_artifact_reaches_llama_cpp_on_its_own_grid(marlin_legal, tmp_path):
     """The gguf-q4_0 recipe's GPTQ codes and scales are written as Q4_0 blocks unchanged."""
-    from helpers import small_recipe
     from quantkit.engine import quantize
     from quantkit.loading import load_model
     from quantkit.models.layers import LINEARS
+
+    from helpers import small_recipe
 
     artifact = tmp_path / "gptq"
     quantize(marlin_legal, small_recipe("gguf-q4_0", tmp_path), artifact, progress=False)
@@ -329,9 +328,8 @@ def sentencepiece_checkpoint(tiny_checkpoint_factory, tmp_path_factory):
     import shutil
     from pathlib import Path
 
-    import sentencepiece
-
     import quantkit.calib_data
+    import sentencepiece
 
     folder = tmp_path_factory.mktemp("spm") / "model"
     shutil.copytree(tiny_checkpoint_factory(vocab_size=1216), folder)

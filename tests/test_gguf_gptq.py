@@ -97,8 +97,9 @@ def test_solver_refuses_what_blocks_cannot_hold():
 
 
 def test_recipe_rejects_algorithms_that_cannot_solve_blocks(tmp_path):
-    from helpers import small_recipe
     from quantkit.recipe import RecipeError
+
+    from helpers import small_recipe
 
     with pytest.raises(RecipeError, match="'awq' cannot"):
         small_recipe("gguf-q4_k_m", tmp_path, algorithm="awq")
@@ -109,7 +110,6 @@ def test_q4_k_m_artifact_reaches_llama_cpp_unchanged(marlin_legal, tmp_path):
     """gguf-q4_k_m: every linear on its Q4_K_M type, error below llama.cpp's quantizer for each, the
     blocks copied into the file as they are, llama.cpp's logits on them equal quantkit's, and an
     interrupted run resumes to the same bytes."""
-    from helpers import small_recipe
     from test_engine import _artifact_bytes
     from test_gguf_export import _kl_top1, _llama_logits, _model
 
@@ -117,6 +117,8 @@ def test_q4_k_m_artifact_reaches_llama_cpp_unchanged(marlin_legal, tmp_path):
     from quantkit.gguf.export import export_gguf, exported_weights
     from quantkit.loading import load_model
     from quantkit.models.layers import LINEARS
+
+    from helpers import small_recipe
 
     artifact, baseline, resumed = tmp_path / "gptq", tmp_path / "rtn", tmp_path / "resumed"
     report = quantize(marlin_legal, small_recipe("gguf-q4_k_m", tmp_path), artifact, progress=False)

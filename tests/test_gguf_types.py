@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 from gguf.quants import dequantize as gguf_dequantize
 
-from llama_cpp_oracle import ggml_quantize
 from quantkit.gguf.types import TYPES
+
+from llama_cpp_oracle import ggml_quantize
 
 
 def _weights(rows=64, k=512, seed=0) -> np.ndarray:

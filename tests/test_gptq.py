@@ -11,8 +11,8 @@ from quantkit.quant import (
     default_g_idx,
     dequantize_codes,
     find_group_params,
-    search_group_params,
     quantize_codes,
+    search_group_params,
 )
 from quantkit.stats import InputStats, relative_error
 

@@ -7,12 +7,16 @@ import math
 
 import pytest
 import torch
+from quantkit.kernels.infllm import CompressedKeyCache, SparseAttentionConfig, cpu, reference, sparse_attention
+from quantkit.kernels.infllm.reference import (
+    compress_keys,
+    dense_causal_attention,
+    query_positions,
+    reference_block_selection,
+    sparse_attention_reference,
+)
 
 from helpers import built_cpu_ops
-from quantkit.kernels.infllm import CompressedKeyCache, SparseAttentionConfig, sparse_attention
-from quantkit.kernels.infllm import cpu, reference
-from quantkit.kernels.infllm.reference import (compress_keys, dense_causal_attention, query_positions,
-                                               reference_block_selection, sparse_attention_reference)
 
 # Scaled-down MiniCPM4.1 settings: same kernel/stride/block, a 128-token window and top-4, always sparse.
 SMALL = SparseAttentionConfig(window_size=128, topk=4, dense_len=-1)

@@ -4,8 +4,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-
 from quantkit.eval.interop.check_gptqmodel import (
     LogitCheck,
     RecordedLogits,
@@ -16,6 +14,7 @@ from quantkit.eval.interop.check_gptqmodel import (
     failures,
     run_gptqmodel,
 )
+from torch import nn
 
 
 def two_linears() -> nn.Module:

@@ -1,5 +1,5 @@
 """The native MiniCPM model against an independent float64 reference written here from the spec
-(reference/minicpm4.md §1), against transformers' Llama with μP folded into the weights, and the
+(docs/model.md, "μP scaling"), against transformers' Llama with μP folded into the weights, and the
 Auto-class registration, config round trip, chat template, fixtures and meta 8B shapes."""
 from __future__ import annotations
 
@@ -76,7 +76,8 @@ def ref_logits(checkpoint, input_ids: torch.Tensor) -> torch.Tensor:
     """Logits [T, V] of one sequence, in float64, straight from config.json and the weights file."""
     cfg = json.loads((checkpoint / "config.json").read_text())
     w = {k: v.double() for k, v in load_file(checkpoint / "model.safetensors").items()}
-    n_layers, n_heads, n_kv, d = (cfg[k] for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim"))
+    n_layers, n_heads, n_kv, d = (cfg[k] for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                                   "head_dim"))
     eps, length = cfg["rms_norm_eps"], input_ids.numel()
     branch = cfg["scale_depth"] / math.sqrt(n_layers)
     cos, sin = ref_cos_sin(cfg, length)
@@ -159,7 +160,8 @@ def test_rms_norm_casts_back_before_the_weight():
     xf = x.float()
     normalized = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
     expected = normalized * norm.weight
-    weight_in_fp32 = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.float()).to(torch.bfloat16)
+    weight_in_fp32 = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+                      * norm.weight.float()).to(torch.bfloat16)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, expected)
     assert not torch.equal(out, weight_in_fp32)  # the order is observable in bf16
@@ -361,7 +363,8 @@ THINK_CASES = {
     "enable_thinking=False": ([("user", "Hi")], {"enable_thinking": False}, "<think>\n\n</think>\n\n"),
     "/no_think": ([("user", "Hi /no_think")], {}, "<think>\n\n</think>\n\n"),
     "/think beats enable_thinking=False": ([("user", "Hi /think")], {"enable_thinking": False}, ""),
-    "/no_think beats enable_thinking=True": ([("user", "Hi /no_think")], {"enable_thinking": True}, "<think>\n\n</think>\n\n"),
+    "/no_think beats enable_thinking=True": (
+        [("user", "Hi /no_think")], {"enable_thinking": True}, "<think>\n\n</think>\n\n"),
     "marker holds for its turn only": (
         [("user", "A /no_think"), ("assistant", "B"), ("user", "C")], {}, ""),
 }
@@ -395,7 +398,8 @@ def test_tiny_checkpoint_is_byte_deterministic(tmp_path):
     second = write_tiny_checkpoint(tmp_path / "b", **kwargs)
     other_seed = write_tiny_checkpoint(tmp_path / "c", seed=1, **kwargs)
     names = sorted(p.name for p in first.iterdir())
-    assert names == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert names == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                     "tokenizer_config.json"]
     for name in names:
         assert (first / name).read_bytes() == (second / name).read_bytes(), name
     assert (first / "model.safetensors").read_bytes() != (other_seed / "model.safetensors").read_bytes()
@@ -407,21 +411,21 @@ def test_tiny_checkpoint_is_byte_deterministic(tmp_path):
 def test_meta_8b_shapes_and_parameter_count():
     config = minicpm41_8b_config()
     model = meta_model(config)
-    H, I, V, L, KV = 4096, 16384, 73448, 32, 2 * 128
+    H, intermediate, V, L, KV = 4096, 16384, 73448, 32, 2 * 128
     expected = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
     for i in range(L):
         p = f"model.layers.{i}."
         expected |= {
             p + "self_attn.q_proj.weight": (H, H), p + "self_attn.k_proj.weight": (KV, H),
             p + "self_attn.v_proj.weight": (KV, H), p + "self_attn.o_proj.weight": (H, H),
-            p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
-            p + "mlp.down_proj.weight": (H, I),
+            p + "mlp.gate_proj.weight": (intermediate, H), p + "mlp.up_proj.weight": (intermediate, H),
+            p + "mlp.down_proj.weight": (H, intermediate),
             p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
         }
     state = model.state_dict()
     assert {k: tuple(v.shape) for k, v in state.items()} == expected
     assert all(v.is_meta for v in state.values())
-    per_layer = 2 * H * H + 2 * KV * H + 3 * I * H + 2 * H
+    per_layer = 2 * H * H + 2 * KV * H + 3 * intermediate * H + 2 * H
     total = sum(p.numel() for p in model.parameters())
     assert total == L * per_layer + 2 * V * H + H == 8_185_253_888
     assert config.residual_scale == pytest.approx(1.4 / math.sqrt(32)) and config.logit_divisor == 16

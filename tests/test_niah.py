@@ -6,9 +6,8 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from transformers import AutoTokenizer
-
 from quantkit.eval import niah
+from transformers import AutoTokenizer
 
 TEXT = " ".join(f"Sentence number {i} talks about the weather in a small town." for i in range(400))
 

@@ -5,11 +5,13 @@ import json
 import pytest
 import torch
 
-from helpers import small_recipe
 from quantkit.artifact import staging_dir
 from quantkit.engine import quantize
 from quantkit.loading import load_model
 from quantkit.models.layers import DOWN, LINEARS
+
+from helpers import small_recipe
+
 
 def _errors(out):
     return {(e["layer"], name): err for e in json.loads((out / "quantkit.json").read_text())["layer_errors"]

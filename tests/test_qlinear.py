@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from quantkit.engine import quantize
 from quantkit.kernels.linear import load_linears
 from quantkit.kernels.linear.int4 import Int4Linear, pack_group_size
 from quantkit.kernels.linear.int8 import Int8RowLinear
 from quantkit.kernels.linear.ternary import TernaryLinear
 from quantkit.kernels.model import fuse_linears
+
+from quantkit.engine import quantize
 from quantkit.loading import load_model
 from quantkit.recipe import load_recipe
 

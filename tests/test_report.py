@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-
 from quantkit.eval.kld import kl_divergence
 from quantkit.eval.refcache import cached_reference, compute_reference, kl_against_reference
+
 from quantkit.loading import load_model
 
 
@@ -75,11 +75,11 @@ def test_report_scores_every_variant_and_repeats_exactly(tiny_checkpoint, tmp_pa
 
     runner = CliRunner()
     artifact = tmp_path / "rtn"
-    assert runner.invoke(main, ["quantize", "--recipe", "rtn-w4g128", "--model", str(tiny_checkpoint), "--out", str(artifact),
-                                "--no-progress", "--set", "calibration.n_samples=4"]).exit_code == 0
-    args = ["eval", "report", "--ref", str(tiny_checkpoint), "--variants", str(artifact), "--max-tokens", "300", "--window",
-            "128", "--cache-dir", str(tmp_path / "cache"), "--tasks", "family", "--task-limit", "3", "--draft",
-            str(tiny_checkpoint), "--accept-k", "2", "--json"]
+    assert runner.invoke(main, ["quantize", "--recipe", "rtn-w4g128", "--model", str(tiny_checkpoint), "--out",
+                                str(artifact), "--no-progress", "--set", "calibration.n_samples=4"]).exit_code == 0
+    args = ["eval", "report", "--ref", str(tiny_checkpoint), "--variants", str(artifact), "--max-tokens", "300",
+            "--window", "128", "--cache-dir", str(tmp_path / "cache"), "--tasks", "family", "--task-limit", "3",
+            "--draft", str(tiny_checkpoint), "--accept-k", "2", "--json"]
     runs = []
     for name in ("a", "b"):
         result = runner.invoke(main, [*args, "--out", str(tmp_path / name)])
@@ -96,6 +96,7 @@ def test_report_scores_every_variant_and_repeats_exactly(tiny_checkpoint, tmp_pa
     assert setup["tokens"] == 300 and len(setup["tokens_sha256"]) == 64 and "torch" in setup["packages"]
     for png in ("kl_vs_bits.png", "layer_error.png"):
         assert (tmp_path / "a" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "rtn" in (tmp_path / "a" / "report.md").read_text() and "Δ family" in (tmp_path / "a" / "report.md").read_text()
+    markdown = (tmp_path / "a" / "report.md").read_text()
+    assert "rtn" in markdown and "Δ family" in markdown
     again = runner.invoke(main, [*args, "--out", str(tmp_path / "a")])
     assert again.exit_code != 0 and "already exists" in again.output

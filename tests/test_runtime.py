@@ -9,9 +9,6 @@ import math
 import pytest
 import torch
 from click.testing import CliRunner
-
-from helpers import built_cpu_ops
-from quantkit.cli import main
 from quantkit.kernels.attention import make_attention, sparse_config_for
 from quantkit.kernels.chat import ChatSession
 from quantkit.kernels.device import check_device, require_capability
@@ -21,7 +18,11 @@ from quantkit.kernels.load import load_runtime_model
 from quantkit.kernels.model import RuntimeModel
 from quantkit.kernels.roofline import DEVICES, roofline, weight_bytes_per_token
 from quantkit.kernels.sampling import Sampler, Sampling
+
+from quantkit.cli import main
 from quantkit.loading import load_model
+
+from helpers import built_cpu_ops
 
 # Float32 runtime against the float32 model: the same operations in another order (fused q/k/v,
 # RoPE through roll): differences are float32 rounding, far below 1e-4 on logits of size ~10.
@@ -168,11 +169,13 @@ def test_default_model_answers_and_stops(default_model):
 
 def test_roofline_arithmetic(tiny_checkpoint):
     from quantkit.kernels.infllm import SparseAttentionConfig
+
     from quantkit.models import MiniCPMConfig
 
     config = MiniCPMConfig.from_pretrained(tiny_checkpoint)
     model = load_model(tiny_checkpoint)
-    expected_weights = 2 * sum(t.numel() for name, t in model.state_dict().items() if name != "model.embed_tokens.weight")
+    expected_weights = 2 * sum(t.numel() for name, t in model.state_dict().items()
+                               if name != "model.embed_tokens.weight")
     assert weight_bytes_per_token(tiny_checkpoint) == expected_weights
     per_key = config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
     dense = roofline(tiny_checkpoint, "rtx4090", 65536, None)
@@ -181,7 +184,8 @@ def test_roofline_arithmetic(tiny_checkpoint):
     sparse = roofline(tiny_checkpoint, "orin", 65536, SparseAttentionConfig())
     # 64 top-k + 32 window blocks of 64 tokens, plus the fine (stride 16) and coarse (stride 64) keys
     assert sparse.kv_bytes == (2 * 96 * 64 + 65536 // 16 + 65536 // 64) * per_key
-    assert sparse.attention == "InfLLM v2" and roofline(tiny_checkpoint, "orin", 4096, SparseAttentionConfig()).attention == "dense"
+    assert sparse.attention == "InfLLM v2"
+    assert roofline(tiny_checkpoint, "orin", 4096, SparseAttentionConfig()).attention == "dense"
     assert DEVICES["orin"].memory_bandwidth_gb_s == 204.8
     with pytest.raises(ValueError, match="unknown device"):
         roofline(tiny_checkpoint, "h100", 10, None)
@@ -235,8 +239,7 @@ def test_eval_ppl_through_the_runtime_dense_and_sparse(tiny_checkpoint):
 
 def test_fused_cpu_operators_match_their_pytorch_specification():
     import torch.nn.functional as F
-
-    from quantkit.kernels.infllm import dense_attention
+    from quantkit.kernels.infllm import causal_attention_of_last_positions
     from quantkit.kernels.model import rotate
 
     ops = built_cpu_ops()
@@ -263,7 +266,8 @@ def test_fused_cpu_operators_match_their_pytorch_specification():
     cache_k, cache_v = torch.randn(2, kv_heads, 40, dim, generator=g).bfloat16()
     one = torch.randn(q_heads, 1, dim, generator=g)
     got = ops.decode_attention(one, cache_k, cache_v, 33, dim ** -0.5).float()
-    want = dense_attention(one, cache_k[:, :33].float(), cache_v[:, :33].float()).transpose(0, 1).reshape(1, -1)
+    want = causal_attention_of_last_positions(one, cache_k[:, :33].float(), cache_v[:, :33].float())
+    want = want.transpose(0, 1).reshape(1, -1)
     assert ((got - want).abs() <= want.abs() * bf16_step + 1e-3).all()  # + fast-math exp
 
     gate_up = torch.randn(2, 2 * 100, generator=g).bfloat16()

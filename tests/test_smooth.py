@@ -19,7 +19,7 @@ from quantkit.algorithms.smooth import (
     smoothing_scale,
 )
 from quantkit.models import MiniCPMForCausalLM
-from quantkit.models.layers import DOWN, GATE, O, Q, SCALING_GROUPS, UP, V, scaling_groups_for
+from quantkit.models.layers import DOWN, GATE, O_PROJ, SCALING_GROUPS, UP, Q, V, scaling_groups_for
 from quantkit.quant import QuantConfig
 from quantkit.stats import InputStats
 
@@ -208,7 +208,7 @@ def test_apply_scale_divides_previous_op_and_multiplies_columns(tiny_checkpoint_
         "self_attn.k_proj.weight": original["self_attn.k_proj.weight"] * norm_in,
         f"{V}.weight": original[f"{V}.weight"] * norm_in / s_v[:, None],  # columns by one group, rows by the next
         f"{V}.bias": original[f"{V}.bias"] / s_v,
-        f"{O}.weight": original[f"{O}.weight"] * s_v,
+        f"{O_PROJ}.weight": original[f"{O_PROJ}.weight"] * s_v,
         f"{GATE}.weight": original[f"{GATE}.weight"] * norm_post,
         f"{UP}.weight": original[f"{UP}.weight"] * norm_post / s_up[:, None],
         f"{DOWN}.weight": original[f"{DOWN}.weight"] * s_up,
@@ -226,7 +226,7 @@ def test_smooth_layer_keeps_model_logits_and_beats_rtn(tiny_checkpoint_factory, 
     heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
     for layer, layer_stats in zip(model.model.layers, stats):
         results = smooth_layer(layer, layer_stats, CONFIG, heads, kv_heads)
-        assert list(results) == ([Q, O, GATE, DOWN] if mha else [Q, GATE, DOWN])
+        assert list(results) == ([Q, O_PROJ, GATE, DOWN] if mha else [Q, GATE, DOWN])
         for result in results.values():
             assert result.error <= result.rtn_error
         # The norm-fed groups see the outlier channels; measured 0.46-0.49× RTN's error.
@@ -257,7 +257,7 @@ def test_bad_inputs_raise_clear_errors(tiny_checkpoint_factory):
         apply_scale(layer, norm_group, torch.ones(100))
     with pytest.raises(ValueError, match="finite and positive"):
         apply_scale(layer, norm_group, torch.zeros(256))
-    with pytest.raises(ValueError, match=f"'{O}' takes 256 inputs but '{V}' outputs 16"):
+    with pytest.raises(ValueError, match=f"'{O_PROJ}' takes 256 inputs but '{V}' outputs 16"):
         apply_scale(layer, SCALING_GROUPS[1], torch.ones(16))  # v -> o under GQA
 
     stats = InputStats(256)

@@ -105,3 +105,26 @@ def test_hessian_norm_is_the_trace_across_row_blocks(monkeypatch):
 def test_rejects_unbatched_inputs():
     with pytest.raises(ValueError, match=r"expected inputs \[batch, seq, features\], got shape \(10, 96\)"):
         InputStats(FEATURES).add(torch.randn(10, FEATURES))
+
+
+def test_bf16_product_is_the_hardware_product_up_to_summation_order():
+    """Without bf16 hardware the product is taken in float32 from the bf16 operands: each entry is
+    within one bfloat16 rounding of PyTorch's own bf16 matmul, whichever path this CPU takes."""
+    from quantkit.stats import bf16_product
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 96, generator=g).bfloat16(), torch.randn(96, 80, generator=g).bfloat16()
+    exact = a.double() @ b.double()
+    got = bf16_product(a, b)
+    assert got.dtype == torch.bfloat16
+    assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()  # one bf16 rounding of the sum
+    emulated = (a.float() @ b.float()).bfloat16()
+    assert ((got.double() - emulated.double()).abs() <= emulated.double().abs() * 2**-7).all()
+
+
+def test_auto_compute_dtype_follows_the_hardware():
+    from quantkit.engine import compute_dtype
+    from quantkit.stats import BF16_IN_HARDWARE
+
+    assert compute_dtype("auto") == (torch.bfloat16 if BF16_IN_HARDWARE else torch.float32)
+    assert compute_dtype("float32") == torch.float32 and compute_dtype("bfloat16") == torch.bfloat16

@@ -8,10 +8,11 @@ import os
 # only has 1" before doing anything. An explicit setting from the caller wins.
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
 
-import quantkit  # noqa: E402,F401  (registers model_type "minicpm" with transformers' Auto classes)
 import gptqmodel  # noqa: E402
 from gptqmodel import BACKEND, GPTQConfig, GPTQModel  # noqa: E402
 from gptqmodel.nn_modules.qlinear import BaseQuantLinear  # noqa: E402
+
+import quantkit  # noqa: E402,F401  (registers model_type "minicpm" with transformers' Auto classes)
 
 __all__ = ["BACKEND", "DTYPES", "GPTQConfig", "GPTQModel", "BaseQuantLinear", "kernel_names", "versions"]
 

@@ -24,10 +24,9 @@ from pathlib import Path
 import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
-from tqdm.auto import tqdm
-
 from quantkit.eval.ppl import window_log_probs, windows
 from quantkit.eval.tasks.model import TaskModel
+from tqdm.auto import tqdm
 
 DEFAULT_MAX_GEN_TOKENS = 256
 

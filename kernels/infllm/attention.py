@@ -1,4 +1,4 @@
-"""``sparse_attention``: InfLLM v2 for prefill, chunked prefill and decode (reference minicpm4.md §2.2-2.3).
+"""``sparse_attention``: InfLLM v2 for prefill, chunked prefill and decode (docs/model.md, "InfLLM v2").
 
 One call attends the last T positions of one sequence, head-major like the runtime's KV cache:
 
@@ -14,18 +14,13 @@ into the cache, later calls only the windows completed since.
 from __future__ import annotations
 
 import torch
-
 from quantkit.kernels.infllm import cpu
 from quantkit.kernels.infllm.cache import CompressedKeyCache
-from quantkit.kernels.infllm.config import SparseAttentionConfig
 from quantkit.kernels.infllm.reference import check_inputs, compress_keys, query_positions
 
+from quantkit.models.sparse_attention import SparseAttentionConfig
+
 BACKENDS = ("cpu", "triton")
-
-
-def dense_attention(q, k, v) -> torch.Tensor:
-    """Causal attention of the last T positions (q [Hq, T, d], k/v [Hkv, S, d] -> [Hq, T, d])."""
-    return cpu.dense_attention(q, k, v)
 
 
 def sparse_attention(q, k, v, config: SparseAttentionConfig, cache: CompressedKeyCache | None = None, *,
@@ -46,7 +41,7 @@ def sparse_attention(q, k, v, config: SparseAttentionConfig, cache: CompressedKe
         raise ValueError("the cache was built for a different sparse_config")
     num_keys = k.shape[1]
     if config.is_dense(num_keys):
-        return cpu.dense_attention(q, k, v)
+        return cpu.causal_attention_of_last_positions(q, k, v)
     score_q, score_k = (q_nope, k_nope) if config.use_nope else (q, k)
     if cache is not None:
         fine, coarse = cache.update(score_k)

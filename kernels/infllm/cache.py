@@ -1,4 +1,4 @@
-"""Compressed-key cache for decode (reference minicpm4.md §2.3, ``InfLLMv2CacheLayer``).
+"""Compressed-key cache for decode (docs/model.md, "InfLLM v2"; the official ``InfLLMv2CacheLayer``).
 
 One per layer and sequence. It holds the fine (kernel 32, stride 16) and coarse (128, 64) mean-pooled
 keys and grows them as the sequence grows: an update pools only the windows that the new keys
@@ -9,9 +9,9 @@ cache reads the few keys each new window needs from it.
 from __future__ import annotations
 
 import torch
+from quantkit.kernels.infllm.reference import compress_keys, num_windows
 
 from quantkit.models.sparse_attention import SparseAttentionConfig
-from quantkit.kernels.infllm.reference import compress_keys, num_windows
 
 
 class _Rows:

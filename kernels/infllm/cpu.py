@@ -25,10 +25,10 @@ import math
 
 import torch
 import torch.nn.functional as F
-
 from quantkit.kernels import cpu_ops
-from quantkit.kernels.infllm.config import SparseAttentionConfig
 from quantkit.kernels.infllm.reference import forced_blocks
+
+from quantkit.models.sparse_attention import SparseAttentionConfig
 
 # Query tokens per stage-1 / stage-2 step: bounds the float32 score buffer (Hkv·G·chunk·n1) and the
 # gathered K/V (Hkv·chunk·6144·d) to tens of MB at 64K keys.
@@ -36,7 +36,7 @@ STAGE1_CHUNK = 64
 STAGE2_CHUNK = 16
 
 
-def dense_attention(q, k, v) -> torch.Tensor:
+def causal_attention_of_last_positions(q, k, v) -> torch.Tensor:
     """Causal attention of the last T positions through SDPA (the ``dense_len`` fallback and the
     benchmark's baseline). q [Hq, T, d], k/v [Hkv, S, d] -> [Hq, T, d].
 

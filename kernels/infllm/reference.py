@@ -1,10 +1,11 @@
 """InfLLM v2 sparse attention, readable PyTorch: the specification the fast paths are tested against.
 
-Follows reference minicpm4.md §2.2 (the HF / infllmv2_cuda_impl path of MiniCPM4.1) step by step,
+Follows docs/model.md, "InfLLM v2" (the HF / infllmv2_cuda_impl path of MiniCPM4.1) step by step,
 in float32, for one sequence. Layout is head-major, as in the model's attention and KV cache
 ([B, H, T, d] without the batch): ``q [Hq, T, d]`` are the queries of the *last* T positions of a
 sequence whose keys and values are ``k, v [Hkv, S, d]`` (T == S: prefill; T == 1: a decode step; in
-between: a prefill chunk after a cache). Query i sits at absolute position ``S - T + i``; every rule below is written in absolute
+between: a prefill chunk after a cache). Query i sits at absolute position ``S - T + i``; every rule
+below is written in absolute
 positions, which makes prefill and decode one computation (§2.3: in decode "the kernel that ends at
 the current token is already usable", the same rule as prefill's ``16c + 31 <= r``).
 """

@@ -7,19 +7,23 @@ its grid calls for:
 | backend     | 4-bit uniform grid (gptq, awq, marlin, cpmcu)     | anything else (2/3/8-bit, GGUF types) |
 |-------------|---------------------------------------------------|---------------------------------------|
 | "reference" | float32 dequantized weight (what the file means)   | same                                  |
-| "cpu"       | ``Int4Linear``: packed int4 decode, bf16 prefill   | ternary: ``TernaryLinear`` on the stored bit planes; others: bf16 dequantized weight |
-| "triton"    | the stored tensors of Marlin (``TritonMarlinLinear``) and AWQ artifacts; ``TritonW4A16Linear`` over the GPTQ layout for the others | bf16 dequantized weight |
+| "cpu"       | ``Int4Linear``: packed int4 decode, bf16 prefill   | ternary: see [1]; others: bf16 dequantized weight |
+| "triton"    | see [2]                                           | bf16 dequantized weight               |
+
+[1] ``TernaryLinear`` on the stored bit planes.
+[2] the stored tensors of Marlin (``TritonMarlinLinear``) and AWQ artifacts; ``TritonW4A16Linear`` over
+    the GPTQ layout for the others.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+from quantkit.kernels.linear.int4 import Int4Linear
+from quantkit.kernels.linear.ternary import TernaryLinear
 from torch import nn
 
 from quantkit.formats.gptq import tensor_key
-from quantkit.kernels.linear.int4 import Int4Linear
-from quantkit.kernels.linear.ternary import TernaryLinear
 from quantkit.quant import QuantizedTensor
 from quantkit.reader import ArtifactReader, layer_records
 
@@ -85,7 +89,8 @@ STORED_LAYOUTS = {("triton", "marlin"): _triton_marlin, ("triton", "awq"): _trit
                   ("cpu", "ternary"): _cpu_ternary}
 
 
-def load_linears(model_dir: str | Path, backend: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> dict[str, nn.Module]:
+def load_linears(model_dir: str | Path, backend: str = "cpu",
+                 dtype: torch.dtype = torch.bfloat16) -> dict[str, nn.Module]:
     """Every quantized linear of an artifact as a module, keyed by its name (``model.layers.3.mlp.up_proj``);
     {} for an unquantized checkpoint. CPM.cu's fused tensors come back as their q/k/v and gate/up parts."""
     artifact = ArtifactReader(model_dir)

@@ -16,8 +16,8 @@ import math
 
 import torch
 import torch.nn.functional as F
-
 from quantkit.kernels.linear.packed import PackedLinear, fused_bias
+
 from quantkit.quant import QuantizedTensor
 
 PACK_GROUP_SIZES = (256, 128, 64, 32)  # what the packed kernel accepts, largest first

@@ -8,7 +8,6 @@ the bf16 dequantized weight.
 from __future__ import annotations
 
 import torch
-
 from quantkit.kernels.linear.packed import PackedLinear
 
 

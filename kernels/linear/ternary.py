@@ -10,10 +10,10 @@ weight on AMX, like the 4-bit linears. Without a compiler, decode also uses the 
 from __future__ import annotations
 
 import torch
-
-from quantkit.formats.ternary import LANES, ternary_tensors, unpack_planes
 from quantkit.kernels import cpu_ops
 from quantkit.kernels.linear.packed import PackedLinear, fused_bias
+
+from quantkit.formats.ternary import LANES, ternary_tensors, unpack_planes
 from quantkit.quant import QuantizedTensor
 
 
@@ -49,7 +49,8 @@ class TernaryLinear(PackedLinear):
     def decode(self, rows: torch.Tensor) -> torch.Tensor | None:
         if self._ops is None:
             return None
-        return self._ops.ternary_gemv(rows.float().contiguous(), self.planes, self.scales, self.group_size).to(rows.dtype)
+        return self._ops.ternary_gemv(rows.float().contiguous(), self.planes, self.scales,
+                                      self.group_size).to(rows.dtype)
 
     @classmethod
     def fuse(cls, modules: list["TernaryLinear"]) -> "TernaryLinear | None":

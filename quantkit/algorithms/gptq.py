@@ -35,10 +35,10 @@ from quantkit.quant import (
     default_g_idx,
     dequantize_codes,
     find_group_params,
-    search_group_params,
     group_slices,
     quantize_codes,
     require_finite,
+    search_group_params,
 )
 
 logger = logging.getLogger(__name__)

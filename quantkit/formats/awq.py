@@ -1,6 +1,6 @@
 """AutoAWQ GEMM layout (``version: "gemm"``), the AWQ checkpoints vLLM and transformers load.
 
-Per linear (K = in_features, N = out_features; reference: formats.md §2.1):
+Per linear (K = in_features, N = out_features; see docs/formats.md, "AutoAWQ GEMM"):
 
 - ``qweight`` int32 [K, N/8]: the codes as a [K, N] matrix packed along N, eight per word;
   nibble i of word c holds column ``8c + AWQ_ORDER[i]``.

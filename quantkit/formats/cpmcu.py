@@ -1,4 +1,4 @@
-"""CPM.cu's ``model_gptq.safetensors`` layout for one decoder layer (minicpm4.md §6.1, formats.md §3.4).
+"""CPM.cu's ``model_gptq.safetensors`` layout for one decoder layer (docs/formats.md, "CPM.cu").
 
 CPM.cu runs one Marlin GEMM per projection it fuses: the parts listed in ``FUSIONS`` are
 concatenated along the output dimension *before* the Marlin repack (gate before up, q, k, v in

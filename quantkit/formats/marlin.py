@@ -1,6 +1,6 @@
 """Marlin W4A16 weight layout: IST-DASLab marlin, vLLM gptq_marlin (after its repack), CPM.cu.
 
-Per linear (K = in_features, N = out_features; reference: formats.md §3.2):
+Per linear (K = in_features, N = out_features; see docs/formats.md, "Marlin"):
 
 - ``qweight`` int32 [K/16, 2N]: the GPTQ codes as a [K, N] matrix, cut into 16×16 tiles laid out
   tile by tile; each run of 1024 tiled values (four tiles side by side) is permuted by
@@ -150,7 +150,8 @@ def marlin_tensors(qt: QuantizedTensor, prefix: str) -> dict[str, Tensor]:
     n, k = qt.shape
     check_marlin(qt.config, k, n, name=prefix)
     _require_natural_sym_grid(qt, prefix)
-    return {tensor_key(prefix, "qweight"): pack_codes(qt.codes), tensor_key(prefix, "scales"): permute_scales(qt.scales)}
+    return {tensor_key(prefix, "qweight"): pack_codes(qt.codes),
+            tensor_key(prefix, "scales"): permute_scales(qt.scales)}
 
 
 def read_marlin_tensors(tensors: Mapping[str, Tensor], prefix: str, in_features: int, out_features: int,
@@ -181,7 +182,7 @@ def quantization_config(config: QuantConfig, *, desc_act: bool = False, static_g
                         quantizer: str | None = None) -> dict[str, Any]:
     """``config.json["quantization_config"]`` of a Marlin (CPM.cu) checkpoint.
 
-    CPM.cu's own Marlin checkpoints keep the GPTQ source's config unchanged (formats.md §3.4); CPM.cu
+    CPM.cu's own Marlin checkpoints keep the GPTQ source's config unchanged (docs/formats.md, "CPM.cu"); CPM.cu
     reads ``group_size`` from it, and its converter insists on a top-level ``static_groups: true``
     (its guarantee of natural group order, which every Marlin record has). vLLM's legacy
     ``"marlin"`` method would instead want tensors named ``B``/``s`` and is gone from recent vLLM.

@@ -1,6 +1,6 @@
 """Write a MiniCPM checkpoint (unquantized, or any artifact quantkit reads) as a llama.cpp GGUF.
 
-The file is what llama.cpp's MiniCPM architecture expects (formats.md §4): μP multipliers as
+The file is what llama.cpp's MiniCPM architecture expects (docs/gguf.md, "What the file holds"): μP multipliers as
 ``minicpm.embedding_scale`` / ``residual_scale`` / ``logit_scale`` (weights unchanged), q/k rows
 permuted for GGML's rope, LongRoPE factors as ``rope_factors_long/short``, the tokenizer and chat
 template, and ``sparse_config`` (which llama.cpp has no key for) under ``quantkit.sparse_config``.
@@ -21,13 +21,13 @@ import torch
 from tqdm.auto import tqdm
 
 from quantkit.atomic import atomic_path
-from quantkit.gguf.mixes import FILE_TYPES, choose_type
 from quantkit.gguf.exact import exact_blocks
+from quantkit.gguf.mixes import FILE_TYPES, choose_type
 from quantkit.gguf.names import gguf_name, permute_rows, unpermute_rows
 from quantkit.gguf.types import TensorType
 from quantkit.gguf.vocab import read_vocab
 from quantkit.models import MiniCPMConfig, MiniCPMRotaryEmbedding
-from quantkit.models.layers import K, Q, layer_prefix
+from quantkit.models.layers import K, Q
 from quantkit.models.minicpm import weight_shapes
 from quantkit.quant import QuantizedTensor
 from quantkit.reader import ArtifactReader

@@ -4,7 +4,7 @@
 - Q4_K / Q5_K: 8 sub-blocks of 32, 4/5-bit codes with a minimum, 6-bit scales and mins packed in
   12 bytes, fp16 ``d`` and ``dmin`` (``make_qkx2_quants``, weights av|x| + |x|).
 
-Each repeats ggml's ``quantize_row_*_ref`` (formats.md §4.5) in float32 with sums in the C code's
+Each repeats ggml's ``quantize_row_*_ref`` (docs/formats.md, "GGUF blocks") in float32 with sums in the C code's
 order, so the bytes equal llama.cpp's (tested against ``ggml_quantize_chunk``).
 """
 from __future__ import annotations
@@ -180,7 +180,7 @@ def make_qkx2_quants(x: np.ndarray, weights: np.ndarray, nmax: int, rmin: float,
 
 
 def _pack_scales_mins(ls: np.ndarray, lm: np.ndarray) -> np.ndarray:
-    """6-bit scales and mins [blocks, 8] -> the 12-byte K-quant layout (formats.md §4.5)."""
+    """6-bit scales and mins [blocks, 8] -> the 12-byte K-quant layout (docs/formats.md, "GGUF blocks")."""
     packed = np.zeros((ls.shape[0], 12), dtype=np.uint8)
     packed[:, 0:4] = ls[:, :4] | (ls[:, 4:] >> 4) << 6
     packed[:, 4:8] = lm[:, :4] | (lm[:, 4:] >> 4) << 6

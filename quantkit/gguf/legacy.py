@@ -3,7 +3,8 @@ fp16 scale (and for the _1 types an fp16 minimum); the 5-bit types keep each cod
 32-bit mask.
 
 Each quantizer repeats the float32 arithmetic of ggml's reference C code
-(``quantize_row_*_ref``, formats.md §4.5), so the bytes are identical to llama.cpp's own quantizer.
+(``quantize_row_*_ref``; layouts in docs/formats.md, "GGUF blocks"), so the bytes are identical to
+llama.cpp's own quantizer.
 The tests compare them against ``ggml_quantize_chunk`` from the llama.cpp library that
 llama-cpp-python ships. Inputs are float32 arrays [..., K] with K a multiple of 32. Outputs are uint8
 arrays [..., K/32 · block bytes].

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantkit.models.layers import DOWN, EMBEDDING, FINAL_NORM, GATE, K, LM_HEAD, O, Q, UP, V
+from quantkit.models.layers import DOWN, EMBEDDING, FINAL_NORM, GATE, LM_HEAD, O_PROJ, UP, K, Q, V
 
 # GGUF tensor stems -> MiniCPM names; the per-layer ones are relative to model.layers.{i}.
 GLOBAL_TENSORS: dict[str, str] = {
@@ -18,7 +18,7 @@ GLOBAL_TENSORS: dict[str, str] = {
 LAYER_TENSORS: dict[str, str] = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
-    "attn_q": Q, "attn_k": K, "attn_v": V, "attn_output": O,
+    "attn_q": Q, "attn_k": K, "attn_v": V, "attn_output": O_PROJ,
     "ffn_gate": GATE, "ffn_up": UP, "ffn_down": DOWN,
 }
 LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")

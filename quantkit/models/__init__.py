@@ -23,7 +23,7 @@ from quantkit.models.minicpm import (
     MiniCPMPreTrainedModel,
     MiniCPMRMSNorm,
     MiniCPMRotaryEmbedding,
-    dense_attention,
+    sdpa_attention_core,
 )
 
 CHAT_TEMPLATE: str = files(__package__).joinpath("chat_template.jinja").read_text(encoding="utf-8")
@@ -45,5 +45,5 @@ __all__ = [
     "MiniCPMRMSNorm",
     "MiniCPMRotaryEmbedding",
     "SparseAttentionConfig",
-    "dense_attention",
+    "sdpa_attention_core",
 ]

@@ -66,7 +66,7 @@ TINY_CONTEXT = 256
 
 
 def minicpm41_8b_config() -> MiniCPMConfig:
-    """MiniCPM4.1-8B's configuration (reference minicpm4.md §1.1), with the 128K LongRoPE factors."""
+    """MiniCPM4.1-8B's configuration (docs/model.md, "Configuration"), with the 128K LongRoPE factors."""
     return MiniCPMConfig(
         architectures=["MiniCPMForCausalLM"],
         vocab_size=73448,
@@ -162,7 +162,8 @@ def _tiny_config(tokenizer: Tokenizer, *, tied, longrope, num_hidden_layers, hid
     )
 
 
-def _random_tensor(name: str, shape: tuple[int, ...], config: MiniCPMConfig, generator: torch.Generator) -> torch.Tensor:
+def _random_tensor(name: str, shape: tuple[int, ...], config: MiniCPMConfig,
+                   generator: torch.Generator) -> torch.Tensor:
     """Scaled so activations stay O(1): linears ~ N(0, 1/fan_in), embeddings ~ N(0, 1/scale_emb²), norm
     weights ~ 1 + N(0, 0.1²) (not all ones, so a misplaced norm weight shows), o_proj bias 0."""
     noise = torch.randn(shape, generator=generator)

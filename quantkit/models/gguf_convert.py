@@ -23,11 +23,11 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
 from quantkit.atomic import publish_dir, save_safetensors, write_json
+from quantkit.gguf.names import LAYER_TENSOR_NAME, LAYER_TENSORS, minicpm_name, unpermute_rows
 from quantkit.models.configuration_minicpm import MiniCPMConfig
-from quantkit.gguf.names import LAYER_TENSORS, LAYER_TENSOR_NAME, minicpm_name, unpermute_rows
-from quantkit.models.layers import DOWN, EMBEDDING, K, LM_HEAD, O, Q, layer_prefix
+from quantkit.models.layers import DOWN, EMBEDDING, LM_HEAD, O_PROJ, K, Q, layer_prefix
 
-# MiniCPM4.1-8B's μP constants (minicpm4.md §1.1); every converted model carries them.
+# MiniCPM4.1-8B's μP constants (docs/model.md, "μP scaling"); every converted model carries them.
 SCALE_EMB = 12.0
 SCALE_DEPTH = 1.4
 DIM_MODEL_BASE = 256
@@ -50,7 +50,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 }
 
 # Residual-branch outputs: MiniCPM multiplies them by scale_depth/√L, so they are stored divided.
-RESIDUAL_OUTPUTS: tuple[str, ...] = (O, DOWN)
+RESIDUAL_OUTPUTS: tuple[str, ...] = (O_PROJ, DOWN)
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -99,7 +99,8 @@ def read_hparams(reader) -> dict:
     for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
         value = _field(reader, f"{arch}.{key}", head_dim)
         if value != head_dim:
-            raise ValueError(f"GGUF {arch}.{key}={value} differs from hidden/heads={head_dim}; MiniCPM needs them equal")
+            raise ValueError(f"GGUF {arch}.{key}={value} differs from hidden/heads={head_dim}; "
+                             "MiniCPM needs them equal")
     return {"architecture": arch, **hp}
 
 
@@ -126,7 +127,7 @@ def convert_tensors(reader, hparams: dict, progress: bool = True) -> dict[str, t
     tensors[EMBEDDING] = embedding / SCALE_EMB
     if spec.attention_bias:
         for i in range(hparams["num_hidden_layers"]):
-            tensors[f"{layer_prefix(i)}{O}.bias"] = torch.zeros(hparams["hidden_size"])
+            tensors[f"{layer_prefix(i)}{O_PROJ}.bias"] = torch.zeros(hparams["hidden_size"])
     return tensors
 
 

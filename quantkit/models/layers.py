@@ -11,15 +11,15 @@ from dataclasses import dataclass
 
 LAYER_PREFIX = "model.layers.{index}."
 
-Q, K, V, O = "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"
+Q, K, V, O_PROJ = "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"
 GATE, UP, DOWN = "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"
 
 # Every quantizable linear of a decoder layer, in checkpoint order.
-LINEARS: tuple[str, ...] = (Q, K, V, O, GATE, UP, DOWN)
+LINEARS: tuple[str, ...] = (Q, K, V, O_PROJ, GATE, UP, DOWN)
 
 # True-sequential order: each group is quantized after the groups before it, so its calibration
 # inputs already carry the quantization error of the earlier ones.
-SEQUENTIAL_GROUPS: tuple[tuple[str, ...], ...] = ((Q, K, V), (O,), (GATE, UP), (DOWN,))
+SEQUENTIAL_GROUPS: tuple[tuple[str, ...], ...] = ((Q, K, V), (O_PROJ,), (GATE, UP), (DOWN,))
 
 # The projections attention reads: once they are quantized, o_proj's input is fixed for the layer.
 ATTENTION_PROJECTIONS: tuple[str, ...] = (Q, K, V)
@@ -38,7 +38,7 @@ class ScalingGroup:
 
 SCALING_GROUPS: tuple[ScalingGroup, ...] = (
     ScalingGroup("input_layernorm", (Q, K, V)),
-    ScalingGroup(V, (O,), needs_mha=True),
+    ScalingGroup(V, (O_PROJ,), needs_mha=True),
     ScalingGroup("post_attention_layernorm", (GATE, UP)),
     ScalingGroup(UP, (DOWN,)),
 )

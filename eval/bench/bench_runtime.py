@@ -6,23 +6,20 @@ Prefill: one forward over a prompt of held-out text. Decode: greedy tokens after
 at a time. Each is the median of ``--repeats`` runs; ratios are against transformers float32 and
 llama.cpp Q4_0. A profile of quantkit's decode step says where its time goes.
 
-    python -m quantkit.eval.bench_runtime --artifact out/runtime-w4 --out out/bench-runtime
+    python -m quantkit.eval.bench.bench_runtime --artifact out/runtime-w4 --out out/bench-runtime
 """
 from __future__ import annotations
 
-import json
-import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import click
 import numpy as np
 import torch
+from quantkit.eval.bench.common import machine, median_rate, median_seconds, report
 
-from quantkit.eval.bench_methods import machine
 from quantkit.table import format_table
 
 
@@ -34,21 +31,10 @@ class Contender:
     decode_bytes_per_token: float | None = None
 
 
-def median_rate(run: Callable[[], float], count: int, repeats: int) -> float:
-    """Tokens per second: ``run`` returns its own elapsed seconds for ``count`` tokens."""
-    return count / statistics.median(run() for _ in range(repeats))
-
-
 def memory_bandwidth_gb_s(repeats: int = 5) -> float:
     """Read bandwidth as a 1 GiB float32 reduction sees it (what a decode step's weight stream gets)."""
     data = torch.ones(2**28)
-    data.sum()
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        data.sum()
-        seconds.append(time.perf_counter() - start)
-    return data.numel() * 4 / statistics.median(seconds) / 1e9
+    return data.numel() * 4 / median_seconds(data.sum, repeats) / 1e9
 
 
 def bench_quantkit(artifact: Path, prompt: list[int], new_tokens: int, repeats: int):
@@ -92,10 +78,10 @@ def bench_transformers(model_dir: Path, dtype: torch.dtype, prompt: list[int], n
     @torch.inference_mode()
     def decode() -> float:
         cache = DynamicCache(config=model.config)
-        token = model(ids, past_key_values=cache, logits_to_keep=1).logits[0, -1].argmax()
+        token = model(ids, cache=cache, logits_to_keep=1).logits[0, -1].argmax()
         start = time.perf_counter()
         for _ in range(new_tokens):
-            token = model(token.view(1, 1), past_key_values=cache).logits[0, -1].argmax()
+            token = model(token.view(1, 1), cache=cache).logits[0, -1].argmax()
         return time.perf_counter() - start
 
     return median_rate(prefill, len(prompt), repeats), median_rate(decode, new_tokens, repeats)
@@ -103,7 +89,6 @@ def bench_transformers(model_dir: Path, dtype: torch.dtype, prompt: list[int], n
 
 def bench_llamacpp(gguf: Path, prompt: list[int], new_tokens: int, repeats: int, threads: int):
     import llama_cpp
-
     from quantkit.eval.llamacpp import disable_weight_repacking
 
     disable_weight_repacking()
@@ -193,10 +178,10 @@ def main(model, artifact, gguf, prompt_tokens, new_tokens, repeats, threads, out
     from transformers import AutoTokenizer
 
     from quantkit import calib
-    from quantkit.cli import _resolve_model
+    from quantkit.models.zoo import resolve_model
 
     torch.set_num_threads(threads)
-    model_dir = _resolve_model(model)
+    model_dir = resolve_model(model)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompt = calib.heldout_tokens(tokenizer, max_tokens=prompt_tokens)[:prompt_tokens].tolist()
@@ -233,12 +218,9 @@ def main(model, artifact, gguf, prompt_tokens, new_tokens, repeats, threads, out
     summary = (f"quantkit decode reads {ours_bytes / 1e6:.1f} MB per token (context {context}): ceiling "
                f"{ceiling:.0f} tok/s at {bandwidth:.1f} GB/s; measured {ours_decode:.1f} tok/s = "
                f"{ours_decode / ceiling:.0%} of the ceiling")
-    payload = {"setup": header, "bandwidth_gb_s": bandwidth, "ceiling_tok_s": ceiling,
-               "rows": [asdict(c) for c in contenders], "decode_profile": profile}
-    (out / "bench.json").write_text(json.dumps(payload, indent=2))
-    text = f"{header}\n\n{table}\n\n{summary}\n\nquantkit decode profile (top ops by self CPU time):\n{profile_table}"
-    (out / "bench.md").write_text(f"```\n{text}\n```\n")
-    click.echo(text)
+    report(header, table, contenders, json_path=out / "bench.json", markdown_path=out / "bench.md",
+           notes=f"{summary}\n\nquantkit decode profile (top ops by self CPU time):\n{profile_table}",
+           extra={"bandwidth_gb_s": bandwidth, "ceiling_tok_s": ceiling, "decode_profile": profile})
 
 
 if __name__ == "__main__":

@@ -4,22 +4,20 @@ ternary bit-plane kernel (``TernaryLinear``, g32). Ratios are dense time over ea
 above 1 is faster than bf16; medians of repeats. ``DECODE_ROWS`` in kernels/linear/packed.py comes
 from where the packed kernels stop beating the bf16 matmul.
 
-    python -m quantkit.eval.bench_linear --json out/bench-linear.json
+    python -m quantkit.eval.bench.bench_linear --json out/bench-linear.json
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 import torch
-
-from quantkit.algorithms.rtn import rtn_quantize
-from quantkit.eval.bench_methods import machine
-from quantkit.eval.bench_sparse import median_seconds, report
+from quantkit.eval.bench.common import machine, median_seconds, report, timing_options
 from quantkit.kernels.linear import dense_linear
 from quantkit.kernels.linear.int4 import Int4Linear
 from quantkit.kernels.linear.ternary import TernaryLinear
+
+from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.quant import QuantConfig
+from quantkit.table import format_table
 
 SHAPES = {"q_proj / o_proj": (4096, 4096), "gate_proj / up_proj": (16384, 4096), "down_proj": (4096, 16384)}
 PATHS = {
@@ -30,9 +28,7 @@ PATHS = {
 
 @click.command()
 @click.option("--rows", default="1,4,16,256", show_default=True, help="Activation rows (tokens) per call.")
-@click.option("--repeats", default=9, show_default=True)
-@click.option("--threads", default=2, show_default=True)
-@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None)
+@timing_options(repeats=9)
 def main(rows, repeats, threads, json_path):
     torch.set_num_threads(threads)
     table, records = [], []
@@ -54,7 +50,7 @@ def main(rows, repeats, threads, json_path):
     setup = (f"one linear, bf16 activations; ratio = bf16 dense time / path time; median of {repeats}; "
              f"{threads} threads; machine: {machine()}")
     headers = ["linear", "N x K", "rows", "bf16 dense ms", *(f"{name} speed-up" for name in PATHS)]
-    report(setup, headers, table, records, json_path)
+    report(setup, format_table(headers, table), records, json_path=json_path)
 
 
 if __name__ == "__main__":

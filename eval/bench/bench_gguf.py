@@ -6,16 +6,19 @@ quantizes quantkit's F32 export; the table says whether their tensors are identi
 each took. Each file is then scored in llama.cpp against the F32 file (also in llama.cpp):
 perplexity, mean KL and top-1 agreement, with quantkit's windows and float64 arithmetic. The last
 rows are the GPTQ-on-GGUF recipes, each exported without re-rounding as the file type it targets.
+
+    python -m quantkit.eval.bench.bench_gguf --out out/bench-gguf
 """
 from __future__ import annotations
 
 import hashlib
-import sys
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import click
+from quantkit.eval.bench.common import machine, quantize_command, report, timed
 
 from quantkit.table import format_table
 
@@ -60,17 +63,16 @@ def tensor_digest(path: Path) -> str:
 @click.option("--out", default="out/bench-gguf", show_default=True, type=click.Path(path_type=Path))
 def main(model, types, recipes, max_tokens, window, n_samples, seq_len, out):
     """Export every type both ways, score each file in llama.cpp, print one table."""
+    from quantkit.eval.kld import kl_divergence
+    from quantkit.eval.llamacpp import LlamaCppModel, llama_quantize
     from transformers import AutoTokenizer
 
     from quantkit import calib
-    from quantkit.cli import _resolve_model
-    from quantkit.eval.bench_methods import machine, timed, write_report
-    from quantkit.eval.kld import kl_divergence
-    from quantkit.eval.llamacpp import LlamaCppModel, llama_quantize
     from quantkit.gguf.export import export_gguf
     from quantkit.gguf.mixes import FILE_TYPES
+    from quantkit.models.zoo import resolve_model
 
-    model_dir = _resolve_model(model)
+    model_dir = resolve_model(model)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.gguf"):
         stale.unlink()
@@ -111,17 +113,13 @@ def main(model, types, recipes, max_tokens, window, n_samples, seq_len, out):
     for recipe in [r.strip() for r in recipes.split(",") if r.strip()]:
         file_type = GPTQ_RECIPES[recipe]
         artifact = out / recipe
-        if artifact.exists():
-            import shutil
-
-            shutil.rmtree(artifact)
-        seconds, _ = timed([sys.executable, "-m", "quantkit.cli", "quantize", "--recipe", recipe, "--model",
-                            str(model_dir), "--out", str(artifact), "--no-progress", "--set",
-                            f"calibration.n_samples={n_samples}", "--set", f"calibration.seq_len={seq_len}"],
+        shutil.rmtree(artifact, ignore_errors=True)
+        seconds, _ = timed(quantize_command(recipe, model_dir, artifact, (f"calibration.n_samples={n_samples}",
+                                                                          f"calibration.seq_len={seq_len}")),
                            out / f"{recipe}.log")
         started = time.perf_counter()
-        report = export_gguf(artifact, out / f"{recipe}.gguf", file_type, progress=False)
-        rows.append(score(out / f"{recipe}.gguf", f"quantkit {recipe} recipe ({report.exact_tensors} tensors "
+        exported = export_gguf(artifact, out / f"{recipe}.gguf", file_type, progress=False)
+        rows.append(score(out / f"{recipe}.gguf", f"quantkit {recipe} recipe ({exported.exact_tensors} tensors "
                           "solved by GPTQ)", seconds + time.perf_counter() - started, ""))
     reference.close()
 
@@ -132,7 +130,7 @@ def main(model, types, recipes, max_tokens, window, n_samples, seq_len, out):
     header = (f"model {model_dir.name}; held-out Austen, {fp.tokens} scored tokens, llama.cpp windows of {window} "
               f"(weight repacking off, KV cache f16), reference f32.gguf in llama.cpp; GPTQ calibration "
               f"{n_samples} x {seq_len} tokens; machine: {machine()}")
-    write_report(out, header, table, rows)
+    report(header, table, rows, json_path=out / "bench.json", markdown_path=out / "bench.md")
 
 
 if __name__ == "__main__":

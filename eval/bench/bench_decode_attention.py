@@ -3,27 +3,23 @@ CPU operator (kernels/cpu_ops) and SDPA, over a bf16 cache, at the default model
 (9 query / 3 KV heads, d 64) and MiniCPM4.1-8B's (32 / 2, d 128). The crossover is where
 ``FUSED_ATTENTION_MAX_SCORES`` in kernels/model.py comes from. Medians of repeats.
 
-    python -m quantkit.eval.bench_decode_attention --json out/bench-decode-attention.json
+    python -m quantkit.eval.bench.bench_decode_attention --json out/bench-decode-attention.json
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 import torch
-
-from quantkit.eval.bench_methods import machine
-from quantkit.eval.bench_sparse import dense_paths, report
+from quantkit.eval.bench.common import dense_paths, machine, report, timing_options
 from quantkit.kernels.model import FUSED_ATTENTION_MAX_SCORES
+
+from quantkit.table import format_table
 
 SHAPES = {"default model": (9, 3, 64), "MiniCPM4.1-8B": (32, 2, 128)}  # query heads, KV heads, head dim
 
 
 @click.command()
 @click.option("--lengths", default="64,128,256,384,512,1024,8192", show_default=True, help="Cached keys.")
-@click.option("--repeats", default=15, show_default=True)
-@click.option("--threads", default=2, show_default=True)
-@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None)
+@timing_options(repeats=15)
 def main(lengths, repeats, threads, json_path):
     torch.set_num_threads(threads)
     rows, records = [], []
@@ -39,7 +35,8 @@ def main(lengths, repeats, threads, json_path):
             records.append({"shape": shape, "keys": length, "fused_ms": fused * 1e3, "sdpa_ms": timings["SDPA"] * 1e3,
                             "runtime_uses": runtime_uses})
     setup = f"one decode step's dense attention, bf16 cache; median of {repeats}; machine: {machine()}"
-    report(setup, ["shape", "keys", "fused ms", "SDPA ms", "SDPA / fused", "runtime uses"], rows, records, json_path)
+    table = format_table(["shape", "keys", "fused ms", "SDPA ms", "SDPA / fused", "runtime uses"], rows)
+    report(setup, table, records, json_path=json_path)
 
 
 if __name__ == "__main__":

@@ -6,20 +6,19 @@ that process alone, not inherited from this one), then evaluated against the unq
 on the same held-out tokens: perplexity, KL divergence and top-1 agreement. Peers that run in
 their own environment (GPTQModel, llm-compressor) join through `--peer NAME=COMMAND` lines that
 write a checkpoint quantkit loads into the directory given as `{out}`.
+
+    python -m quantkit.eval.bench.bench_methods --out out/bench-gptq
 """
 from __future__ import annotations
 
-import json
-import platform
-import re
 import shlex
-import subprocess
-import sys
-from dataclasses import asdict, dataclass
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
-import torch
+from quantkit.eval.bench.common import machine, quantize_command, report, timed
+
 from quantkit.table import format_table
 
 # method -> (recipe, overrides). Every variant is written as a GPTQ checkpoint: the weights do not
@@ -47,23 +46,6 @@ class Row:
     peak_rss_mb: float
 
 
-def timed(command: list[str], log: Path) -> tuple[float, float]:
-    """Run a command under /usr/bin/time -v; return (wall seconds, peak RSS MB) of that process."""
-    with open(log, "w") as f:
-        subprocess.run(["/usr/bin/time", "-v", *command], stdout=f, stderr=subprocess.STDOUT, check=True)
-    text = log.read_text()
-    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)", text).group(1)
-    seconds = sum(float(part) * 60 ** i for i, part in enumerate(reversed(wall.split(":"))))
-    rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", text).group(1))
-    return seconds, rss_kb / 1024
-
-
-def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-
-
 @click.command()
 @click.option("--model", default="default", show_default=True)
 @click.option("--bits", "bit_widths", multiple=True, type=int, default=(4, 3), show_default=True)
@@ -79,20 +61,20 @@ def machine() -> str:
               "(run with {model}, {bits}, {group_size}, {n_samples}, {seq_len} substituted).")
 def main(model, bit_widths, group_size, n_samples, seq_len, max_tokens, methods, baseline, out, peers):
     """Quantize the model with every method at each bit width and compare them in one table."""
+    from quantkit.eval.kld import kl_divergence
+    from quantkit.eval.ppl import perplexity
     from transformers import AutoTokenizer
 
     from quantkit import calib
-    from quantkit.cli import _resolve_model
-    from quantkit.eval.kld import kl_divergence
-    from quantkit.eval.ppl import perplexity
     from quantkit.loading import load_model
+    from quantkit.models.zoo import resolve_model
 
     chosen = [m.strip() for m in methods.split(",") if m.strip()]
     unknown = sorted(set(chosen) - set(METHODS))
     if unknown:
         raise click.BadParameter(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}",
                                  param_hint="--methods")
-    model_dir = _resolve_model(model)
+    model_dir = resolve_model(model)
     out.mkdir(parents=True, exist_ok=True)
     tokens = calib.heldout_tokens(AutoTokenizer.from_pretrained(model_dir), name="austen", max_tokens=max_tokens)
     reference = load_model(model_dir)
@@ -103,15 +85,12 @@ def main(model, bit_widths, group_size, n_samples, seq_len, max_tokens, methods,
         jobs.update(dict(peer.split("=", 1) for peer in peers))
         for method, peer_command in jobs.items():
             artifact = out / f"{method.lower()}-w{bits}g{group_size}"
-            if artifact.exists():
-                subprocess.run(["rm", "-rf", str(artifact)], check=True)
+            shutil.rmtree(artifact, ignore_errors=True)
             if peer_command is None:
                 recipe, overrides = METHODS[method]
-                settings = (f"quant.bits={bits}", f"quant.group_size={group_size}",
-                            f"calibration.n_samples={n_samples}", f"calibration.seq_len={seq_len}", *overrides)
-                command = [sys.executable, "-m", "quantkit.cli", "quantize", "--recipe", recipe, "--model",
-                           str(model_dir), "--out", str(artifact), "--no-progress",
-                           *(arg for setting in settings for arg in ("--set", setting))]
+                command = quantize_command(recipe, model_dir, artifact, (
+                    f"quant.bits={bits}", f"quant.group_size={group_size}", f"calibration.n_samples={n_samples}",
+                    f"calibration.seq_len={seq_len}", *overrides))
             else:
                 command = shlex.split(peer_command.format(model=model_dir, bits=bits, group_size=group_size,
                                                           n_samples=n_samples, seq_len=seq_len, out=artifact))
@@ -129,14 +108,7 @@ def main(model, bit_widths, group_size, n_samples, seq_len, max_tokens, methods,
     header = (f"model {model_dir.name}; group size {group_size} (AWQ asymmetric as AutoAWQ, the others as their "
               f"recipes); calibration {n_samples} x {seq_len} tokens (default mix, seed 0); "
               f"held-out Austen, {fp.tokens} scored tokens, window 2048; machine: {machine()}")
-    write_report(out, header, table, rows)
-
-
-def write_report(out: Path, header: str, table: str, rows: list) -> None:
-    """bench.json (setup and rows, for machines), bench.md (for people), and the table on stdout."""
-    (out / "bench.json").write_text(json.dumps({"setup": header, "rows": [asdict(r) for r in rows]}, indent=2))
-    (out / "bench.md").write_text(f"{header}\n\n```\n{table}\n```\n")
-    click.echo(f"{header}\n\n{table}")
+    report(header, table, rows, json_path=out / "bench.json", markdown_path=out / "bench.md")
 
 
 if __name__ == "__main__":

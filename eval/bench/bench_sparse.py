@@ -4,46 +4,18 @@ prefill chunk at the end of 8K, 32K and 64K tokens of context. The compressed ke
 the cache, as they are in decode (the runtime extends them incrementally). Dense is the faster of
 the runtime's two dense paths (SDPA, and the fused one-query operator for decode). Medians of repeats.
 
-    python -m quantkit.eval.bench_sparse --json out/bench-sparse.json
+    python -m quantkit.eval.bench.bench_sparse --json out/bench-sparse.json
 """
 from __future__ import annotations
 
-import json
-import statistics
-import time
-from pathlib import Path
-
 import click
 import torch
+from quantkit.eval.bench.common import dense_paths, machine, median_seconds, report, timing_options
+from quantkit.kernels.infllm import CompressedKeyCache, SparseAttentionConfig, sparse_attention
 
-from quantkit.eval.bench_methods import machine
-from quantkit.kernels import cpu_ops
-from quantkit.kernels.infllm import CompressedKeyCache, SparseAttentionConfig, dense_attention, sparse_attention
 from quantkit.table import format_table
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 2, 128
-
-
-def median_seconds(run, repeats: int) -> float:
-    run()  # warm-up (and the cache's one-time pooling of the history)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def dense_paths(q, k, v, repeats: int) -> dict[str, float]:
-    """Median seconds of dense attention of the last T positions by each of the runtime's dense paths:
-    SDPA, and for one query (T = 1) over a bf16 cache the fused CPU operator, when it builds."""
-    timings = {"SDPA": median_seconds(lambda: dense_attention(q, k, v), repeats)}
-    ops = cpu_ops.load()
-    if q.shape[1] == 1 and ops is not None:
-        query = q.float().contiguous()
-        timings["fused operator"] = median_seconds(
-            lambda: ops.decode_attention(query, k, v, k.shape[1], q.shape[-1] ** -0.5), repeats)
-    return timings
 
 
 def fastest_dense(q, k, v, repeats: int) -> tuple[str, float]:
@@ -56,9 +28,7 @@ def fastest_dense(q, k, v, repeats: int) -> tuple[str, float]:
 @click.command()
 @click.option("--contexts", default="8192,32768,65536", show_default=True)
 @click.option("--chunk", default=512, show_default=True, help="Queries in the prefill chunk.")
-@click.option("--repeats", default=5, show_default=True)
-@click.option("--threads", default=2, show_default=True)
-@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None)
+@timing_options(repeats=5)
 def main(contexts, chunk, repeats, threads, json_path):
     torch.set_num_threads(threads)
     config = SparseAttentionConfig()  # MiniCPM4.1-8B: kernel 32/16, block 64, top-64, window 2048, dense below 8192
@@ -77,16 +47,8 @@ def main(contexts, chunk, repeats, threads, json_path):
                             "sparse_ms": sparse * 1e3, "speedup": dense / sparse})
     setup = (f"attention only, {Q_HEADS} q heads / {KV_HEADS} KV heads / d {HEAD_DIM}, bf16, MiniCPM4.1 "
              f"sparse_config; median of {repeats}; machine: {machine()}")
-    report(setup, ["context", "work", "fastest dense path", "dense ms", "InfLLM v2 ms", "dense / sparse"], rows,
-           records, json_path)
-
-
-def report(setup: str, headers: list[str], rows: list[list], records: list[dict], json_path: Path | None) -> None:
-    """Print the setup line and the table; write both as JSON when asked."""
-    click.echo(f"{setup}\n\n{format_table(headers, rows)}")
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({"setup": setup, "rows": records}, indent=2))
+    table = format_table(["context", "work", "fastest dense path", "dense ms", "InfLLM v2 ms", "dense / sparse"], rows)
+    report(setup, table, records, json_path=json_path)
 
 
 if __name__ == "__main__":

@@ -4,15 +4,17 @@ Proves that a full-size model quantizes on this machine within a memory budget, 
 wall time for a real calibration set: per layer, the statistics time (forward passes and Hessian
 accumulation) grows with the number of calibration tokens, the solve time (smoothing search and
 GPTQ) does not.
+
+    python -m quantkit.eval.bench.scale_8b --work out/scale-8b
 """
 from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import click
+from quantkit.eval.bench.common import quantize_command, timed
 
 from quantkit.table import format_table
 
@@ -26,7 +28,6 @@ from quantkit.table import format_table
 @click.option("--target-seq-len", default=2048, show_default=True, help="Projection: tokens per row.")
 def main(work, n_samples, seq_len, layers, target_samples, target_seq_len):
     """Write the checkpoint (once), quantize it with the marlin recipe, report time and memory."""
-    from quantkit.eval.bench_methods import timed
     from quantkit.models.fixtures import minicpm41_8b_config, write_sharded_checkpoint
 
     model = work / "minicpm41-8b-random"
@@ -39,9 +40,9 @@ def main(work, n_samples, seq_len, layers, target_samples, target_seq_len):
     out = work / "marlin"
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(out.with_name(out.name + ".partial"), ignore_errors=True)
-    seconds, rss = timed([sys.executable, "-m", "quantkit.cli", "quantize", "--recipe", "marlin", "--model",
-                          str(model), "--out", str(out), "--no-progress", "--set", f"calibration.n_samples={n_samples}",
-                          "--set", f"calibration.seq_len={seq_len}", "--set", f"calibration.batch_size={n_samples}"],
+    seconds, rss = timed(quantize_command("marlin", model, out, (f"calibration.n_samples={n_samples}",
+                                                                  f"calibration.seq_len={seq_len}",
+                                                                  f"calibration.batch_size={n_samples}")),
                          work / "quantize.log")
     report = json.loads((out / "quantize_report.json").read_text())
     growth = (target_samples * target_seq_len) / (n_samples * seq_len)

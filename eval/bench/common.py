@@ -1,0 +1,141 @@
+"""What the benchmarks share: timing (medians of repeats, a child process under ``/usr/bin/time -v``),
+the machine a number was measured on (CPU model, its SIMD flags, threads, torch), and the report: the
+setup line and table on stdout, the same as JSON for machines and Markdown for people.
+
+Nothing here imports torch or the kernels at import time, so every benchmark's ``--help`` is quick.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import click
+
+# The CPU flags that decide which kernels run fast (x86 /proc/cpuinfo "flags", arm64 "Features").
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni",
+              "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
+              "asimd", "asimddp", "i8mm", "bf16", "sve", "sve2")
+
+
+def median_seconds(run: Callable[[], object], repeats: int) -> float:
+    """Median wall seconds of ``repeats`` calls of ``run``, after one warm-up call (which also pays
+    one-time costs such as a cache's first pooling or a kernel's compilation)."""
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def median_rate(run: Callable[[], float], count: int, repeats: int) -> float:
+    """Items per second for a ``run`` that times itself: it returns its own elapsed seconds for
+    ``count`` items (so that its set-up is left out), median of ``repeats``."""
+    return count / statistics.median(run() for _ in range(repeats))
+
+
+def timed(command: list[str], log: Path) -> tuple[float, float]:
+    """Run a command under /usr/bin/time -v, its output in ``log``; return (wall seconds, peak RSS MB)
+    of that process alone (not inherited from this one)."""
+    with open(log, "w") as f:
+        subprocess.run(["/usr/bin/time", "-v", *command], stdout=f, stderr=subprocess.STDOUT, check=True)
+    text = log.read_text()
+    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)", text).group(1)
+    seconds = sum(float(part) * 60 ** i for i, part in enumerate(reversed(wall.split(":"))))
+    rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", text).group(1))
+    return seconds, rss_kb / 1024
+
+
+def quantize_command(recipe: str, model: Path, out: Path, settings: Iterable[str] = ()) -> list[str]:
+    """``quantkit quantize`` of ``model`` with ``recipe`` into ``out`` as a command for this Python,
+    each of ``settings`` (``KEY=VALUE``) given as ``--set``."""
+    return [sys.executable, "-m", "quantkit.cli", "quantize", "--recipe", recipe, "--model", str(model),
+            "--out", str(out), "--no-progress", *(arg for setting in settings for arg in ("--set", setting))]
+
+
+def timing_options(repeats: int):
+    """The options of a timing benchmark: ``--repeats`` (default ``repeats``), ``--threads`` and ``--json``."""
+    options = (click.option("--repeats", default=repeats, show_default=True, help="Timed calls; the median is kept."),
+               click.option("--threads", default=2, show_default=True, help="torch threads."),
+               click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
+                            help="Also write the setup and the rows here as JSON."))
+
+    def decorate(fn):
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+    return decorate
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                if sep and key.strip() not in fields:
+                    fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    return fields
+
+
+def cpu_flags() -> list[str]:
+    """The SIMD flags of ``SIMD_FLAGS`` this CPU reports, in that order."""
+    info = _cpuinfo()
+    have = set((info.get("flags") or info.get("Features") or "").split())
+    return [flag for flag in SIMD_FLAGS if flag in have]
+
+
+def machine() -> str:
+    """One line naming what a number was measured on: CPU model and SIMD flags, threads used out of the
+    CPUs there are, torch and the instruction set its kernels picked."""
+    import torch
+
+    info = _cpuinfo()
+    cpu = info.get("model name") or platform.processor() or platform.machine()
+    capability = torch.backends.cpu.get_cpu_capability()
+    return (f"{cpu} ({' '.join(cpu_flags()) or 'no SIMD flags listed'}), {torch.get_num_threads()} threads of "
+            f"{os.cpu_count()} CPUs, torch {torch.__version__} ({capability} kernels)")
+
+
+def dense_paths(q, k, v, repeats: int) -> dict[str, float]:
+    """Median seconds of dense attention of the last T positions by each of the runtime's dense paths:
+    SDPA, and for one query (T = 1) the fused CPU operator over a bf16 cache, when it builds."""
+    from quantkit.kernels import cpu_ops
+    from quantkit.kernels.infllm import causal_attention_of_last_positions
+
+    timings = {"SDPA": median_seconds(lambda: causal_attention_of_last_positions(q, k, v), repeats)}
+    ops = cpu_ops.load()
+    if q.shape[1] == 1 and ops is not None:
+        query = q.float().contiguous()
+        timings["fused operator"] = median_seconds(
+            lambda: ops.decode_attention(query, k, v, k.shape[1], q.shape[-1] ** -0.5), repeats)
+    return timings
+
+
+def report(setup: str, table: str, rows: list, *, json_path: Path | None = None,
+           markdown_path: Path | None = None, notes: str = "", extra: dict | None = None) -> None:
+    """Print the setup line, the table and any notes. With ``json_path`` also write
+    ``{"setup", "rows", **extra}`` there (rows are dicts or dataclasses); with ``markdown_path`` the
+    same text as Markdown."""
+    body = table + (f"\n\n{notes}" if notes else "")
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        records = [asdict(row) if is_dataclass(row) else row for row in rows]
+        json_path.write_text(json.dumps({"setup": setup, "rows": records, **(extra or {})}, indent=2))
+    if markdown_path is not None:
+        markdown_path.parent.mkdir(parents=True, exist_ok=True)
+        markdown_path.write_text(f"{setup}\n\n```\n{body}\n```\n")
+    click.echo(f"{setup}\n\n{body}")
