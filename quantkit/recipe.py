@@ -2,6 +2,10 @@
 
 A recipe is data. The schema below is the single list of what a recipe may say; an unknown key or a
 bad value is an error that names the key and the file, before any work starts.
+
+The defaults are the settings measured best on the default model and shared by most built-in recipes,
+so a recipe states only what differs from them. docs/recipes.md says which measurement chose each and
+holds the table of every key that `python -m quantkit.recipe` prints.
 """
 from __future__ import annotations
 
@@ -60,24 +64,30 @@ SCHEMA: dict[str, Any] = {
                                  "appear together or not at all (each set shares one input)",
                             help="the linears whose statistics leave the prefix out (default: all of them, "
                                  "as the MiniCPM4 report does); the others see every position"),
-    "compute_dtype": Field(str, default="bfloat16", choices=("bfloat16", "float32"),
-                           help="dtype of calibration forwards (bf16 uses AMX; statistics accumulate in fp32)"),
+    "compute_dtype": Field(str, default="auto", choices=("auto", "bfloat16", "float32"),
+                           help="dtype of calibration forwards; auto: bfloat16 on CPUs that multiply it in "
+                                "hardware (AMX, AVX-512 BF16), float32 elsewhere (statistics accumulate in fp32)"),
     "quant": {
-        "bits": Field(int, required=True, choices=(2, 3, 4, 8)),
-        "group_size": Field(int, default=128, choices=(-1, 32, 64, 128)),
-        "sym": Field(bool, default=True),
+        "bits": Field(int, required=True, choices=(2, 3, 4, 8), help="bits per weight code"),
+        "group_size": Field(int, default=128, choices=(-1, 32, 64, 128),
+                            help="input channels sharing a scale and zero point (-1: one group of every channel)"),
+        "sym": Field(bool, default=True, help="symmetric grid (fixed zero point) instead of a zero point per group"),
         "ternary": Field(bool, default=False,
                          help="BitCPM4's absmean ternary grid {-s, 0, +s} per group (needs bits 2, sym false)"),
     },
+    # Not the reference GPTQ settings (natural order, damp 0.01, min/max ranges), which gave about 1.7x
+    # the KL of these on the default model: docs/recipes.md, "GPTQ solver settings".
     "gptq": {
-        "damp_percent": Field(float, default=0.01, check=lambda v: 0 < v < 1, rule="in (0, 1)"),
-        "block_size": Field(int, default=128, choices=(32, 64, 128, 256)),
+        "damp_percent": Field(float, default=0.2, check=lambda v: 0 < v < 1, rule="in (0, 1)",
+                              help="dampening added to H's diagonal, as a fraction of its mean"),
+        "block_size": Field(int, default=128, choices=(32, 64, 128, 256),
+                            help="columns solved per lazy batch update"),
         "desc_act": Field(bool, default=False, help="act-order: columns by descending Hessian diagonal"),
         "static_groups": Field(bool, default=False, help="group parameters from the unmodified weights"),
-        "group_aware": Field(bool, default=False,
+        "group_aware": Field(bool, default=True,
                              help="group-aware reordering (GAR): groups by descending max Hessian diagonal, "
                                   "columns within each; keeps g_idx trivial, so Marlin can pack it"),
-        "clip_search": Field(bool, default=False,
+        "clip_search": Field(bool, default=True,
                              help="reference GPTQ's mse option: each group's range is the best of 80 shrunk "
                                   "ranges (least |error|^2.4)"),
     },
@@ -87,9 +97,9 @@ SCHEMA: dict[str, Any] = {
     },
     "calibration": {
         "source": Field(str, default="default", help="corpus or mix name, local file, or hf:<dataset>"),
-        "n_samples": Field(int, default=128, check=_positive, rule="> 0"),
-        "seq_len": Field(int, default=512, check=lambda v: v >= 16, rule=">= 16"),
-        "seed": Field(int, default=0),
+        "n_samples": Field(int, default=128, check=_positive, rule="> 0", help="calibration sequences"),
+        "seq_len": Field(int, default=512, check=lambda v: v >= 16, rule=">= 16", help="tokens per sequence"),
+        "seed": Field(int, default=0, help="seed of the sample draw"),
         "chat": Field(bool, default=False, help="wrap each sample in the chat template"),
         "batch_size": Field(int, default=8, check=_positive, rule="> 0",
                             help="samples per forward batch (memory, not results)"),
@@ -192,7 +202,8 @@ def load_recipe(name_or_path: str | Path, overrides: dict[str, Any] | None = Non
         raw = _apply_overrides(raw if isinstance(raw, dict) else {}, overrides, str(path))
     values = _validate(raw, SCHEMA, "", str(path))
     if values["gptq"]["desc_act"] and values["gptq"]["group_aware"]:
-        raise RecipeError(f"{path}: 'gptq.desc_act' and 'gptq.group_aware' are two column orders: enable one")
+        raise RecipeError(f"{path}: 'gptq.desc_act' and 'gptq.group_aware' are two column orders: enable one "
+                          "(group_aware is on by default: set gptq.group_aware: false for act-order)")
     try:
         config = QuantConfig(**values["quant"])
     except ValueError as e:
@@ -204,9 +215,36 @@ def load_recipe(name_or_path: str | Path, overrides: dict[str, Any] | None = Non
     if FORMATS[values["format"]].block_types and values["algorithm"] not in SOLVES_BLOCK_TYPES:
         raise RecipeError(f"{path}: format '{values['format']}' is solved on GGUF block types, which "
                           f"'{values['algorithm']}' cannot do (use one of {', '.join(SOLVES_BLOCK_TYPES)})")
+    own_grid = [key for key in ("clip_search", "static_groups") if values["gptq"][key]]
+    if FORMATS[values["format"]].block_types and values["algorithm"] == "gptq" and own_grid:
+        raise RecipeError(f"{path}: format '{values['format']}' keeps GGUF blocks, whose scales llama.cpp's "
+                          f"quantizer chooses: set {' and '.join(f'gptq.{key}: false' for key in own_grid)}")
     return Recipe(values, str(path))
 
 
 def purpose(path: Path) -> str:
     """The one-line purpose a recipe states in its `description`."""
     return yaml.safe_load(path.read_text()).get("description", "")
+
+
+def schema_table(schema: dict = SCHEMA, prefix: str = "") -> list[list[str]]:
+    """One row per key: [key, type, default, allowed values, meaning] (docs/recipes.md's table)."""
+    rows = []
+    for key, spec in schema.items():
+        if isinstance(spec, dict):
+            rows += schema_table(spec, f"{prefix}{key}.")
+            continue
+        default = "required" if spec.required else f"`{json.dumps(spec.default)}`"
+        allowed = " ".join(map(str, spec.choices)) if spec.choices is not None else spec.rule
+        rows.append([f"`{prefix}{key}`", spec.kind.__name__, default, allowed, spec.help])
+    return rows
+
+
+def schema_markdown() -> str:
+    lines = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in schema_table()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(schema_markdown())
