@@ -70,9 +70,10 @@ def test_f32_export_reproduces_the_model_in_llama_cpp(default_model, exports, te
         ours = _model(default_model)(torch.tensor([text_ids])).logits[0].double().numpy()
     theirs = _llama_logits(exports["f32"][1], text_ids)
     kl, top1 = _kl_top1(ours, theirs)
-    # llama.cpp keeps its KV cache in f16 by default; measured: max |Δ| 0.13 % of max |logit|, KL 1.0e-6
+    # llama.cpp keeps its KV cache in f16 by default; measured: max |Δ| 0.13 % of max |logit|, KL 1.0e-6.
+    # Top-1: 256/256 on a Xeon with AMX, 255/256 on an AVX2 EPYC, where one near-tie falls the other way.
     assert np.abs(ours - theirs).max() < 0.005 * np.abs(ours).max()
-    assert kl < 1e-5 and top1 == 1.0
+    assert kl < 1e-5 and top1 >= 1 - 2 / len(text_ids)
 
 
 # Mean KL of llama.cpp's logits from quantkit's reference for the same weights, on 256 tokens.
