@@ -144,12 +144,12 @@ $(LLMC_INSTALLED): pyproject.toml
 	$(LLMC_BIN)/python -m pip install -e .
 	touch $@
 
-# A symmetric GPTQ checkpoint, and an asymmetric one (AWQ's algorithm written as GPTQ v1, zero points
-# in [1, 15]); each read by GPTQModel (weights bit for bit, logits) and by every consumer rule.
+# A symmetric GPTQ checkpoint and an asymmetric one (zero points in [1, 15], GPTQ v1); each read by
+# GPTQModel (weights bit for bit, logits) and by every consumer rule (quantkit eval conformance).
 interop: $(INSTALLED) $(INTEROP_INSTALLED)
 	rm -rf $(OUT)/interop-gptq $(OUT)/interop-gptq.partial $(OUT)/interop-asym $(OUT)/interop-asym.partial
 	$(BIN)/quantkit quantize --recipe gptq-w4g128 --model default --out $(OUT)/interop-gptq --set calibration.n_samples=16 --no-progress
-	$(BIN)/quantkit quantize --recipe awq-w4g128 --model default --out $(OUT)/interop-asym --set format=gptq \
+	$(BIN)/quantkit quantize --recipe gptq-w4g128 --model default --out $(OUT)/interop-asym --set quant.sym=false \
 	  --set calibration.n_samples=16 --no-progress
 	for a in interop-gptq interop-asym; do \
 	  $(BIN)/python -m quantkit.eval.interop.check_gptqmodel $(OUT)/$$a --interop-python $(INTEROP_BIN)/python || exit 1; \
