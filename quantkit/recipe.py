@@ -76,7 +76,7 @@ SCHEMA: dict[str, Any] = {
                          help="BitCPM4's absmean ternary grid {-s, 0, +s} per group (needs bits 2, sym false)"),
     },
     # Not the reference GPTQ settings (natural order, damp 0.01, min/max ranges), which gave about 1.7x
-    # the KL of these on the default model: docs/recipes.md, "GPTQ solver settings".
+    # the KL of these on the default model: docs/recipes.md, "GPTQ solver: order, damping, clipping".
     "gptq": {
         "damp_percent": Field(float, default=0.2, check=lambda v: 0 < v < 1, rule="in (0, 1)",
                               help="dampening added to H's diagonal, as a fraction of its mean"),

@@ -6,8 +6,9 @@ in float32, for one sequence. Layout is head-major, as in the model's attention 
 sequence whose keys and values are ``k, v [Hkv, S, d]`` (T == S: prefill; T == 1: a decode step; in
 between: a prefill chunk after a cache). Query i sits at absolute position ``S - T + i``; every rule
 below is written in absolute
-positions, which makes prefill and decode one computation (§2.3: in decode "the kernel that ends at
-the current token is already usable", the same rule as prefill's ``16c + 31 <= r``).
+positions, which makes prefill and decode one computation (docs/model.md, "InfLLM v2": in decode
+"the kernel that ends at the current token is already usable", the same rule as prefill's
+``16c + 31 <= r``).
 """
 from __future__ import annotations
 
@@ -46,15 +47,15 @@ def query_positions(num_queries: int, num_keys: int, device=None) -> torch.Tenso
 
 
 def num_windows(length: int, size: int, stride: int) -> int:
-    """Complete windows ``[stride*c, stride*c + size)`` inside ``length`` tokens (§2.2: n1 = (L-32)//16 + 1)."""
+    """Complete windows ``[stride*c, stride*c + size)`` inside ``length`` tokens (n1 = (L-32)//16 + 1)."""
     return 0 if length < size else (length - size) // stride + 1
 
 
 def compress_keys(keys: torch.Tensor, size: int, stride: int) -> torch.Tensor:
-    """CompressK (§2.2): the mean of every complete window of ``size`` keys, windows ``stride`` apart.
+    """CompressK: the mean of every complete window of ``size`` keys, windows ``stride`` apart.
 
     keys [Hkv, L, d] -> [Hkv, n, d] in keys' dtype (the official cache holds them in the model
-    dtype); the mean accumulates in float32. Parameter-free: InfLLM v2 adds no weights (§1.4).
+    dtype); the mean accumulates in float32. Parameter-free: InfLLM v2 adds no weights.
     """
     if keys.shape[1] < size:
         return keys.new_zeros((keys.shape[0], 0, keys.shape[2]))
@@ -63,13 +64,13 @@ def compress_keys(keys: torch.Tensor, size: int, stride: int) -> torch.Tensor:
 
 def kernel_visible(positions: torch.Tensor, count: int, size: int, stride: int) -> torch.Tensor:
     """[T, count] bool: compressed key c is visible to a query at position r iff its window ends at
-    or before r, ``stride*c + size - 1 <= r`` (§2.2, infllmv2 mask.h apply_mask_stage1)."""
+    or before r, ``stride*c + size - 1 <= r`` (infllmv2 mask.h apply_mask_stage1)."""
     ends = torch.arange(count, device=positions.device) * stride + size - 1
     return ends[None, :] <= positions[:, None]
 
 
 def stage1_scores(q, fine, coarse, positions, config: SparseAttentionConfig) -> torch.Tensor:
-    """Relevance of every fine compressed key to every query token, per KV group (§2.2 stage 1).
+    """Relevance of every fine compressed key to every query token, per KV group (stage 1).
 
     q [Hq, T, d]; fine [Hkv, n1, d]; coarse [Hkv, n2, d] -> score [Hkv, T, n1] float32:
     ``score[g, t, c] = sum over the heads h of group g of exp(s_h(t, c) - lse_h(t))`` where
@@ -94,7 +95,7 @@ def stage1_scores(q, fine, coarse, positions, config: SparseAttentionConfig) -> 
 
 
 def block_scores(scores, positions, num_keys: int, config: SparseAttentionConfig) -> torch.Tensor:
-    """Max-pool kernel scores onto blocks and force the initial and local blocks (§2.2 max_pooling_1d).
+    """Max-pool kernel scores onto blocks and force the initial and local blocks (infllmv2 max_pooling_1d).
 
     scores [Hkv, T, n1] -> [Hkv, T, nb], nb = ceil(num_keys / block_size). Block j takes the max over
     kernels ``[4j-1, 4j+4)`` (pooling stride block/kernel_stride = 4, window 5, padding 1): the 32-token
@@ -121,7 +122,7 @@ def forced_blocks(positions, num_blocks: int, config: SparseAttentionConfig) -> 
 
 
 def select_blocks(pooled, positions, config: SparseAttentionConfig) -> torch.Tensor:
-    """Top-k blocks per (KV group, token) (§2.2 top-k): ``min(topk + local_blocks, nb)`` best blocks,
+    """Top-k blocks per (KV group, token) (top-k): ``min(topk + local_blocks, nb)`` best blocks,
     sorted ascending, then every block after the query's own block replaced by -1 (so fewer than the
     budget remain early in a sequence). -> [Hkv, T, k] int64, -1 = no block.
 
@@ -148,7 +149,7 @@ def selected_token_mask(block_idx, positions, num_keys: int, block_size: int) ->
 
 
 def block_sparse_attention(q, k, v, block_idx, positions, block_size: int) -> torch.Tensor:
-    """Stage 2 (§2.2 infllmv2_attn_varlen_func): softmax attention over the selected blocks only,
+    """Stage 2 (infllmv2_attn_varlen_func): softmax attention over the selected blocks only,
     token-level causal inside them, scale 1/sqrt(d); the heads of a KV group share its blocks.
     -> [Hq, T, d] in q's dtype."""
     return masked_attention(q, k, v, selected_token_mask(block_idx, positions, k.shape[1], block_size))
@@ -185,7 +186,7 @@ def reference_block_selection(q, k, config: SparseAttentionConfig) -> torch.Tens
 
 def sparse_attention_reference(q, k, v, config: SparseAttentionConfig, q_nope=None, k_nope=None) -> torch.Tensor:
     """InfLLM v2 attention of the last T positions: dense below ``dense_len`` keys, else stage 1 on
-    compressed keys, block selection, and block-sparse stage 2 (§2.2). ``use_nope``: blocks are
+    compressed keys, block selection, and block-sparse stage 2 (docs/model.md, "InfLLM v2"). ``use_nope``: blocks are
     scored with the pre-RoPE ``q_nope``/``k_nope``; stage 2 still uses the RoPE'd q and k.
 
     HF repeats query heads when a KV group has fewer than 16 (a tensor-core constraint) and averages

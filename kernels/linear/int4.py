@@ -1,6 +1,6 @@
 """4-bit linears on the CPU: PyTorch's packed int4 kernel for decode, AMX bf16 matmuls for prefill.
 
-Measured on this machine's Xeon (2 threads; ``python -m quantkit.eval.bench_linear``): for one row,
+Measured on this machine's Xeon (2 threads; ``python -m quantkit.eval.bench.bench_linear``): for one row,
 ``_weight_int4pack_mm_for_cpu`` streams int4 weights 2.6-3.4x faster than a bf16 GEMV. A few rows use
 the packed kernel and more rows multiply by the bf16 dequantized weight (``PackedLinear``; kept when
 ``keep_dequantized``, else rebuilt from the nibbles on each call).

@@ -1,7 +1,7 @@
 """What the CPU's packed linears share: decode rows run the format's packed kernel, other rows
 multiply by the dequantized weight (on AMX in bf16), then the bias is added.
 
-Measured at MiniCPM4.1-8B's shapes (``python -m quantkit.eval.bench_linear``): the packed kernels
+Measured at MiniCPM4.1-8B's shapes (``python -m quantkit.eval.bench.bench_linear``): the packed kernels
 beat a bf16 matmul for one row and break even by about four, while for hundreds of rows the bf16
 matmul on AMX is many times faster than any of them.
 """

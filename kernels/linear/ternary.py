@@ -4,7 +4,7 @@ Decode rows run ``ternary_gemv`` (kernels/cpu_ops) on the stored planes: per 16 
 AVX-512 masked adds (into a + sum and a - sum), no multiplies, 2.5 bits read per weight at g32
 (planes plus float16 scales) where the packed int4 kernel reads 4.25 at g128. Compute-bound, not
 bandwidth-bound: 2.0-2.6x a bf16 GEMV at MiniCPM4.1-8B's shapes, below int4's 2.6-3.4x
-(``python -m quantkit.eval.bench_linear``). Prefill rows multiply by the bf16 dequantized
+(``python -m quantkit.eval.bench.bench_linear``). Prefill rows multiply by the bf16 dequantized
 weight on AMX, like the 4-bit linears. Without a compiler, decode also uses the dequantized weight.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 # Stage 1's LSE approximation uses a second, coarser set of compressed keys: kernel and stride ×4
-# (CompressK(kernel_size*4, kernel_stride*4), §2.2).
+# (CompressK(kernel_size*4, kernel_stride*4); docs/model.md, "InfLLM v2").
 COARSE_FACTOR = 4
 
 
@@ -90,5 +90,5 @@ class SparseAttentionConfig:
         return self.kernel_stride * COARSE_FACTOR
 
     def is_dense(self, num_keys: int) -> bool:
-        """HF's switch: ``kv_seq_len < dense_len`` runs ordinary causal attention (§2.2)."""
+        """HF's switch: ``kv_seq_len < dense_len`` runs ordinary causal attention."""
         return self.dense_len != -1 and num_keys < self.dense_len
