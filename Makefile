@@ -144,12 +144,13 @@ $(LLMC_INSTALLED): pyproject.toml
 	$(LLMC_BIN)/python -m pip install -e .
 	touch $@
 
-# A symmetric GPTQ checkpoint and an asymmetric one (zero points in [1, 15], GPTQ v1); each read by
-# GPTQModel (weights bit for bit, logits) and by every consumer rule (quantkit eval conformance).
+# A symmetric GPTQ checkpoint and an asymmetric one, each read by GPTQModel (weights bit for bit, logits)
+# and by every consumer rule (quantkit eval conformance). The asymmetric one is gptq-v2: GPTQModel 7.7
+# refuses every sym=false v1 checkpoint that GPTQModel >= 0.9 did not write itself.
 interop: $(INSTALLED) $(INTEROP_INSTALLED)
 	rm -rf $(OUT)/interop-gptq $(OUT)/interop-gptq.partial $(OUT)/interop-asym $(OUT)/interop-asym.partial
 	$(BIN)/quantkit quantize --recipe gptq-w4g128 --model default --out $(OUT)/interop-gptq --set calibration.n_samples=16 --no-progress
-	$(BIN)/quantkit quantize --recipe gptq-w4g128 --model default --out $(OUT)/interop-asym --set quant.sym=false \
+	$(BIN)/quantkit quantize --recipe gptq-w4g128 --model default --out $(OUT)/interop-asym --set quant.sym=false --set format=gptq-v2 \
 	  --set calibration.n_samples=16 --no-progress
 	for a in interop-gptq interop-asym; do \
 	  $(BIN)/python -m quantkit.eval.interop.check_gptqmodel $(OUT)/$$a --interop-python $(INTEROP_BIN)/python || exit 1; \
