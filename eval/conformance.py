@@ -171,22 +171,21 @@ def _marlin(tensors: Arrays, name: str, quant: Mapping, shape: tuple[int, int]) 
     return marlin_weight(tensors[f"{name}.qweight"], tensors[f"{name}.scales"], k, n, quant["group_size"])
 
 
-# CPM.cu's gptq2marlin.py concatenates these GPTQ linears along N before the Marlin repack.
-CPMCU_FUSED = {"self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-               "self_attn.v_proj": ("self_attn.qkv_proj", 2), "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-               "mlp.up_proj": ("mlp.gate_up_proj", 1)}
-_CPMCU_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+# CPM.cu's gptq2marlin.py concatenates these GPTQ linears along N (in this order) before the Marlin repack.
+CPMCU_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+               "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+_CPMCU_OWNER = {part: (module, i) for module, parts in CPMCU_PARTS.items() for i, part in enumerate(parts)}
 
 
 def make_cpmcu_decoder(shapes: Mapping[str, tuple[int, int]]) -> Decoder:
     """CPM.cu reads one fused Marlin GEMM per qkv / gate_up; ``shapes``: linear -> (N, K) of a layer."""
     def decode(tensors: Arrays, name: str, quant: Mapping, shape: tuple[int, int]) -> np.ndarray:
-        layer, linear = name.rsplit(".", 2)[0], ".".join(name.rsplit(".", 2)[1:])
-        if linear not in CPMCU_FUSED:
+        layer, submodule, projection = name.rsplit(".", 2)
+        linear = f"{submodule}.{projection}"
+        if linear not in _CPMCU_OWNER:
             return _marlin(tensors, name, quant, shape)
-        module, position = CPMCU_FUSED[linear]
-        widths = [shapes[part][0] for part in _CPMCU_PARTS[module]]
+        module, position = _CPMCU_OWNER[linear]
+        widths = [shapes[part][0] for part in CPMCU_PARTS[module]]
         fused = marlin_weight(tensors[f"{layer}.{module}.qweight"], tensors[f"{layer}.{module}.scales"],
                               shape[1], sum(widths), quant["group_size"])
         start = sum(widths[:position])
