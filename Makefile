@@ -25,7 +25,7 @@ LLMC_BIN := $(LLMC_VENV)/bin
 LLMC_INSTALLED := $(LLMC_VENV)/.installed
 LLMCOMPRESSOR ?= llmcompressor==0.14.0.1
 
-.PHONY: install demo demo-marlin test test-fast lint default-model bench-gptq bench-awq bench-gguf bench-scale bench-runtime eval-sparse interop interop-peer clean help \
+.PHONY: install demo demo-marlin test test-fast lint default-model bench-gptq bench-awq bench-gguf bench-scale bench-runtime bench-qat eval-sparse interop interop-peer clean help \
 	eval-ppl eval-kld eval-report eval-niah eval-tasks eval-accept
 
 help:
@@ -41,6 +41,7 @@ help:
 	@echo "make bench-runtime  quantkit's runtime (W4) vs transformers fp32/bf16 and llama.cpp Q4_0, decode and prefill; InfLLM v2 vs dense attention"
 	@echo "make eval-sparse  InfLLM v2 on MODEL with a scaled-down SPARSE_CONFIG: perplexity vs dense, needle retrieval"
 	@echo "make bench-scale  the marlin recipe on an 8B-shaped random MiniCPM4.1 checkpoint: time, memory, projection"
+	@echo "make bench-qat  ternary QAT (CE only, distilled) vs RTN/GPTQ ternary, GPTQ W2 g32 and W4 on the default model: curve, cost, targets (hours; BENCH_QAT_ARGS='--reuse --with-init')"
 	@echo "make interop    GPTQModel (own venv, ~6 GB) reads quantkit GPTQ checkpoints, sym and asym: weights bit-exact, logits"
 	@echo "make interop-peer  GPTQModel quantizes the default model on quantkit's calibration rows, then its KL"
 	@echo "make default-model  fetch and convert the default model into the cache"
@@ -66,12 +67,12 @@ install: $(TEST_INSTALLED)
 default-model: $(INSTALLED)
 	$(BIN)/quantkit default-model
 
+# A first look in about two minutes after install: RTN's weights do not depend on calibration (it only
+# scores each layer's error), so 8 samples suffice; `eval kld` prints both perplexities beside the KL.
 demo: $(INSTALLED)
 	rm -rf $(OUT)/demo-rtn-w4g128 $(OUT)/demo-rtn-w4g128.partial
-	$(BIN)/quantkit quantize --recipe rtn-w4g128 --model default --out $(OUT)/demo-rtn-w4g128
-	$(BIN)/quantkit eval ppl --model default
-	$(BIN)/quantkit eval ppl --model $(OUT)/demo-rtn-w4g128
-	$(BIN)/quantkit eval kld --model $(OUT)/demo-rtn-w4g128 --ref default
+	$(BIN)/quantkit quantize --recipe rtn-w4g128 --model default --out $(OUT)/demo-rtn-w4g128 --set calibration.n_samples=8
+	$(BIN)/quantkit eval kld --model $(OUT)/demo-rtn-w4g128 --ref default --max-tokens 4096
 
 # Each task's default subset (recorded with every output in $(OUT)/eval-tasks.json): a few minutes on 2 cores.
 EVAL_TASKS_ARGS ?=
@@ -130,6 +131,12 @@ eval-sparse: $(INSTALLED)
 
 bench-scale: $(INSTALLED)
 	$(BIN)/python -m quantkit.eval.bench.scale_8b --work $(OUT)/scale-8b
+
+# Ternary QAT against the post-training ways to its size, one run each on the default model (hours on
+# 2 cores): BENCH_QAT_ARGS='--reuse' keeps what an earlier run made, '--with-init' adds QAT from GPTQ ternary.
+BENCH_QAT_ARGS ?=
+bench-qat: $(INSTALLED)
+	$(BIN)/python -m quantkit.eval.bench.bench_qat --model $(MODEL) --out $(OUT)/bench-qat $(BENCH_QAT_ARGS)
 
 $(INTEROP_INSTALLED): pyproject.toml
 	test -x $(INTEROP_BIN)/python || $(PYTHON) -m venv $(INTEROP_VENV)

@@ -54,9 +54,12 @@ class ArtifactWriter:
         """Record the finished layers (one entry each, in order) so that a resumed run can go on."""
         atomic.write_json(self.staging / PROGRESS_FILE, {"fingerprint": fingerprint, "layer_errors": layer_errors})
 
-    def finish(self, source_dir: Path, out_dir: Path, config: dict, quantize_config: dict,
-               manifest: dict, report: dict, weights_file: str | None = None) -> None:
-        """Write the index (or merge the shards into ``weights_file``), configs and copies; publish."""
+    def finish(self, source_dir: Path, out_dir: Path, config: dict, quantize_config: dict | None,
+               manifest: dict, report: dict, weights_file: str | None = None,
+               manifest_file: str = MANIFEST_FILE) -> None:
+        """Write the index (or merge the shards into ``weights_file``), configs and copies; publish.
+        A plain (fake-quantized) checkpoint has no ``quantize_config`` and keeps its record under
+        another ``manifest_file``: quantkit.json marks a quantized artifact."""
         shards = [self.shard_path(index) for index in range(self.total)]
         if weights_file is None:
             weight_map, total_size = {}, 0
@@ -71,8 +74,9 @@ class ArtifactWriter:
             for path in shards:
                 path.unlink()
         atomic.write_json(self.staging / "config.json", config)
-        atomic.write_json(self.staging / "quantize_config.json", quantize_config)
-        atomic.write_json(self.staging / MANIFEST_FILE, manifest)
+        if quantize_config is not None:
+            atomic.write_json(self.staging / "quantize_config.json", quantize_config)
+        atomic.write_json(self.staging / manifest_file, manifest)
         atomic.write_json(self.staging / REPORT_FILE, report)
         # Tokenizer, chat template, generation config and anything else travel verbatim.
         for path in sorted(source_dir.iterdir()):

@@ -190,10 +190,11 @@ def _blocks(document: str) -> list[list[str]]:
     return [block.split("\n") for block in BLANK_LINE.split(document) if block.strip()]
 
 
-def _runs(documents: list[str], encoder: _Encoder, seq_len: int, wanted: int) -> list[list[int]]:
+def _runs(documents: list[str], encoder: _Encoder, seq_len: int, wanted: int | None) -> list[list[int]]:
     """Rows cut from consecutive, disjoint runs of ``documents`` (in the given order), stopping once
-    ``wanted`` exist. A run starts at a block start, or at a line start inside a block too long to
-    waste; it is extended line by line until it yields ``seq_len`` tokens, then truncated."""
+    ``wanted`` exist (all of them for None). A run starts at a block start, or at a line start inside
+    a block too long to waste; it is extended line by line until it yields ``seq_len`` tokens, then
+    truncated."""
     overhead = len(encoder.row(""))
     rows: list[list[int]] = []
     pending: list[str] = []
@@ -305,6 +306,23 @@ def calibration_set(tokenizer, source: str = "default", n_samples: int = 128, se
     return CalibrationSet(input_ids=input_ids, row_sources=tuple(row_sources[i] for i in order),
                           source=source, seed=seed, chat=chat,
                           fingerprint=_fingerprint(settings, input_ids))
+
+
+def capacity(tokenizer, source: str = "default", seq_len: int = 512, seed: int = 0, chat: bool = False) -> int:
+    """The most rows ``calibration_set`` can draw from ``source`` at ``seq_len`` while keeping its
+    mix's shares: the corpus with the least text for its share sets the size (QAT trains on them all)."""
+    encoder = _Encoder(tokenizer, chat)
+    shares = MIXES.get(source, {source: 1.0})
+    available = {}
+    for name in shares:
+        documents = load_documents(name)
+        random.Random(f"quantkit-calibration:{seed}:{_source_identity(name)}").shuffle(documents)
+        available[name] = len(_runs(documents, encoder, seq_len, wanted=None))
+    total = sum(shares.values())
+    rows = min(int(available[name] * total / share) for name, share in shares.items())
+    while rows and any(count > available[name] for name, count in _allocate(shares, rows).items()):
+        rows -= 1
+    return rows
 
 
 def heldout_tokens(tokenizer, name: str = "austen", max_tokens: int | None = None) -> torch.Tensor:

@@ -105,6 +105,52 @@ def quantize(recipe, model, out, overrides, resume, progress, as_json):
     _emit(as_json, report.to_dict(), text)
 
 
+@main.group("qat")
+def qat_group():
+    """Quantization-aware training: train a model toward a low-bit grid (BitCPM4's ternary QAT)."""
+
+
+@qat_group.command("ternary")
+@click.option("--model", default="default", show_default=True, help="Checkpoint directory, or 'default' (the teacher).")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Output directory (must not exist).")
+@click.option("--recipe", default="qat-ternary-g32", show_default=True,
+              help="QAT recipe: qat-ternary-g32, qat-ternary-g256, or a YAML file with a 'qat' section.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a recipe setting, e.g. --set qat.distill_weight=0 --set qat.learning_rate=1e-4.")
+@click.option("--tokens", type=click.IntRange(min=1), default=None, help="Training tokens (default: the recipe's).")
+@click.option("--init", "init", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Start from this artifact's weights (e.g. a gptq-ternary-g32 one) instead of the model's.")
+@click.option("--format", "out_format", type=click.Choice(["artifact", "fake-quant"]), default="artifact",
+              show_default=True, help="artifact: the recipe's packed format (runtime, eval, GGUF export); "
+                                      "fake-quant: a plain checkpoint whose linears hold t·s, as BitCPM4 ships.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted run from its last checkpoint.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--progress/--no-progress", default=True, show_default=True)
+@json_option
+@_friendly_errors
+def qat_ternary(model, out, recipe, overrides, tokens, init, out_format, resume, device, progress, as_json):
+    """Train MODEL to ternary weights (BitCPM4): straight-through estimator, WSD schedule, distillation from
+    MODEL itself; writes the ternary artifact, a loss/perplexity curve and a JSON log."""
+    from quantkit.models.zoo import resolve_model
+    from quantkit.qat import run_qat
+    from quantkit.recipe import load_recipe, parse_override
+
+    settings = dict(parse_override(text) for text in overrides)
+    loaded = load_recipe(recipe, settings)
+    if not loaded["quant"]["ternary"]:
+        raise click.ClickException(f"recipe {loaded.name} does not train a ternary grid (quant.ternary is false)")
+    report = run_qat(resolve_model(model), loaded, out, tokens=tokens, init=init, resume=resume,
+                     fake_quant=out_format == "fake-quant", device=device, progress=progress)
+    measured = [e for e in report.log if "heldout_ppl" in e]
+    rows = [[e["step"], e["tokens"], e.get("loss"), e["heldout_ppl"]] for e in measured]
+    text = format_table(["step", "tokens", "loss", "held-out ppl"], rows)
+    text += (f"\n\nwrote {out}: {report.steps} steps, {report.tokens} tokens at {report.tokens_per_second:.0f} tok/s "
+             f"(teacher {report.teacher_seconds:.0f} s, training {report.train_seconds:.0f} s), "
+             f"peak RSS {report.peak_rss_mb:.0f} MB" + (f" (resumed at step {report.resumed_from_step})"
+                                                       if report.resumed_from_step else ""))
+    _emit(as_json, report.to_dict(), text)
+
+
 @main.group("eval")
 def eval_group():
     """Measure accuracy: perplexity, KL divergence against a reference model, reports over many variants,

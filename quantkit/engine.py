@@ -71,7 +71,7 @@ class RunReport:
         return asdict(self)
 
 
-def _peak_rss_mb() -> float:
+def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
 
 
@@ -210,6 +210,9 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
     """
     started = time.perf_counter()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if "qat" in recipe.values:
+        raise EngineError(f"recipe {recipe.name} trains (it has a 'qat' section): run it with `quantkit qat ternary "
+                          f"--recipe {recipe.name}`")
     if out_dir.exists():
         raise EngineError(f"output directory {out_dir} already exists; choose another --out or remove it")
     staging = staging_dir(out_dir)
@@ -270,7 +273,7 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
         bar.set_postfix(err=f"{max(errors.values()):.2e}")
 
     report.seconds = round(time.perf_counter() - started, 3)
-    report.peak_rss_mb = round(_peak_rss_mb(), 1)
+    report.peak_rss_mb = round(peak_rss_mb(), 1)
     if stop_after_layers is not None and stop_after_layers < config.num_hidden_layers:
         return report
 

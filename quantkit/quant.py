@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 SUPPORTED_BITS = (2, 3, 4, 8)
-SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)  # -1: one group spanning every input channel
+SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128, 256)  # -1: one group spanning every input channel
 
 # Smallest positive float16 (subnormal): scales below it would round to 0 in the checkpoint.
 _MIN_FP16_SCALE = 2.0**-24

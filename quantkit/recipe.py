@@ -43,6 +43,19 @@ def _positive(v) -> bool:
     return v > 0
 
 
+def _fraction(v) -> bool:
+    return 0 <= v <= 1
+
+
+class Section(dict):
+    """A nested group of keys. An ``optional`` section is absent from recipes that do not state it
+    (and from their fingerprints), rather than filled with defaults: only QAT recipes have ``qat``."""
+
+    def __init__(self, fields: dict, optional: bool = False):
+        super().__init__(fields)
+        self.optional = optional
+
+
 def _whole_groups(names: list) -> bool:
     """Known linears, each listed once, and every sequential group in or out as a whole: q/k/v share one
     input and so one Hessian, as do gate/up."""
@@ -69,7 +82,7 @@ SCHEMA: dict[str, Any] = {
                                 "hardware (AMX, AVX-512 BF16), float32 elsewhere (statistics accumulate in fp32)"),
     "quant": {
         "bits": Field(int, required=True, choices=(2, 3, 4, 8), help="bits per weight code"),
-        "group_size": Field(int, default=128, choices=(-1, 32, 64, 128),
+        "group_size": Field(int, default=128, choices=(-1, 32, 64, 128, 256),
                             help="input channels sharing a scale and zero point (-1: one group of every channel)"),
         "sym": Field(bool, default=True, help="symmetric grid (fixed zero point) instead of a zero point per group"),
         "ternary": Field(bool, default=False,
@@ -104,6 +117,47 @@ SCHEMA: dict[str, Any] = {
         "batch_size": Field(int, default=8, check=_positive, rule="> 0",
                             help="samples per forward batch (memory, not results)"),
     },
+    # Quantization-aware training (`quantkit qat`): BitCPM4's recipe shape (re-warmup, WSD schedule,
+    # distillation from the FP model). docs/qat.md says which values were measured.
+    "qat": Section({
+        "tokens": Field(int, default=400_000, check=_positive, rule="> 0",
+                        help="training tokens (`--tokens` overrides): steps = tokens / batch_tokens"),
+        "batch_tokens": Field(int, default=2048, check=_positive, rule="> 0",
+                              help="tokens per optimizer step, a multiple of seq_len (gradient accumulation)"),
+        "micro_batch": Field(int, default=1, check=_positive, rule="> 0",
+                             help="sequences per forward/backward (memory, not results)"),
+        "seq_len": Field(int, default=512, check=lambda v: v >= 16, rule=">= 16", help="tokens per sequence"),
+        "learning_rate": Field(float, default=2e-4, check=_positive, rule="> 0", help="peak learning rate"),
+        "warmup": Field(float, default=0.05, check=_fraction, rule="in [0, 1]",
+                        help="fraction of steps warming up from 0 (the re-warmup BitCPM4 calls critical)"),
+        "stable": Field(float, default=0.75, check=_fraction, rule="in [0, 1]",
+                        help="fraction of steps at the peak rate (WSD); warmup + stable + decay = 1"),
+        "decay": Field(float, default=0.2, check=_fraction, rule="in [0, 1]",
+                       help="fraction of steps decaying linearly to final_lr x the peak"),
+        "final_lr": Field(float, default=0.1, check=_fraction, rule="in [0, 1]",
+                          help="learning rate at the end, as a fraction of the peak"),
+        "weight_decay": Field(float, default=0.0, check=lambda v: v >= 0, rule=">= 0", help="AdamW weight decay"),
+        "betas": Field(list, default=[0.9, 0.95],
+                       check=lambda v: len(v) == 2 and all(type(b) is float and 0 <= b < 1 for b in v),
+                       rule="two floats in [0, 1)", help="AdamW betas"),
+        "eps": Field(float, default=1e-8, check=_positive, rule="> 0", help="AdamW epsilon"),
+        "grad_clip": Field(float, default=1.0, check=_positive, rule="> 0", help="gradient norm clipped to this"),
+        "distill_weight": Field(float, default=0.5, check=_fraction, rule="in [0, 1]",
+                                help="loss = (1 - w) x cross-entropy + w x KL to the FP teacher (0: CE alone)"),
+        "temperature": Field(float, default=1.0, check=_positive, rule="> 0", help="distillation temperature"),
+        "top_k": Field(int, default=32, check=_positive, rule="> 0",
+                       help="teacher logits cached per token (its distribution renormalised over them)"),
+        "data": Field(str, default="default", help="training text: a calibration corpus or mix, or a local file"),
+        "seed": Field(int, default=0, help="seed of the data order"),
+        "eval_interval": Field(int, default=50, check=_positive, rule="> 0",
+                               help="steps between held-out perplexity measurements"),
+        "eval_tokens": Field(int, default=4096, check=lambda v: v >= 2, rule=">= 2",
+                             help="held-out tokens per measurement"),
+        "checkpoint_interval": Field(int, default=25, check=_positive, rule="> 0",
+                                     help="steps between resumable checkpoints"),
+        "max_loss_growth": Field(float, default=4.0, check=lambda v: v > 1, rule="> 1",
+                                 help="stop if a step's loss exceeds this multiple of the best loss so far"),
+    }, optional=True),
 }
 
 
@@ -138,6 +192,8 @@ def _validate(raw: Any, schema: dict, where: str, source: str) -> dict:
     for key, spec in schema.items():
         path = f"{where}{key}"
         if isinstance(spec, dict):
+            if getattr(spec, "optional", False) and key not in raw:
+                continue
             out[key] = _validate(raw.get(key, {}), spec, f"{path}.", source)
             continue
         if key not in raw:
@@ -146,7 +202,10 @@ def _validate(raw: Any, schema: dict, where: str, source: str) -> dict:
             out[key] = spec.default
             continue
         value = raw[key]
-        # bool is an int subclass in Python: reject `bits: true` and `sym: 1` alike.
+        # bool is an int subclass in Python: reject `bits: true` and `sym: 1` alike. A whole number where
+        # a float is wanted (`--set qat.distill_weight=0`) is that float.
+        if spec.kind is float and type(value) is int:
+            value = float(value)
         if type(value) is not spec.kind:
             raise RecipeError(f"{source}: '{path}' must be {spec.kind.__name__}, got {value!r}")
         if spec.choices is not None and value not in spec.choices:
@@ -219,7 +278,23 @@ def load_recipe(name_or_path: str | Path, overrides: dict[str, Any] | None = Non
     if FORMATS[values["format"]].block_types and values["algorithm"] == "gptq" and own_grid:
         raise RecipeError(f"{path}: format '{values['format']}' keeps GGUF blocks, whose scales llama.cpp's "
                           f"quantizer chooses: set {' and '.join(f'gptq.{key}: false' for key in own_grid)}")
+    if "qat" in values:
+        _check_qat(values, path)
     return Recipe(values, str(path))
+
+
+def _check_qat(values: dict, path: Path) -> None:
+    qat = values["qat"]
+    phases = qat["warmup"] + qat["stable"] + qat["decay"]
+    if abs(phases - 1) > 1e-9:
+        raise RecipeError(f"{path}: 'qat.warmup' + 'qat.stable' + 'qat.decay' must be 1 (the whole run), "
+                          f"got {phases:g}")
+    if qat["batch_tokens"] % (qat["seq_len"] * qat["micro_batch"]):
+        raise RecipeError(f"{path}: 'qat.batch_tokens' = {qat['batch_tokens']} must be a multiple of "
+                          f"qat.seq_len x qat.micro_batch = {qat['seq_len'] * qat['micro_batch']}")
+    if qat["tokens"] < qat["batch_tokens"]:
+        raise RecipeError(f"{path}: 'qat.tokens' = {qat['tokens']} is less than one step "
+                          f"(qat.batch_tokens = {qat['batch_tokens']})")
 
 
 def purpose(path: Path) -> str:

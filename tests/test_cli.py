@@ -22,7 +22,8 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("command", [[], ["quantize"], ["eval"], ["eval", "ppl"], ["eval", "kld"], ["eval", "tasks"],
-                                     ["inspect"], ["recipes"], ["default-model"], ["export"], ["export", "gguf"]])
+                                     ["inspect"], ["recipes"], ["default-model"], ["export"], ["export", "gguf"],
+                                     ["qat"], ["qat", "ternary"]])
 def test_help_everywhere(command):
     result = CliRunner().invoke(main, command + ["--help"])
     assert result.exit_code == 0 and "Usage:" in result.output
@@ -133,3 +134,13 @@ def test_export_gguf_prints_a_summary_and_json(tiny, tmp_path):
     assert report["tensors_by_type"]["q8_0"] == 2 * 7 + 2  # linears, embedding, output
     again = CliRunner().invoke(main, ["export", "gguf", "--model", str(tiny), "--type", "q8_0", "--out", str(out)])
     assert again.exit_code == 1 and "already exists" in again.output
+
+
+def test_qat_refuses_a_post_training_recipe_and_quantize_a_qat_one(tiny, tmp_path):
+    result = CliRunner().invoke(main, ["qat", "ternary", "--model", str(tiny), "--out", str(tmp_path / "q"),
+                                       "--recipe", "gptq-w4g128"])
+    assert result.exit_code == 1 and "does not train a ternary grid" in result.output
+    result = CliRunner().invoke(main, ["quantize", "--recipe", "qat-ternary-g32", "--model", str(tiny), "--out",
+                                       str(tmp_path / "q")])
+    assert result.exit_code == 1 and "quantkit qat ternary --recipe qat-ternary-g32" in result.output
+    assert not (tmp_path / "q").exists() and not (tmp_path / "q.partial").exists()

@@ -1,0 +1,24 @@
+"""Quantization-aware training (`quantkit qat`): BitCPM4's ternary QAT, and any other grid.
+
+- ``fake_quant``: the grid in the forward pass, the straight-through gradient in the backward;
+- ``data``: training rows from the calibration sources, a fresh order each epoch;
+- ``teacher``: the FP model's top-k logits, cached once, and the distillation loss;
+- ``schedule``: the warmup-stable-decay learning rate;
+- ``state``: the resumable checkpoint;
+- ``trainer``: the loop; ``write``: the artifact, fake-quantized checkpoint, log and curve.
+"""
+
+
+def run_qat(model_dir, recipe, out_dir, *, tokens=None, init=None, resume=False, fake_quant=False, device="cpu",
+            progress=True):
+    """Train, then write the result to ``out_dir``; returns the run's ``QATReport``."""
+    from pathlib import Path
+
+    from quantkit.qat.trainer import train
+    from quantkit.qat.write import write_outputs
+
+    trained = train(model_dir, recipe, out_dir, tokens=tokens, init=init, resume=resume, device=device,
+                    progress=progress)
+    write_outputs(trained, Path(model_dir), recipe, Path(out_dir), fake_quant=fake_quant,
+                  init=None if init is None else str(init))
+    return trained.report

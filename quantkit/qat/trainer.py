@@ -1,0 +1,275 @@
+"""Quantization-aware training: the loop.
+
+Only what QAT needs is trained: the latent weights of the quantized linears (q/k/v/o/gate/up/down,
+seen through their grid by ``fake_quant``) and the RMSNorm gains; embeddings and the LM head stay
+frozen in high precision. AdamW keeps fp32 master weights; calibration-style forwards run in bf16
+where the CPU multiplies it in hardware. The loss mixes cross-entropy with distillation from the FP
+model's cached top-k logits (``teacher``). The learning rate follows ``schedule.wsd_learning_rate``.
+
+Everything a run needs to continue lives in ``<out>.partial``: its fingerprint, the last checkpoint
+(``state``) and the log. The same inputs, seed and thread count give the same losses and bytes, and
+a resumed run ends with the weights of an uninterrupted one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+import quantkit
+from quantkit import atomic, calib
+from quantkit.artifact import staging_dir
+from quantkit.checkpoint import CheckpointReader
+from quantkit.engine import compute_dtype, peak_rss_mb, validate_checkpoint
+from quantkit.eval.ppl import perplexity
+from quantkit.formats import FORMATS
+from quantkit.loading import load_model
+from quantkit.models import MiniCPMConfig
+from quantkit.models.layers import layer_prefix
+from quantkit.models.zoo import cache_root
+from quantkit.qat import state
+from quantkit.qat.data import training_data
+from quantkit.qat.fake_quant import check_groups, latent_for, wrap_linears
+from quantkit.qat.schedule import wsd_learning_rate
+from quantkit.qat.teacher import build_cache, cache_key, distillation_loss
+from quantkit.quant import QuantConfig
+from quantkit.reader import ArtifactReader, linear_shapes
+from quantkit.recipe import Recipe
+
+RUN_FILE = "qat_run.json"
+LOG_FILE = "qat_log.json"
+HELDOUT = "austen"
+NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+class QATError(RuntimeError):
+    """A run that cannot start or continue as asked."""
+
+
+@dataclass
+class QATReport:
+    out_dir: str
+    recipe: str
+    steps: int = 0
+    tokens: int = 0
+    resumed_from_step: int = 0
+    teacher_seconds: float = 0.0
+    train_seconds: float = 0.0
+    tokens_per_second: float = 0.0
+    peak_rss_mb: float = 0.0
+    threads: int = field(default_factory=torch.get_num_threads)
+    log: list[dict] = field(default_factory=list)  # one entry per step; "heldout_ppl" where measured
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class TrainedModel:
+    """What ``train`` hands the writer: the student with its latent weights, and the grid of each linear."""
+
+    model: torch.nn.Module
+    grids: dict[str, QuantConfig]  # "model.layers.{i}.{linear}" -> grid
+    report: QATReport
+    fingerprint: str
+    data: dict
+
+
+def run_fingerprint(model: str, init: str | None, recipe: Recipe, data: str, tokens: int) -> str:
+    payload = {"model": model, "init": init, "recipe": recipe.fingerprint(), "data": data, "tokens": tokens,
+               "quantkit": quantkit.__version__}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _check_start(out_dir: Path, staging: Path, resume: bool) -> None:
+    if out_dir.exists():
+        raise QATError(f"output directory {out_dir} already exists; choose another --out or remove it")
+    if resume and not (staging / state.CHECKPOINT_FILE).is_file():
+        raise QATError(f"--resume: {staging} holds no checkpoint to continue from")
+    if staging.exists() and not resume:
+        raise QATError(f"{staging} holds an interrupted run: pass --resume to continue it, or remove it")
+
+
+def _student(source: Path, config: MiniCPMConfig, qconfig: QuantConfig, fmt):
+    """The FP (or initial) model with every decoder linear on its format's grid, and what trains. An
+    artifact's quantized linears start from weights that its grid rounds back to its own records."""
+    model = load_model(source, torch.float32)
+    model.requires_grad_(False)
+    artifact = ArtifactReader(source)
+    if artifact.format is not None:
+        for index in range(config.num_hidden_layers):
+            for name, record in artifact.layer(index)[1].items():
+                model.get_submodule(name.removesuffix(".weight")).weight.data = latent_for(record)
+    grids, names = {}, []
+    for index in range(config.num_hidden_layers):
+        for linear, shape in linear_shapes(config).items():
+            name = f"{layer_prefix(index)}{linear}"
+            grids[name] = fmt.target(qconfig, linear, index, config.num_hidden_layers, shape)
+            names.append(name)
+    for name in names:
+        wrap_linears(model, [name], grids[name])
+    trainable = {f"{name}.weight": model.get_submodule(name).weight for name in names}
+    for index in range(config.num_hidden_layers):
+        for norm in NORMS:
+            name = f"{layer_prefix(index)}{norm}"
+            trainable[f"{name}.weight"] = model.get_submodule(name).weight
+    trainable["model.norm.weight"] = model.model.norm.weight
+    for param in trainable.values():
+        param.requires_grad_(True)
+    return model, grids, trainable
+
+
+def _refresh(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if hasattr(module, "refresh"):
+            module.refresh()
+
+
+@torch.no_grad()
+def _heldout_perplexity(model, tokens: torch.Tensor, window: int) -> float:
+    return perplexity(model, tokens, window=window).perplexity
+
+
+def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, tokens: int | None = None,
+          init: str | Path | None = None, resume: bool = False, device: str = "cpu", progress: bool = True,
+          stop_after_steps: int | None = None) -> TrainedModel:
+    """Train ``model_dir`` (or the artifact ``init``, e.g. a GPTQ ternary one, as the starting weights)
+    toward ``recipe``'s grid. ``stop_after_steps`` ends the run early, leaving its checkpoint as an
+    interruption would (tests use it to prove resumption)."""
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    staging = staging_dir(out_dir)
+    if "qat" not in recipe.values:
+        raise QATError(f"recipe {recipe.name} has no 'qat' section: it is a post-training recipe "
+                       "(`quantkit quantize`); QAT recipes are qat-ternary-g32 and qat-ternary-g256")
+    _check_start(out_dir, staging, resume)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise QATError("--device cuda: this machine has no CUDA device (torch.cuda.is_available() is false)")
+    settings = recipe["qat"]
+    total_tokens = tokens or settings["tokens"]
+    rows_per_step = settings["batch_tokens"] // settings["seq_len"]
+    total_steps = total_tokens // settings["batch_tokens"]
+    if total_steps < 1:
+        raise QATError(f"--tokens {total_tokens} is less than one step of {settings['batch_tokens']} tokens")
+
+    config = MiniCPMConfig.from_pretrained(model_dir)
+    qconfig = QuantConfig(**recipe["quant"])
+    fmt = FORMATS[recipe["format"]]
+    check_groups(qconfig, linear_shapes(config))
+    reader = CheckpointReader(model_dir)
+    validate_checkpoint(reader, config, qconfig, fmt, desc_act=False, progress=progress)
+    init_fingerprint = None
+    if init is not None:
+        if linear_shapes(MiniCPMConfig.from_pretrained(init)) != linear_shapes(config):
+            raise QATError(f"--init {init} is not a variant of {model_dir}: its linears have other shapes")
+        init_fingerprint = CheckpointReader(init).fingerprint()
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    data = training_data(tokenizer, settings["data"], settings["seq_len"], settings["seed"])
+    heldout = calib.heldout_tokens(tokenizer, HELDOUT, max_tokens=settings["eval_tokens"])
+    model_fingerprint = reader.fingerprint()
+    fingerprint = run_fingerprint(model_fingerprint, init_fingerprint, recipe, data.fingerprint, total_tokens)
+    run_file = staging / RUN_FILE
+    if resume and json.loads(run_file.read_text())["fingerprint"] != fingerprint:
+        raise QATError(f"{staging} was started with a different model, recipe, data or --tokens; remove it to "
+                       "start over")
+    staging.mkdir(parents=True, exist_ok=True)
+    atomic.write_json(run_file, {"fingerprint": fingerprint})
+
+    report = QATReport(out_dir=str(out_dir), recipe=recipe.name)
+    cache = None
+    if settings["distill_weight"] > 0:
+        started = time.perf_counter()
+        dtype = compute_dtype(recipe["compute_dtype"])
+        key = cache_key(model_fingerprint, data.fingerprint, settings["top_k"], dtype)
+        teacher = load_model(model_dir, dtype).to(device)
+        visited = list(dict.fromkeys(data.row_ids(0, total_steps * rows_per_step)))
+        cache = build_cache(teacher, data.rows.to(device), visited, settings["top_k"],
+                            cache_root() / "qat-teacher" / key, progress)
+        del teacher
+        report.teacher_seconds = round(time.perf_counter() - started, 3)
+
+    model, grids, trainable = _student(Path(init) if init is not None else model_dir, config, qconfig, fmt)
+    model.to(device)
+    heldout = heldout.to(device)
+    optimizer = torch.optim.AdamW(list(trainable.values()), lr=settings["learning_rate"],
+                                  betas=tuple(settings["betas"]), eps=settings["eps"],
+                                  weight_decay=settings["weight_decay"])
+    start_step = 0
+    if resume:
+        loop = state.load(staging / state.CHECKPOINT_FILE, trainable, optimizer)
+        start_step, report.log = loop["step"], loop["log"]
+        report.resumed_from_step = start_step
+    _refresh(model)
+    if start_step == 0:
+        report.log.append({"step": 0, "tokens": 0, "heldout_ppl": _heldout_perplexity(model, heldout,
+                                                                                      settings["seq_len"])})
+
+    autocast = compute_dtype(recipe["compute_dtype"]) == torch.bfloat16
+    weight = settings["distill_weight"]
+    micro_batches = rows_per_step // settings["micro_batch"]
+    best = min((entry["loss"] for entry in report.log if "loss" in entry), default=math.inf)
+    last = total_steps if stop_after_steps is None else min(total_steps, stop_after_steps)
+    bar = tqdm(range(start_step, last), desc=f"qat {recipe.name}", unit="step", disable=not progress,
+               initial=start_step, total=total_steps)
+    started = time.perf_counter()
+    for step in bar:
+        lr = wsd_learning_rate(step, total_steps, settings["learning_rate"], settings["warmup"],
+                               settings["decay"], settings["final_lr"])
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        losses = []
+        for micro in range(micro_batches):
+            position = step * rows_per_step + micro * settings["micro_batch"]
+            rows = data.row_ids(position, settings["micro_batch"])
+            ids = data.rows[rows].to(device)
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+                logits = model(ids[:, :-1]).logits.float()
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+            if cache is not None:
+                teacher_ids, teacher_logits = (t.to(device) for t in cache.batch(rows))
+                distill = distillation_loss(logits, teacher_ids[:, :-1], teacher_logits[:, :-1],
+                                            settings["temperature"])
+                loss = (1 - weight) * loss + weight * distill
+            (loss / micro_batches).backward()
+            losses.append(loss.item())
+        step_loss = sum(losses) / len(losses)
+        if not math.isfinite(step_loss) or step_loss > settings["max_loss_growth"] * best:
+            saved = max((entry["step"] for entry in report.log if entry.get("checkpoint")), default=0)
+            raise QATError(f"qat: the loss {'is not finite' if not math.isfinite(step_loss) else 'exploded'} "
+                           f"({step_loss:.4g}, best {best:.4g}) at step {step + 1}; the last good checkpoint "
+                           f"(step {saved}) is kept in {staging}. Lower qat.learning_rate or raise qat.warmup "
+                           "and start again")
+        best = min(best, step_loss)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(list(trainable.values()), settings["grad_clip"]))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _refresh(model)
+        entry = {"step": step + 1, "tokens": (step + 1) * settings["batch_tokens"], "loss": step_loss,
+                 "lr": lr, "grad_norm": grad_norm}
+        if (step + 1) % settings["eval_interval"] == 0 or step + 1 == total_steps:
+            entry["heldout_ppl"] = _heldout_perplexity(model, heldout, settings["seq_len"])
+        if (step + 1) % settings["checkpoint_interval"] == 0 or step + 1 == last:
+            entry["checkpoint"] = True
+        report.log.append(entry)
+        if entry.get("checkpoint"):
+            state.save(staging / state.CHECKPOINT_FILE, trainable, optimizer, {"step": step + 1, "log": report.log})
+            atomic.write_json(staging / LOG_FILE, report.log)
+        elapsed = time.perf_counter() - started
+        done = (step + 1 - start_step) * settings["batch_tokens"]
+        bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{done / elapsed:.0f}")
+
+    report.steps = last
+    report.tokens = last * settings["batch_tokens"]
+    report.train_seconds = round(time.perf_counter() - started, 3)
+    trained = (last - start_step) * settings["batch_tokens"]
+    report.tokens_per_second = round(trained / report.train_seconds, 2) if report.train_seconds else 0.0
+    report.peak_rss_mb = round(peak_rss_mb(), 1)
+    return TrainedModel(model, grids, report, fingerprint, data.described)

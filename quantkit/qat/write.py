@@ -1,0 +1,122 @@
+"""What a QAT run writes: the packed artifact in the recipe's format (the runtime, `quantkit eval` and
+the GGUF exporter read it like any other), or a fake-quantized checkpoint; plus the training log and
+its curve.
+
+The fake-quantized checkpoint is a plain MiniCPM checkpoint whose linears hold the grid values
+(t·s for ternary), as OpenBMB ships BitCPM4: transformers loads it with no quantization code. Each
+linear is stored in the first of the source dtype, float16 and float32 that holds it exactly (t·s
+with an fp16 s is exact in float16, not in bfloat16).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+import quantkit
+from quantkit import atomic
+from quantkit.artifact import ArtifactWriter, staging_dir
+from quantkit.checkpoint import SINGLE_FILE, CheckpointReader
+from quantkit.formats import FORMATS
+from quantkit.models.layers import EMBEDDING, FINAL_NORM, LM_HEAD, layer_prefix
+from quantkit.qat import state
+from quantkit.qat.fake_quant import quantized_record
+from quantkit.qat.trainer import LOG_FILE, RUN_FILE, TrainedModel
+from quantkit.quant import QuantConfig
+from quantkit.recipe import Recipe
+
+FAKE_QUANT = "fake-quant"
+CURVE_FILE = "qat_curve.png"
+FAKE_QUANT_MANIFEST = "qat.json"
+
+
+def _exact_dtype(weight: torch.Tensor, source_dtype: torch.dtype) -> torch.dtype:
+    for dtype in (source_dtype, torch.float16):
+        if torch.equal(weight.to(dtype).to(torch.float32), weight):
+            return dtype
+    return torch.float32
+
+
+def _manifest(trained: TrainedModel, recipe: Recipe, fmt_name: str, model_fingerprint: str,
+              init: str | None) -> dict:
+    return {"quantkit_version": quantkit.__version__, "format": fmt_name, "recipe": recipe.values,
+            "fingerprints": {"model": model_fingerprint, "recipe": recipe.fingerprint(), "run": trained.fingerprint},
+            "qat": {"data": trained.data, "tokens": trained.report.tokens, "steps": trained.report.steps,
+                    "init": init, "threads": trained.report.threads},
+            "layer_errors": []}
+
+
+def _layer_tensors(trained: TrainedModel, reader: CheckpointReader, index: int) -> tuple[dict, dict]:
+    """Layer ``index``: its linears packed (or as grid values) and its trained norms in the source dtype."""
+    prefix = layer_prefix(index)
+    params = dict(trained.model.named_parameters())
+    tensors, records = {}, {}
+    for name, grid in trained.grids.items():
+        if not name.startswith(prefix):
+            continue
+        records[name.removeprefix(prefix)] = quantized_record(params[f"{name}.weight"], grid)
+    for name, param in params.items():
+        if name.startswith(prefix) and name.removesuffix(".weight") not in trained.grids:
+            tensors[name] = param.detach().to(reader.dtype(name))
+    return tensors, records
+
+
+def _plot_curve(log: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trained = [e for e in log if "loss" in e]
+    measured = [e for e in log if "heldout_ppl" in e]
+    figure, (loss_axes, ppl_axes) = plt.subplots(1, 2, figsize=(10, 4))
+    loss_axes.plot([e["tokens"] for e in trained], [e["loss"] for e in trained])
+    loss_axes.set(xlabel="training tokens", ylabel="training loss", title="loss")
+    ppl_axes.plot([e["tokens"] for e in measured], [e["heldout_ppl"] for e in measured], marker="o")
+    ppl_axes.set(xlabel="training tokens", ylabel="held-out perplexity", yscale="log", title="held-out perplexity")
+    figure.tight_layout()
+    with atomic.atomic_path(path) as tmp:
+        figure.savefig(tmp, format="png", dpi=100)
+    plt.close(figure)
+
+
+def write_outputs(trained: TrainedModel, model_dir: Path, recipe: Recipe, out_dir: Path, *,
+                  fake_quant: bool = False, init: str | None = None) -> None:
+    """Write the run's result to ``out_dir`` (published only when complete) and drop its checkpoint."""
+    staging = staging_dir(out_dir)
+    reader = CheckpointReader(model_dir)
+    config = trained.model.config
+    fmt = FORMATS[recipe["format"]]
+    atomic.write_json(staging / LOG_FILE, trained.report.log)
+    _plot_curve(trained.report.log, staging / CURVE_FILE)
+    report = {**trained.report.to_dict(), "seconds": trained.report.teacher_seconds + trained.report.train_seconds}
+    source_config = json.loads((model_dir / "config.json").read_text())
+    source_config.pop("quantization_config", None)
+    outside = {n: reader.get(n) for n in (EMBEDDING, LM_HEAD) if n in reader}
+    outside[FINAL_NORM] = trained.model.model.norm.weight.detach().to(reader.dtype(FINAL_NORM))
+
+    writer = ArtifactWriter(staging, config.num_hidden_layers)
+    for index in range(config.num_hidden_layers):
+        tensors, records = _layer_tensors(trained, reader, index)
+        prefix = layer_prefix(index)
+        if fake_quant:
+            for linear, record in records.items():
+                name, weight = f"{prefix}{linear}.weight", record.dequantize(torch.float32)
+                tensors[name] = weight.to(_exact_dtype(weight, reader.dtype(name)))
+        else:
+            tensors.update(fmt.write_layer(records, prefix))
+        writer.write_shard(index, tensors)
+    writer.write_shard(config.num_hidden_layers, outside)
+    writer.write_progress(trained.fingerprint, [])
+    manifest = _manifest(trained, recipe, FAKE_QUANT if fake_quant else fmt.name, reader.fingerprint(), init)
+    if fake_quant:
+        writer.finish(model_dir, out_dir, source_config, None, manifest, report, weights_file=SINGLE_FILE,
+                      manifest_file=FAKE_QUANT_MANIFEST)
+    else:
+        qconfig = QuantConfig(**recipe["quant"])
+        quantization_config = fmt.quantization_config(qconfig, quantizer=f"quantkit:{quantkit.__version__}")
+        writer.finish(model_dir, out_dir, {**source_config, "quantization_config": quantization_config},
+                      quantization_config, manifest, report, weights_file=fmt.weights_file)
+    for leftover in (state.CHECKPOINT_FILE, RUN_FILE):
+        (out_dir / leftover).unlink(missing_ok=True)

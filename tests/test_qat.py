@@ -1,0 +1,237 @@
+"""Quantization-aware training (quantkit.qat) on tiny random MiniCPMs: the quantizer, the loop, resumption,
+bad input, and what it writes."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from quantkit.artifact import staging_dir
+from quantkit.engine import quantize
+from quantkit.qat import run_qat, state
+from quantkit.qat.fake_quant import grid_weight, quantized_record, straight_through
+from quantkit.qat.schedule import wsd_learning_rate
+from quantkit.qat.teacher import distillation_loss
+from quantkit.qat.trainer import QATError, train
+from quantkit.qat.write import FAKE_QUANT_MANIFEST, write_outputs
+from quantkit.quant import QuantConfig
+from quantkit.reader import ArtifactReader
+from quantkit.recipe import RecipeError, load_recipe
+
+STEP_TOKENS = 128  # two rows of 64 tokens a step
+
+
+@pytest.fixture(autouse=True, scope="module")
+def private_cache(tmp_path_factory):
+    """The teacher's cached logits go to a test folder, not the user's ~/.cache/quantkit (module scope:
+    the module's shared runs need it too)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("QUANTKIT_CACHE", str(tmp_path_factory.mktemp("qat-cache")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def training_text(tmp_path_factory):
+    """A slice of the bundled English calibration text: enough rows for the tests, quick to tokenize."""
+    from quantkit.calib import load_documents
+
+    path = tmp_path_factory.mktemp("qat-data") / "train.txt"
+    path.write_text("\n\n".join(load_documents("en"))[:60_000])
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint_factory):
+    return tiny_checkpoint_factory(hidden_size=256, intermediate_size=512)
+
+
+def recipe(training_text, name="qat-ternary-g32", **settings):
+    overrides = {"qat.seq_len": 64, "qat.batch_tokens": STEP_TOKENS, "qat.eval_interval": 5, "qat.eval_tokens": 128,
+                 "qat.checkpoint_interval": 5, "qat.data": str(training_text), "qat.learning_rate": 1e-3,
+                 "qat.top_k": 8}
+    overrides.update(settings)
+    return load_recipe(name, overrides)
+
+
+@pytest.mark.parametrize("config", [QuantConfig(2, 32, False, True), QuantConfig(2, 256, False, True),
+                                    QuantConfig(2, -1, False, True), QuantConfig(4, 128, True)],
+                         ids=["ternary-g32", "ternary-g256", "ternary-per-row", "int4-g128"])
+def test_the_training_grid_is_rtns_grid_bit_for_bit(config):
+    weight = torch.randn(96, 512, generator=torch.Generator().manual_seed(1)) * 0.02
+    assert torch.equal(grid_weight(weight, config), quantized_record(weight, config).dequantize())
+
+
+def test_straight_through_gradient_reaches_the_latent_weight_unchanged():
+    latent = torch.randn(8, 64, requires_grad=True)
+    on_grid = grid_weight(latent, QuantConfig(2, 32, False, True))
+    x = torch.randn(5, 64)
+    upstream = torch.randn(5, 8)
+    (torch.nn.functional.linear(x, straight_through(latent, on_grid)) * upstream).sum().backward()
+    assert torch.equal(latent.grad, upstream.T @ x)  # d/dW of sum(upstream * x Wᵀ), as if W were unquantized
+
+
+def test_wsd_schedule_warms_holds_and_decays():
+    rates = [wsd_learning_rate(step, 100, 1.0, warmup=0.1, decay=0.2, final=0.1) for step in range(100)]
+    assert rates[0] == pytest.approx(0.1) and rates[9] == 1.0
+    assert set(rates[10:80]) == {1.0}
+    assert rates[-1] == pytest.approx(0.1) and all(a > b for a, b in zip(rates[80:], rates[81:]))
+
+
+def test_topk_distillation_with_every_token_is_the_full_kl():
+    generator = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(3, 7, 50, generator=generator), torch.randn(3, 7, 50, generator=generator)
+    values, ids = teacher.topk(50, dim=-1)
+    full = torch.nn.functional.kl_div(torch.log_softmax(student / 2, -1), torch.log_softmax(teacher / 2, -1),
+                                      log_target=True, reduction="none").sum(-1).mean() * 4
+    assert distillation_loss(student, ids, values, 2.0).item() == pytest.approx(full.item(), rel=1e-5)
+
+
+def test_zero_steps_write_exactly_rtn_ternary_g32(model, training_text, tmp_path):
+    rtn = tmp_path / "rtn"
+    quantize(model, load_recipe("rtn-ternary-g32", {"calibration.n_samples": 2, "calibration.seq_len": 32}), rtn,
+             progress=False)
+    settings = recipe(training_text, **{"qat.distill_weight": 0.0})
+    trained = train(model, settings, tmp_path / "qat", tokens=STEP_TOKENS, stop_after_steps=0, progress=False)
+    write_outputs(trained, model, settings, tmp_path / "qat")
+    ours, theirs = ArtifactReader(tmp_path / "qat"), ArtifactReader(rtn)
+    assert ours.format.name == theirs.format.name == "ternary"
+    for index in range(ours.num_layers):
+        mine, reference = ours.layer(index), theirs.layer(index)
+        assert mine[1].keys() == reference[1].keys()
+        for name, record in reference[1].items():
+            assert torch.equal(mine[1][name].codes, record.codes) and torch.equal(mine[1][name].scales, record.scales)
+        assert all(torch.equal(mine[0][name], tensor) for name, tensor in reference[0].items())
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(model, training_text, tmp_path_factory):
+    out = tmp_path_factory.mktemp("qat-run") / "out"
+    report = run_qat(model, recipe(training_text), out, tokens=12 * STEP_TOKENS, progress=False)
+    return out, report
+
+
+def test_loss_falls_within_a_dozen_steps(uninterrupted):
+    out, report = uninterrupted
+    losses = [entry["loss"] for entry in report.log if "loss" in entry]
+    perplexities = [entry["heldout_ppl"] for entry in report.log if "heldout_ppl" in entry]
+    assert len(losses) == 12 and sum(losses[-3:]) / 3 < 0.95 * sum(losses[:3]) / 3
+    assert perplexities[-1] < perplexities[0]
+    assert json.loads((out / "qat_log.json").read_text()) == report.log
+    assert (out / "qat_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (out / state.CHECKPOINT_FILE).exists() and not staging_dir(out).exists()
+
+
+def test_resumed_run_ends_with_the_uninterrupted_weights(model, training_text, uninterrupted, tmp_path):
+    out = tmp_path / "out"
+    settings = recipe(training_text)
+    train(model, settings, out, tokens=12 * STEP_TOKENS, stop_after_steps=7, progress=False)
+    assert load_file(staging_dir(out) / state.CHECKPOINT_FILE)  # the checkpoint at the stop
+    report = run_qat(model, settings, out, tokens=12 * STEP_TOKENS, resume=True, progress=False)
+    assert report.resumed_from_step == 7
+    reference, resumed = uninterrupted[0], out
+    for shard in sorted(p.name for p in reference.glob("*.safetensors")):
+        a, b = load_file(reference / shard), load_file(resumed / shard)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), shard
+
+
+def test_interrupted_checkpoint_write_keeps_the_previous_one(model, training_text, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    settings = recipe(training_text, **{"qat.checkpoint_interval": 2, "qat.distill_weight": 0.0})
+    train(model, settings, out, tokens=6 * STEP_TOKENS, stop_after_steps=2, progress=False)
+    checkpoint = staging_dir(out) / state.CHECKPOINT_FILE
+    before = checkpoint.read_bytes()
+
+    def dies_mid_write(path, tensors, metadata=None):
+        with open(str(path) + ".tmp-crash", "wb") as partial:
+            partial.write(b"half a file")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(state.atomic, "save_safetensors", dies_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        train(model, settings, out, tokens=6 * STEP_TOKENS, resume=True, progress=False)
+    assert checkpoint.read_bytes() == before
+
+
+def test_non_finite_loss_stops_with_a_clear_message_and_keeps_the_checkpoint(model, training_text, tmp_path,
+                                                                             monkeypatch):
+    out = tmp_path / "out"
+    settings = recipe(training_text, **{"qat.checkpoint_interval": 1, "qat.distill_weight": 0.0})
+    real, calls = torch.nn.functional.cross_entropy, []
+
+    def nan_from_step_four(*args, **kwargs):  # two micro-batches a step
+        calls.append(1)
+        loss = real(*args, **kwargs)
+        return loss * float("nan") if len(calls) > 6 else loss
+
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", nan_from_step_four)
+    with pytest.raises(QATError, match=r"not finite .* at step 4; the last good checkpoint \(step 3\)"):
+        train(model, settings, out, tokens=8 * STEP_TOKENS, progress=False)
+    from safetensors import safe_open
+
+    with safe_open(str(staging_dir(out) / state.CHECKPOINT_FILE), "pt") as f:
+        assert json.loads(f.metadata()["loop"])["step"] == 3
+
+
+def test_int4_grid_trains_with_the_same_trainer(model, training_text, tmp_path):
+    settings = recipe(training_text, **{"quant.bits": 4, "quant.group_size": 128, "quant.sym": True,
+                                        "quant.ternary": False, "format": "gptq"})
+    report = run_qat(model, settings, tmp_path / "int4", tokens=3 * STEP_TOKENS, progress=False)
+    records = ArtifactReader(tmp_path / "int4").layer(0)[1]
+    assert report.steps == 3 and all(r.config == QuantConfig(4, 128, True) for r in records.values())
+
+
+def test_fake_quant_checkpoint_loads_in_transformers_as_the_artifact(model, training_text, uninterrupted, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.loading import load_model
+
+    out = tmp_path / "fake"
+    run_qat(model, recipe(training_text), out, tokens=12 * STEP_TOKENS, fake_quant=True, progress=False)
+    assert not (out / "quantkit.json").exists() and (out / FAKE_QUANT_MANIFEST).is_file()
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    plain = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    packed = load_model(uninterrupted[0])
+    ids = torch.arange(5, 60)[None]
+    with torch.no_grad():
+        assert torch.equal(plain(ids).logits, packed(ids).logits)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"quant.group_size": 256}, "does not divide K = 384"),
+    ({"qat.learning_rate": 0.0}, "must be > 0"),
+    ({"qat.warmup": 0.5}, "must be 1"),
+    ({"qat.batch_tokens": 100}, "multiple of"),
+    ({"qat.distill_weight": True}, "must be float"),
+])
+def test_bad_input_is_refused_before_any_work(tiny_checkpoint_factory, training_text, tmp_path, settings, message):
+    narrow = tiny_checkpoint_factory(hidden_size=256, intermediate_size=384)
+    with pytest.raises((QATError, RecipeError, ValueError), match=message):
+        train(narrow, recipe(training_text, **settings), tmp_path / "out", progress=False)
+    assert not staging_dir(tmp_path / "out").exists()
+
+
+def test_empty_data_and_existing_output_are_refused(model, training_text, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    with pytest.raises(ValueError, match="holds no text"):
+        train(model, recipe(training_text, **{"qat.data": str(empty)}), tmp_path / "out", progress=False)
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(QATError, match="already exists"):
+        train(model, recipe(training_text), tmp_path / "taken", progress=False)
+    with pytest.raises(QATError, match="no checkpoint"):
+        train(model, recipe(training_text), tmp_path / "fresh", resume=True, progress=False)
+    assert not staging_dir(tmp_path / "out").exists()
+
+
+def test_qat_from_a_gptq_ternary_artifact_starts_exactly_at_its_weights(model, training_text, tmp_path):
+    gptq = tmp_path / "gptq"
+    quantize(model, load_recipe("gptq-ternary-g32", {"calibration.n_samples": 4, "calibration.seq_len": 32}), gptq,
+             progress=False)
+    settings = recipe(training_text, **{"qat.distill_weight": 0.0})
+    trained = train(model, settings, tmp_path / "qat", tokens=STEP_TOKENS, init=gptq, stop_after_steps=0,
+                    progress=False)
+    write_outputs(trained, model, settings, tmp_path / "qat", init=str(gptq))
+    ours, theirs = ArtifactReader(tmp_path / "qat"), ArtifactReader(gptq)
+    for index in range(ours.num_layers):
+        for name, record in theirs.layer(index)[1].items():
+            assert torch.equal(ours.layer(index)[1][name].dequantize(), record.dequantize()), name
