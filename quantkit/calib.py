@@ -269,9 +269,11 @@ def _fingerprint(settings: dict, input_ids: torch.Tensor) -> str:
     return digest.hexdigest()
 
 
-def calibration_set(tokenizer, source: str = "default", n_samples: int = 128, seq_len: int = 512,
+def calibration_set(tokenizer, source: str = "default", n_samples: int | None = 128, seq_len: int = 512,
                     seed: int = 0, chat: bool = False) -> CalibrationSet:
-    """``n_samples`` rows of ``seq_len`` token ids from ``source`` (a mix, corpus, file or hf: spec).
+    """``n_samples`` rows of ``seq_len`` token ids from ``source`` (a mix, corpus, file or hf: spec);
+    ``None``: as many as the source holds while keeping its mix's shares (the corpus with the least
+    text for its share sets the size), which is what QAT trains on.
 
     Each row starts at a paragraph of its corpus, behind whatever the tokenizer puts first (its
     BOS, if it adds one, or the chat template's opening when ``chat``). Rows come from disjoint
@@ -281,17 +283,28 @@ def calibration_set(tokenizer, source: str = "default", n_samples: int = 128, se
     if source in HELDOUT:
         raise ValueError(f"{source!r} is a held-out evaluation set; calibrating on it would "
                          "contaminate the evaluation")
-    if n_samples < 1 or seq_len < 2:
+    if (n_samples is not None and n_samples < 1) or seq_len < 2:
         raise ValueError(f"need n_samples >= 1 and seq_len >= 2, got {n_samples} and {seq_len}")
     encoder = _Encoder(tokenizer, chat)
     shares = MIXES.get(source, {source: 1.0})
+    draws: dict[str, tuple[random.Random, list[list[int]]]] = {}
+
+    def draw(name: str, wanted: int | None) -> tuple[random.Random, list[list[int]]]:
+        if name not in draws:
+            documents = load_documents(name)
+            rng = random.Random(f"quantkit-calibration:{seed}:{_source_identity(name)}")
+            rng.shuffle(documents)
+            draws[name] = rng, _runs(documents, encoder, seq_len, wanted=wanted)
+        return draws[name]
+
+    if n_samples is None:
+        n_samples = _most_rows(shares, {name: len(draw(name, None)[1]) for name in shares})
+        if n_samples == 0:
+            raise ValueError(f"calibration source {source!r} holds no sequence of {seq_len} tokens")
     rows: list[list[int]] = []
     row_sources: list[str] = []
     for name, count in _allocate(shares, n_samples).items():
-        documents = load_documents(name)
-        rng = random.Random(f"quantkit-calibration:{seed}:{_source_identity(name)}")
-        rng.shuffle(documents)
-        pool = _runs(documents, encoder, seq_len, wanted=POOL_FACTOR * count)
+        rng, pool = draw(name, POOL_FACTOR * count)
         if len(pool) < count:
             raise ValueError(f"calibration source {name!r} yields only {len(pool)} disjoint "
                              f"sequences of {seq_len} tokens, but {count} were requested; lower "
@@ -308,16 +321,8 @@ def calibration_set(tokenizer, source: str = "default", n_samples: int = 128, se
                           fingerprint=_fingerprint(settings, input_ids))
 
 
-def capacity(tokenizer, source: str = "default", seq_len: int = 512, seed: int = 0, chat: bool = False) -> int:
-    """The most rows ``calibration_set`` can draw from ``source`` at ``seq_len`` while keeping its
-    mix's shares: the corpus with the least text for its share sets the size (QAT trains on them all)."""
-    encoder = _Encoder(tokenizer, chat)
-    shares = MIXES.get(source, {source: 1.0})
-    available = {}
-    for name in shares:
-        documents = load_documents(name)
-        random.Random(f"quantkit-calibration:{seed}:{_source_identity(name)}").shuffle(documents)
-        available[name] = len(_runs(documents, encoder, seq_len, wanted=None))
+def _most_rows(shares: dict[str, float], available: dict[str, int]) -> int:
+    """The largest row count whose allocation by ``shares`` no corpus's ``available`` rows fall short of."""
     total = sum(shares.values())
     rows = min(int(available[name] * total / share) for name, share in shares.items())
     while rows and any(count > available[name] for name, count in _allocate(shares, rows).items()):

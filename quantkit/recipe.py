@@ -181,6 +181,13 @@ class Recipe:
         return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
+def _as_float(value: int | str) -> float | str:
+    try:
+        return float(value)
+    except ValueError:
+        return value  # left to the type check's message
+
+
 def _validate(raw: Any, schema: dict, where: str, source: str) -> dict:
     if not isinstance(raw, dict):
         raise RecipeError(f"{source}: '{where or 'recipe'}' must be a mapping, got {type(raw).__name__}")
@@ -202,10 +209,11 @@ def _validate(raw: Any, schema: dict, where: str, source: str) -> dict:
             out[key] = spec.default
             continue
         value = raw[key]
-        # bool is an int subclass in Python: reject `bits: true` and `sym: 1` alike. A whole number where
-        # a float is wanted (`--set qat.distill_weight=0`) is that float.
-        if spec.kind is float and type(value) is int:
-            value = float(value)
+        # bool is an int subclass in Python: reject `bits: true` and `sym: 1` alike. Where a float is
+        # wanted, a whole number (`--set qat.distill_weight=0`) is that float, and so is `1e-3`, which
+        # YAML 1.1 reads as a string.
+        if spec.kind is float and (type(value) is int or type(value) is str):
+            value = _as_float(value)
         if type(value) is not spec.kind:
             raise RecipeError(f"{source}: '{path}' must be {spec.kind.__name__}, got {value!r}")
         if spec.choices is not None and value not in spec.choices:

@@ -235,3 +235,9 @@ def test_qat_from_a_gptq_ternary_artifact_starts_exactly_at_its_weights(model, t
     for index in range(ours.num_layers):
         for name, record in theirs.layer(index)[1].items():
             assert torch.equal(ours.layer(index)[1][name].dequantize(), record.dequantize()), name
+
+
+def test_overrides_read_as_a_user_types_them(training_text):
+    """`--set` values arrive as YAML 1.1 reads them: `0` is an int and `1e-3` a string."""
+    settings = recipe(training_text, **{"qat.learning_rate": "1e-3", "qat.distill_weight": 0})["qat"]
+    assert settings["learning_rate"] == 0.001 and settings["distill_weight"] == 0.0

@@ -45,9 +45,5 @@ class TrainingData:
 
 
 def training_data(tokenizer, source: str, seq_len: int, seed: int) -> TrainingData:
-    rows = calib.capacity(tokenizer, source, seq_len, seed)
-    if rows == 0:
-        raise ValueError(f"qat: source {source!r} holds no sequence of {seq_len} tokens; lower qat.seq_len "
-                         "or use more text")
-    data = calib.calibration_set(tokenizer, source=source, n_samples=rows, seq_len=seq_len, seed=seed)
+    data = calib.calibration_set(tokenizer, source=source, n_samples=None, seq_len=seq_len, seed=seed)
     return TrainingData(data.input_ids, seed, data.fingerprint, data.describe())
