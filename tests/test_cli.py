@@ -44,7 +44,7 @@ def test_every_builtin_recipe_loads_says_what_it_is_for_and_matches_its_name():
         recipe = load_recipe(name)
         family = name.split("-w")[0]  # rtn, awq, gptq, p-gptq, s-gptq, s-p-gptq (marlin, cpmcu: S-P-GPTQ)
         family = {"marlin": "s-p-gptq", "cpmcu": "s-p-gptq", "gguf-q4_0": "gptq",
-                  "rtn-ternary-g32": "rtn"}.get(family, family)
+                  "rtn-ternary-g32": "rtn", "qat-ternary-g32": "rtn", "qat-ternary-g256": "rtn"}.get(family, family)
         assert recipe["algorithm"] == (family if family in ("rtn", "awq") else "gptq"), name
         assert recipe["smooth"]["enabled"] == (family.startswith("s-") or family == "awq"), name
         assert (recipe["prefix_tokens"] == 4) == ("p-gptq" in family), name
