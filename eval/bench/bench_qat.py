@@ -40,6 +40,7 @@ from quantkit.table import format_table
 QAT_RECIPE = "qat-ternary-g32"
 W2 = ("gptq-w4g128", ("quant.bits=2", "quant.group_size=32"))
 LOG_TAIL_LINES = 30
+REPORT_QAT_TOKENS = 350e9  # BitCPM4's QAT budget in the MiniCPM4 technical report
 
 
 @dataclass
@@ -188,7 +189,9 @@ def projection(log: list[dict], target: float) -> str:
     if slope >= 0:
         return f"{text}; not falling, no projection"
     tokens = math.exp((math.log(target) - intercept) / slope)
-    return f"{text}; projection (power law, not measured): ppl {target:.4g} at {tokens:.3g} training tokens"
+    at_report = math.exp(intercept + slope * math.log(REPORT_QAT_TOKENS))
+    return (f"{text}; projection (power law, not measured): ppl {target:.4g} at {tokens:.3g} training tokens, "
+            f"ppl {at_report:.3g} at the MiniCPM4 report's {REPORT_QAT_TOKENS:.3g} QAT tokens")
 
 
 def tokens_to_reach(log: list[dict], level: float) -> int | None:
