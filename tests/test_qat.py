@@ -241,3 +241,26 @@ def test_overrides_read_as_a_user_types_them(training_text):
     """`--set` values arrive as YAML 1.1 reads them: `0` is an int and `1e-3` a string."""
     settings = recipe(training_text, **{"qat.learning_rate": "1e-3", "qat.distill_weight": 0})["qat"]
     assert settings["learning_rate"] == 0.001 and settings["distill_weight"] == 0.0
+
+
+def test_teacher_cache_grows_with_a_longer_run(tmp_path, monkeypatch):
+    """A longer run reuses a shorter one's chunks, recomputing its last one if that held fewer rows."""
+    from types import SimpleNamespace
+
+    from quantkit.qat import teacher as teacher_module
+
+    monkeypatch.setattr(teacher_module, "CHUNK_ROWS", 4)
+    rows = torch.randint(0, 50, (12, 6), generator=torch.Generator().manual_seed(0))
+    calls = []
+
+    def fake_teacher(ids):
+        calls.append(ids)
+        return SimpleNamespace(logits=torch.nn.functional.one_hot(ids, 50).float().cumsum(-1))
+
+    order = [5, 2, 9, 0, 7, 11, 3, 1, 4, 6, 8, 10]
+    short = teacher_module.build_cache(fake_teacher, rows, order[:6], 3, tmp_path, progress=False)
+    assert len(calls) == 6 and short.ids.shape[0] == 6
+    long = teacher_module.build_cache(fake_teacher, rows, order[:10], 3, tmp_path, progress=False)
+    assert len(calls) == 6 + 4 + 2  # the first chunk reused, the 2-row one redone with 4 rows, one new
+    for row in order[:10]:
+        assert torch.equal(long.batch([row])[0][0], fake_teacher(rows[row][None]).logits[0].topk(3).indices)

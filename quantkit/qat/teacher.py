@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import Tensor
 from tqdm.auto import tqdm
@@ -47,8 +48,8 @@ def build_cache(teacher, rows: Tensor, visited: list[int], top_k: int, directory
     chunks = range(0, len(visited), CHUNK_ROWS)
     for start in tqdm(chunks, desc="teacher top-k", unit="chunk", disable=not progress):
         path = directory / f"rows-{start:06d}.safetensors"
-        if path.is_file():
-            continue
+        if path.is_file() and _rows_in(path) == len(visited[start:start + CHUNK_ROWS]):
+            continue  # a shorter run's last chunk may hold fewer rows: then it is computed again
         ids, logits = [], []
         for row in visited[start:start + CHUNK_ROWS]:
             values, indices = teacher(rows[row][None]).logits[0].float().topk(top_k, dim=-1)
@@ -58,6 +59,11 @@ def build_cache(teacher, rows: Tensor, visited: list[int], top_k: int, directory
     parts = [load_file(str(directory / f"rows-{start:06d}.safetensors")) for start in chunks]
     return TeacherCache({row: at for at, row in enumerate(visited)}, torch.cat([p["ids"] for p in parts]),
                         torch.cat([p["logits"] for p in parts]))
+
+
+def _rows_in(path: Path) -> int:
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_slice("ids").get_shape()[0]
 
 
 def distillation_loss(student_logits: Tensor, teacher_ids: Tensor, teacher_logits: Tensor,
