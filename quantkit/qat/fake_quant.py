@@ -83,16 +83,12 @@ class FakeQuantLinear(torch.nn.Linear):
         return torch.nn.functional.linear(x, straight_through(self.weight, self._on_grid), self.bias)
 
 
-def wrap_linears(model: torch.nn.Module, names: list[str], config: QuantConfig) -> list[FakeQuantLinear]:
-    """Replace each named ``nn.Linear`` of ``model`` by a FakeQuantLinear sharing its parameters."""
-    wrapped = []
-    for name in names:
+def wrap_linears(model: torch.nn.Module, grids: dict[str, QuantConfig]) -> None:
+    """Replace each named ``nn.Linear`` of ``model`` by a FakeQuantLinear on its grid, sharing its parameters."""
+    for name, config in grids.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        fake = FakeQuantLinear(getattr(parent, child), config)
-        setattr(parent, child, fake)
-        wrapped.append(fake)
-    return wrapped
+        setattr(parent, child, FakeQuantLinear(getattr(parent, child), config))
 
 
 def check_groups(config: QuantConfig, shapes: dict[str, tuple[int, int]]) -> None:

@@ -35,7 +35,7 @@ from quantkit.models.layers import layer_prefix
 from quantkit.models.zoo import cache_root
 from quantkit.qat import state
 from quantkit.qat.data import training_data
-from quantkit.qat.fake_quant import check_groups, latent_for, wrap_linears
+from quantkit.qat.fake_quant import FakeQuantLinear, check_groups, latent_for, wrap_linears
 from quantkit.qat.schedule import wsd_learning_rate
 from quantkit.qat.teacher import build_cache, cache_key, distillation_loss
 from quantkit.quant import QuantConfig
@@ -106,15 +106,10 @@ def _student(source: Path, config: MiniCPMConfig, qconfig: QuantConfig, fmt):
         for index in range(config.num_hidden_layers):
             for name, record in artifact.layer(index)[1].items():
                 model.get_submodule(name.removesuffix(".weight")).weight.data = latent_for(record)
-    grids, names = {}, []
-    for index in range(config.num_hidden_layers):
-        for linear, shape in linear_shapes(config).items():
-            name = f"{layer_prefix(index)}{linear}"
-            grids[name] = fmt.target(qconfig, linear, index, config.num_hidden_layers, shape)
-            names.append(name)
-    for name in names:
-        wrap_linears(model, [name], grids[name])
-    trainable = {f"{name}.weight": model.get_submodule(name).weight for name in names}
+    grids = {f"{layer_prefix(index)}{linear}": fmt.target(qconfig, linear, index, config.num_hidden_layers, shape)
+             for index in range(config.num_hidden_layers) for linear, shape in linear_shapes(config).items()}
+    wrap_linears(model, grids)
+    trainable = {f"{name}.weight": model.get_submodule(name).weight for name in grids}
     for index in range(config.num_hidden_layers):
         for norm in NORMS:
             name = f"{layer_prefix(index)}{norm}"
@@ -127,7 +122,7 @@ def _student(source: Path, config: MiniCPMConfig, qconfig: QuantConfig, fmt):
 
 def _refresh(model: torch.nn.Module) -> None:
     for module in model.modules():
-        if hasattr(module, "refresh"):
+        if isinstance(module, FakeQuantLinear):
             module.refresh()
 
 

@@ -47,10 +47,9 @@ def _manifest(trained: TrainedModel, recipe: Recipe, fmt_name: str, model_finger
             "layer_errors": []}
 
 
-def _layer_tensors(trained: TrainedModel, reader: CheckpointReader, index: int) -> tuple[dict, dict]:
-    """Layer ``index``: its linears packed (or as grid values) and its trained norms in the source dtype."""
+def _layer_tensors(trained: TrainedModel, params: dict, reader: CheckpointReader, index: int) -> tuple[dict, dict]:
+    """Layer ``index``: its linears' records and its trained norms in the source dtype."""
     prefix = layer_prefix(index)
-    params = dict(trained.model.named_parameters())
     tensors, records = {}, {}
     for name, grid in trained.grids.items():
         if not name.startswith(prefix):
@@ -97,8 +96,9 @@ def write_outputs(trained: TrainedModel, model_dir: Path, recipe: Recipe, out_di
     outside[FINAL_NORM] = trained.model.model.norm.weight.detach().to(reader.dtype(FINAL_NORM))
 
     writer = ArtifactWriter(staging, config.num_hidden_layers)
+    params = dict(trained.model.named_parameters())
     for index in range(config.num_hidden_layers):
-        tensors, records = _layer_tensors(trained, reader, index)
+        tensors, records = _layer_tensors(trained, params, reader, index)
         prefix = layer_prefix(index)
         if fake_quant:
             for linear, record in records.items():
