@@ -264,3 +264,27 @@ def write_tiny_checkpoint(
     save_safetensors(path / "model.safetensors", _random_weights(config, seed, dtype), metadata={"format": "pt"})
     _write_support_files(path, config, tokenizer)
     return path
+
+
+def write_tiny_eagle3_head(path, target_dir, *, seed: int = 0, draft_vocab_size: int | None = None,
+                           aux_states: str = "cpmcu", dtype: torch.dtype = torch.float32) -> Path:
+    """A random EAGLE-3 head for the checkpoint at ``target_dir``, in the official layout (weights scaled
+    as ``_random_tensor`` does; the draft vocabulary from random token counts)."""
+    from quantkit.models.eagle3 import Eagle3Config, Eagle3Head, draft_vocabulary, save_head
+
+    target = MiniCPMConfig.from_pretrained(target_dir)
+    config = Eagle3Config(
+        hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+        num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads,
+        head_dim=target.head_dim, vocab_size=target.vocab_size,
+        draft_vocab_size=draft_vocab_size or target.vocab_size // 2, target_hidden_size=target.hidden_size,
+        rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
+        max_position_embeddings=target.max_position_embeddings, aux_states=aux_states)
+    head = Eagle3Head(config, target)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in head.named_parameters():
+            parameter.copy_(_random_tensor(name, tuple(parameter.shape), target, generator))
+        counts = torch.randint(0, 1000, (target.vocab_size,), generator=generator)
+        head.d2t, head.t2d = draft_vocabulary(counts, config.draft_vocab_size)
+    return save_head(head.to(dtype), path)
