@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Iterator
@@ -18,8 +18,10 @@ from quantkit.kernels.attention import make_attention, sparse_config_for
 from quantkit.kernels.kv_cache import KVCache
 from quantkit.kernels.model import RuntimeModel
 from quantkit.kernels.sampling import Sampler, Sampling
+from quantkit.kernels.speculative import Acceptance, Drafter, speculative_tokens
 
 DEFAULT_PREFILL_CHUNK = 512
+DEFAULT_DRAFT_TOKENS = 3  # vLLM's num_speculative_tokens in OpenBMB's serving recipe for the EAGLE-3 head
 
 
 @dataclass
@@ -30,7 +32,7 @@ class Generation:
     stop_reason: str  # "stop token" or "length"
     prefill_seconds: float
     decode_seconds: float
-    timings: dict = field(default_factory=dict)
+    acceptance: dict | None = None  # speculative decoding: Acceptance.to_dict()
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -67,13 +69,19 @@ class TextStream:
 
 class Engine:
     def __init__(self, runtime: RuntimeModel, tokenizer, stop_tokens: set[int],
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, drafter: Drafter | None = None,
+                 draft_tokens: int = DEFAULT_DRAFT_TOKENS):
+        """``drafter``: decode speculatively, ``draft_tokens`` drafts a round (``kernels/speculative.py``)."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if draft_tokens < 1:
+            raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
         self.runtime = runtime
         self.tokenizer = tokenizer
         self.stop_tokens = stop_tokens
         self.prefill_chunk = prefill_chunk
+        self.drafter = drafter
+        self.draft_tokens = draft_tokens
 
     def new_cache(self) -> KVCache:
         return self.runtime.new_cache(self.runtime.attention.compressed_keys)
@@ -103,6 +111,9 @@ class Engine:
         cache = cache if cache is not None else self.new_cache()
         sampler = Sampler(sampling)
         timings = timings if timings is not None else {}
+        if self.drafter is not None:
+            yield from self._speculative(self.encode(prompt), max_new_tokens, sampler, cache, timings)
+            return
         start = time.perf_counter()
         logits = self.prefill(self.encode(prompt), cache)
         timings["prefill_seconds"] = time.perf_counter() - start
@@ -118,6 +129,25 @@ class Engine:
                 logits = self.runtime.forward(torch.tensor([token]), cache)
         timings["decode_seconds"] = time.perf_counter() - start
 
+    def _speculative(self, prompt: list[int], max_new_tokens: int, sampler: Sampler, cache: KVCache,
+                     timings: dict) -> Iterator[int]:
+        """``tokens`` with the drafter; the prefill's time is the first token's (it ends in it)."""
+        acceptance = timings["acceptance"] = Acceptance(self.draft_tokens)
+        start, first = time.perf_counter(), True
+        steps = speculative_tokens(self.runtime, self.drafter, prompt, max_new_tokens, sampler, cache,
+                                   self.draft_tokens, self.stop_tokens, self.prefill_chunk, acceptance)
+        try:
+            while True:
+                token = next(steps)
+                if first:
+                    timings["prefill_seconds"], start, first = time.perf_counter() - start, time.perf_counter(), False
+                yield token
+        except StopIteration as stop:
+            timings["stop_reason"] = stop.value
+        if first:
+            timings["prefill_seconds"], start = time.perf_counter() - start, time.perf_counter()
+        timings["decode_seconds"] = time.perf_counter() - start
+
     def stream(self, prompt: str | list[int], **kwargs) -> Iterator[str]:
         text = TextStream(self.tokenizer)
         for token in self.tokens(prompt, **kwargs):
@@ -129,8 +159,10 @@ class Engine:
         timings: dict = {}
         prompt_ids = self.encode(prompt)
         new = list(self.tokens(prompt_ids, timings=timings, **kwargs))
+        acceptance = timings.get("acceptance")
         return Generation(self.tokenizer.decode(new, skip_special_tokens=True), new, len(prompt_ids),
-                          timings["stop_reason"], timings["prefill_seconds"], timings["decode_seconds"])
+                          timings["stop_reason"], timings["prefill_seconds"], timings["decode_seconds"],
+                          None if acceptance is None else acceptance.to_dict())
 
 
 class EngineLM:
@@ -174,8 +206,10 @@ def stop_tokens_of(model_dir: Path, tokenizer, config) -> set[int]:
 
 def load_engine(model_dir: str | Path, *, sparse: str = "auto", sparse_overrides: dict | None = None,
                 device: str = "cpu", dtype: torch.dtype = torch.bfloat16, linear_backend: str = "cpu",
-                lm_head: str = "auto", prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Engine:
-    """An engine for any checkpoint quantkit reads: unquantized, or an artifact it wrote."""
+                lm_head: str = "auto", prefill_chunk: int = DEFAULT_PREFILL_CHUNK, draft: str | Path | None = None,
+                draft_tokens: int = DEFAULT_DRAFT_TOKENS) -> Engine:
+    """An engine for any checkpoint quantkit reads: unquantized, or an artifact it wrote; with ``draft``
+    (an EAGLE-3 head's directory) it decodes speculatively, ``draft_tokens`` drafts a round."""
     from quantkit.kernels.device import check_device
     from quantkit.kernels.load import load_runtime_model
     from transformers import AutoTokenizer
@@ -187,4 +221,12 @@ def load_engine(model_dir: str | Path, *, sparse: str = "auto", sparse_overrides
     attention = make_attention(sparse_config, "triton" if device == "cuda" else "cpu")
     runtime = RuntimeModel(model, attention)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return Engine(runtime, tokenizer, stop_tokens_of(model_dir, tokenizer, model.config), prefill_chunk)
+    drafter = None
+    if draft is not None:
+        from quantkit.kernels.eagle3 import Eagle3Drafter
+
+        from quantkit.models.eagle3 import load_head
+
+        drafter = Eagle3Drafter(load_head(draft, model.config, dtype).to(device), model.model.embed_tokens)
+    return Engine(runtime, tokenizer, stop_tokens_of(model_dir, tokenizer, model.config), prefill_chunk, drafter,
+                  draft_tokens)

@@ -42,6 +42,13 @@ def rotate(states: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, dt
     return torch.addcmul(states32 * cos, states32.roll(states.shape[-1] // 2, -1), signed_sin).to(dtype)
 
 
+def rope_tables(rotary: nn.Module, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A model's RoPE at ``positions`` [T]: cos [T, d] and sin with its first half negated (``rotate``)."""
+    cos, sin = (t[0].float().contiguous() for t in rotary(positions.float(), positions[None]))
+    half = sin.shape[-1] // 2
+    return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+
+
 def fuse_linears(modules: list[nn.Module]) -> nn.Module | None:
     """One module computing the concatenated outputs of modules sharing an input (q/k/v, gate/up):
     fewer, larger matmuls. Plain linears are concatenated here; quantized ones fuse themselves
@@ -76,7 +83,38 @@ def _fused(modules: list[nn.Module]) -> nn.Module:
     return fuse_linears(modules) or _Concat(modules)
 
 
-class RuntimeModel:
+class DecoderRunner:
+    """A MiniCPM decoder layer on the runtime's conventions (float32 residual, matmuls in ``dtype``, the
+    cache in ``kv_dtype``): what the target model and an EAGLE-3 draft layer share."""
+
+    def __init__(self, heads: tuple[int, int, int], eps: float, residual_scale: float, dtype: torch.dtype,
+                 kv_dtype: torch.dtype, attention: Attention):
+        self._heads, self.eps, self.residual_scale = heads, eps, residual_scale
+        self.dtype, self.kv_dtype, self.attention = dtype, kv_dtype, attention
+        self.scores_pre_rope = getattr(attention, "scores_pre_rope", False)
+
+    def layer_from_input(self, index, layer: "RuntimeLayer", attention_input, hidden, cos, signed_sin,
+                         cache: KVCache) -> torch.Tensor:
+        """The layer given what its q/k/v read (the normed residual; in a draft head, the normed
+        embedding beside the normed hidden state) and the residual ``hidden`` [T, H] it adds onto."""
+        (q_heads, kv_heads, head_dim), length = self._heads, hidden.shape[0]
+        qkv = layer.qkv(attention_input)
+        qkv = qkv.view(length, -1, head_dim).transpose(0, 1)
+        rotated = rotate(qkv[:q_heads + kv_heads], cos, signed_sin, self.kv_dtype)
+        if self.scores_pre_rope:
+            pre_rope = qkv[:q_heads + kv_heads].to(self.kv_dtype)
+            keys, values = cache.append(index, rotated[q_heads:], qkv[q_heads + kv_heads:], pre_rope[q_heads:])
+            mixed = self.attention(rotated[:q_heads], keys, values, index, cache, query_pre_rope=pre_rope[:q_heads])
+        else:
+            keys, values = cache.append(index, rotated[q_heads:], qkv[q_heads + kv_heads:])
+            mixed = self.attention(rotated[:q_heads], keys, values, index, cache)
+        mixed = mixed.to(self.dtype).transpose(0, 1).reshape(length, -1)
+        hidden = torch.add(hidden, layer.o_proj(mixed), alpha=self.residual_scale)
+        gate, up = layer.gate_up(rms_norm(hidden, layer.post_norm, self.eps, self.dtype)).chunk(2, dim=-1)
+        return torch.add(hidden, layer.down_proj(F.silu(gate) * up), alpha=self.residual_scale)
+
+
+class RuntimeModel(DecoderRunner):
     """Inference view of a MiniCPM model (its linears may be quantized modules, see
     ``quantkit.kernels.load``); ``attention`` is dense or InfLLM v2 (``quantkit.kernels.attention``).
     Matmuls run in the embeddings' dtype; the residual stream stays float32, which also makes the
@@ -89,23 +127,16 @@ class RuntimeModel:
         self.model = model.eval()
         self.config = config = model.config
         embeddings = model.model.embed_tokens.weight
-        self.dtype, self.device = embeddings.dtype, embeddings.device
-        fusable = self.device.type == "cpu" and self.dtype == torch.bfloat16 and kv_dtype in (None, torch.bfloat16)
+        dtype, self.device = embeddings.dtype, embeddings.device
+        fusable = self.device.type == "cpu" and dtype == torch.bfloat16 and kv_dtype in (None, torch.bfloat16)
         self._ops = cpu_ops.load() if fusable else None
         if kv_dtype is None:
-            kv_dtype = self.dtype if self._ops is not None or self.device.type != "cpu" else torch.float32
-        self.kv_dtype = kv_dtype
-        self.attention = attention
-        self.scores_pre_rope = getattr(attention, "scores_pre_rope", False)
-        self.residual_scale = config.residual_scale
+            kv_dtype = dtype if self._ops is not None or self.device.type != "cpu" else torch.float32
+        super().__init__((config.num_attention_heads, config.num_key_value_heads, config.head_dim),
+                         config.rms_norm_eps, config.residual_scale, dtype, kv_dtype, attention)
         self._rotary = model.model.rotary_emb
-        self._heads = (config.num_attention_heads, config.num_key_value_heads, config.head_dim)
-        self.eps = config.rms_norm_eps
         self.final_norm = model.model.norm.weight.float()
-        self.layers = [_RuntimeLayer(layer, _fused([layer.self_attn.q_proj, layer.self_attn.k_proj,
-                                                    layer.self_attn.v_proj]),
-                                     _fused([layer.mlp.gate_proj, layer.mlp.up_proj]))
-                       for layer in model.model.layers]
+        self.layers = [RuntimeLayer.of(layer) for layer in model.model.layers]
 
     def new_cache(self, compressed_keys=None) -> KVCache:
         config = self.config
@@ -116,24 +147,39 @@ class RuntimeModel:
     def forward(self, tokens: torch.Tensor, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
         """tokens [T] at positions cache.length.. -> float32 logits of the last token [V] (or of
         every token [T, V]); the cache grows by T."""
-        positions = torch.arange(cache.length, cache.length + tokens.shape[0], device=self.device)
-        hidden = self.model.model.embed_tokens(tokens).float() * self.config.scale_emb
-        cos, sin = (t[0].float().contiguous() for t in self._rotary(hidden, positions[None]))
-        half = sin.shape[-1] // 2
-        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-        for index, layer in enumerate(self.layers):
-            hidden = self._layer(index, layer, hidden, cos, signed_sin, cache)
-        cache.advance(tokens.shape[0])
+        hidden = self._residual_stream(tokens, cache, {})
         if not all_logits:
             hidden = hidden[-1]
         return self.model.logits_from_hidden(rms_norm(hidden, self.final_norm, self.eps, self.dtype))
 
-    def _layer(self, index, layer: "_RuntimeLayer", hidden, cos, signed_sin, cache: KVCache) -> torch.Tensor:
+    @torch.inference_mode()
+    def forward_capturing(self, tokens: torch.Tensor, cache: KVCache,
+                          layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """``forward`` with every token's logits [T, V], and the float32 residual states [T, H] entering
+        each of ``layers`` (what an EAGLE-3 draft head reads)."""
+        captured = {layer: None for layer in layers}
+        hidden = self._residual_stream(tokens, cache, captured)
+        return self.model.logits_from_hidden(rms_norm(hidden, self.final_norm, self.eps, self.dtype)), captured
+
+    def _residual_stream(self, tokens: torch.Tensor, cache: KVCache, captured: dict) -> torch.Tensor:
+        """The float32 residual stream after the last layer [T, H]; fills ``captured``'s keys (layer
+        indices) with the stream entering those layers."""
+        positions = torch.arange(cache.length, cache.length + tokens.shape[0], device=self.device)
+        hidden = self.model.model.embed_tokens(tokens).float() * self.config.scale_emb
+        cos, signed_sin = rope_tables(self._rotary, positions)
+        for index, layer in enumerate(self.layers):
+            if index in captured:
+                captured[index] = hidden
+            hidden = self._layer(index, layer, hidden, cos, signed_sin, cache)
+        cache.advance(tokens.shape[0])
+        return hidden
+
+    def _layer(self, index, layer: "RuntimeLayer", hidden, cos, signed_sin, cache: KVCache) -> torch.Tensor:
         if self._ops is not None and not self.scores_pre_rope:  # the fused RoPE + KV write keeps no pre-RoPE keys
             return self._fused_layer(index, layer, hidden, cos, signed_sin, cache)
         return self._plain_layer(index, layer, hidden, cos, signed_sin, cache)
 
-    def _fused_layer(self, index, layer: "_RuntimeLayer", hidden, cos, signed_sin, cache: KVCache) -> torch.Tensor:
+    def _fused_layer(self, index, layer: "RuntimeLayer", hidden, cos, signed_sin, cache: KVCache) -> torch.Tensor:
         """``_plain_layer`` with its glue in the fused CPU operators (kernels/cpu_ops)."""
         ops, (q_heads, kv_heads, head_dim), length = self._ops, self._heads, hidden.shape[0]
         qkv = layer.qkv(ops.rms_norm_bf16(hidden, layer.input_norm, self.eps)).contiguous()
@@ -150,25 +196,21 @@ class RuntimeModel:
         gate_up = layer.gate_up(ops.rms_norm_bf16(hidden, layer.post_norm, self.eps)).contiguous()
         return torch.add(hidden, layer.down_proj(ops.silu_mul(gate_up)), alpha=self.residual_scale)
 
-    def _plain_layer(self, index, layer: "_RuntimeLayer", hidden, cos, signed_sin, cache: KVCache) -> torch.Tensor:
-        (q_heads, kv_heads, head_dim), length = self._heads, hidden.shape[0]
-        qkv = layer.qkv(rms_norm(hidden, layer.input_norm, self.eps, self.dtype))
-        qkv = qkv.view(length, -1, head_dim).transpose(0, 1)
-        rotated = rotate(qkv[:q_heads + kv_heads], cos, signed_sin, self.kv_dtype)
-        if self.scores_pre_rope:
-            pre_rope = qkv[:q_heads + kv_heads].to(self.kv_dtype)
-            keys, values = cache.append(index, rotated[q_heads:], qkv[q_heads + kv_heads:], pre_rope[q_heads:])
-            mixed = self.attention(rotated[:q_heads], keys, values, index, cache, query_pre_rope=pre_rope[:q_heads])
-        else:
-            keys, values = cache.append(index, rotated[q_heads:], qkv[q_heads + kv_heads:])
-            mixed = self.attention(rotated[:q_heads], keys, values, index, cache)
-        mixed = mixed.to(self.dtype).transpose(0, 1).reshape(length, -1)
-        hidden = torch.add(hidden, layer.o_proj(mixed), alpha=self.residual_scale)
-        gate, up = layer.gate_up(rms_norm(hidden, layer.post_norm, self.eps, self.dtype)).chunk(2, dim=-1)
-        return torch.add(hidden, layer.down_proj(F.silu(gate) * up), alpha=self.residual_scale)
+    def _plain_layer(self, index, layer: "RuntimeLayer", hidden, cos, signed_sin, cache: KVCache) -> torch.Tensor:
+        return self.layer_from_input(index, layer, rms_norm(hidden, layer.input_norm, self.eps, self.dtype), hidden,
+                                     cos, signed_sin, cache)
 
 
-class _RuntimeLayer:
+class RuntimeLayer:
+    """A decoder layer's modules as the runtime calls them: q/k/v and gate/up fused."""
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> RuntimeLayer:
+        """From a MiniCPM decoder layer (or an EAGLE-3 midlayer: the same module names)."""
+        attention, mlp = layer.self_attn, layer.mlp
+        return cls(layer, _fused([attention.q_proj, attention.k_proj, attention.v_proj]),
+                   _fused([mlp.gate_proj, mlp.up_proj]))
+
     def __init__(self, layer, qkv: nn.Module, gate_up: nn.Module):
         self.qkv, self.gate_up = qkv, gate_up
         self.o_proj, self.down_proj = layer.self_attn.o_proj, layer.mlp.down_proj

@@ -39,4 +39,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> int:
         if self.settings.temperature == 0:
             return int(logits.argmax())
-        return int(torch.multinomial(self.probabilities(logits), 1, generator=self._generator))
+        return self.draw(self.probabilities(logits))
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """A token drawn from ``probs`` with this sampler's generator."""
+        return int(torch.multinomial(probs, 1, generator=self._generator))
+
+    def uniform(self) -> float:
+        """A number in [0, 1) from this sampler's generator (speculative sampling's acceptance test)."""
+        return float(torch.rand((), generator=self._generator, dtype=torch.float64))

@@ -1,0 +1,95 @@
+"""An EAGLE-3 head drafting for the runtime's target (``quantkit.kernels.speculative.Drafter``).
+
+The head (``quantkit.models.eagle3``) pairs the target's residual states at position t with the token
+at t + 1 and predicts the token at t + 2. The drafter keeps one KV cache for the head's single layer:
+positions whose target states are known ("observed") stay; the entries a proposal adds on top (each
+draft step feeds the head its own previous output) are dropped at the next ``observe``, which then
+appends the verified positions computed from the target's real states.
+"""
+from __future__ import annotations
+
+import torch
+from quantkit.kernels.infllm import causal_attention_of_last_positions
+from quantkit.kernels.kv_cache import KVCache
+from quantkit.kernels.model import DecoderRunner, RuntimeLayer, rms_norm, rope_tables
+from quantkit.kernels.sampling import Sampler
+from torch import nn
+
+from quantkit.models.eagle3 import Eagle3Head
+
+
+class _DenseAttention:
+    def __call__(self, query, keys, values, layer, cache):
+        return causal_attention_of_last_positions(query, keys, values)
+
+
+class Eagle3Drafter(DecoderRunner):
+    def __init__(self, head: Eagle3Head, embedding: nn.Embedding):
+        config = head.config
+        dtype = embedding.weight.dtype
+        kv_dtype = torch.float32 if embedding.weight.device.type == "cpu" else dtype
+        super().__init__((config.num_attention_heads, config.num_key_value_heads, config.head_dim),
+                         config.rms_norm_eps, head.midlayer.residual_scale, dtype, kv_dtype, _DenseAttention())
+        self.head = head.to(dtype).eval()
+        self.aux_layers = head.aux_layers
+        self._embedding, self._scale_emb = embedding, head.target.scale_emb
+        midlayer = head.midlayer
+        self._layer = RuntimeLayer.of(midlayer)
+        self._final_norm = head.norm.weight.float()
+        self._embedding_norm = midlayer.input_layernorm.weight.float()
+        self._hidden_norm = midlayer.hidden_norm.weight.float()
+        self._device = embedding.weight.device
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the sequence (a new prompt)."""
+        config = self.head.config
+        self._cache = KVCache(1, config.num_key_value_heads, config.head_dim, self.kv_dtype, self._device)
+        self._observed = 0
+        self._last: torch.Tensor | None = None  # the head's output at the last observed position [1, H]
+
+    @torch.inference_mode()
+    def observe(self, states: dict[int, torch.Tensor], next_tokens: torch.Tensor) -> None:
+        """Verified context: the target's states [T, Ht] entering ``aux_layers`` at the next T positions,
+        and the token that follows each position [T]."""
+        self._cache.crop(self._observed)
+        hidden = self.head.project(self.head.aux_from_states(states).to(self.dtype)).float()
+        hidden = self._step(hidden, next_tokens)
+        self._observed, self._last = self._cache.length, hidden[-1:]
+
+    @torch.inference_mode()
+    def propose(self, count: int, sampler: Sampler) -> tuple[list[int], list[torch.Tensor] | None]:
+        """``count`` draft tokens (target ids) after the observed context; with a sampling ``sampler``
+        also each one's draft distribution over the target vocabulary (what verification needs)."""
+        if self._last is None:
+            raise RuntimeError("observe the prompt before proposing")
+        greedy = sampler.settings.temperature == 0
+        tokens, distributions, hidden = [], [], self._last
+        for step in range(count):
+            logits = self._logits(hidden)[-1]
+            if greedy:
+                draft_id = int(logits.argmax())
+            else:
+                draft = torch.softmax(logits.double() / sampler.settings.temperature, dim=-1)
+                draft_id = sampler.draw(draft)
+                distributions.append(torch.zeros(self.head.config.vocab_size, dtype=torch.float64)
+                                     .index_put_((self.head.target_ids(torch.arange(draft.numel())),), draft))
+            tokens.append(int(self.head.target_ids(torch.tensor(draft_id))))
+            if step + 1 < count:
+                hidden = self._step(hidden, torch.tensor(tokens[-1:], device=self._device))
+        return tokens, None if greedy else distributions
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head.lm_head(rms_norm(hidden, self._final_norm, self.eps, self.dtype)).float()
+
+    def _step(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """One pass of the head's layer at the next positions: hidden [T, H] float32, the tokens that
+        follow [T] -> the layer's output [T, H] float32 (before the head's final norm)."""
+        positions = torch.arange(self._cache.length, self._cache.length + tokens.shape[0], device=self._device)
+        cos, signed_sin = rope_tables(self.head.rotary_emb, positions)
+        embeds = self._embedding(tokens).float() * self._scale_emb
+        both = torch.cat([rms_norm(embeds, self._embedding_norm, self.eps, self.dtype),
+                          rms_norm(hidden, self._hidden_norm, self.eps, self.dtype)], dim=-1)
+        hidden = self.layer_from_input(0, self._layer, both, hidden, cos, signed_sin, self._cache)
+        self._cache.advance(tokens.shape[0])
+        return hidden

@@ -1,0 +1,160 @@
+"""Speculative decoding in the runtime: an oracle draft gives τ = k + 1; greedy output equals plain
+greedy output (FP and quantized targets, EAGLE-3 head or partly wrong drafts); the cache after
+rejected drafts equals a fresh prefill; speculative sampling keeps the target's distribution."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from quantkit.kernels.attention import make_attention
+from quantkit.kernels.eagle3 import Eagle3Drafter
+from quantkit.kernels.generate import Engine, load_engine
+from quantkit.kernels.load import load_runtime_model
+from quantkit.kernels.model import RuntimeModel
+from quantkit.kernels.sampling import Sampler, Sampling
+from quantkit.kernels.speculative import verify_sampled
+
+from quantkit.engine import quantize
+from quantkit.models.eagle3 import load_head
+from quantkit.models.fixtures import write_tiny_eagle3_head
+
+from helpers import small_recipe
+
+PROMPT = [5, 17, 99, 3, 250, 41, 7, 8, 9, 10, 11]
+
+
+def _runtime(model_dir) -> RuntimeModel:
+    return RuntimeModel(load_runtime_model(model_dir, torch.float32), make_attention(None))
+
+
+class OracleDrafter:
+    """Drafts with the target itself: its greedy continuation, with every ``wrong_every``-th draft of a
+    round replaced by another token (0: never)."""
+
+    aux_layers = ()
+
+    def __init__(self, model_dir, first_token: int, wrong_every: int = 0):
+        self.runtime, self.first, self.wrong_every = _runtime(model_dir), first_token, wrong_every
+
+    def reset(self):
+        self.sequence = [self.first]
+
+    def observe(self, states, next_tokens):
+        self.sequence += next_tokens.tolist()
+
+    def propose(self, count, sampler):
+        cache = self.runtime.new_cache()
+        logits = self.runtime.forward(torch.tensor(self.sequence), cache)
+        drafts = []
+        for position in range(count):
+            token = int(logits.argmax())
+            drafts.append((token + 1) % 384 if self.wrong_every and (position + 1) % self.wrong_every == 0 else token)
+            logits = self.runtime.forward(torch.tensor([token]), cache)
+        return drafts, None
+
+
+@pytest.fixture(scope="module")
+def target_dir(tiny_checkpoint_factory):
+    return tiny_checkpoint_factory(num_hidden_layers=8)
+
+
+def _plain_greedy(model_dir, tokens=40):
+    engine = Engine(_runtime(model_dir), tokenizer=None, stop_tokens=set(), prefill_chunk=4)
+    return list(engine.tokens(PROMPT, max_new_tokens=tokens))
+
+
+@pytest.mark.parametrize("draft_tokens", [1, 3, 5])
+def test_an_oracle_draft_is_always_accepted(target_dir, draft_tokens):
+    engine = Engine(_runtime(target_dir), None, set(), prefill_chunk=4,
+                    drafter=OracleDrafter(target_dir, PROMPT[0]), draft_tokens=draft_tokens)
+    timings = {}
+    tokens = list(engine.tokens(PROMPT, max_new_tokens=1 + 4 * (draft_tokens + 1), timings=timings))
+    assert tokens == _plain_greedy(target_dir, len(tokens))
+    acceptance = timings["acceptance"]
+    assert acceptance.rounds == 4 and acceptance.tau == draft_tokens + 1
+    assert acceptance.to_dict()["acceptance_at"] == [1.0] * draft_tokens
+
+
+def test_rejected_drafts_leave_the_cache_as_a_fresh_prefill(target_dir):
+    """Every other draft is wrong: rounds keep 1 of 3; the output and the cache are plain greedy's."""
+    runtime = _runtime(target_dir)
+    engine = Engine(runtime, None, set(), prefill_chunk=4, drafter=OracleDrafter(target_dir, PROMPT[0], 2),
+                    draft_tokens=3)
+    cache, timings = runtime.new_cache(), {}
+    tokens = list(engine.tokens(PROMPT, max_new_tokens=30, cache=cache, timings=timings))
+    assert tokens == _plain_greedy(target_dir, 30)
+    assert timings["acceptance"].tau == 2.0  # each round: the good first draft, then the target's own token
+    fresh = runtime.new_cache()
+    runtime.forward(torch.tensor(PROMPT + tokens[:-1]), fresh)
+    assert cache.length == fresh.length
+    for layer in range(runtime.config.num_hidden_layers):
+        for got, want in zip(cache.buffers(layer, cache.length), fresh.buffers(layer, fresh.length)):
+            torch.testing.assert_close(got[:, :cache.length], want[:, :fresh.length], rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def w4_target(target_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("w4") / "rtn"
+    quantize(target_dir, small_recipe("rtn-w4g128", tmp_path_factory.mktemp("recipe")), out, progress=False)
+    return out
+
+
+@pytest.mark.parametrize("target", ["fp", "w4"])
+def test_greedy_with_an_eagle3_head_equals_plain_greedy(target_dir, w4_target, tmp_path, target):
+    model_dir = target_dir if target == "fp" else w4_target
+    head = write_tiny_eagle3_head(tmp_path / "head", target_dir, draft_vocab_size=200)
+    plain = load_engine(model_dir, dtype=torch.float32)
+    speculative = load_engine(model_dir, dtype=torch.float32, draft=head, draft_tokens=4)
+    want = plain.generate(PROMPT, max_new_tokens=32)
+    got = speculative.generate(PROMPT, max_new_tokens=32)
+    assert got.tokens == want.tokens
+    assert got.acceptance["rounds"] >= 32 // 5 and 1.0 <= got.acceptance["tau"] <= 5.0
+
+
+def test_eagle3_drafter_observes_verified_positions_only(target_dir, tmp_path):
+    """Proposing grows the head's cache; the next observation drops those entries first."""
+    head = load_head(write_tiny_eagle3_head(tmp_path / "head", target_dir), _runtime(target_dir).config)
+    runtime = _runtime(target_dir)
+    drafter = Eagle3Drafter(head, runtime.model.model.embed_tokens)
+    logits, states = runtime.forward_capturing(torch.tensor(PROMPT), runtime.new_cache(), drafter.aux_layers)
+    drafter.observe(states, torch.tensor(PROMPT[1:] + [int(logits[-1].argmax())]))
+    assert drafter._cache.length == len(PROMPT)
+    drafts, _ = drafter.propose(4, Sampler(Sampling()))
+    assert len(drafts) == 4 and drafter._cache.length == len(PROMPT) + 3
+    drafter.observe({layer: state[:1] for layer, state in states.items()}, torch.tensor([1]))
+    assert drafter._cache.length == len(PROMPT) + 1
+
+
+def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test of ``counts`` against ``probs`` (bins expecting fewer than 5 merged): the chi-square
+    survival function is the regularised upper incomplete gamma Q(df/2, x/2)."""
+    expected = probs.double() * counts.sum()
+    small = expected < 5
+    observed, expected = counts[~small].double(), expected[~small]
+    if small.any():
+        observed = torch.cat([observed, counts[small].sum()[None].double()])
+        expected = torch.cat([expected, (probs[small].sum() * counts.sum())[None].double()])
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(observed) - 1) / 2, dtype=torch.float64), statistic / 2))
+
+
+def test_speculative_sampling_keeps_the_target_distribution():
+    """A chain of two drafts from q; the first committed token must follow p (level 0.001, 20,000 draws),
+    and the drafts themselves, which follow q, must fail the same test."""
+    generator = torch.Generator().manual_seed(0)
+    vocab, draws = 12, 20_000
+    target_logits = torch.randn(3, vocab, generator=generator) * 1.5
+    q = [torch.softmax(torch.randn(vocab, generator=generator, dtype=torch.float64) * 1.5, -1) for _ in range(2)]
+    settings = Sampling(temperature=0.8, seed=1)
+    sampler = Sampler(settings)
+    p = sampler.probabilities(target_logits[0])
+    committed, drafted = torch.zeros(vocab), torch.zeros(vocab)
+    for _ in range(draws):
+        drafts = [sampler.draw(q[0]), sampler.draw(q[1])]
+        kept, after = verify_sampled(drafts, q, target_logits, sampler)
+        committed[drafts[0] if kept else after] += 1
+        drafted[drafts[0]] += 1
+    assert _chi_square_p_value(committed, p) > 1e-3
+    assert _chi_square_p_value(drafted, p) < 1e-3
+    assert math.isclose(float(committed.sum()), draws)
