@@ -80,11 +80,11 @@ def evaluate(reference_dir: Path, variants: list[Path], tokens: torch.Tensor, wi
              extras: Extras = Extras()) -> tuple[list[VariantResult], Path]:
     from quantkit.eval.accept import acceptance, prompt_rows
     from quantkit.eval.refcache import cached_reference, kl_against_reference
+    from quantkit.kernels.generate import load_engine
 
     from quantkit.loading import load_model
 
     reference, cache_path = cached_reference(reference_dir, tokens, window, stride, top_k, cache_dir, progress)
-    draft = load_model(extras.draft) if extras.draft is not None else None
     results = []
     for path in [reference_dir, *variants]:
         model = load_model(path)
@@ -94,7 +94,8 @@ def evaluate(reference_dir: Path, variants: list[Path], tokens: torch.Tensor, wi
         tau = None
         if extras.draft is not None:
             prompts = prompt_rows(tokens, extras.accept_prompts, ACCEPT_PROMPT_TOKENS)
-            tau = acceptance(model, draft, prompts, extras.accept_k, extras.accept_new_tokens).tau
+            engine = load_engine(path, dtype=torch.float32)
+            tau = acceptance(engine, extras.draft, prompts, extras.accept_k, extras.accept_new_tokens).tau
         del model
         size = weight_bytes(path)
         results.append(VariantResult(

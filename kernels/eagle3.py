@@ -49,9 +49,8 @@ class Eagle3Drafter(DecoderRunner):
         self._last: torch.Tensor | None = None  # the head's output at the last observed position [1, H]
 
     @torch.inference_mode()
-    def observe(self, states: dict[int, torch.Tensor], next_tokens: torch.Tensor) -> None:
-        """Verified context: the target's states [T, Ht] entering ``aux_layers`` at the next T positions,
-        and the token that follows each position [T]."""
+    def observe(self, tokens: torch.Tensor, states: dict[int, torch.Tensor], next_tokens: torch.Tensor) -> None:
+        """Verified context (``Drafter.observe``); the head reads the states and the next tokens."""
         self._cache.crop(self._observed)
         hidden = self.head.project(self.head.aux_from_states(states).to(self.dtype)).float()
         hidden = self._step(hidden, next_tokens)
@@ -59,8 +58,7 @@ class Eagle3Drafter(DecoderRunner):
 
     @torch.inference_mode()
     def propose(self, count: int, sampler: Sampler) -> tuple[list[int], list[torch.Tensor] | None]:
-        """``count`` draft tokens (target ids) after the observed context; with a sampling ``sampler``
-        also each one's draft distribution over the target vocabulary (what verification needs)."""
+        """``Drafter.propose``: target ids; a sampled draft's distribution is zero outside the draft vocabulary."""
         if self._last is None:
             raise RuntimeError("observe the prompt before proposing")
         greedy = sampler.settings.temperature == 0

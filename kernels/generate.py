@@ -18,7 +18,7 @@ from quantkit.kernels.attention import make_attention, sparse_config_for
 from quantkit.kernels.kv_cache import KVCache
 from quantkit.kernels.model import RuntimeModel
 from quantkit.kernels.sampling import Sampler, Sampling
-from quantkit.kernels.speculative import Acceptance, Drafter, speculative_tokens
+from quantkit.kernels.speculative import Acceptance, Drafter, ModelDrafter, speculative_tokens
 
 DEFAULT_PREFILL_CHUNK = 512
 DEFAULT_DRAFT_TOKENS = 3  # vLLM's num_speculative_tokens in OpenBMB's serving recipe for the EAGLE-3 head
@@ -209,7 +209,7 @@ def load_engine(model_dir: str | Path, *, sparse: str = "auto", sparse_overrides
                 lm_head: str = "auto", prefill_chunk: int = DEFAULT_PREFILL_CHUNK, draft: str | Path | None = None,
                 draft_tokens: int = DEFAULT_DRAFT_TOKENS) -> Engine:
     """An engine for any checkpoint quantkit reads: unquantized, or an artifact it wrote; with ``draft``
-    (an EAGLE-3 head's directory) it decodes speculatively, ``draft_tokens`` drafts a round."""
+    (``load_drafter``) it decodes speculatively, ``draft_tokens`` drafts a round."""
     from quantkit.kernels.device import check_device
     from quantkit.kernels.load import load_runtime_model
     from transformers import AutoTokenizer
@@ -221,12 +221,22 @@ def load_engine(model_dir: str | Path, *, sparse: str = "auto", sparse_overrides
     attention = make_attention(sparse_config, "triton" if device == "cuda" else "cpu")
     runtime = RuntimeModel(model, attention)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    drafter = None
-    if draft is not None:
-        from quantkit.kernels.eagle3 import Eagle3Drafter
-
-        from quantkit.models.eagle3 import load_head
-
-        drafter = Eagle3Drafter(load_head(draft, model.config, dtype).to(device), model.model.embed_tokens)
+    drafter = None if draft is None else load_drafter(draft, runtime, device, linear_backend)
     return Engine(runtime, tokenizer, stop_tokens_of(model_dir, tokenizer, model.config), prefill_chunk, drafter,
                   draft_tokens)
+
+
+def load_drafter(draft: str | Path, target: RuntimeModel, device: str = "cpu", linear_backend: str = "cpu") -> Drafter:
+    """A drafter for ``target``: an EAGLE-3 head's directory, or any model quantkit reads that shares the
+    target's tokenizer (a smaller model, or the target itself), run in the target's dtype."""
+    from quantkit.kernels.load import load_runtime_model
+
+    from quantkit.models.eagle3 import is_draft_head, load_head
+
+    if is_draft_head(draft):
+        from quantkit.kernels.eagle3 import Eagle3Drafter
+
+        head = load_head(draft, target.config, target.dtype).to(device)
+        return Eagle3Drafter(head, target.model.model.embed_tokens)
+    model = load_runtime_model(draft, target.dtype, "triton" if device == "cuda" else linear_backend, device)
+    return ModelDrafter(RuntimeModel(model, make_attention(None)), target.config.vocab_size)

@@ -30,39 +30,96 @@ from quantkit.kernels.sampling import Sampler
 class Drafter(Protocol):
     aux_layers: tuple[int, ...]  # target layers whose entering residual states the drafter reads
 
-    def reset(self) -> None: ...
+    def reset(self) -> None:
+        """Forget the sequence (a new prompt)."""
 
-    def observe(self, states: dict[int, torch.Tensor], next_tokens: torch.Tensor) -> None: ...
+    def observe(self, tokens: torch.Tensor, states: dict[int, torch.Tensor], next_tokens: torch.Tensor) -> None:
+        """Verified context: the tokens [T] at the next T positions, the target's states there [T, Ht]
+        (entering ``aux_layers``), and the token that follows each position [T]."""
 
-    def propose(self, count: int, sampler: Sampler) -> tuple[list[int], list[torch.Tensor] | None]: ...
+    def propose(self, count: int, sampler: Sampler) -> tuple[list[int], list[torch.Tensor] | None]:
+        """``count`` draft tokens after the observed context; when ``sampler`` samples, also each one's
+        draft distribution over the target vocabulary (what verification needs)."""
+
+
+class ModelDrafter:
+    """A whole model drafting (a smaller model with the target's tokenizer, or the target itself), on
+    its own KV cache; the entries its proposals computed are kept where verification kept the tokens."""
+
+    aux_layers: tuple[int, ...] = ()
+
+    def __init__(self, runtime: RuntimeModel, target_vocab_size: int):
+        if runtime.config.vocab_size != target_vocab_size:
+            raise ValueError(f"target and draft vocabularies differ ({target_vocab_size} vs "
+                             f"{runtime.config.vocab_size}): a draft must share the target's tokenizer")
+        self.runtime = runtime
+        self.reset()
+
+    def reset(self) -> None:
+        self._cache, self._observed, self._next = self.runtime.new_cache(), 0, None
+
+    def observe(self, tokens: torch.Tensor, states: dict[int, torch.Tensor], next_tokens: torch.Tensor) -> None:
+        keep = min(self._cache.length, self._observed + len(tokens))  # a proposal already ran these tokens
+        self._cache.crop(keep)
+        if keep < self._observed + len(tokens):
+            self.runtime.forward(tokens[keep - self._observed:], self._cache)
+        self._observed += len(tokens)
+        self._next = int(next_tokens[-1])
+
+    def propose(self, count: int, sampler: Sampler) -> tuple[list[int], list[torch.Tensor] | None]:
+        greedy = sampler.settings.temperature == 0
+        tokens, distributions, token = [], [], self._next
+        for _ in range(count):
+            logits = self.runtime.forward(torch.tensor([token]), self._cache)
+            if greedy:
+                token = int(logits.argmax())
+            else:
+                distributions.append(torch.softmax(logits.double() / sampler.settings.temperature, dim=-1))
+                token = sampler.draw(distributions[-1])
+            tokens.append(token)
+        return tokens, None if greedy else distributions
 
 
 @dataclass
 class Acceptance:
-    """What the rounds of one generation accepted."""
+    """What the rounds of one or more generations accepted, ``draft_tokens`` drafts a round."""
 
     draft_tokens: int
-    rounds: int = 0
-    accepted: int = 0
-    accepted_at: list[int] = field(default_factory=list)  # [i]: rounds whose drafts 0..i were all kept
+    rounds: int = 0  # target forwards that verified drafts
+    committed: int = 0  # tokens those rounds committed, the target's own included
+    accepted_at: list[int] = field(default_factory=list)  # [i]: rounds whose draft i was kept
+    reached: list[int] = field(default_factory=list)  # [i]: rounds that verified draft i (all before it kept)
 
     def __post_init__(self):
         self.accepted_at = self.accepted_at or [0] * self.draft_tokens
+        self.reached = self.reached or [0] * self.draft_tokens
 
-    def add(self, accepted: int) -> None:
+    def add_round(self, drafted: int, kept: int) -> None:
         self.rounds += 1
-        self.accepted += accepted
-        for position in range(accepted):
-            self.accepted_at[position] += 1
+        self.committed += kept + 1
+        for position in range(min(kept + 1, drafted)):
+            self.reached[position] += 1
+            self.accepted_at[position] += position < kept
+
+    def merge(self, other: Acceptance) -> None:
+        self.rounds += other.rounds
+        self.committed += other.committed
+        self.accepted_at = [a + b for a, b in zip(self.accepted_at, other.accepted_at)]
+        self.reached = [a + b for a, b in zip(self.reached, other.reached)]
 
     @property
     def tau(self) -> float:
         """Tokens committed per target forward (accepted drafts + the target's own token)."""
-        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+        return self.committed / self.rounds if self.rounds else 0.0
+
+    @property
+    def position_rates(self) -> list[float]:
+        """P(draft i kept | every draft before it was)."""
+        return [a / r if r else 0.0 for a, r in zip(self.accepted_at, self.reached)]
 
     def to_dict(self) -> dict:
-        return {"draft_tokens": self.draft_tokens, "rounds": self.rounds, "accepted": self.accepted,
-                "tau": self.tau, "acceptance_at": [n / self.rounds if self.rounds else 0.0 for n in self.accepted_at]}
+        return {"draft_tokens": self.draft_tokens, "rounds": self.rounds, "committed": self.committed,
+                "tau": self.tau, "position_rates": self.position_rates}
 
 
 def verify_greedy(drafts: list[int], logits: torch.Tensor) -> tuple[int, int]:
@@ -99,9 +156,9 @@ def speculative_tokens(runtime: RuntimeModel, drafter: Drafter, prompt: list[int
         logits, states = runtime.forward_capturing(ids[start:start + prefill_chunk], cache, layers)
         end = start + logits.shape[0]
         if end < len(prompt):
-            drafter.observe(states, ids[start + 1:end + 1])
+            drafter.observe(ids[start:end], states, ids[start + 1:end + 1])
     token = sampler(logits[-1])
-    drafter.observe(states, torch.cat([ids[start + 1:], torch.tensor([token])]))
+    drafter.observe(ids[start:], states, torch.cat([ids[start + 1:], torch.tensor([token])]))
     committed, emitted = [token], 0
     while True:
         for token in committed:
@@ -121,7 +178,8 @@ def speculative_tokens(runtime: RuntimeModel, drafter: Drafter, prompt: list[int
         else:
             kept, after = verify_sampled(drafts, draft_probs, logits, sampler)
         if drafts:
-            acceptance.add(kept)
+            acceptance.add_round(len(drafts), kept)
         cache.crop(position + kept + 1)
         committed = [*drafts[:kept], after]
-        drafter.observe({layer: state[:kept + 1] for layer, state in states.items()}, torch.tensor(committed))
+        drafter.observe(block[:kept + 1], {layer: state[:kept + 1] for layer, state in states.items()},
+                        torch.tensor(committed))

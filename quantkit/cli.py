@@ -371,7 +371,8 @@ def eval_tasks(model, task_names, limit, record, progress, as_json):
 
 @eval_group.command("accept")
 @click.option("--target", "targets", multiple=True, required=True, help="Target model (repeat for several).")
-@click.option("--draft", "drafts", multiple=True, required=True, help="Draft model (repeat for several).")
+@click.option("--draft", "drafts", multiple=True, required=True,
+              help="An EAGLE-3 head, or a model with the target's tokenizer (repeat for several).")
 @click.option("--k", default=4, show_default=True, type=click.IntRange(min=1), help="Draft tokens per round.")
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0),
               help="0: greedy; above 0: speculative sampling at this temperature.")
@@ -384,18 +385,19 @@ def eval_tasks(model, task_names, limit, record, progress, as_json):
 @json_option
 def eval_accept(targets, drafts, k, temperature, data, prompts, prompt_tokens, max_new_tokens, seed, as_json):
     """Speculative decoding acceptance length tau for every target x draft pair, on the same prompts."""
+    import torch
+
     from quantkit.eval.accept import acceptance, prompt_rows
-    from quantkit.loading import load_model
+    from quantkit.kernels.generate import load_engine
     from quantkit.models.zoo import resolve_model
 
     target_dirs, draft_dirs = [resolve_model(t) for t in targets], [resolve_model(d) for d in drafts]
     batch = prompt_rows(_eval_tokens(target_dirs[0], data, prompts * prompt_tokens), prompts, prompt_tokens)
     pairs, rows = [], []
     for target_dir in target_dirs:
-        target = load_model(target_dir)
+        engine = load_engine(target_dir, dtype=torch.float32)
         for draft_dir in draft_dirs:
-            draft = target if draft_dir == target_dir else load_model(draft_dir)
-            total = acceptance(target, draft, batch, k, max_new_tokens, temperature, seed, progress=not as_json,
+            total = acceptance(engine, draft_dir, batch, k, max_new_tokens, temperature, seed, progress=not as_json,
                                description=f"{target_dir.name} <- {draft_dir.name}")
             pairs.append({"target": str(target_dir), "draft": str(draft_dir), "k": k, "shape": f"chain of {k}",
                           "temperature": temperature, "tau": total.tau, "position_rates": total.position_rates,

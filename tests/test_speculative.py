@@ -13,7 +13,7 @@ from quantkit.kernels.generate import Engine, load_engine
 from quantkit.kernels.load import load_runtime_model
 from quantkit.kernels.model import RuntimeModel
 from quantkit.kernels.sampling import Sampler, Sampling
-from quantkit.kernels.speculative import verify_sampled
+from quantkit.kernels.speculative import ModelDrafter, verify_sampled
 
 from quantkit.engine import quantize
 from quantkit.models.eagle3 import load_head
@@ -28,30 +28,18 @@ def _runtime(model_dir) -> RuntimeModel:
     return RuntimeModel(load_runtime_model(model_dir, torch.float32), make_attention(None))
 
 
-class OracleDrafter:
-    """Drafts with the target itself: its greedy continuation, with every ``wrong_every``-th draft of a
-    round replaced by another token (0: never)."""
+class CorruptingDrafter(ModelDrafter):
+    """The target drafting for itself, with every ``wrong_every``-th draft of a round replaced by another
+    token (so that verification rejects it)."""
 
-    aux_layers = ()
-
-    def __init__(self, model_dir, first_token: int, wrong_every: int = 0):
-        self.runtime, self.first, self.wrong_every = _runtime(model_dir), first_token, wrong_every
-
-    def reset(self):
-        self.sequence = [self.first]
-
-    def observe(self, states, next_tokens):
-        self.sequence += next_tokens.tolist()
+    def __init__(self, runtime, wrong_every: int):
+        super().__init__(runtime, runtime.config.vocab_size)
+        self.wrong_every = wrong_every
 
     def propose(self, count, sampler):
-        cache = self.runtime.new_cache()
-        logits = self.runtime.forward(torch.tensor(self.sequence), cache)
-        drafts = []
-        for position in range(count):
-            token = int(logits.argmax())
-            drafts.append((token + 1) % 384 if self.wrong_every and (position + 1) % self.wrong_every == 0 else token)
-            logits = self.runtime.forward(torch.tensor([token]), cache)
-        return drafts, None
+        drafts, _ = super().propose(count, sampler)
+        vocab = self.runtime.config.vocab_size
+        return [(t + 1) % vocab if (i + 1) % self.wrong_every == 0 else t for i, t in enumerate(drafts)], None
 
 
 @pytest.fixture(scope="module")
@@ -66,25 +54,27 @@ def _plain_greedy(model_dir, tokens=40):
 
 @pytest.mark.parametrize("draft_tokens", [1, 3, 5])
 def test_an_oracle_draft_is_always_accepted(target_dir, draft_tokens):
-    engine = Engine(_runtime(target_dir), None, set(), prefill_chunk=4,
-                    drafter=OracleDrafter(target_dir, PROMPT[0]), draft_tokens=draft_tokens)
+    runtime = _runtime(target_dir)
+    engine = Engine(runtime, None, set(), prefill_chunk=4, drafter=ModelDrafter(runtime, runtime.config.vocab_size),
+                    draft_tokens=draft_tokens)
     timings = {}
     tokens = list(engine.tokens(PROMPT, max_new_tokens=1 + 4 * (draft_tokens + 1), timings=timings))
     assert tokens == _plain_greedy(target_dir, len(tokens))
     acceptance = timings["acceptance"]
     assert acceptance.rounds == 4 and acceptance.tau == draft_tokens + 1
-    assert acceptance.to_dict()["acceptance_at"] == [1.0] * draft_tokens
+    assert acceptance.position_rates == [1.0] * draft_tokens
 
 
 def test_rejected_drafts_leave_the_cache_as_a_fresh_prefill(target_dir):
     """Every other draft is wrong: rounds keep 1 of 3; the output and the cache are plain greedy's."""
     runtime = _runtime(target_dir)
-    engine = Engine(runtime, None, set(), prefill_chunk=4, drafter=OracleDrafter(target_dir, PROMPT[0], 2),
-                    draft_tokens=3)
+    engine = Engine(runtime, None, set(), prefill_chunk=4, drafter=CorruptingDrafter(runtime, 2), draft_tokens=3)
     cache, timings = runtime.new_cache(), {}
     tokens = list(engine.tokens(PROMPT, max_new_tokens=30, cache=cache, timings=timings))
     assert tokens == _plain_greedy(target_dir, 30)
-    assert timings["acceptance"].tau == 2.0  # each round: the good first draft, then the target's own token
+    acceptance = timings["acceptance"]
+    assert acceptance.tau == 2.0  # each round: the good first draft, then the target's own token
+    assert acceptance.position_rates == [1.0, 0.0, 0.0] and acceptance.reached[2] == 0
     fresh = runtime.new_cache()
     runtime.forward(torch.tensor(PROMPT + tokens[:-1]), fresh)
     assert cache.length == fresh.length
@@ -118,11 +108,11 @@ def test_eagle3_drafter_observes_verified_positions_only(target_dir, tmp_path):
     runtime = _runtime(target_dir)
     drafter = Eagle3Drafter(head, runtime.model.model.embed_tokens)
     logits, states = runtime.forward_capturing(torch.tensor(PROMPT), runtime.new_cache(), drafter.aux_layers)
-    drafter.observe(states, torch.tensor(PROMPT[1:] + [int(logits[-1].argmax())]))
+    drafter.observe(torch.tensor(PROMPT), states, torch.tensor(PROMPT[1:] + [int(logits[-1].argmax())]))
     assert drafter._cache.length == len(PROMPT)
     drafts, _ = drafter.propose(4, Sampler(Sampling()))
     assert len(drafts) == 4 and drafter._cache.length == len(PROMPT) + 3
-    drafter.observe({layer: state[:1] for layer, state in states.items()}, torch.tensor([1]))
+    drafter.observe(torch.tensor([1]), {layer: state[:1] for layer, state in states.items()}, torch.tensor([1]))
     assert drafter._cache.length == len(PROMPT) + 1
 
 
@@ -158,3 +148,29 @@ def test_speculative_sampling_keeps_the_target_distribution():
     assert _chi_square_p_value(committed, p) > 1e-3
     assert _chi_square_p_value(drafted, p) < 1e-3
     assert math.isclose(float(committed.sum()), draws)
+
+
+def test_sampled_speculative_generation_keeps_the_targets_distribution(target_dir, tiny_checkpoint_factory):
+    """End to end at T = 0.1 (where the random models' distributions are peaked but overlap) with another
+    model drafting: the second generated token (the first a round commits) against its exact marginal
+    Σ p(t₁)·p(t₂ | t₁) under the target (level 0.001, 400 runs): the wiring of the rule into the engine;
+    the rule's own power is shown by test_speculative_sampling_keeps_the_target_distribution."""
+    runtime = _runtime(target_dir)
+    draft = _runtime(tiny_checkpoint_factory(num_hidden_layers=8, seed=11))
+    engine = Engine(runtime, None, set(), drafter=ModelDrafter(draft, runtime.config.vocab_size), draft_tokens=2)
+    temperature = 0.1
+    with torch.no_grad():
+        first = torch.softmax(runtime.forward(torch.tensor(PROMPT), runtime.new_cache()).double() / temperature, -1)
+        second = torch.zeros_like(first)
+        for token in range(len(first)):
+            logits = runtime.forward(torch.tensor(PROMPT + [token]), runtime.new_cache())
+            second += first[token] * torch.softmax(logits.double() / temperature, -1)
+    counts, rounds = torch.zeros_like(first), []
+    for seed in range(400):
+        timings = {}  # 3 tokens: the prefill's, then one round of one draft
+        tokens = list(engine.tokens(PROMPT, max_new_tokens=3, sampling=Sampling(temperature, seed=seed),
+                                    timings=timings))
+        counts[tokens[1]] += 1
+        rounds.append(timings["acceptance"].committed - 1)  # drafts kept in the one round
+    assert 0 < sum(rounds) < len(rounds)  # both the acceptance and the resampling path ran
+    assert _chi_square_p_value(counts, second) > 1e-3

@@ -124,6 +124,15 @@ class Eagle3Config:
                              max_position_embeddings=self.max_position_embeddings, vocab_size=self.vocab_size)
 
 
+def is_draft_head(directory: str | Path) -> bool:
+    """Whether ``directory`` holds an EAGLE-3 head (by its config), rather than a whole model."""
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        return False
+    config = json.loads(path.read_text())
+    return "draft_vocab_size" in config or any("Eagle3" in name for name in config.get("architectures", []))
+
+
 def check_pairing(config: Eagle3Config, target: MiniCPMConfig) -> None:
     """A head serves a target only if it reads its hidden size and embeds and predicts its vocabulary."""
     problems = []
