@@ -424,13 +424,17 @@ def _runtime_options(fn):
                      help="Prompt tokens per forward pass (bounds activation memory on long prompts)."),
         click.option("--thinking/--no-thinking", default=False, show_default=True,
                      help="MiniCPM4.1's hybrid reasoning (chat template enable_thinking)."),
+        click.option("--draft", default=None,
+                     help="Decode speculatively with this draft: an EAGLE-3 head, or a model with the same tokenizer."),
+        click.option("--draft-tokens", default=3, show_default=True, type=click.IntRange(min=1),
+                     help="Draft tokens verified per target forward (with --draft)."),
     ]
     for option in reversed(options):
         fn = option(fn)
     return fn
 
 
-def _load_engine(model, sparse, sparse_config, device, prefill_chunk):
+def _load_engine(model, sparse, sparse_config, device, prefill_chunk, draft=None, draft_tokens=3):
     from quantkit.kernels.generate import load_engine
     from quantkit.models.zoo import resolve_model
 
@@ -441,7 +445,8 @@ def _load_engine(model, sparse, sparse_config, device, prefill_chunk):
         except json.JSONDecodeError as e:
             raise click.ClickException(f"--sparse-config is not valid JSON: {e}") from e
     return load_engine(resolve_model(model), sparse=sparse, sparse_overrides=overrides, device=device,
-                       prefill_chunk=prefill_chunk)
+                       prefill_chunk=prefill_chunk, draft=None if draft is None else resolve_model(draft),
+                       draft_tokens=draft_tokens)
 
 
 @main.command()
@@ -451,11 +456,11 @@ def _load_engine(model, sparse, sparse_config, device, prefill_chunk):
 @json_option
 @_friendly_errors
 def generate(prompt, chat, model, sparse, sparse_config, device, max_new_tokens, temperature, top_p, seed,
-             prefill_chunk, thinking, as_json):
+             prefill_chunk, thinking, draft, draft_tokens, as_json):
     """Generate text with quantkit's runtime, streaming it as it is decoded."""
     from quantkit.kernels.sampling import Sampling
 
-    engine = _load_engine(model, sparse, sparse_config, device, prefill_chunk)
+    engine = _load_engine(model, sparse, sparse_config, device, prefill_chunk, draft, draft_tokens)
     ids = (engine.chat_prompt([{"role": "user", "content": prompt}], enable_thinking=thinking) if chat
            else engine.encode(prompt))
     settings = dict(max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_p, seed))
@@ -464,26 +469,30 @@ def generate(prompt, chat, model, sparse, sparse_config, device, max_new_tokens,
         _emit(True, {"text": result.text, "tokens": result.tokens, "prompt_tokens": result.prompt_tokens,
                      "stop_reason": result.stop_reason,
                      "prefill_tokens_per_second": result.prefill_tokens_per_second,
-                     "decode_tokens_per_second": result.decode_tokens_per_second}, "")
+                     "decode_tokens_per_second": result.decode_tokens_per_second,
+                     "speculative": result.acceptance}, "")
         return
     timings: dict = {}
     for piece in engine.stream(ids, timings=timings, **settings):
         click.echo(piece, nl=False)
     click.echo()
+    speculative = (f"; tau {timings['acceptance'].tau:.2f} over {timings['acceptance'].rounds} rounds"
+                   if "acceptance" in timings else "")
     click.echo(f"[{len(ids)} prompt tokens in {timings['prefill_seconds']:.2f} s; stopped on "
-               f"{timings['stop_reason']}; decode {timings['decode_seconds']:.2f} s]", err=True)
+               f"{timings['stop_reason']}; decode {timings['decode_seconds']:.2f} s{speculative}]", err=True)
 
 
 @main.command()
 @_runtime_options
 @_friendly_errors
-def chat(model, sparse, sparse_config, device, max_new_tokens, temperature, top_p, seed, prefill_chunk, thinking):
+def chat(model, sparse, sparse_config, device, max_new_tokens, temperature, top_p, seed, prefill_chunk, thinking,
+         draft, draft_tokens):
     """Interactive chat. The KV cache is kept between turns: each turn prefills only the new tokens.
     Type /reset to start over, /exit (or Ctrl-D) to leave."""
     from quantkit.kernels.chat import ChatSession
     from quantkit.kernels.sampling import Sampling
 
-    engine = _load_engine(model, sparse, sparse_config, device, prefill_chunk)
+    engine = _load_engine(model, sparse, sparse_config, device, prefill_chunk, draft, draft_tokens)
     session = ChatSession(engine, enable_thinking=thinking)
     settings = dict(max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_p, seed))
     while True:

@@ -3,6 +3,7 @@ greedy output (FP and quantized targets, EAGLE-3 head or partly wrong drafts); t
 rejected drafts equals a fresh prefill; speculative sampling keeps the target's distribution."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -174,3 +175,37 @@ def test_sampled_speculative_generation_keeps_the_targets_distribution(target_di
         rounds.append(timings["acceptance"].committed - 1)  # drafts kept in the one round
     assert 0 < sum(rounds) < len(rounds)  # both the acceptance and the resampling path ran
     assert _chi_square_p_value(counts, second) > 1e-3
+
+
+def test_greedy_with_a_sparse_infllm_target_equals_plain_greedy(target_dir, tmp_path):
+    """InfLLM v2 past dense_len: cropping rejected drafts rebuilds the compressed keys."""
+    sparse = {"dense_len": 64, "window_size": 32, "topk": 2, "kernel_size": 16, "kernel_stride": 8, "block_size": 16}
+    prompt = [(7 * i) % 300 + 5 for i in range(90)]
+    plain = load_engine(target_dir, dtype=torch.float32, sparse="on", sparse_overrides=sparse)
+    speculative = load_engine(target_dir, dtype=torch.float32, sparse="on", sparse_overrides=sparse,
+                              draft=write_tiny_eagle3_head(tmp_path / "head", target_dir), draft_tokens=3)
+    speculative.drafter = CorruptingDrafter(speculative.runtime, 3)  # keeps 2 of 3: crops every round
+    got = speculative.generate(prompt, max_new_tokens=24)
+    assert got.tokens == plain.generate(prompt, max_new_tokens=24).tokens
+    assert got.acceptance["tau"] == 3.0
+
+
+def test_cli_generate_and_chat_with_a_draft(target_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from quantkit.cli import main
+
+    runner = CliRunner()
+    common = ["--model", str(target_dir), "--prompt", "hello", "--raw", "--max-new-tokens", "9", "--json"]
+    plain = json.loads(runner.invoke(main, ["generate", *common]).output)
+    result = runner.invoke(main, ["generate", *common, "--draft", str(target_dir), "--draft-tokens", "3"])
+    assert result.exit_code == 0, result.output
+    speculative = json.loads(result.output)
+    assert speculative["tokens"] == plain["tokens"] and plain["speculative"] is None
+    if len(speculative["tokens"]) == 9:  # no stop token: 1 + 2 rounds of 4
+        assert speculative["speculative"]["tau"] == 4.0
+    head = write_tiny_eagle3_head(tmp_path / "head", target_dir)
+    result = runner.invoke(main, ["chat", "--model", str(target_dir), "--max-new-tokens", "4", "--draft", str(head)],
+                           input="hello\nagain\n/exit\n")
+    assert result.exit_code == 0, result.output
+    assert result.output.count("model> ") == 2
