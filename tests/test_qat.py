@@ -8,15 +8,16 @@ from safetensors.torch import load_file
 
 from quantkit.artifact import staging_dir
 from quantkit.engine import quantize
-from quantkit.qat import run_qat, state
+from quantkit.qat import run_qat
 from quantkit.qat.fake_quant import grid_weight, quantized_record, straight_through
-from quantkit.qat.schedule import wsd_learning_rate
 from quantkit.qat.teacher import distillation_loss
-from quantkit.qat.trainer import QATError, train
+from quantkit.qat.trainer import CHECKPOINT_FILE, QATError, train
 from quantkit.qat.write import FAKE_QUANT_MANIFEST, write_outputs
 from quantkit.quant import QuantConfig
 from quantkit.reader import ArtifactReader
 from quantkit.recipe import RecipeError, load_recipe
+from quantkit.training import state
+from quantkit.training.schedule import wsd_learning_rate
 
 STEP_TOKENS = 128  # two rows of 64 tokens a step
 
@@ -118,14 +119,14 @@ def test_loss_falls_within_a_dozen_steps(uninterrupted):
     assert perplexities[-1] < perplexities[0]
     assert json.loads((out / "qat_log.json").read_text()) == report.log
     assert (out / "qat_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert not (out / state.CHECKPOINT_FILE).exists() and not staging_dir(out).exists()
+    assert not (out / CHECKPOINT_FILE).exists() and not staging_dir(out).exists()
 
 
 def test_resumed_run_ends_with_the_uninterrupted_weights(model, training_text, uninterrupted, tmp_path):
     out = tmp_path / "out"
     settings = recipe(training_text)
     train(model, settings, out, tokens=12 * STEP_TOKENS, stop_after_steps=7, progress=False)
-    assert load_file(staging_dir(out) / state.CHECKPOINT_FILE)  # the checkpoint at the stop
+    assert load_file(staging_dir(out) / CHECKPOINT_FILE)  # the checkpoint at the stop
     report = run_qat(model, settings, out, tokens=12 * STEP_TOKENS, resume=True, progress=False)
     assert report.resumed_from_step == 7
     reference, resumed = uninterrupted[0], out
@@ -138,7 +139,7 @@ def test_interrupted_checkpoint_write_keeps_the_previous_one(model, training_tex
     out = tmp_path / "out"
     settings = recipe(training_text, **{"qat.checkpoint_interval": 2, "qat.distill_weight": 0.0})
     train(model, settings, out, tokens=6 * STEP_TOKENS, stop_after_steps=2, progress=False)
-    checkpoint = staging_dir(out) / state.CHECKPOINT_FILE
+    checkpoint = staging_dir(out) / CHECKPOINT_FILE
     before = checkpoint.read_bytes()
 
     def dies_mid_write(path, tensors, metadata=None):
@@ -168,7 +169,7 @@ def test_non_finite_loss_stops_with_a_clear_message_and_keeps_the_checkpoint(mod
         train(model, settings, out, tokens=8 * STEP_TOKENS, progress=False)
     from safetensors import safe_open
 
-    with safe_open(str(staging_dir(out) / state.CHECKPOINT_FILE), "pt") as f:
+    with safe_open(str(staging_dir(out) / CHECKPOINT_FILE), "pt") as f:
         assert json.loads(f.metadata()["loop"])["step"] == 3
 
 
@@ -248,8 +249,9 @@ def test_teacher_cache_grows_with_a_longer_run(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from quantkit.qat import teacher as teacher_module
+    from quantkit.training import rowcache
 
-    monkeypatch.setattr(teacher_module, "CHUNK_ROWS", 4)
+    monkeypatch.setattr(rowcache, "CHUNK_ROWS", 4)
     rows = torch.randint(0, 50, (12, 6), generator=torch.Generator().manual_seed(0))
     calls = []
 
@@ -259,8 +261,8 @@ def test_teacher_cache_grows_with_a_longer_run(tmp_path, monkeypatch):
 
     order = [5, 2, 9, 0, 7, 11, 3, 1, 4, 6, 8, 10]
     short = teacher_module.build_cache(fake_teacher, rows, order[:6], 3, tmp_path, progress=False)
-    assert len(calls) == 6 and short.ids.shape[0] == 6
+    assert len(calls) == 6 and short.tensors["ids"].shape[0] == 6
     long = teacher_module.build_cache(fake_teacher, rows, order[:10], 3, tmp_path, progress=False)
     assert len(calls) == 6 + 4 + 2  # the first chunk reused, the 2-row one redone with 4 rows, one new
     for row in order[:10]:
-        assert torch.equal(long.batch([row])[0][0], fake_teacher(rows[row][None]).logits[0].topk(3).indices)
+        assert torch.equal(long.batch([row])["ids"][0], fake_teacher(rows[row][None]).logits[0].topk(3).indices)

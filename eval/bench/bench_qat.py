@@ -106,7 +106,7 @@ def _make(variant: Variant, out: Path, reuse: bool) -> dict:
     """Build ``variant``'s artifact (or, with ``reuse``, take the one a previous run of this bench left,
     or continue its interrupted run); return its record: command, seconds, peak RSS, resumed/reused."""
     from quantkit.artifact import staging_dir
-    from quantkit.qat.state import CHECKPOINT_FILE
+    from quantkit.qat.trainer import CHECKPOINT_FILE
 
     artifact, record_path = out / variant.key, out / f"{variant.key}.run.json"
     staging = staging_dir(artifact)

@@ -33,16 +33,17 @@ from quantkit.loading import load_model
 from quantkit.models import MiniCPMConfig
 from quantkit.models.layers import layer_prefix
 from quantkit.models.zoo import cache_root
-from quantkit.qat import state
-from quantkit.qat.data import training_data
 from quantkit.qat.fake_quant import FakeQuantLinear, check_groups, latent_for, wrap_linears
-from quantkit.qat.schedule import wsd_learning_rate
 from quantkit.qat.teacher import build_cache, cache_key, distillation_loss
 from quantkit.quant import QuantConfig
 from quantkit.reader import ArtifactReader, linear_shapes
 from quantkit.recipe import Recipe
+from quantkit.training import state
+from quantkit.training.data import training_data
+from quantkit.training.schedule import wsd_learning_rate
 
 RUN_FILE = "qat_run.json"
+CHECKPOINT_FILE = "qat_checkpoint.safetensors"
 LOG_FILE = "qat_log.json"
 HELDOUT = "austen"
 NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -90,7 +91,7 @@ def run_fingerprint(model: str, init: str | None, recipe: Recipe, data: str, tok
 def _check_start(out_dir: Path, staging: Path, resume: bool) -> None:
     if out_dir.exists():
         raise QATError(f"output directory {out_dir} already exists; choose another --out or remove it")
-    if resume and not (staging / state.CHECKPOINT_FILE).is_file():
+    if resume and not (staging / CHECKPOINT_FILE).is_file():
         raise QATError(f"--resume: {staging} holds no checkpoint to continue from")
     if staging.exists() and not resume:
         raise QATError(f"{staging} holds an interrupted run: pass --resume to continue it, or remove it")
@@ -199,7 +200,7 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, tokens:
                                   weight_decay=settings["weight_decay"])
     start_step = 0
     if resume:
-        loop = state.load(staging / state.CHECKPOINT_FILE, trainable, optimizer)
+        loop = state.load(staging / CHECKPOINT_FILE, trainable, optimizer)
         start_step, report.log = loop["step"], loop["log"]
         report.resumed_from_step = start_step
     _refresh(model)
@@ -229,7 +230,8 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, tokens:
                 logits = model(ids[:, :-1]).logits.float()
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
             if cache is not None:
-                teacher_ids, teacher_logits = (t.to(device) for t in cache.batch(rows))
+                teacher = cache.batch(rows)
+                teacher_ids, teacher_logits = teacher["ids"].long().to(device), teacher["logits"].to(device)
                 distill = distillation_loss(logits, teacher_ids[:, :-1], teacher_logits[:, :-1],
                                             settings["temperature"])
                 loss = (1 - weight) * loss + weight * distill
@@ -255,7 +257,7 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, tokens:
             entry["checkpoint"] = True
         report.log.append(entry)
         if entry.get("checkpoint"):
-            state.save(staging / state.CHECKPOINT_FILE, trainable, optimizer, {"step": step + 1, "log": report.log})
+            state.save(staging / CHECKPOINT_FILE, trainable, optimizer, {"step": step + 1, "log": report.log})
             atomic.write_json(staging / LOG_FILE, report.log)
         elapsed = time.perf_counter() - started
         done = (step + 1 - start_step) * settings["batch_tokens"]

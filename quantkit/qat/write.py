@@ -20,9 +20,8 @@ from quantkit.artifact import ArtifactWriter, staging_dir
 from quantkit.checkpoint import SINGLE_FILE, CheckpointReader
 from quantkit.formats import FORMATS
 from quantkit.models.layers import EMBEDDING, FINAL_NORM, LM_HEAD, layer_prefix
-from quantkit.qat import state
 from quantkit.qat.fake_quant import quantized_record
-from quantkit.qat.trainer import LOG_FILE, RUN_FILE, TrainedModel
+from quantkit.qat.trainer import CHECKPOINT_FILE, LOG_FILE, RUN_FILE, TrainedModel
 from quantkit.quant import QuantConfig
 from quantkit.recipe import Recipe
 
@@ -118,5 +117,5 @@ def write_outputs(trained: TrainedModel, model_dir: Path, recipe: Recipe, out_di
         quantization_config = fmt.quantization_config(qconfig, quantizer=f"quantkit:{quantkit.__version__}")
         writer.finish(model_dir, out_dir, {**source_config, "quantization_config": quantization_config},
                       quantization_config, manifest, report, weights_file=fmt.weights_file)
-    for leftover in (state.CHECKPOINT_FILE, RUN_FILE):
+    for leftover in (CHECKPOINT_FILE, RUN_FILE):
         (out_dir / leftover).unlink(missing_ok=True)

@@ -1,4 +1,4 @@
-"""A resumable QAT checkpoint: trainable weights, AdamW's moments and the loop's position, in one
+"""A resumable training checkpoint: trainable weights, AdamW's moments and the loop's position, in one
 safetensors file written atomically (an interrupted write leaves the previous checkpoint whole).
 
 Nothing else carries state: the learning rate is a function of the step, the data order a function
@@ -13,8 +13,6 @@ import torch
 from safetensors import safe_open
 
 from quantkit import atomic
-
-CHECKPOINT_FILE = "qat_checkpoint.safetensors"
 
 
 def save(path: Path, parameters: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer,

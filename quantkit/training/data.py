@@ -1,4 +1,4 @@
-"""Training text for QAT: every disjoint row the calibration sources yield, in a fresh order each epoch.
+"""Training text: every disjoint row the calibration sources yield, in a fresh order each epoch.
 
 The rows are ``calib.calibration_set``'s (the held-out texts are refused there), drawn to the whole
 capacity of the source while keeping its mix's shares. Epoch ``e`` visits them in a permutation

@@ -1,0 +1,4 @@
+"""What quantkit's training loops share: the training rows and their order (``data``), the WSD
+learning rate (``schedule``), the resumable optimizer checkpoint (``state``) and per-row tensors a
+frozen model computes once and caches on disk (``rowcache``). QAT (``quantkit.qat``) and draft-head
+training (``quantkit.draft``) are built on them."""

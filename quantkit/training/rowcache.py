@@ -1,0 +1,56 @@
+"""Per-row tensors a frozen model computes once, cached on disk for the training loop to read back.
+
+A trainer lists the rows it will visit, in visit order; ``build`` computes ``compute(row tokens)``
+(a dict of tensors) for each, writes them in chunks of ``CHUNK_ROWS`` rows (an interrupted pass
+resumes at its last chunk), and returns them stacked. Visit orders of runs on the same data share
+their prefix, so a longer run reuses a shorter one's chunks; a shorter run's last, partial chunk is
+computed again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from quantkit import atomic
+
+CHUNK_ROWS = 16  # rows per cache file: what an interruption can lose
+
+
+@dataclass(frozen=True)
+class RowCache:
+    position: dict[int, int]  # row id -> its index in the stacked tensors
+    tensors: dict[str, Tensor]  # name -> [rows visited, ...]
+
+    def batch(self, rows: list[int]) -> dict[str, Tensor]:
+        at = [self.position[row] for row in rows]
+        return {name: tensor[at] for name, tensor in self.tensors.items()}
+
+
+@torch.no_grad()
+def build(compute: Callable[[Tensor], dict[str, Tensor]], rows: Tensor, visited: list[int], directory: Path,
+          description: str, progress: bool = True) -> RowCache:
+    """``compute(rows[row])`` for every row id in ``visited`` (visit order), cached in ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    chunks = range(0, len(visited), CHUNK_ROWS)
+    for start in tqdm(chunks, desc=description, unit="chunk", disable=not progress):
+        path = directory / f"rows-{start:06d}.safetensors"
+        wanted = visited[start:start + CHUNK_ROWS]
+        if path.is_file() and _rows_in(path) == len(wanted):
+            continue
+        computed = [compute(rows[row]) for row in wanted]
+        atomic.save_safetensors(path, {name: torch.stack([c[name].cpu() for c in computed]) for name in computed[0]})
+    parts = [load_file(str(directory / f"rows-{start:06d}.safetensors")) for start in chunks]
+    return RowCache({row: at for at, row in enumerate(visited)},
+                    {name: torch.cat([part[name] for part in parts]) for name in parts[0]})
+
+
+def _rows_in(path: Path) -> int:
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_slice(next(iter(f.keys()))).get_shape()[0]
