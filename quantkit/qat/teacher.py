@@ -3,8 +3,8 @@
 Running the teacher beside the student every step would cost a forward per step and keep a second
 model in memory. Instead its k largest logits per position (and their token ids) are computed in
 one no-grad pass before training (``quantkit.training.rowcache``) and then read back by row. The
-distillation loss renormalises the teacher over those k tokens; ``tests/test_qat.py`` measures how
-close that is to the full distribution's KL.
+distillation loss (``quantkit.training.distill``) renormalises the teacher over those k tokens;
+``tests/test_qat.py`` measures how close that is to the full distribution's KL.
 """
 from __future__ import annotations
 
@@ -30,13 +30,3 @@ def build_cache(teacher, rows: Tensor, visited: list[int], top_k: int, directory
         return {"ids": indices.to(torch.int32), "logits": values}
 
     return rowcache.build(top_logits, rows, visited, directory, "teacher top-k", progress)
-
-
-def distillation_loss(student_logits: Tensor, teacher_ids: Tensor, teacher_logits: Tensor,
-                      temperature: float) -> Tensor:
-    """Mean over positions of T² · KL(teacher ‖ student), the teacher renormalised over its top-k ids.
-
-    ``student_logits`` [..., V]; ``teacher_ids``/``teacher_logits`` [..., k]."""
-    teacher = torch.log_softmax(teacher_logits / temperature, dim=-1)
-    student = torch.log_softmax(student_logits.float() / temperature, dim=-1).gather(-1, teacher_ids)
-    return temperature**2 * (teacher.exp() * (teacher - student)).sum(-1).mean()

@@ -34,12 +34,13 @@ from quantkit.models import MiniCPMConfig
 from quantkit.models.layers import layer_prefix
 from quantkit.models.zoo import cache_root
 from quantkit.qat.fake_quant import FakeQuantLinear, check_groups, latent_for, wrap_linears
-from quantkit.qat.teacher import build_cache, cache_key, distillation_loss
+from quantkit.qat.teacher import build_cache, cache_key
 from quantkit.quant import QuantConfig
 from quantkit.reader import ArtifactReader, linear_shapes
 from quantkit.recipe import Recipe
 from quantkit.training import state
 from quantkit.training.data import training_data
+from quantkit.training.distill import distillation_loss
 from quantkit.training.schedule import wsd_learning_rate
 
 RUN_FILE = "qat_run.json"
