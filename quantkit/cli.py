@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from quantkit.draft.settings import DraftSettings
 from quantkit.table import format_table
 
 DEBUG_ENV = "QUANTKIT_DEBUG"  # set to 1: every error shows its traceback
@@ -148,6 +149,64 @@ def qat_ternary(model, out, recipe, overrides, tokens, init, out_format, resume,
              f"(teacher {report.teacher_seconds:.0f} s, training {report.train_seconds:.0f} s), "
              f"peak RSS {report.peak_rss_mb:.0f} MB" + (f" (resumed at step {report.resumed_from_step})"
                                                        if report.resumed_from_step else ""))
+    _emit(as_json, report.to_dict(), text)
+
+
+DRAFT_DEFAULTS = DraftSettings()
+
+
+@main.group("draft")
+def draft_group():
+    """EAGLE-3 draft heads for speculative decoding: train one for a target model."""
+
+
+@draft_group.command("train")
+@click.option("--target", default="default", show_default=True, help="The target model: a checkpoint or 'default'.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Output directory (must not exist).")
+@click.option("--tokens", default=DRAFT_DEFAULTS.tokens, show_default=True, type=click.IntRange(min=1),
+              help="Training tokens.")
+@click.option("--draft-vocab", default=None, type=click.IntRange(min=1),
+              help="Draft vocabulary size (FR-Spec) [default: a quarter of the target's].")
+@click.option("--ttt-steps", default=DRAFT_DEFAULTS.ttt_steps, show_default=True, type=click.IntRange(min=1),
+              help="Draft steps unrolled in training (EAGLE-3's training-time test).")
+@click.option("--learning-rate", default=DRAFT_DEFAULTS.learning_rate, show_default=True, type=click.FloatRange(min=0,
+              min_open=True))
+@click.option("--seq-len", default=DRAFT_DEFAULTS.seq_len, show_default=True, type=click.IntRange(min=8))
+@click.option("--batch-rows", default=DRAFT_DEFAULTS.batch_rows, show_default=True, type=click.IntRange(min=1),
+              help="Rows per optimizer step.")
+@click.option("--aux-states", type=click.Choice(["cpmcu", "hf-hidden-states"]), default=DRAFT_DEFAULTS.aux_states,
+              show_default=True, help="Which target states the head reads (docs/speculative.md).")
+@click.option("--data", default=DRAFT_DEFAULTS.data, show_default=True,
+              help="Training text: a calibration source name (docs/data.md) or a local text file.")
+@click.option("--seed", default=DRAFT_DEFAULTS.seed, show_default=True)
+@click.option("--resume", is_flag=True, help="Continue an interrupted run from its last checkpoint.")
+@click.option("--progress/--no-progress", default=True, show_default=True)
+@json_option
+@_friendly_errors
+def draft_train(target, out, tokens, draft_vocab, ttt_steps, learning_rate, seq_len, batch_rows, aux_states, data,
+                seed, resume, progress, as_json):
+    """Train an EAGLE-3 head for TARGET (training-time test, FR-Spec vocabulary, distilled from TARGET's
+    own distribution); writes the head in the official layout and a JSON log."""
+    from dataclasses import replace
+
+    from quantkit.draft.trainer import train_head
+    from quantkit.models.zoo import resolve_model
+
+    settings = replace(DRAFT_DEFAULTS, tokens=tokens, draft_vocab=draft_vocab, ttt_steps=ttt_steps,
+                       learning_rate=learning_rate, seq_len=seq_len, batch_rows=batch_rows, aux_states=aux_states,
+                       data=data, seed=seed)
+    report = train_head(resolve_model(target), out, settings, resume=resume, progress=progress)
+    measured = [e for e in report.log if "heldout_loss" in e]
+    rows = [[e["step"], e["tokens"], e.get("loss"), e["heldout_loss"], *e["heldout_top1_by_step"][:4]]
+            for e in measured]
+    text = format_table(["step", "tokens", "loss", "held-out loss", *[f"top-1 @{i}" for i in range(min(4, ttt_steps))]],
+                        rows)
+    text += (f"\n\nwrote {out}: draft vocabulary {report.draft_vocab} tokens (covers "
+             f"{100 * report.heldout_coverage:.1f} % of held-out tokens), {report.steps} steps, {report.tokens} tokens "
+             f"at {report.tokens_per_second:.0f} tok/s (target features {report.features_seconds:.0f} s, training "
+             f"{report.train_seconds:.0f} s), peak RSS {report.peak_rss_mb:.0f} MB"
+             + (f" (resumed at step {report.resumed_from_step})" if report.resumed_from_step else "")
+             + f"\nmeasure its acceptance: quantkit eval accept --target {target} --draft {out}")
     _emit(as_json, report.to_dict(), text)
 
 

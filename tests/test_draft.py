@@ -40,7 +40,7 @@ def test_unrolled_steps_equal_the_runtime_drafters_chains(target, head_dir):
     length, steps = 8, 3
     ids = torch.randint(0, target.config.vocab_size, (1, length + steps), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        states = entering_states(target, ids, head.aux_layers)
+        _, states = entering_states(target, ids, head.aux_layers)
         aux = head.aux_from_states(states)[:, :length]
         embeds = head.embed(target.model.embed_tokens, ids[:, 1:length + 1])
         unrolled = unrolled_steps(head, aux, embeds, steps)
@@ -55,3 +55,109 @@ def test_unrolled_steps_equal_the_runtime_drafters_chains(target, head_dir):
             for step in range(1, steps):
                 hidden = drafter._step(hidden, ids[0, start + step + 1:start + step + 2])  # token p + 1
                 torch.testing.assert_close(hidden[0], unrolled[step][0, start + step], rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def private_cache(tmp_path_factory):
+    """Target features go to a test folder, not the user's ~/.cache/quantkit."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("QUANTKIT_CACHE", str(tmp_path_factory.mktemp("draft-cache")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def training_text(tmp_path_factory):
+    from quantkit.calib import load_documents
+
+    path = tmp_path_factory.mktemp("draft-data") / "train.txt"
+    path.write_text("\n\n".join(load_documents("en"))[:60_000])
+    return path
+
+
+def settings(training_text, **changes):
+    from quantkit.draft.settings import DraftSettings
+
+    values = dict(tokens=64 * 2 * 60, seq_len=64, batch_rows=2, ttt_steps=3, draft_vocab=128, learning_rate=3e-3,
+                  data=str(training_text), eval_rows=2, eval_interval=20, checkpoint_interval=10)
+    return DraftSettings(**{**values, **changes})
+
+
+@pytest.fixture(scope="module")
+def trained(target_dir, training_text, tmp_path_factory):
+    from quantkit.draft.trainer import train_head
+
+    out = tmp_path_factory.mktemp("trained") / "head"
+    return out, train_head(target_dir, out, settings(training_text), progress=False)
+
+
+def test_training_lowers_the_held_out_loss_and_raises_agreement(trained):
+    _, report = trained
+    measured = [e for e in report.log if "heldout_loss" in e]
+    assert [e["step"] for e in measured] == [0, 20, 40, 60]
+    first, last = measured[0], measured[-1]
+    assert last["heldout_loss"] < 0.85 * first["heldout_loss"]  # a random target: measured 3.48 -> 2.74
+    assert last["heldout_top1_by_step"][0] > first["heldout_top1_by_step"][0]
+    assert 0 < report.heldout_coverage <= 1 and report.draft_vocab == 128
+
+
+def test_the_trained_head_is_official_layout_and_drafts_in_the_runtime(trained, target_dir):
+    from quantkit.kernels.generate import load_engine
+
+    out, _ = trained
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "draft_train.json"}
+    plain = load_engine(target_dir, dtype=torch.float32).generate([5, 17, 99, 3], max_new_tokens=16)
+    speculative = load_engine(target_dir, dtype=torch.float32, draft=out).generate([5, 17, 99, 3], max_new_tokens=16)
+    assert speculative.tokens == plain.tokens and speculative.acceptance["rounds"] > 0
+
+
+def test_resume_ends_with_the_weights_of_an_uninterrupted_run(trained, target_dir, training_text, tmp_path):
+    from quantkit.draft.trainer import train_head
+
+    out = tmp_path / "head"
+    partial = train_head(target_dir, out, settings(training_text), progress=False, stop_after_steps=27)
+    assert partial.steps == 27 and not out.exists()
+    resumed = train_head(target_dir, out, settings(training_text), progress=False, resume=True)
+    assert resumed.resumed_from_step == 27  # the last checkpoint: the stop writes one
+    assert (out / "model.safetensors").read_bytes() == (trained[0] / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"draft_vocab": 10_000}, "draft_vocab must be in 1..384"),
+    ({"tokens": 10}, "less than one step"),
+    ({"learning_rate": 0.0}, "learning_rate must be > 0"),
+    ({"aux_states": "sglang"}, "aux_states must be one of"),
+])
+def test_bad_settings_are_refused_before_any_work(target_dir, training_text, tmp_path, changes, message):
+    from quantkit.draft.settings import DraftTrainingError
+    from quantkit.draft.trainer import train_head
+
+    with pytest.raises(DraftTrainingError, match=message):
+        train_head(target_dir, tmp_path / "head", settings(training_text, **changes), progress=False)
+    assert not (tmp_path / "head.partial").exists()
+
+
+def test_an_existing_output_or_a_missing_checkpoint_is_refused(target_dir, training_text, tmp_path, trained):
+    from quantkit.draft.settings import DraftTrainingError
+    from quantkit.draft.trainer import train_head
+
+    with pytest.raises(DraftTrainingError, match="already exists"):
+        train_head(target_dir, trained[0], settings(training_text), progress=False)
+    with pytest.raises(DraftTrainingError, match="no checkpoint"):
+        train_head(target_dir, tmp_path / "fresh", settings(training_text), progress=False, resume=True)
+
+
+def test_cli_draft_train(target_dir, training_text, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from quantkit.cli import main
+
+    result = CliRunner().invoke(main, ["draft", "train", "--target", str(target_dir), "--out", str(tmp_path / "h"),
+                                       "--tokens", "1024", "--seq-len", "64", "--batch-rows", "2", "--ttt-steps", "2",
+                                       "--draft-vocab", "64", "--data", str(training_text), "--no-progress",
+                                       "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["steps"] == 8
+    again = CliRunner().invoke(main, ["draft", "train", "--target", str(target_dir), "--out", str(tmp_path / "h")])
+    assert again.exit_code == 1 and "already exists" in again.output

@@ -127,7 +127,7 @@ def test_aux_states_against_transformers_hidden_states(target_dir, target, tmp_p
     ids = torch.randint(0, target.config.vocab_size, (1, 7))
     with torch.no_grad():
         reported = target(ids, output_hidden_states=True).hidden_states
-        aux = head.aux_from_states(entering_states(target, ids, head.aux_layers))
+        aux = head.aux_from_states(entering_states(target, ids, head.aux_layers)[1])
     assert len(reported) == target.config.num_hidden_layers + 1
     L = target.config.num_hidden_layers
     if convention == "cpmcu":

@@ -244,9 +244,9 @@ def save_head(head: Eagle3Head, directory: str | Path) -> Path:
     return directory
 
 
-def entering_states(model, input_ids: torch.Tensor, layers) -> dict[int, torch.Tensor]:
-    """The residual states of a MiniCPM ``model`` (``MiniCPMForCausalLM``) entering each of ``layers``
-    on ``input_ids`` (teacher forcing), captured by forward pre-hooks during one forward."""
+def entering_states(model, input_ids: torch.Tensor, layers) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """One teacher-forced forward of a MiniCPM ``model`` (``MiniCPMForCausalLM``) on ``input_ids``: its
+    logits, and the residual states entering each of ``layers`` (captured by forward pre-hooks)."""
     captured: dict[int, torch.Tensor] = {}
     decoder = model.model.layers
     hooks = [decoder[index].register_forward_pre_hook(
@@ -254,11 +254,11 @@ def entering_states(model, input_ids: torch.Tensor, layers) -> dict[int, torch.T
                                                                                kwargs["hidden_states"])),
         with_kwargs=True) for index in sorted(set(layers))]
     try:
-        model(input_ids=input_ids, use_cache=False)
+        logits = model(input_ids=input_ids, use_cache=False).logits
     finally:
         for hook in hooks:
             hook.remove()
-    return captured
+    return logits, captured
 
 
 def load_head(directory: str | Path, target: MiniCPMConfig, dtype: torch.dtype = torch.float32) -> Eagle3Head:

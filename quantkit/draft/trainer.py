@@ -1,0 +1,223 @@
+"""Training an EAGLE-3 head for a target model (``quantkit draft train``).
+
+The head starts from the target where it can: its LM head is the target's, restricted to the draft
+vocabulary (FR-Spec: the training text's most frequent tokens) and divided by the target's μP logit
+divisor, its final norm the target's; fc and the midlayer start from PyTorch's default init under
+the run's seed. The target runs once per training row (``features``); training then needs only the
+head: every step unrolls ``ttt_steps`` draft steps over each row (``ttt``) and matches each step's
+draft distribution to the target's over the draft vocabulary (step j weighted ``step_weight``ʲ, as
+EAGLE-3 does). AdamW, WSD schedule, gradient clipping; checkpoints, ``--resume`` and the held-out
+log as in QAT (``quantkit.training``).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+import quantkit
+from quantkit import atomic, calib
+from quantkit.artifact import staging_dir
+from quantkit.checkpoint import CheckpointReader
+from quantkit.draft.features import build_features, features_key, row_features
+from quantkit.draft.settings import DraftSettings, DraftTrainingError
+from quantkit.draft.ttt import unrolled_steps
+from quantkit.engine import peak_rss_mb
+from quantkit.loading import load_model
+from quantkit.models.eagle3 import Eagle3Config, Eagle3Head, draft_vocabulary, save_head
+from quantkit.models.zoo import cache_root
+from quantkit.training import state
+from quantkit.training.data import training_data
+from quantkit.training.distill import distillation_loss
+from quantkit.training.schedule import wsd_learning_rate
+
+RUN_FILE = "draft_run.json"
+CHECKPOINT_FILE = "draft_checkpoint.safetensors"
+LOG_FILE = "draft_train.json"
+HELDOUT = "austen"
+
+
+@dataclass
+class DraftReport:
+    out_dir: str
+    steps: int = 0
+    tokens: int = 0
+    resumed_from_step: int = 0
+    draft_vocab: int = 0
+    heldout_coverage: float = 0.0  # share of held-out tokens in the draft vocabulary
+    features_seconds: float = 0.0
+    train_seconds: float = 0.0
+    tokens_per_second: float = 0.0
+    peak_rss_mb: float = 0.0
+    threads: int = field(default_factory=torch.get_num_threads)
+    log: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _fingerprint(target: str, data: str, settings: DraftSettings) -> str:
+    payload = {"target": target, "data": data, "settings": asdict(settings), "quantkit": quantkit.__version__}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def initial_head(target, settings: DraftSettings, token_counts: torch.Tensor) -> Eagle3Head:
+    """The head before training (see the module docstring), deterministic under ``settings.seed``."""
+    config = target.config
+    head_config = Eagle3Config(
+        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim, vocab_size=config.vocab_size,
+        draft_vocab_size=settings.vocabulary_size(config.vocab_size), target_hidden_size=config.hidden_size,
+        rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
+        max_position_embeddings=config.max_position_embeddings, aux_states=settings.aux_states)
+    with torch.random.fork_rng():
+        torch.manual_seed(settings.seed)
+        head = Eagle3Head(head_config, config)
+    d2t, t2d = draft_vocabulary(token_counts, head_config.draft_vocab_size)
+    with torch.no_grad():
+        head.d2t.copy_(d2t)
+        head.t2d.copy_(t2d)
+        used = torch.nonzero(t2d).flatten()
+        head.lm_head.weight.copy_(target.lm_head.weight[used].float() / config.logit_divisor)
+        head.norm.weight.copy_(target.model.norm.weight.float())
+    return head
+
+
+def step_loss(head: Eagle3Head, embedding, tokens: torch.Tensor, features: dict, settings: DraftSettings):
+    """Weighted loss over the unrolled steps of rows ``tokens`` [B, T], and each step's top-1 agreement
+    with the target (draft argmax = the target's top token in the draft vocabulary, where the target's
+    argmax is in it): the acceptance rate a greedy chain would see at that depth."""
+    aux = features["aux"][:, :-1].float()  # positions 0..T-2: the last has no next token in the row
+    embeds = head.embed(embedding, tokens[:, 1:])
+    teacher_ids, teacher_logits = features["ids"][:, 1:].long(), features["logits"][:, 1:]
+    valid = features["in_vocabulary"][:, 1:]
+    positions = torch.arange(aux.shape[1])[None]
+    total, agreement = 0.0, []
+    for step, hidden in enumerate(unrolled_steps(head, aux, embeds, settings.ttt_steps)):
+        logits = head.logits(hidden)
+        mask = valid & (positions >= step)  # no chain reaches positions before ``step``
+        total = total + settings.step_weight ** step * distillation_loss(logits, teacher_ids, teacher_logits, 1.0,
+                                                                         mask)
+        agree = (logits.argmax(-1) == teacher_ids[..., 0]) & mask
+        agreement.append(float(agree.sum()) / max(int(mask.sum()), 1))
+    return total, agreement
+
+
+def _check_start(out_dir: Path, staging: Path, resume: bool) -> None:
+    if out_dir.exists():
+        raise DraftTrainingError(f"output directory {out_dir} already exists; choose another --out or remove it")
+    if resume and not (staging / CHECKPOINT_FILE).is_file():
+        raise DraftTrainingError(f"--resume: {staging} holds no checkpoint to continue from")
+    if staging.exists() and not resume:
+        raise DraftTrainingError(f"{staging} holds an interrupted run: pass --resume to continue it, or remove it")
+
+
+def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSettings = DraftSettings(), *,
+               resume: bool = False, progress: bool = True, stop_after_steps: int | None = None) -> DraftReport:
+    """Train a head for the checkpoint ``target_dir`` and write it to ``out_dir`` (official layout, plus
+    ``draft_train.json``). ``stop_after_steps`` leaves the run as an interruption would (tests)."""
+    from transformers import AutoTokenizer
+
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    staging = staging_dir(out_dir)
+    _check_start(out_dir, staging, resume)
+    target = load_model(target_dir, torch.float32)
+    target.requires_grad_(False)
+    settings.check(target.config.vocab_size)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    data = training_data(tokenizer, settings.data, settings.seq_len, settings.seed)
+    target_fingerprint = CheckpointReader(target_dir).fingerprint()
+    fingerprint = _fingerprint(target_fingerprint, data.fingerprint, settings)
+    run_file = staging / RUN_FILE
+    if resume and json.loads(run_file.read_text())["fingerprint"] != fingerprint:
+        raise DraftTrainingError(f"{staging} was started with another target, data or settings; remove it to start "
+                                 "over")
+    staging.mkdir(parents=True, exist_ok=True)
+    atomic.write_json(run_file, {"fingerprint": fingerprint})
+
+    head = initial_head(target, settings, torch.bincount(data.rows.flatten(), minlength=target.config.vocab_size))
+    report = DraftReport(out_dir=str(out_dir), draft_vocab=head.config.draft_vocab_size)
+    heldout = calib.heldout_tokens(tokenizer, HELDOUT, max_tokens=settings.eval_rows * settings.seq_len)
+    report.heldout_coverage = float(head.t2d[heldout].float().mean())
+    heldout_rows = heldout[:heldout.numel() // settings.seq_len * settings.seq_len].view(-1, settings.seq_len)
+    started = time.perf_counter()
+    total_steps = settings.tokens // (settings.batch_rows * settings.seq_len)
+    visited = list(dict.fromkeys(data.row_ids(0, total_steps * settings.batch_rows)))
+    key = features_key(target_fingerprint, data.fingerprint, head, settings.top_k)
+    features = build_features(target, head, data.rows, visited, settings.top_k,
+                              cache_root() / "draft-features" / key, progress)
+    with torch.no_grad():
+        heldout_features = [row_features(target, head, row, settings.top_k) for row in heldout_rows]
+    heldout_features = {name: torch.stack([f[name] for f in heldout_features]) for name in heldout_features[0]}
+    report.features_seconds = round(time.perf_counter() - started, 3)
+
+    embedding = target.model.embed_tokens
+    trainable = {name: parameter for name, parameter in head.named_parameters()}
+    optimizer = torch.optim.AdamW(list(trainable.values()), lr=settings.learning_rate, betas=settings.betas,
+                                  weight_decay=settings.weight_decay)
+    start_step = 0
+    if resume:
+        loop = state.load(staging / CHECKPOINT_FILE, trainable, optimizer)
+        start_step, report.log = loop["step"], loop["log"]
+        report.resumed_from_step = start_step
+
+    def evaluate() -> dict:
+        with torch.no_grad():
+            loss, agreement = step_loss(head, embedding, heldout_rows, heldout_features, settings)
+        return {"heldout_loss": float(loss), "heldout_top1_by_step": agreement}
+
+    if start_step == 0:
+        report.log.append({"step": 0, "tokens": 0, **evaluate()})
+    last = total_steps if stop_after_steps is None else min(total_steps, stop_after_steps)
+    bar = tqdm(range(start_step, last), desc="draft head", unit="step", disable=not progress, initial=start_step,
+               total=total_steps)
+    started = time.perf_counter()
+    for step in bar:
+        lr = wsd_learning_rate(step, total_steps, settings.learning_rate, settings.warmup, settings.decay,
+                               settings.final_lr)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        rows = data.row_ids(step * settings.batch_rows, settings.batch_rows)
+        loss, agreement = step_loss(head, embedding, data.rows[rows], features.batch(rows), settings)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise DraftTrainingError(f"draft train: the loss is not finite at step {step + 1}; the last checkpoint "
+                                     f"is kept in {staging}. Lower the learning rate and start again")
+        loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(list(trainable.values()), settings.grad_clip))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        entry = {"step": step + 1, "tokens": (step + 1) * settings.batch_rows * settings.seq_len, "loss": value,
+                 "top1_by_step": agreement, "lr": lr, "grad_norm": grad_norm}
+        if (step + 1) % settings.eval_interval == 0 or step + 1 == total_steps:
+            entry.update(evaluate())
+        if (step + 1) % settings.checkpoint_interval == 0 or step + 1 == last:
+            entry["checkpoint"] = True
+        report.log.append(entry)
+        if entry.get("checkpoint"):
+            state.save(staging / CHECKPOINT_FILE, trainable, optimizer, {"step": step + 1, "log": report.log})
+        done = (step + 1 - start_step) * settings.batch_rows * settings.seq_len
+        bar.set_postfix(loss=f"{value:.3f}", top1=f"{agreement[0]:.2f}", lr=f"{lr:.2e}",
+                        tok_s=f"{done / (time.perf_counter() - started):.0f}")
+
+    report.steps, report.tokens = last, last * settings.batch_rows * settings.seq_len
+    report.train_seconds = round(time.perf_counter() - started, 3)
+    trained = (last - start_step) * settings.batch_rows * settings.seq_len
+    report.tokens_per_second = round(trained / report.train_seconds, 2) if report.train_seconds else 0.0
+    report.peak_rss_mb = round(peak_rss_mb(), 1)
+    if last < total_steps:  # stopped early: the checkpoint stays, nothing is published
+        return report
+    save_head(head, staging)
+    atomic.write_json(staging / LOG_FILE, {"settings": asdict(settings), "target": str(target_dir),
+                                           "data": data.described, **report.to_dict()})
+    for leftover in (CHECKPOINT_FILE, RUN_FILE):
+        (staging / leftover).unlink()
+    atomic.publish_dir(staging, out_dir)
+    return report
