@@ -161,3 +161,25 @@ def test_cli_draft_train(target_dir, training_text, tmp_path):
     assert json.loads(result.output)["steps"] == 8
     again = CliRunner().invoke(main, ["draft", "train", "--target", str(target_dir), "--out", str(tmp_path / "h")])
     assert again.exit_code == 1 and "already exists" in again.output
+
+
+def test_realignment_continues_a_head_on_a_quantized_target(trained, target_dir, training_text, tmp_path):
+    """--init: the FP target's head trained on for the W4 target keeps its vocabulary and moves on."""
+    from safetensors.torch import load_file
+
+    from quantkit.draft.settings import DraftTrainingError
+    from quantkit.draft.trainer import train_head
+    from quantkit.engine import quantize
+
+    from helpers import small_recipe
+
+    w4 = tmp_path / "w4"
+    quantize(target_dir, small_recipe("rtn-w4g128", tmp_path), w4, progress=False)
+    out = tmp_path / "realigned"
+    report = train_head(w4, out, settings(training_text, tokens=64 * 2 * 10, draft_vocab=None), init=trained[0],
+                        progress=False)
+    before, after = load_file(trained[0] / "model.safetensors"), load_file(out / "model.safetensors")
+    assert torch.equal(before["d2t"], after["d2t"]) and report.draft_vocab == 128
+    assert not torch.equal(before["fc.weight"], after["fc.weight"])
+    with pytest.raises(DraftTrainingError, match="draft vocabulary of 128 tokens, not 64"):
+        train_head(w4, tmp_path / "other", settings(training_text, draft_vocab=64), init=trained[0], progress=False)

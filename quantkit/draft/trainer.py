@@ -30,7 +30,7 @@ from quantkit.draft.settings import DraftSettings, DraftTrainingError
 from quantkit.draft.ttt import unrolled_steps
 from quantkit.engine import peak_rss_mb
 from quantkit.loading import load_model
-from quantkit.models.eagle3 import Eagle3Config, Eagle3Head, draft_vocabulary, save_head
+from quantkit.models.eagle3 import Eagle3Config, Eagle3Head, draft_vocabulary, load_head, save_head
 from quantkit.models.zoo import cache_root
 from quantkit.training import state
 from quantkit.training.data import training_data
@@ -62,8 +62,9 @@ class DraftReport:
         return asdict(self)
 
 
-def _fingerprint(target: str, data: str, settings: DraftSettings) -> str:
-    payload = {"target": target, "data": data, "settings": asdict(settings), "quantkit": quantkit.__version__}
+def _fingerprint(target: str, data: str, settings: DraftSettings, init: str | None) -> str:
+    payload = {"target": target, "data": data, "settings": asdict(settings), "init": init,
+               "quantkit": quantkit.__version__}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -119,10 +120,25 @@ def _check_start(out_dir: Path, staging: Path, resume: bool) -> None:
         raise DraftTrainingError(f"{staging} holds an interrupted run: pass --resume to continue it, or remove it")
 
 
+def _starting_head(init: Path, target, settings: DraftSettings) -> Eagle3Head:
+    """An existing head to continue from (re-alignment: an FP head trained on, for a quantized target),
+    with its own vocabulary and aux states, which the settings must not contradict."""
+    head = load_head(init, target.config)
+    if settings.draft_vocab not in (None, head.config.draft_vocab_size):
+        raise DraftTrainingError(f"--init {init} has a draft vocabulary of {head.config.draft_vocab_size} tokens, "
+                                 f"not {settings.draft_vocab}")
+    if settings.aux_states != head.config.aux_states:
+        raise DraftTrainingError(f"--init {init} reads aux_states {head.config.aux_states!r}, not "
+                                 f"{settings.aux_states!r}")
+    return head.train()
+
+
 def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSettings = DraftSettings(), *,
-               resume: bool = False, progress: bool = True, stop_after_steps: int | None = None) -> DraftReport:
-    """Train a head for the checkpoint ``target_dir`` and write it to ``out_dir`` (official layout, plus
-    ``draft_train.json``). ``stop_after_steps`` leaves the run as an interruption would (tests)."""
+               init: str | Path | None = None, resume: bool = False, progress: bool = True,
+               stop_after_steps: int | None = None) -> DraftReport:
+    """Train a head for the checkpoint or artifact ``target_dir`` (from scratch, or from the head ``init``)
+    and write it to ``out_dir`` (official layout, plus ``draft_train.json``). ``stop_after_steps`` leaves
+    the run as an interruption would (tests)."""
     from transformers import AutoTokenizer
 
     target_dir, out_dir = Path(target_dir), Path(out_dir)
@@ -134,7 +150,8 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     data = training_data(tokenizer, settings.data, settings.seq_len, settings.seed)
     target_fingerprint = CheckpointReader(target_dir).fingerprint()
-    fingerprint = _fingerprint(target_fingerprint, data.fingerprint, settings)
+    init_fingerprint = None if init is None else CheckpointReader(init).fingerprint()
+    fingerprint = _fingerprint(target_fingerprint, data.fingerprint, settings, init_fingerprint)
     run_file = staging / RUN_FILE
     if resume and json.loads(run_file.read_text())["fingerprint"] != fingerprint:
         raise DraftTrainingError(f"{staging} was started with another target, data or settings; remove it to start "
@@ -142,7 +159,8 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
     staging.mkdir(parents=True, exist_ok=True)
     atomic.write_json(run_file, {"fingerprint": fingerprint})
 
-    head = initial_head(target, settings, torch.bincount(data.rows.flatten(), minlength=target.config.vocab_size))
+    head = (initial_head(target, settings, torch.bincount(data.rows.flatten(), minlength=target.config.vocab_size))
+            if init is None else _starting_head(Path(init), target, settings))
     report = DraftReport(out_dir=str(out_dir), draft_vocab=head.config.draft_vocab_size)
     heldout = calib.heldout_tokens(tokenizer, HELDOUT, max_tokens=settings.eval_rows * settings.seq_len)
     report.heldout_coverage = float(head.t2d[heldout].float().mean())
