@@ -25,7 +25,7 @@ LLMC_BIN := $(LLMC_VENV)/bin
 LLMC_INSTALLED := $(LLMC_VENV)/.installed
 LLMCOMPRESSOR ?= llmcompressor==0.14.0.1
 
-.PHONY: install demo demo-marlin test test-fast lint default-model bench-gptq bench-awq bench-gguf bench-scale bench-runtime bench-qat eval-sparse interop interop-peer clean help \
+.PHONY: install demo demo-marlin test test-fast lint default-model bench-gptq bench-awq bench-gguf bench-scale bench-runtime bench-qat bench-spec eval-sparse interop interop-peer clean help \
 	eval-ppl eval-kld eval-report eval-niah eval-tasks eval-accept
 
 help:
@@ -42,6 +42,7 @@ help:
 	@echo "make eval-sparse  InfLLM v2 on MODEL with a scaled-down SPARSE_CONFIG: perplexity vs dense, needle retrieval"
 	@echo "make bench-scale  the marlin recipe on an 8B-shaped random MiniCPM4.1 checkpoint: time, memory, projection"
 	@echo "make bench-qat  ternary QAT (CE only, distilled) vs RTN/GPTQ ternary, GPTQ W2 g32 and W4 on the default model: curve, cost, targets (hours; BENCH_QAT_ARGS='--reuse --with-init')"
+	@echo "make bench-spec EAGLE-3 heads on the default model: tau over FP/W4 targets x FP/re-aligned heads, decode speed-up (about an hour; BENCH_SPEC_ARGS='--reuse')"
 	@echo "make interop    GPTQModel (own venv, ~6 GB) reads quantkit GPTQ checkpoints, sym and asym: weights bit-exact, logits"
 	@echo "make interop-peer  GPTQModel quantizes the default model on quantkit's calibration rows, then its KL"
 	@echo "make default-model  fetch and convert the default model into the cache"
@@ -137,6 +138,9 @@ bench-scale: $(INSTALLED)
 BENCH_QAT_ARGS ?=
 bench-qat: $(INSTALLED)
 	$(BIN)/python -m quantkit.eval.bench.bench_qat --model $(MODEL) --out $(OUT)/bench-qat $(BENCH_QAT_ARGS)
+
+bench-spec: $(TEST_INSTALLED)
+	$(BIN)/python -m quantkit.eval.bench.bench_spec --model $(MODEL) --out $(OUT)/bench-spec $(BENCH_SPEC_ARGS)
 
 $(INTEROP_INSTALLED): pyproject.toml
 	test -x $(INTEROP_BIN)/python || $(PYTHON) -m venv $(INTEROP_VENV)

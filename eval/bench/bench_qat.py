@@ -25,7 +25,6 @@ import json
 import math
 import os
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
@@ -33,24 +32,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
-from quantkit.eval.bench.common import machine, median_seconds, quantize_command, report, timed
+from quantkit.eval.bench.common import (
+    Variant,
+    log_tail,
+    machine,
+    make_variant,
+    median_seconds,
+    quantize_command,
+    report,
+)
 
 from quantkit.table import format_table
 
 QAT_RECIPE = "qat-ternary-g32"
 W2 = ("gptq-w4g128", ("quant.bits=2", "quant.group_size=32"))
-LOG_TAIL_LINES = 30
 REPORT_QAT_TOKENS = 350e9  # BitCPM4's QAT budget in the MiniCPM4 technical report
-
-
-@dataclass
-class Variant:
-    """One way to a quantized model: what makes it, and where."""
-
-    key: str  # file names in --out
-    label: str
-    command: list[str]
-    qat: bool = False
 
 
 @dataclass
@@ -69,24 +65,11 @@ class Row:
     log: list[dict] = field(default_factory=list)  # QAT rows: the measured points of qat_log.json
 
 
-def _tail(text: str) -> str:
-    return "\n".join(text.rstrip().splitlines()[-LOG_TAIL_LINES:])
-
-
-def _run_timed(command: list[str], log: Path) -> tuple[float, float]:
-    """``timed``, failing the bench with the command and the end of its output."""
-    try:
-        return timed(command, log)
-    except subprocess.CalledProcessError as e:
-        raise click.ClickException(f"exit {e.returncode}: {shlex.join(command)}\n"
-                                   f"last lines of {log}:\n{_tail(log.read_text())}") from e
-
-
 def _run_json(command: list[str]) -> dict:
     """Run a `quantkit ... --json` command and return what it printed."""
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
-        raise click.ClickException(f"exit {done.returncode}: {shlex.join(command)}\n{_tail(done.stderr)}")
+        raise click.ClickException(f"exit {done.returncode}: {shlex.join(command)}\n{log_tail(done.stderr)}")
     return json.loads(done.stdout)
 
 
@@ -100,35 +83,6 @@ def _qat_command(model_dir: Path, out: Path, tokens: int, settings: tuple[str, .
                "--recipe", QAT_RECIPE, "--tokens", str(tokens), "--no-progress",
                *(arg for setting in settings for arg in ("--set", setting))]
     return command + (["--init", str(init)] if init is not None else [])
-
-
-def _make(variant: Variant, out: Path, reuse: bool) -> dict:
-    """Build ``variant``'s artifact (or, with ``reuse``, take the one a previous run of this bench left,
-    or continue its interrupted run); return its record: command, seconds, peak RSS, resumed/reused."""
-    from quantkit.artifact import staging_dir
-    from quantkit.qat.trainer import CHECKPOINT_FILE
-
-    artifact, record_path = out / variant.key, out / f"{variant.key}.run.json"
-    staging = staging_dir(artifact)
-    if reuse and artifact.exists():
-        if not record_path.is_file():
-            raise click.ClickException(f"--reuse: {artifact} has no {record_path.name}, so this bench did not "
-                                       "write it; remove it or drop --reuse")
-        record = json.loads(record_path.read_text())
-        if record["command"] != variant.command:
-            raise click.ClickException(f"--reuse: {artifact} was made by\n  {shlex.join(record['command'])}\n"
-                                       f"not by\n  {shlex.join(variant.command)}\nremove it or drop --reuse")
-        return {**record, "reused": True}
-    shutil.rmtree(artifact, ignore_errors=True)
-    resume = reuse and staging.exists() and (not variant.qat or (staging / CHECKPOINT_FILE).is_file())
-    if not resume:
-        shutil.rmtree(staging, ignore_errors=True)
-    command = variant.command + (["--resume"] if resume else [])
-    click.echo(f"[{variant.label}] {shlex.join(command)}", err=True)
-    seconds, rss = _run_timed(command, out / f"{variant.key}.log")
-    record = {"command": variant.command, "seconds": round(seconds, 1), "peak_rss_mb": round(rss), "resumed": resume}
-    record_path.write_text(json.dumps(record, indent=2))
-    return {**record, "reused": False}
 
 
 def _curve_ppl(model_dir: Path, tokens, window: int) -> float:
@@ -252,7 +206,7 @@ def main(model, out, tokens, max_tokens, with_init, reuse, qat_settings, naive_b
 
     from quantkit import calib
     from quantkit.models.zoo import resolve_model
-    from quantkit.qat.trainer import HELDOUT, LOG_FILE
+    from quantkit.qat.trainer import CHECKPOINT_FILE, HELDOUT, LOG_FILE
     from quantkit.recipe import load_recipe, parse_override
 
     os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -269,19 +223,20 @@ def main(model, out, tokens, max_tokens, with_init, reuse, qat_settings, naive_b
                                                                           out / "gptq-ternary-g32")),
         Variant("gptq-w2g32", "GPTQ W2 g32", quantize_command(W2[0], model_dir, out / "gptq-w2g32", W2[1])),
         Variant("qat-ce", "QAT ternary g32, CE only",
-                _qat_command(model_dir, out / "qat-ce", tokens, (*qat_settings, "qat.distill_weight=0.0")), qat=True),
+                _qat_command(model_dir, out / "qat-ce", tokens, (*qat_settings, "qat.distill_weight=0.0")),
+                checkpoint=CHECKPOINT_FILE),
         Variant("qat-distill", "QAT ternary g32, distilled",
-                _qat_command(model_dir, out / "qat-distill", tokens, qat_settings), qat=True),
+                _qat_command(model_dir, out / "qat-distill", tokens, qat_settings), checkpoint=CHECKPOINT_FILE),
     ]
     if with_init:
         variants.append(Variant("qat-distill-init", "QAT ternary g32, distilled, from GPTQ ternary",
                                 _qat_command(model_dir, out / "qat-distill-init", tokens, qat_settings,
-                                             init=out / "gptq-ternary-g32"), qat=True))
+                                             init=out / "gptq-ternary-g32"), checkpoint=CHECKPOINT_FILE))
     variants.append(Variant("gptq-w4g128", "GPTQ W4 g128", quantize_command("gptq-w4g128", model_dir,
                                                                              out / "gptq-w4g128")))
     made = {}
     for variant in variants:
-        made[variant.key] = _make(variant, out, reuse)
+        made[variant.key] = make_variant(variant, out, reuse)
         commands.append({"step": f"make {variant.key}", "command": shlex.join(variant.command),
                          "resumed": made[variant.key]["resumed"], "reused": made[variant.key]["reused"]})
 
@@ -307,7 +262,7 @@ def main(model, out, tokens, max_tokens, with_init, reuse, qat_settings, naive_b
         row = Row(variant.label, kl["perplexity"], kl["mean_kl"], kl["top1_agreement"],
                   _curve_ppl(artifact, curve_tokens, curve_window), record["seconds"], None, record["peak_rss_mb"],
                   _weights_mb(artifact), record["reused"], shlex.join(variant.command))
-        if variant.qat:
+        if variant.checkpoint:
             trained = json.loads((artifact / "quantize_report.json").read_text())
             row.tokens_per_second = trained["tokens_per_second"]
             row.log = [{"tokens": e["tokens"], "heldout_ppl": e["heldout_ppl"]}

@@ -14,7 +14,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -139,3 +139,57 @@ def report(setup: str, table: str, rows: list, *, json_path: Path | None = None,
         markdown_path.parent.mkdir(parents=True, exist_ok=True)
         markdown_path.write_text(f"{setup}\n\n```\n{body}\n```\n")
     click.echo(f"{setup}\n\n{body}")
+
+
+LOG_TAIL_LINES = 30
+
+
+def log_tail(text: str) -> str:
+    return "\n".join(text.rstrip().splitlines()[-LOG_TAIL_LINES:])
+
+
+@dataclass
+class Variant:
+    """One artifact a benchmark makes with a quantkit command, and where."""
+
+    key: str  # its directory and file names in the benchmark's --out
+    label: str
+    command: list[str]
+    checkpoint: str | None = None  # a training run's checkpoint file: its --resume needs it in <key>.partial
+
+
+def make_variant(variant: Variant, out: Path, reuse: bool) -> dict:
+    """Make ``variant``'s artifact under ``/usr/bin/time -v`` (or, with ``reuse``, take the one an earlier
+    run of the benchmark left with the same command, or continue its interrupted run); return its record:
+    command, seconds, peak RSS MB, resumed, reused."""
+    import shlex
+    import shutil
+
+    from quantkit.artifact import staging_dir
+
+    artifact, record_path = out / variant.key, out / f"{variant.key}.run.json"
+    staging = staging_dir(artifact)
+    if reuse and artifact.exists():
+        if not record_path.is_file():
+            raise click.ClickException(f"--reuse: {artifact} has no {record_path.name}, so this bench did not "
+                                       "write it; remove it or drop --reuse")
+        record = json.loads(record_path.read_text())
+        if record["command"] != variant.command:
+            raise click.ClickException(f"--reuse: {artifact} was made by\n  {shlex.join(record['command'])}\n"
+                                       f"not by\n  {shlex.join(variant.command)}\nremove it or drop --reuse")
+        return {**record, "reused": True}
+    shutil.rmtree(artifact, ignore_errors=True)
+    resume = reuse and staging.exists() and (variant.checkpoint is None or (staging / variant.checkpoint).is_file())
+    if not resume:
+        shutil.rmtree(staging, ignore_errors=True)
+    command = variant.command + (["--resume"] if resume else [])
+    click.echo(f"[{variant.label}] {shlex.join(command)}", err=True)
+    log = out / f"{variant.key}.log"
+    try:
+        seconds, rss = timed(command, log)
+    except subprocess.CalledProcessError as e:
+        raise click.ClickException(f"exit {e.returncode}: {shlex.join(command)}\n"
+                                   f"last lines of {log}:\n{log_tail(log.read_text())}") from e
+    record = {"command": variant.command, "seconds": round(seconds, 1), "peak_rss_mb": round(rss), "resumed": resume}
+    record_path.write_text(json.dumps(record, indent=2))
+    return {**record, "reused": False}
