@@ -165,14 +165,14 @@ def main(model, out, head_tokens, realign_tokens, qat_artifact, k, temperature, 
           for label in realigned],
         "not measured  a W4 head keeps >= 0.97x the FP head's tau: quantized heads are not built yet",
     ]
-    coverage = json.loads((head / "draft_train.json").read_text())
+    trained = json.loads((head / "draft_train.json").read_text())
     notes = "\n".join([
         f"llama.cpp Q4_0 plain decode: {llama_decode:.1f} tok/s", "", speed_table, "",
-        f"FP head: draft vocabulary {coverage['draft_vocab']} tokens covering {100 * coverage['heldout_coverage']:.1f} % "
-        f"of held-out tokens; trained on {coverage['tokens']} tokens at {coverage['tokens_per_second']:.0f} tok/s",
+        f"FP head: draft vocabulary {trained['draft_vocab']} tokens covering {100 * trained['heldout_coverage']:.1f} "
+        f"% of held-out tokens; trained on {trained['tokens']} tokens at {trained['tokens_per_second']:.0f} tok/s",
         "", "targets (printed, not asserted):", *targets_text])
-    header = (f"model {model_dir.name}; tau: {prompts} held-out prompts of {prompt_tokens} tokens, {max_new_tokens} new "
-              f"tokens each, chain of {k}, runtime float32; speed: {speed_prompt_tokens}-token prompt, "
+    header = (f"model {model_dir.name}; tau: {prompts} held-out prompts of {prompt_tokens} tokens, {max_new_tokens} "
+              f"new tokens each, chain of {k}, runtime float32; speed: {speed_prompt_tokens}-token prompt, "
               f"{speed_new_tokens} greedy tokens, runtime defaults, median of {repeats}; machine: {machine()}")
     report(header, tau_table, pairings, json_path=out / "bench.json", markdown_path=out / "bench.md", notes=notes,
            extra={"commands": commands, "speed": speeds, "llamacpp_q4_0_decode_tok_s": llama_decode,
