@@ -24,18 +24,21 @@ def prompt_rows(tokens: torch.Tensor, prompts: int, length: int) -> torch.Tensor
 
 def acceptance(engine, draft: str | Path, prompts: torch.Tensor, k: int, max_new_tokens: int,
                temperature: float = 0.0, seed: int = 0, progress: bool = False,
-               description: str | None = None) -> Acceptance:
+               description: str | None = None, tree=None) -> Acceptance:
     """The acceptance statistics (τ, per-position rates) of ``draft`` for the target of ``engine`` (a
     runtime ``Engine``) over every prompt of ``prompts`` [N, T], exactly ``max_new_tokens`` generated
     after each (stop tokens do not end a run, so every target is measured on as many rounds); prompt
-    i samples with seed ``seed + i`` (temperature > 0)."""
+    i samples with seed ``seed + i`` (temperature > 0). With a ``tree`` (``TreeShape``, greedy only) the
+    draft proposes trees instead of chains of ``k``."""
+    if tree is not None and temperature > 0:
+        raise ValueError("draft trees are verified greedily: use --temperature 0 with a tree")
     from quantkit.kernels.generate import Engine, load_drafter
     from quantkit.kernels.sampling import Sampling
     from tqdm.auto import tqdm
 
     speculative = Engine(engine.runtime, engine.tokenizer, set(), engine.prefill_chunk,
-                         load_drafter(draft, engine.runtime), k)
-    total = Acceptance(k)
+                         load_drafter(draft, engine.runtime), k, tree)
+    total = Acceptance(tree.depth if tree is not None else k)
     for index, prompt in enumerate(tqdm(prompts, desc=description, disable=not progress, leave=False)):
         timings: dict = {}
         for _ in speculative.tokens(prompt.tolist(), max_new_tokens, Sampling(temperature, seed=seed + index),

@@ -13,12 +13,15 @@ from quantkit.kernels.infllm import causal_attention_of_last_positions
 from quantkit.kernels.kv_cache import KVCache
 from quantkit.kernels.model import DecoderRunner, RuntimeLayer, rms_norm, rope_tables
 from quantkit.kernels.sampling import Sampler
+from quantkit.kernels.speculative import DraftTree, TreeShape, grow_tree, tree_attention_mask
 from torch import nn
 
 from quantkit.models.eagle3 import Eagle3Head
 
 
 class _DenseAttention:
+    dense = True  # draft trees may pass their own mask
+
     def __call__(self, query, keys, values, layer, cache):
         return causal_attention_of_last_positions(query, keys, values)
 
@@ -77,17 +80,45 @@ class Eagle3Drafter(DecoderRunner):
                 hidden = self._step(hidden, torch.tensor(tokens[-1:], device=self._device))
         return tokens, None if greedy else distributions
 
+    @torch.inference_mode()
+    def propose_tree(self, shape: TreeShape) -> DraftTree:
+        """``Drafter.propose_tree``: a node at depth d runs at position (observed − 1) + d on its parent's
+        output, attending the verified context and its own lineage."""
+        outputs, slots = {}, {}  # node -> the head's output [1, H]; node -> its cache slot
+
+        def children_of(frontier: list[int], tree: DraftTree):
+            if frontier == [-1]:
+                hidden = self._last
+            else:
+                start = self._cache.length
+                parents = torch.cat([outputs.get(tree.parents[node], self._last) for node in frontier])
+                positions = torch.tensor([self._observed - 1 + tree.depth(node) for node in frontier],
+                                         device=self._device)
+                hidden = self._step(parents, torch.tensor([tree.tokens[n] for n in frontier], device=self._device),
+                                    positions, tree_attention_mask(tree, frontier, slots, self._observed, start))
+                for row, node in enumerate(frontier):
+                    outputs[node], slots[node] = hidden[row:row + 1], start + row
+            values, draft_ids = torch.log_softmax(self._logits(hidden).double(), -1).topk(shape.topk, dim=-1)
+            return list(zip(values, self.head.target_ids(draft_ids)))
+
+        tree = grow_tree(shape, children_of)
+        self._cache.crop(self._observed)
+        return tree
+
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head.lm_head(rms_norm(hidden, self._final_norm, self.eps, self.dtype)).float()
 
-    def _step(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """One pass of the head's layer at the next positions: hidden [T, H] float32, the tokens that
-        follow [T] -> the layer's output [T, H] float32 (before the head's final norm)."""
-        positions = torch.arange(self._cache.length, self._cache.length + tokens.shape[0], device=self._device)
+    def _step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One pass of the head's layer: hidden [T, H] float32 and the tokens that follow [T], at the next
+        positions (or ``positions``, under ``mask`` over every cached entry and these) -> the layer's
+        output [T, H] float32 (before the head's final norm)."""
+        if positions is None:
+            positions = torch.arange(self._cache.length, self._cache.length + tokens.shape[0], device=self._device)
         cos, signed_sin = rope_tables(self.head.rotary_emb, positions)
         embeds = self._embedding(tokens).float() * self._scale_emb
         both = torch.cat([rms_norm(embeds, self._embedding_norm, self.eps, self.dtype),
                           rms_norm(hidden, self._hidden_norm, self.eps, self.dtype)], dim=-1)
-        hidden = self.layer_from_input(0, self._layer, both, hidden, cos, signed_sin, self._cache)
+        hidden = self.layer_from_input(0, self._layer, both, hidden, cos, signed_sin, self._cache, mask)
         self._cache.advance(tokens.shape[0])
         return hidden

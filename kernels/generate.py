@@ -18,7 +18,7 @@ from quantkit.kernels.attention import make_attention, sparse_config_for
 from quantkit.kernels.kv_cache import KVCache
 from quantkit.kernels.model import RuntimeModel
 from quantkit.kernels.sampling import Sampler, Sampling
-from quantkit.kernels.speculative import Acceptance, Drafter, ModelDrafter, speculative_tokens
+from quantkit.kernels.speculative import Acceptance, Drafter, ModelDrafter, TreeShape, speculative_tokens
 
 DEFAULT_PREFILL_CHUNK = 512
 DEFAULT_DRAFT_TOKENS = 3  # vLLM's num_speculative_tokens in OpenBMB's serving recipe for the EAGLE-3 head
@@ -70,8 +70,9 @@ class TextStream:
 class Engine:
     def __init__(self, runtime: RuntimeModel, tokenizer, stop_tokens: set[int],
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, drafter: Drafter | None = None,
-                 draft_tokens: int = DEFAULT_DRAFT_TOKENS):
-        """``drafter``: decode speculatively, ``draft_tokens`` drafts a round (``kernels/speculative.py``)."""
+                 draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft_tree: TreeShape | None = None):
+        """``drafter``: decode speculatively, ``draft_tokens`` drafts a round, or a ``draft_tree`` when
+        greedy (``kernels/speculative.py``)."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if draft_tokens < 1:
@@ -82,6 +83,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.drafter = drafter
         self.draft_tokens = draft_tokens
+        self.draft_tree = draft_tree
 
     def new_cache(self) -> KVCache:
         return self.runtime.new_cache(self.runtime.attention.compressed_keys)
@@ -132,10 +134,11 @@ class Engine:
     def _speculative(self, prompt: list[int], max_new_tokens: int, sampler: Sampler, cache: KVCache,
                      timings: dict) -> Iterator[int]:
         """``tokens`` with the drafter; the prefill's time is the first token's (it ends in it)."""
-        acceptance = timings["acceptance"] = Acceptance(self.draft_tokens)
+        tree = self.draft_tree if sampler.settings.temperature == 0 else None
+        acceptance = timings["acceptance"] = Acceptance(tree.depth if tree is not None else self.draft_tokens)
         start, first = time.perf_counter(), True
         steps = speculative_tokens(self.runtime, self.drafter, prompt, max_new_tokens, sampler, cache,
-                                   self.draft_tokens, self.stop_tokens, self.prefill_chunk, acceptance)
+                                   self.draft_tokens, self.stop_tokens, self.prefill_chunk, acceptance, tree)
         try:
             while True:
                 token = next(steps)
@@ -207,9 +210,10 @@ def stop_tokens_of(model_dir: Path, tokenizer, config) -> set[int]:
 def load_engine(model_dir: str | Path, *, sparse: str = "auto", sparse_overrides: dict | None = None,
                 device: str = "cpu", dtype: torch.dtype = torch.bfloat16, linear_backend: str = "cpu",
                 lm_head: str = "auto", prefill_chunk: int = DEFAULT_PREFILL_CHUNK, draft: str | Path | None = None,
-                draft_tokens: int = DEFAULT_DRAFT_TOKENS) -> Engine:
+                draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft_tree: TreeShape | None = None) -> Engine:
     """An engine for any checkpoint quantkit reads: unquantized, or an artifact it wrote; with ``draft``
-    (``load_drafter``) it decodes speculatively, ``draft_tokens`` drafts a round."""
+    (``load_drafter``) it decodes speculatively, ``draft_tokens`` drafts a round or, greedy, a
+    ``draft_tree``."""
     from quantkit.kernels.device import check_device
     from quantkit.kernels.load import load_runtime_model
     from transformers import AutoTokenizer
@@ -223,7 +227,7 @@ def load_engine(model_dir: str | Path, *, sparse: str = "auto", sparse_overrides
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     drafter = None if draft is None else load_drafter(draft, runtime, device, linear_backend)
     return Engine(runtime, tokenizer, stop_tokens_of(model_dir, tokenizer, model.config), prefill_chunk, drafter,
-                  draft_tokens)
+                  draft_tokens, draft_tree)
 
 
 def load_drafter(draft: str | Path, target: RuntimeModel, device: str = "cpu", linear_backend: str = "cpu") -> Drafter:

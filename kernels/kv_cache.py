@@ -79,6 +79,19 @@ class KVCache:
             self.compressed = [self._compressed_factory() for _ in self.compressed]
         self.length = length
 
+    @torch.inference_mode()  # the buffers are inference tensors (the runtime's forward made them)
+    def keep(self, start: int, slots: list[int]) -> None:
+        """Keep positions ``0..start-1`` and then the entries at ``slots`` (ascending, each >= start), moved
+        to ``start, start+1, ...``; forget the rest (the accepted path of a verified draft tree)."""
+        if any(b <= a for a, b in zip(slots, slots[1:])) or (slots and (slots[0] < start or slots[-1] >= self.length)):
+            raise ValueError(f"slots {slots} must ascend within {start}..{self.length - 1}")
+        index = torch.tensor(slots, dtype=torch.long, device=self._device)
+        for store in (self._keys, self._values, self._pre_rope):
+            for buffer in store or ():
+                if buffer is not None:
+                    buffer[:, start:start + len(slots)] = buffer[:, index]
+        self.crop(start + len(slots))
+
     def nbytes(self) -> int:
         """Bytes of keys and values held for the current length (what a decode step reads densely)."""
         heads, dim = self._shape

@@ -49,6 +49,13 @@ def rope_tables(rotary: nn.Module, positions: torch.Tensor) -> tuple[torch.Tenso
     return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
 
+def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+    """q [Hq, T, d], k/v [Hkv, S, d], mask [T, S] bool (True: attend) -> [Hq, T, d]."""
+    return F.scaled_dot_product_attention(query[None], keys[None], values[None], attn_mask=mask,
+                                          enable_gqa=query.shape[0] != keys.shape[0])[0]
+
+
 def fuse_linears(modules: list[nn.Module]) -> nn.Module | None:
     """One module computing the concatenated outputs of modules sharing an input (q/k/v, gate/up):
     fewer, larger matmuls. Plain linears are concatenated here; quantized ones fuse themselves
@@ -94,14 +101,20 @@ class DecoderRunner:
         self.scores_pre_rope = getattr(attention, "scores_pre_rope", False)
 
     def layer_from_input(self, index, layer: "RuntimeLayer", attention_input, hidden, cos, signed_sin,
-                         cache: KVCache) -> torch.Tensor:
+                         cache: KVCache, mask: torch.Tensor | None = None) -> torch.Tensor:
         """The layer given what its q/k/v read (the normed residual; in a draft head, the normed
-        embedding beside the normed hidden state) and the residual ``hidden`` [T, H] it adds onto."""
+        embedding beside the normed hidden state) and the residual ``hidden`` [T, H] it adds onto.
+        ``mask`` [T, all keys] (True: attend) replaces causal attention (a draft tree's)."""
         (q_heads, kv_heads, head_dim), length = self._heads, hidden.shape[0]
         qkv = layer.qkv(attention_input)
         qkv = qkv.view(length, -1, head_dim).transpose(0, 1)
         rotated = rotate(qkv[:q_heads + kv_heads], cos, signed_sin, self.kv_dtype)
-        if self.scores_pre_rope:
+        if mask is not None:
+            if self.scores_pre_rope or not getattr(self.attention, "dense", False):
+                raise ValueError("draft trees need dense attention (InfLLM v2 verifies chains only)")
+            keys, values = cache.append(index, rotated[q_heads:], qkv[q_heads + kv_heads:])
+            mixed = masked_attention(rotated[:q_heads], keys, values, mask)
+        elif self.scores_pre_rope:
             pre_rope = qkv[:q_heads + kv_heads].to(self.kv_dtype)
             keys, values = cache.append(index, rotated[q_heads:], qkv[q_heads + kv_heads:], pre_rope[q_heads:])
             mixed = self.attention(rotated[:q_heads], keys, values, index, cache, query_pre_rope=pre_rope[:q_heads])
@@ -153,24 +166,33 @@ class RuntimeModel(DecoderRunner):
         return self.model.logits_from_hidden(rms_norm(hidden, self.final_norm, self.eps, self.dtype))
 
     @torch.inference_mode()
-    def forward_capturing(self, tokens: torch.Tensor, cache: KVCache,
-                          layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def forward_capturing(self, tokens: torch.Tensor, cache: KVCache, layers: tuple[int, ...],
+                          tree: tuple[torch.Tensor, torch.Tensor] | None = None
+                          ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """``forward`` with every token's logits [T, V], and the float32 residual states [T, H] entering
-        each of ``layers`` (what an EAGLE-3 draft head reads)."""
+        each of ``layers`` (what an EAGLE-3 draft head reads). ``tree`` = (positions [T], mask [T, cache
+        length + T]): tokens of a draft tree, each at its own position, attending what its mask row allows
+        (the cached context, its ancestors, itself) instead of everything before it."""
         captured = {layer: None for layer in layers}
-        hidden = self._residual_stream(tokens, cache, captured)
+        hidden = self._residual_stream(tokens, cache, captured, tree)
         return self.model.logits_from_hidden(rms_norm(hidden, self.final_norm, self.eps, self.dtype)), captured
 
-    def _residual_stream(self, tokens: torch.Tensor, cache: KVCache, captured: dict) -> torch.Tensor:
+    def _residual_stream(self, tokens: torch.Tensor, cache: KVCache, captured: dict,
+                         tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The float32 residual stream after the last layer [T, H]; fills ``captured``'s keys (layer
         indices) with the stream entering those layers."""
-        positions = torch.arange(cache.length, cache.length + tokens.shape[0], device=self.device)
+        positions, mask = tree if tree is not None else (
+            torch.arange(cache.length, cache.length + tokens.shape[0], device=self.device), None)
         hidden = self.model.model.embed_tokens(tokens).float() * self.config.scale_emb
         cos, signed_sin = rope_tables(self._rotary, positions)
         for index, layer in enumerate(self.layers):
             if index in captured:
                 captured[index] = hidden
-            hidden = self._layer(index, layer, hidden, cos, signed_sin, cache)
+            if mask is None:
+                hidden = self._layer(index, layer, hidden, cos, signed_sin, cache)
+            else:
+                normed = rms_norm(hidden, layer.input_norm, self.eps, self.dtype)
+                hidden = self.layer_from_input(index, layer, normed, hidden, cos, signed_sin, cache, mask)
         cache.advance(tokens.shape[0])
         return hidden
 

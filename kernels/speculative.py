@@ -13,6 +13,12 @@ there.
   at the first rejection the token is drawn from max(p − q, 0) renormalised. The committed tokens are
   distributed exactly as the target's own sampling (p after temperature and top-p) would give them.
 
+Greedy decoding can also draft a tree (EAGLE-2's dynamic tree, Li et al., arXiv 2406.16858): the
+drafter expands its ``topk`` most likely continuations ``depth`` times, keeping the ``topk`` best
+partial paths by cumulative log-probability at each depth, and sends the ``size`` best nodes; the
+target verifies every branch in one forward under a tree attention mask and keeps the longest branch
+that matches its own argmax. Sampled decoding drafts chains.
+
 τ (the acceptance length) is the mean number of tokens a round commits, the target's own included,
 as the EAGLE papers and vLLM report it.
 """
@@ -40,6 +46,99 @@ class Drafter(Protocol):
     def propose(self, count: int, sampler: Sampler) -> tuple[list[int], list[torch.Tensor] | None]:
         """``count`` draft tokens after the observed context; when ``sampler`` samples, also each one's
         draft distribution over the target vocabulary (what verification needs)."""
+
+    def propose_tree(self, shape: TreeShape) -> DraftTree:
+        """A draft tree after the observed context (greedy decoding)."""
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """EAGLE-2's dynamic tree: ``depth`` expansions of the ``topk`` best partial paths, ``size`` nodes
+    kept (CPM.cu's --spec-num-iter, --spec-topk-per-iter, --spec-tree-size)."""
+
+    depth: int = 3
+    topk: int = 4
+    size: int = 12
+
+    def __post_init__(self):
+        if min(self.depth, self.topk, self.size) < 1:
+            raise ValueError(f"a draft tree needs depth, topk and size >= 1, got {self}")
+        if self.size > self.topk + self.topk ** 2 * (self.depth - 1):
+            raise ValueError(f"a tree of depth {self.depth} and topk {self.topk} has at most "
+                             f"{self.topk + self.topk ** 2 * (self.depth - 1)} nodes, not {self.size}")
+
+    @classmethod
+    def parse(cls, text: str) -> TreeShape:
+        """``DEPTHxTOPKxSIZE``, e.g. ``3x4x12``."""
+        try:
+            depth, topk, size = (int(part) for part in text.lower().split("x"))
+        except ValueError as e:
+            raise ValueError(f"a draft tree is DEPTHxTOPKxSIZE (e.g. 3x4x12), got {text!r}") from e
+        return cls(depth, topk, size)
+
+
+@dataclass
+class DraftTree:
+    """Draft tokens as a tree under the last committed token (the root, not a node): node i holds
+    ``tokens[i]`` after node ``parents[i]`` (−1: the root), with the cumulative draft log-probability
+    ``scores[i]``. Parents come before their children."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+
+    def depth(self, node: int) -> int:
+        return 0 if node < 0 else 1 + self.depth(self.parents[node])
+
+    def lineage(self, node: int) -> list[int]:
+        """The nodes from the root's child down to ``node``."""
+        return [] if node < 0 else [*self.lineage(self.parents[node]), node]
+
+    def best(self, size: int) -> DraftTree:
+        """The ``size`` highest-scoring nodes. A child scores at most its parent and ties keep node order,
+        so every kept node's parent is kept too."""
+        kept = sorted(sorted(range(len(self.tokens)), key=lambda i: (-self.scores[i], i))[:size])
+        index = {old: new for new, old in enumerate(kept)}
+        return DraftTree([self.tokens[i] for i in kept], [index.get(self.parents[i], -1) for i in kept],
+                         [self.scores[i] for i in kept])
+
+    def verification(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, mask) of the root and every node verified after ``start`` cached positions: the
+        root at ``start``, a node at ``start`` + its depth; each sees the cache, the root, its lineage."""
+        count = len(self.tokens) + 1
+        mask = torch.zeros(count, start + count, dtype=torch.bool)
+        mask[:, :start + 1] = True
+        for node in range(len(self.tokens)):
+            mask[1 + node, [start + 1 + n for n in self.lineage(node)]] = True
+        return torch.tensor([start] + [start + self.depth(n) for n in range(len(self.tokens))]), mask
+
+
+def grow_tree(shape: TreeShape, children_of) -> DraftTree:
+    """EAGLE-2's tree: ``children_of(frontier, tree)`` runs the drafter on the frontier nodes (−1: the
+    root) and returns, per node, its ``topk`` children's (log-probabilities, token ids)."""
+    tree, frontier = DraftTree(), [-1]
+    for _ in range(shape.depth):
+        first = len(tree.tokens)
+        for node, (log_probs, tokens) in zip(frontier, children_of(frontier, tree)):
+            base = 0.0 if node < 0 else tree.scores[node]
+            for log_prob, token in zip(log_probs.tolist(), tokens.tolist()):
+                tree.tokens.append(int(token))
+                tree.parents.append(node)
+                tree.scores.append(base + log_prob)
+        frontier = sorted(range(first, len(tree.tokens)), key=lambda i: (-tree.scores[i], i))[:shape.topk]
+    return tree.best(shape.size)
+
+
+def tree_attention_mask(tree: DraftTree, frontier: list[int], slots: dict[int, int], visible: int,
+                        cache_length: int) -> torch.Tensor:
+    """A drafter's mask for running ``frontier`` nodes after ``cache_length`` cached entries: the first
+    ``visible`` entries (its verified context), each node's ancestors at their ``slots``, itself."""
+    mask = torch.zeros(len(frontier), cache_length + len(frontier), dtype=torch.bool)
+    mask[:, :visible] = True
+    for row, node in enumerate(frontier):
+        mask[row, [slots[a] for a in tree.lineage(node)[:-1]]] = True
+        mask[row, cache_length + row] = True
+    return mask
 
 
 class ModelDrafter:
@@ -78,6 +177,26 @@ class ModelDrafter:
                 token = sampler.draw(distributions[-1])
             tokens.append(token)
         return tokens, None if greedy else distributions
+
+    def propose_tree(self, shape: TreeShape) -> DraftTree:
+        root_logits = self.runtime.forward(torch.tensor([self._next]), self._cache)  # the committed token
+        context, slots = self._cache.length, {}  # verified context + the root; node -> cache slot
+
+        def children_of(frontier: list[int], tree: DraftTree):
+            if frontier == [-1]:
+                logits = root_logits[None]
+            else:
+                start = self._cache.length
+                positions = torch.tensor([context - 1 + tree.depth(node) for node in frontier])
+                mask = tree_attention_mask(tree, frontier, slots, context, start)
+                logits, _ = self.runtime.forward_capturing(torch.tensor([tree.tokens[n] for n in frontier]),
+                                                           self._cache, (), tree=(positions, mask))
+                slots.update({node: start + row for row, node in enumerate(frontier)})
+            return list(zip(*torch.log_softmax(logits.double(), -1).topk(shape.topk, dim=-1)))
+
+        tree = grow_tree(shape, children_of)
+        self._cache.crop(self._observed)  # expansions are not the verified sequence
+        return tree
 
 
 @dataclass
@@ -132,6 +251,20 @@ def verify_greedy(drafts: list[int], logits: torch.Tensor) -> tuple[int, int]:
     return kept, predicted[kept]
 
 
+def verify_tree_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
+    """logits [1 + nodes, V] of the target at the root and each node -> (the longest branch whose tokens
+    follow the target's argmax, as nodes; the target's token after it)."""
+    predicted = logits.argmax(-1).tolist()
+    children: dict[int, dict[int, int]] = {}
+    for node, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
+        children.setdefault(parent, {}).setdefault(token, node)
+    path, node = [], -1
+    while (child := children.get(node, {}).get(predicted[node + 1])) is not None:
+        path.append(child)
+        node = child
+    return path, predicted[node + 1]
+
+
 def verify_sampled(drafts: list[int], draft_probs: list[torch.Tensor], logits: torch.Tensor,
                    sampler: Sampler) -> tuple[int, int]:
     """Speculative sampling over a chain: (drafts kept, the next token), drawn with ``sampler``."""
@@ -146,9 +279,10 @@ def verify_sampled(drafts: list[int], draft_probs: list[torch.Tensor], logits: t
 
 def speculative_tokens(runtime: RuntimeModel, drafter: Drafter, prompt: list[int], max_new_tokens: int,
                        sampler: Sampler, cache: KVCache, draft_tokens: int, stop_tokens: set[int],
-                       prefill_chunk: int, acceptance: Acceptance) -> Iterator[int]:
+                       prefill_chunk: int, acceptance: Acceptance, tree: TreeShape | None = None) -> Iterator[int]:
     """New tokens until a stop token (not yielded) or ``max_new_tokens``, drafting ``draft_tokens`` a
-    round; ``acceptance`` collects each round's count. Returns (``yield from``) the stop reason."""
+    round (or, greedy with ``tree``, a tree); ``acceptance`` collects each round's count. Returns
+    (``yield from``) the stop reason."""
     layers = drafter.aux_layers
     drafter.reset()
     ids = torch.tensor(prompt, dtype=torch.long)
@@ -168,10 +302,21 @@ def speculative_tokens(runtime: RuntimeModel, drafter: Drafter, prompt: list[int
             emitted += 1
             if emitted == max_new_tokens:
                 return "length"
-        # a round commits at most drafts + 1 tokens: draft no more than the budget can use
-        drafts, draft_probs = drafter.propose(min(draft_tokens, max_new_tokens - emitted - 1), sampler)
+        position, budget = cache.length, max_new_tokens - emitted - 1  # a round commits at most drafts + 1
+        if tree is not None and sampler.settings.temperature == 0 and budget >= tree.depth:
+            drafted = drafter.propose_tree(tree)
+            block = torch.tensor([token, *drafted.tokens], dtype=torch.long)
+            logits, states = runtime.forward_capturing(block, cache, layers, drafted.verification(position))
+            path, after = verify_tree_greedy(drafted, logits)
+            acceptance.add_round(tree.depth, len(path))
+            rows = [0, *(1 + node for node in path)]
+            cache.keep(position, [position + row for row in rows])
+            committed = [*(drafted.tokens[node] for node in path), after]
+            drafter.observe(block[rows], {layer: state[rows] for layer, state in states.items()},
+                            torch.tensor(committed))
+            continue
+        drafts, draft_probs = drafter.propose(min(draft_tokens, budget), sampler)
         block = torch.tensor([token, *drafts], dtype=torch.long)
-        position = cache.length
         logits, states = runtime.forward_capturing(block, cache, layers)
         if draft_probs is None:
             kept, after = verify_greedy(drafts, logits)

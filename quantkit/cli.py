@@ -435,6 +435,8 @@ def eval_tasks(model, task_names, limit, record, progress, as_json):
 @click.option("--draft", "drafts", multiple=True, required=True,
               help="An EAGLE-3 head, or a model with the target's tokenizer (repeat for several).")
 @click.option("--k", default=4, show_default=True, type=click.IntRange(min=1), help="Draft tokens per round.")
+@click.option("--tree", default=None, metavar="DEPTHxTOPKxSIZE",
+              help="Also measure EAGLE-2 draft trees of this shape (greedy), e.g. 3x4x12.")
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0),
               help="0: greedy; above 0: speculative sampling at this temperature.")
 @click.option("--data", default="austen", show_default=True, help="Held-out text the prompts are cut from.")
@@ -444,27 +446,34 @@ def eval_tasks(model, task_names, limit, record, progress, as_json):
 @click.option("--seed", default=0, show_default=True, help="Seed of the sampler (temperature > 0).")
 @_friendly_errors
 @json_option
-def eval_accept(targets, drafts, k, temperature, data, prompts, prompt_tokens, max_new_tokens, seed, as_json):
+def eval_accept(targets, drafts, k, tree, temperature, data, prompts, prompt_tokens, max_new_tokens, seed,
+                as_json):
     """Speculative decoding acceptance length tau for every target x draft pair, on the same prompts."""
     import torch
 
     from quantkit.eval.accept import acceptance, prompt_rows
     from quantkit.kernels.generate import load_engine
+    from quantkit.kernels.speculative import TreeShape
     from quantkit.models.zoo import resolve_model
 
+    shapes = [(f"chain of {k}", None)] + ([(f"tree {tree}", TreeShape.parse(tree))] if tree else [])
     target_dirs, draft_dirs = [resolve_model(t) for t in targets], [resolve_model(d) for d in drafts]
     batch = prompt_rows(_eval_tokens(target_dirs[0], data, prompts * prompt_tokens), prompts, prompt_tokens)
     pairs, rows = [], []
     for target_dir in target_dirs:
         engine = load_engine(target_dir, dtype=torch.float32)
         for draft_dir in draft_dirs:
-            total = acceptance(engine, draft_dir, batch, k, max_new_tokens, temperature, seed, progress=not as_json,
-                               description=f"{target_dir.name} <- {draft_dir.name}")
-            pairs.append({"target": str(target_dir), "draft": str(draft_dir), "k": k, "shape": f"chain of {k}",
-                          "temperature": temperature, "tau": total.tau, "position_rates": total.position_rates,
-                          "rounds": total.rounds, "committed": total.committed})
-            rows.append([target_dir.name, draft_dir.name, total.tau, *total.position_rates])
-    table = format_table(["target", "draft", "tau", *[f"accept@{i + 1}" for i in range(k)]], rows)
+            for shape, tree_shape in shapes:
+                total = acceptance(engine, draft_dir, batch, k, max_new_tokens, temperature, seed,
+                                   progress=not as_json, description=f"{target_dir.name} <- {draft_dir.name}",
+                                   tree=tree_shape)
+                pairs.append({"target": str(target_dir), "draft": str(draft_dir), "k": k, "shape": shape,
+                              "temperature": temperature, "tau": total.tau, "position_rates": total.position_rates,
+                              "rounds": total.rounds, "committed": total.committed})
+                rows.append([target_dir.name, draft_dir.name, shape, total.tau, *total.position_rates])
+    depth = max(len(pair["position_rates"]) for pair in pairs)
+    rows = [row + [""] * (4 + depth - len(row)) for row in rows]
+    table = format_table(["target", "draft", "shape", "tau", *[f"accept@{i + 1}" for i in range(depth)]], rows)
     _emit(as_json, {"data": data, "prompts": prompts, "prompt_tokens": prompt_tokens,
                     "max_new_tokens": max_new_tokens, "seed": seed, "pairs": pairs}, table)
 
@@ -489,14 +498,18 @@ def _runtime_options(fn):
                      help="Decode speculatively with this draft: an EAGLE-3 head, or a model with the same tokenizer."),
         click.option("--draft-tokens", default=3, show_default=True, type=click.IntRange(min=1),
                      help="Draft tokens verified per target forward (with --draft)."),
+        click.option("--draft-tree", default=None, metavar="DEPTHxTOPKxSIZE",
+                     help="Greedy decoding drafts EAGLE-2 trees of this shape instead (with --draft), e.g. 3x4x12."),
     ]
     for option in reversed(options):
         fn = option(fn)
     return fn
 
 
-def _load_engine(model, sparse, sparse_config, device, prefill_chunk, draft=None, draft_tokens=3):
+def _load_engine(model, sparse, sparse_config, device, prefill_chunk, draft=None, draft_tokens=3,
+                 draft_tree=None):
     from quantkit.kernels.generate import load_engine
+    from quantkit.kernels.speculative import TreeShape
     from quantkit.models.zoo import resolve_model
 
     overrides = None
@@ -507,7 +520,8 @@ def _load_engine(model, sparse, sparse_config, device, prefill_chunk, draft=None
             raise click.ClickException(f"--sparse-config is not valid JSON: {e}") from e
     return load_engine(resolve_model(model), sparse=sparse, sparse_overrides=overrides, device=device,
                        prefill_chunk=prefill_chunk, draft=None if draft is None else resolve_model(draft),
-                       draft_tokens=draft_tokens)
+                       draft_tokens=draft_tokens,
+                       draft_tree=None if draft_tree is None else TreeShape.parse(draft_tree))
 
 
 @main.command()
@@ -517,11 +531,11 @@ def _load_engine(model, sparse, sparse_config, device, prefill_chunk, draft=None
 @json_option
 @_friendly_errors
 def generate(prompt, chat, model, sparse, sparse_config, device, max_new_tokens, temperature, top_p, seed,
-             prefill_chunk, thinking, draft, draft_tokens, as_json):
+             prefill_chunk, thinking, draft, draft_tokens, draft_tree, as_json):
     """Generate text with quantkit's runtime, streaming it as it is decoded."""
     from quantkit.kernels.sampling import Sampling
 
-    engine = _load_engine(model, sparse, sparse_config, device, prefill_chunk, draft, draft_tokens)
+    engine = _load_engine(model, sparse, sparse_config, device, prefill_chunk, draft, draft_tokens, draft_tree)
     ids = (engine.chat_prompt([{"role": "user", "content": prompt}], enable_thinking=thinking) if chat
            else engine.encode(prompt))
     settings = dict(max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_p, seed))
@@ -547,13 +561,13 @@ def generate(prompt, chat, model, sparse, sparse_config, device, max_new_tokens,
 @_runtime_options
 @_friendly_errors
 def chat(model, sparse, sparse_config, device, max_new_tokens, temperature, top_p, seed, prefill_chunk, thinking,
-         draft, draft_tokens):
+         draft, draft_tokens, draft_tree):
     """Interactive chat. The KV cache is kept between turns: each turn prefills only the new tokens.
     Type /reset to start over, /exit (or Ctrl-D) to leave."""
     from quantkit.kernels.chat import ChatSession
     from quantkit.kernels.sampling import Sampling
 
-    engine = _load_engine(model, sparse, sparse_config, device, prefill_chunk, draft, draft_tokens)
+    engine = _load_engine(model, sparse, sparse_config, device, prefill_chunk, draft, draft_tokens, draft_tree)
     session = ChatSession(engine, enable_thinking=thinking)
     settings = dict(max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_p, seed))
     while True:

@@ -59,11 +59,13 @@ def test_prompt_rows_need_enough_tokens():
 def test_cli_matrix_with_a_model_and_an_eagle3_head(model, tiny_checkpoint_factory, tmp_path):
     head = write_tiny_eagle3_head(tmp_path / "head", model, draft_vocab_size=100)
     result = CliRunner().invoke(main, ["eval", "accept", "--target", str(model), "--draft", str(model), "--draft",
-                                       str(head), "--k", "3", "--prompts", "2", "--prompt-tokens", "16",
-                                       "--max-new-tokens", "13", "--json"])  # 1 + 3 rounds of 4
+                                       str(head), "--k", "3", "--tree", "3x2x10", "--prompts", "2", "--prompt-tokens",
+                                       "16", "--max-new-tokens", "13", "--json"])  # 1 + 3 rounds of 4
     assert result.exit_code == 0, result.output
     rows = json.loads(result.output)["pairs"]
-    assert (rows[0]["draft"], rows[0]["tau"]) == (str(model), 4.0)
-    assert rows[1]["draft"] == str(head) and 1.0 <= rows[1]["tau"] < 1.5  # a random head
+    assert [(r["draft"], r["shape"]) for r in rows] == [(str(model), "chain of 3"), (str(model), "tree 3x2x10"),
+                                                        (str(head), "chain of 3"), (str(head), "tree 3x2x10")]
+    assert rows[0]["tau"] == rows[1]["tau"] == 4.0  # the target drafting for itself, chain or unpruned tree
+    assert 1.0 <= rows[2]["tau"] < 1.5  # a random head
     missing = CliRunner().invoke(main, ["eval", "accept", "--target", str(tmp_path / "nope"), "--draft", str(model)])
     assert missing.exit_code != 0

@@ -14,7 +14,7 @@ from quantkit.kernels.generate import Engine, load_engine
 from quantkit.kernels.load import load_runtime_model
 from quantkit.kernels.model import RuntimeModel
 from quantkit.kernels.sampling import Sampler, Sampling
-from quantkit.kernels.speculative import ModelDrafter, verify_sampled
+from quantkit.kernels.speculative import DraftTree, ModelDrafter, TreeShape, verify_sampled
 
 from quantkit.engine import quantize
 from quantkit.models.eagle3 import load_head
@@ -209,3 +209,49 @@ def test_cli_generate_and_chat_with_a_draft(target_dir, tmp_path):
                            input="hello\nagain\n/exit\n")
     assert result.exit_code == 0, result.output
     assert result.output.count("model> ") == 2
+
+
+def test_the_tree_mask_equals_verifying_each_branch_separately(target_dir):
+    """Every node's logits from one tree forward equal a plain forward of the prefix and its branch."""
+    runtime = _runtime(target_dir)
+    tree = DraftTree(tokens=[30, 31, 40, 41, 42, 50], parents=[-1, -1, 0, 0, 1, 3], scores=[0.0] * 6)
+    cache = runtime.new_cache()
+    runtime.forward(torch.tensor(PROMPT[:-1]), cache)
+    start = cache.length
+    logits, _ = runtime.forward_capturing(torch.tensor([PROMPT[-1], *tree.tokens]), cache, (),
+                                          tree=tree.verification(start))
+    for node in range(-1, len(tree.tokens)):
+        branch = PROMPT + [tree.tokens[n] for n in tree.lineage(node)]
+        want = runtime.forward(torch.tensor(branch), runtime.new_cache())
+        torch.testing.assert_close(logits[node + 1], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", ["3x2x10", "2x4x20"])
+def test_greedy_with_a_draft_tree_equals_plain_greedy(target_dir, tmp_path, shape):
+    """The target drafting for itself through an unpruned tree (size = every node grown) keeps its top
+    branch: tau = depth + 1, and the cache, compacted to that branch every round, equals a fresh
+    prefill. A pruned tree from an EAGLE-3 head gives plain greedy output too."""
+    tree = TreeShape.parse(shape)
+    runtime = _runtime(target_dir)
+    engine = Engine(runtime, None, set(), drafter=ModelDrafter(_runtime(target_dir), runtime.config.vocab_size),
+                    draft_tree=tree)
+    cache, timings = runtime.new_cache(), {}
+    tokens = list(engine.tokens(PROMPT, max_new_tokens=1 + 4 * (tree.depth + 1), cache=cache, timings=timings))
+    assert tokens == _plain_greedy(target_dir, len(tokens))
+    assert timings["acceptance"].tau == tree.depth + 1
+    fresh = runtime.new_cache()
+    runtime.forward(torch.tensor(PROMPT + tokens[:-1]), fresh)
+    for layer in range(runtime.config.num_hidden_layers):
+        for got, want in zip(cache.buffers(layer, cache.length), fresh.buffers(layer, fresh.length)):
+            torch.testing.assert_close(got[:, :cache.length], want[:, :fresh.length], rtol=1e-5, atol=1e-5)
+    head = load_engine(target_dir, dtype=torch.float32, draft=write_tiny_eagle3_head(tmp_path / "head", target_dir),
+                       draft_tree=TreeShape(tree.depth, tree.topk, tree.size // 2))
+    assert head.generate(PROMPT, max_new_tokens=20).tokens == _plain_greedy(target_dir, 20)[:20]
+
+
+def test_tree_shapes_are_checked():
+    assert TreeShape.parse("3x4x12") == TreeShape(3, 4, 12)
+    with pytest.raises(ValueError, match="DEPTHxTOPKxSIZE"):
+        TreeShape.parse("3x4")
+    with pytest.raises(ValueError, match="at most 6 nodes"):
+        TreeShape(2, 2, 7)
