@@ -7,9 +7,10 @@ bench-qat's ternary QAT artifact) as one more target; for each quantized target 
 re-aligned to it (`quantkit draft train --init`).
 
 τ (`quantkit.eval.accept`: the runtime in float32) for every target × {FP head, that target's
-re-aligned head}, a greedy chain of ``--k`` and sampled at ``--temperature``, on held-out prompts.
-Speed: the runtime as `quantkit generate` runs it, FP and GPTQ W4 targets, greedy, with and without
-the FP head (decode tok/s, median of repeats), beside llama.cpp Q4_0's plain decode. The issue's
+re-aligned head}: a greedy chain of ``--k``, a greedy ``--tree``, and a chain sampled at
+``--temperature``, on held-out prompts. Speed: the runtime as `quantkit generate` runs it, FP and
+GPTQ W4 targets, greedy, plain and with the FP head drafting chains and trees (decode tok/s, median
+of repeats), beside llama.cpp Q4_0's plain decode. The issue's
 targets are printed, not asserted.
 
     python -m quantkit.eval.bench.bench_spec --out out/bench-spec
@@ -34,6 +35,7 @@ QUANTIZED_TARGETS = (("gptq-w4g128", "GPTQ W4 g128"), ("awq-w4g128", "AWQ W4 g12
 class Pairing:
     target: str
     head: str
+    shape: str
     temperature: float
     tau: float
     position_rates: list[float]
@@ -69,6 +71,7 @@ def decode_rates(engine, prompt: list[int], new_tokens: int, repeats: int) -> tu
 @click.option("--qat-artifact", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="A ternary QAT artifact of --model to add as a target (e.g. out/bench-qat/qat-distill).")
 @click.option("--k", default=3, show_default=True, help="Draft tokens a round.")
+@click.option("--tree", default="3x4x12", show_default=True, help="The greedy draft tree (DEPTHxTOPKxSIZE).")
 @click.option("--temperature", default=0.8, show_default=True, help="The sampled τ's temperature.")
 @click.option("--prompts", default=8, show_default=True)
 @click.option("--prompt-tokens", default=128, show_default=True)
@@ -78,7 +81,7 @@ def decode_rates(engine, prompt: list[int], new_tokens: int, repeats: int) -> tu
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--threads", default=2, show_default=True)
 @click.option("--reuse", is_flag=True, help="Reuse the heads and targets an earlier run left in --out.")
-def main(model, out, head_tokens, realign_tokens, qat_artifact, k, temperature, prompts, prompt_tokens,
+def main(model, out, head_tokens, realign_tokens, qat_artifact, k, tree, temperature, prompts, prompt_tokens,
          max_new_tokens, speed_prompt_tokens, speed_new_tokens, repeats, threads, reuse):
     """EAGLE-3 heads: τ over targets × heads, and decode speed with and without the head."""
     import tempfile
@@ -87,6 +90,7 @@ def main(model, out, head_tokens, realign_tokens, qat_artifact, k, temperature, 
     from quantkit.eval.accept import acceptance, prompt_rows
     from quantkit.eval.bench.bench_runtime import bench_llamacpp
     from quantkit.kernels.generate import load_engine
+    from quantkit.kernels.speculative import TreeShape
     from transformers import AutoTokenizer
 
     from quantkit import calib
@@ -94,6 +98,7 @@ def main(model, out, head_tokens, realign_tokens, qat_artifact, k, temperature, 
     from quantkit.models.zoo import resolve_model
 
     torch.set_num_threads(threads)
+    tree_shape = TreeShape.parse(tree)
     model_dir = resolve_model(model)
     out.mkdir(parents=True, exist_ok=True)
     commands = []
@@ -125,41 +130,46 @@ def main(model, out, head_tokens, realign_tokens, qat_artifact, k, temperature, 
         engine = load_engine(target, dtype=torch.float32)
         heads = {"FP head": head, **({"re-aligned head": realigned[label]} if label in realigned else {})}
         for head_label, head_dir in heads.items():
-            for t in (0.0, temperature):
-                click.echo(f"[tau] {label} <- {head_label}, T={t}", err=True)
-                stats = acceptance(engine, head_dir, batch, k, max_new_tokens, t)
-                pairings.append(Pairing(label, head_label, t, stats.tau, stats.position_rates, stats.rounds))
-    tau_table = format_table(["target", "head", "T", "tau", *[f"accept@{i + 1}" for i in range(k)]],
-                             [[p.target, p.head, p.temperature, p.tau, *p.position_rates] for p in pairings])
+            for shape, t, shape_tree in ((f"chain {k}", 0.0, None), (f"tree {tree}", 0.0, tree_shape),
+                                         (f"chain {k}", temperature, None)):
+                click.echo(f"[tau] {label} <- {head_label}, {shape}, T={t}", err=True)
+                stats = acceptance(engine, head_dir, batch, k, max_new_tokens, t, tree=shape_tree)
+                pairings.append(Pairing(label, head_label, shape, t, stats.tau, stats.position_rates, stats.rounds))
+    depth = max(k, tree_shape.depth)
+    tau_table = format_table(["target", "head", "draft", "T", "tau", *[f"accept@{i + 1}" for i in range(depth)]],
+                             [[p.target, p.head, p.shape, p.temperature, p.tau, *p.position_rates,
+                               *[""] * (depth - len(p.position_rates))] for p in pairings])
 
     speed_prompt = heldout[-speed_prompt_tokens:].tolist()
     speeds = []
     for label in ("FP", "GPTQ W4 g128"):
         plain, _ = decode_rates(load_engine(targets[label]), speed_prompt, speed_new_tokens, repeats)
-        drafted, tau = decode_rates(load_engine(targets[label], draft=head, draft_tokens=k), speed_prompt,
-                                    speed_new_tokens, repeats)
-        speeds.append({"target": label, "plain_tok_s": plain, "speculative_tok_s": drafted, "speedup": drafted / plain,
-                       "tau": tau})
+        for shape, options in ((f"chain {k}", {"draft_tokens": k}), (f"tree {tree}", {"draft_tree": tree_shape})):
+            drafted, tau = decode_rates(load_engine(targets[label], draft=head, **options), speed_prompt,
+                                        speed_new_tokens, repeats)
+            speeds.append({"target": label, "draft": shape, "plain_tok_s": plain, "speculative_tok_s": drafted,
+                           "speedup": drafted / plain, "tau": tau})
     with tempfile.TemporaryDirectory() as scratch:
         from quantkit.gguf.export import export_gguf
 
         gguf = Path(scratch) / "q4_0.gguf"
         export_gguf(model_dir, gguf, "q4_0", progress=False)
         _, llama_decode = bench_llamacpp(gguf, speed_prompt, speed_new_tokens, repeats, threads)
-    speed_table = format_table(["quantkit runtime", "plain tok/s", "with FP head tok/s", "speed-up", "tau",
-                                "x llama.cpp Q4_0"],
-                               [[s["target"], s["plain_tok_s"], s["speculative_tok_s"], s["speedup"], s["tau"],
-                                 s["speculative_tok_s"] / llama_decode] for s in speeds])
+    speed_table = format_table(["quantkit runtime", "FP head drafts", "plain tok/s", "with head tok/s", "speed-up",
+                                "tau", "x llama.cpp Q4_0"],
+                               [[s["target"], s["draft"], s["plain_tok_s"], s["speculative_tok_s"], s["speedup"],
+                                 s["tau"], s["speculative_tok_s"] / llama_decode] for s in speeds])
 
-    def tau_of(target, head_label, t=0.0):
-        return next(p.tau for p in pairings if (p.target, p.head, p.temperature) == (target, head_label, t))
+    def tau_of(target, head_label):
+        return next(p.tau for p in pairings if (p.target, p.head, p.shape, p.temperature) == (target, head_label,
+                                                                                             f"chain {k}", 0.0))
 
     verdict = {True: "PASS", False: "FAIL"}
     fp_tau = tau_of("FP", "FP head")
     targets_text = [
         f"{verdict[fp_tau >= 2.0]}  greedy chain tau with the FP head >= 2.0: {fp_tau:.3f}",
-        *[f"{verdict[s['speedup'] >= 1.5]}  {s['target']}: decode with the head >= 1.5x plain: {s['speedup']:.2f}x"
-          for s in speeds],
+        *[f"{verdict[s['speedup'] >= 1.5]}  {s['target']}, {s['draft']}: decode with the head >= 1.5x plain: "
+          f"{s['speedup']:.2f}x" for s in speeds],
         *[f"{verdict[tau_of(label, 're-aligned head') >= tau_of(label, 'FP head')]}  {label}: re-aligned head's tau "
           f">= the FP head's: {tau_of(label, 're-aligned head'):.3f} vs {tau_of(label, 'FP head'):.3f}"
           for label in realigned],
@@ -172,7 +182,7 @@ def main(model, out, head_tokens, realign_tokens, qat_artifact, k, temperature, 
         f"% of held-out tokens; trained on {trained['tokens']} tokens at {trained['tokens_per_second']:.0f} tok/s",
         "", "targets (printed, not asserted):", *targets_text])
     header = (f"model {model_dir.name}; tau: {prompts} held-out prompts of {prompt_tokens} tokens, {max_new_tokens} "
-              f"new tokens each, chain of {k}, runtime float32; speed: {speed_prompt_tokens}-token prompt, "
+              f"new tokens each, runtime float32; speed: {speed_prompt_tokens}-token prompt, "
               f"{speed_new_tokens} greedy tokens, runtime defaults, median of {repeats}; machine: {machine()}")
     report(header, tau_table, pairings, json_path=out / "bench.json", markdown_path=out / "bench.md", notes=notes,
            extra={"commands": commands, "speed": speeds, "llamacpp_q4_0_decode_tok_s": llama_decode,
