@@ -212,6 +212,32 @@ def draft_train(target, out, tokens, draft_vocab, ttt_steps, learning_rate, seq_
     _emit(as_json, report.to_dict(), text)
 
 
+@draft_group.command("quantize")
+@click.option("--head", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="The FP head (e.g. from `quantkit draft train`).")
+@click.option("--target", default="default", show_default=True, help="The head's target (its states calibrate).")
+@click.option("--recipe", default="gptq-w4g128", show_default=True, help="gptq-w4g128 or rtn-w4g128, or a YAML file.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a recipe setting; the layout: --set format=gptq (default), marlin or cpmcu (CPM.cu).")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Output directory (must not exist).")
+@click.option("--progress/--no-progress", default=True, show_default=True)
+@json_option
+@_friendly_errors
+def draft_quantize(head, target, recipe, overrides, out, progress, as_json):
+    """Quantize an EAGLE-3 head's linears (fc and the midlayer; true-sequential GPTQ or RTN, calibrated on
+    the head's own draft steps) into the GPTQ, Marlin or CPM.cu layout."""
+    from quantkit.draft.quantize import quantize_head
+    from quantkit.models.zoo import resolve_model
+    from quantkit.recipe import load_recipe, parse_override
+
+    loaded = load_recipe(recipe, dict(parse_override(text) for text in overrides))
+    report = quantize_head(head, resolve_model(target), loaded, out, progress=progress)
+    rows = [[name, error] for name, error in report["relative_output_error"].items()]
+    text = format_table(["linear", "relative output error"], rows)
+    text += f"\n\nwrote {out} ({report['format']}) in {report['seconds']:.1f} s"
+    _emit(as_json, report, text)
+
+
 @main.group("eval")
 def eval_group():
     """Measure accuracy: perplexity, KL divergence against a reference model, reports over many variants,

@@ -183,3 +183,69 @@ def test_realignment_continues_a_head_on_a_quantized_target(trained, target_dir,
     assert not torch.equal(before["fc.weight"], after["fc.weight"])
     with pytest.raises(DraftTrainingError, match="draft vocabulary of 128 tokens, not 64"):
         train_head(w4, tmp_path / "other", settings(training_text, draft_vocab=64), init=trained[0], progress=False)
+
+
+@pytest.fixture(scope="module")
+def packable(tiny_checkpoint_factory, tmp_path_factory):
+    """A target whose head's linears every W4 layout can pack (K, N multiples of 128 / 64), and its head."""
+    target = tiny_checkpoint_factory(num_hidden_layers=8, num_key_value_heads=4, seed=5)
+    return target, write_tiny_eagle3_head(tmp_path_factory.mktemp("packable") / "head", target, draft_vocab_size=128)
+
+
+def _quantized(packable, tmp_path, recipe, **changes):
+    from quantkit.draft.quantize import quantize_head
+
+    from helpers import small_recipe
+
+    target, head = packable
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    out = tmp_path / recipe
+    return out, quantize_head(head, target, small_recipe(recipe, tmp_path, **changes), out, progress=False)
+
+
+def test_quantized_heads_in_every_layout_decode_to_the_same_weights(packable, tmp_path):
+    """GPTQ's solution written as GPTQ, Marlin and CPM.cu: each layout reads back to identical weights, and
+    GPTQ's output error is below RTN's on every linear."""
+    from safetensors.torch import load_file
+
+    target, _ = packable
+    config = MiniCPMForCausalLM.from_pretrained(target).config
+    gptq_dir, gptq = _quantized(packable, tmp_path, "gptq-w4g128")
+    weights = {}
+    for fmt in ("gptq", "marlin", "cpmcu"):
+        out = gptq_dir if fmt == "gptq" else _quantized(packable, tmp_path / fmt, "gptq-w4g128", format=fmt)[0]
+        weights[fmt] = load_head(out, config).state_dict()
+    for name in weights["gptq"]:
+        assert torch.equal(weights["marlin"][name], weights["gptq"][name]), name
+        assert torch.equal(weights["cpmcu"][name], weights["gptq"][name]), name
+    _, rtn = _quantized(packable, tmp_path, "rtn-w4g128")
+    for name, error in gptq["relative_output_error"].items():
+        assert error < rtn["relative_output_error"][name], name
+    cpmcu = load_file(tmp_path / "cpmcu" / "gptq-w4g128" / "model.safetensors")
+    assert set(cpmcu) == {"d2t", "fc.qweight", "fc.scales", "lm_head.weight", "norm.weight",
+                          "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
+                          "midlayer.post_attention_layernorm.weight", "midlayer.self_attn.qkv_proj.qweight",
+                          "midlayer.self_attn.qkv_proj.scales", "midlayer.self_attn.o_proj.qweight",
+                          "midlayer.self_attn.o_proj.scales", "midlayer.mlp.gate_up_proj.qweight",
+                          "midlayer.mlp.gate_up_proj.scales", "midlayer.mlp.down_proj.qweight",
+                          "midlayer.mlp.down_proj.scales"}  # what CPM.cu's converter makes of an EAGLE-3 head
+    assert cpmcu["d2t"].dtype == torch.int32 and cpmcu["lm_head.weight"].dtype == torch.float16
+
+
+def test_a_quantized_head_drafts_and_keeps_greedy_output(packable, tmp_path):
+    from quantkit.kernels.generate import load_engine
+
+    target, _ = packable
+    out, _ = _quantized(packable, tmp_path, "gptq-w4g128")
+    plain = load_engine(target, dtype=torch.float32).generate([5, 17, 99, 3], max_new_tokens=12)
+    drafted = load_engine(target, dtype=torch.float32, draft=out).generate([5, 17, 99, 3], max_new_tokens=12)
+    assert drafted.tokens == plain.tokens
+
+
+def test_head_quantization_refuses_other_formats_and_smoothing(packable, tmp_path):
+    from quantkit.models.eagle3 import DraftHeadError
+
+    with pytest.raises(DraftHeadError, match="draft heads are written as gptq, marlin, cpmcu"):
+        _quantized(packable, tmp_path, "awq-w4g128")
+    with pytest.raises(DraftHeadError, match="smooths or skips prefix tokens"):
+        _quantized(packable, tmp_path, "marlin")

@@ -32,11 +32,16 @@ import torch
 from torch import nn
 
 from quantkit.models.configuration_minicpm import MiniCPMConfig
+from quantkit.models.layers import SEQUENTIAL_GROUPS
 from quantkit.models.minicpm import MiniCPMAttention, MiniCPMMLP, MiniCPMRMSNorm, MiniCPMRotaryEmbedding
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # the name vLLM and SGLang dispatch EAGLE-3 heads on
+MIDLAYER = "midlayer."
+# The head's quantizable linears in true-sequential order: fc, then the midlayer as a decoder layer.
+HEAD_LINEAR_GROUPS: tuple[tuple[str, ...], ...] = (("fc",), *(tuple(MIDLAYER + linear for linear in group)
+                                                              for group in SEQUENTIAL_GROUPS))
 
 
 class DraftHeadError(ValueError):
@@ -261,12 +266,58 @@ def entering_states(model, input_ids: torch.Tensor, layers) -> tuple[torch.Tenso
     return logits, captured
 
 
+def _fc_format(fmt: str) -> str:
+    return "marlin" if fmt == "cpmcu" else fmt  # CPM.cu packs fc alone, in Marlin's layout
+
+
+def quantized_head_tensors(head: Eagle3Head, records: dict, fmt: str) -> dict[str, torch.Tensor]:
+    """A head's tensors with its linears as ``records`` (name -> QuantizedTensor) in format ``fmt``
+    (gptq, marlin, cpmcu), everything else fp16, ``d2t`` int32 (and no ``t2d`` for CPM.cu, whose
+    converter drops it)."""
+    from quantkit.formats import FORMATS
+
+    midlayer = {name.removeprefix(MIDLAYER): record for name, record in records.items() if name.startswith(MIDLAYER)}
+    tensors = {**FORMATS[fmt].write_layer(midlayer, MIDLAYER),
+               **FORMATS[_fc_format(fmt)].write_layer({"fc": records["fc"]}, "")}
+    quantized = {f"{name}.weight" for name in records}
+    for name, tensor in head.state_dict().items():
+        if name in quantized or (name == "t2d" and fmt == "cpmcu"):
+            continue
+        tensors[name] = tensor.to(torch.int32) if name == "d2t" else tensor if name == "t2d" else tensor.half()
+    return {name: tensor.contiguous() for name, tensor in tensors.items()}
+
+
+def _quantized_format(names: set[str]) -> str:
+    """Which layout a quantized head's tensors are in, from their names."""
+    if f"{MIDLAYER}self_attn.qkv_proj.qweight" in names:
+        return "cpmcu"
+    return "gptq" if "fc.qzeros" in names else "marlin"
+
+
+def _dequantized_linears(tensors: dict, quantization_config: dict, head: Eagle3Head) -> dict[str, torch.Tensor]:
+    """``{linear}.weight`` of every quantized linear of a head in a gptq, marlin or cpmcu layout."""
+    from quantkit.formats import FORMATS
+
+    fmt = _quantized_format(set(tensors))
+    config = FORMATS[fmt].parse_config(quantization_config)
+    shapes = {name: (head.get_submodule(name).out_features, head.get_submodule(name).in_features)
+              for group in HEAD_LINEAR_GROUPS for name in group}
+    midlayer = FORMATS[fmt].read_layer(tensors, MIDLAYER, config, {name.removeprefix(MIDLAYER): shape
+                                                                     for name, shape in shapes.items()
+                                                                     if name.startswith(MIDLAYER)})
+    fc = FORMATS[_fc_format(fmt)].read_layer(tensors, "", config, {"fc": shapes["fc"]})
+    records = {**{MIDLAYER + name: record for name, record in midlayer.items()}, **fc}
+    return {f"{name}.weight": record.dequantize() for name, record in records.items()}
+
+
 def load_head(directory: str | Path, target: MiniCPMConfig, dtype: torch.dtype = torch.float32) -> Eagle3Head:
-    """An FP head in the official layout, checked against ``target`` before any weight is read."""
+    """A head in the official layout, FP or quantized (gptq, marlin, cpmcu: its linears dequantized),
+    checked against ``target`` before any weight is read."""
     from safetensors import safe_open
 
     directory = Path(directory)
     config = Eagle3Config.from_pretrained(directory)
+    quantization_config = json.loads((directory / CONFIG_FILE).read_text()).get("quantization_config")
     with torch.device("meta"):
         head = Eagle3Head(config, target)
     expected = {name: tuple(tensor.shape) for name, tensor in head.state_dict().items()}
@@ -275,12 +326,14 @@ def load_head(directory: str | Path, target: MiniCPMConfig, dtype: torch.dtype =
         raise DraftHeadError(f"{directory} has no {WEIGHTS_FILE}")
     with safe_open(str(path), framework="pt") as f:
         names = set(f.keys())
-        missing = sorted(set(expected) - names - {"t2d"})
+        linears = ({} if quantization_config is None else
+                   _dequantized_linears({name: f.get_tensor(name) for name in names}, quantization_config, head))
+        missing = sorted(set(expected) - names - set(linears) - {"t2d"})
         if missing:
             raise DraftHeadError(f"{path} lacks {', '.join(missing)}"
                                  + (" (d2t maps draft ids to target ids; a head without it cannot be used)"
                                     if "d2t" in missing else ""))
-        tensors = {name: f.get_tensor(name) for name in expected if name in names}
+        tensors = {**{name: f.get_tensor(name) for name in expected if name in names}, **linears}
     for name, tensor in tensors.items():
         if tuple(tensor.shape) != expected[name]:
             raise DraftHeadError(f"{path}: {name} has shape {tuple(tensor.shape)}, the config says {expected[name]}")

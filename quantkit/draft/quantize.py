@@ -1,0 +1,110 @@
+"""Post-training quantization of an EAGLE-3 head (``quantkit draft quantize``).
+
+The recipe's algorithm (RTN or GPTQ) runs on the head's linears in true-sequential order (fc, then
+q/k/v, o, gate/up, down: each group's calibration inputs carry the error of the groups before it).
+The inputs are what the head sees drafting: the target runs on the recipe's calibration rows, and the
+head runs its unrolled draft steps on them (``ttt.unrolled_steps``), so the statistics cover both
+the first step (on the target's states) and the later ones (on the head's own outputs).
+
+Written in the recipe's format, as its consumer reads a head: ``gptq`` (AutoGPTQ tensors, vLLM and
+SGLang), ``marlin`` (each linear Marlin-packed), ``cpmcu`` (what CPM.cu's converter makes of a GPTQ
+head: fc Marlin-packed alone, the midlayer's q/k/v and gate/up fused, ``d2t`` int32, no ``t2d``). The
+LM head over the draft vocabulary stays fp16 in every layout, because CPM.cu reads only an fp16 one
+(its converter requires ``lm_head: false``).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from quantkit import atomic, calib
+from quantkit.algorithms import ALGORITHMS
+from quantkit.artifact import staging_dir
+from quantkit.draft.ttt import unrolled_steps
+from quantkit.formats import FORMATS
+from quantkit.loading import load_model
+from quantkit.models.eagle3 import (
+    CONFIG_FILE,
+    HEAD_LINEAR_GROUPS,
+    WEIGHTS_FILE,
+    DraftHeadError,
+    entering_states,
+    load_head,
+    quantized_head_tensors,
+)
+from quantkit.quant import QuantConfig
+from quantkit.recipe import Recipe
+from quantkit.stats import InputStats
+
+HEAD_FORMATS = ("gptq", "marlin", "cpmcu")
+CALIBRATION_STEPS = 3  # draft steps whose inputs calibrate the head
+
+
+def quantize_head(head_dir: str | Path, target_dir: str | Path, recipe: Recipe, out_dir: str | Path,
+                  progress: bool = True) -> dict:
+    """Quantize the head at ``head_dir`` (for the target at ``target_dir``) with ``recipe`` into
+    ``out_dir``; returns a report (per-linear relative output error, seconds)."""
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
+
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise DraftHeadError(f"output directory {out_dir} already exists; choose another --out or remove it")
+    if recipe["format"] not in HEAD_FORMATS:
+        raise DraftHeadError(f"recipe {recipe.name} writes format {recipe['format']!r}; draft heads are written as "
+                             f"{', '.join(HEAD_FORMATS)}")
+    if recipe["smooth"]["enabled"] or recipe["prefix_tokens"]:
+        raise DraftHeadError(f"recipe {recipe.name} smooths or skips prefix tokens, which a draft head has no place "
+                             "for; use gptq-w4g128 (or rtn-w4g128) with --set format=gptq|marlin|cpmcu")
+    if recipe["algorithm"] not in ("rtn", "gptq"):
+        raise DraftHeadError(f"recipe {recipe.name} uses {recipe['algorithm']!r}; draft heads quantize with rtn or "
+                             "gptq")
+    started = time.perf_counter()
+    target = load_model(target_dir, torch.float32)
+    head = load_head(head_dir, target.config)
+    qconfig, fmt = QuantConfig(**recipe["quant"]), FORMATS[recipe["format"]]
+    linears = {name: head.get_submodule(name) for group in HEAD_LINEAR_GROUPS for name in group}
+    for name, module in linears.items():
+        fmt.check(qconfig, module.in_features, module.out_features, False, name)
+    settings = recipe["calibration"]
+    rows = calib.calibration_set(AutoTokenizer.from_pretrained(target_dir), source=settings["source"],
+                                 n_samples=settings["n_samples"], seq_len=settings["seq_len"],
+                                 seed=settings["seed"]).input_ids
+    inputs = []
+    with torch.no_grad():
+        for row in tqdm(rows, desc="target states", disable=not progress):
+            _, states = entering_states(target, row[None, :-1], head.aux_layers)
+            inputs.append((head.aux_from_states(states), head.embed(target.model.embed_tokens, row[None, 1:])))
+    records, errors = {}, {}
+    for group in tqdm(HEAD_LINEAR_GROUPS, desc="head linears", disable=not progress):
+        stats = {name: InputStats(linears[name].in_features) for name in group}
+        hooks = [linears[name].register_forward_pre_hook(lambda _m, args, name=name: stats[name].add(args[0]))
+                 for name in group]
+        with torch.no_grad():
+            for aux, embeds in inputs:
+                unrolled_steps(head, aux, embeds, CALIBRATION_STEPS)
+        for hook in hooks:
+            hook.remove()
+        for name in group:
+            weight = linears[name].weight.data.float()
+            records[name] = ALGORITHMS[recipe["algorithm"]](weight, stats[name], qconfig, recipe.values)
+            quantized = records[name].dequantize()
+            delta = (quantized - weight) @ stats[name].hessian @ (quantized - weight).T
+            reference = weight @ stats[name].hessian @ weight.T
+            errors[name] = float(delta.trace() / reference.trace())
+            linears[name].weight.data = quantized.to(linears[name].weight.dtype)
+
+    staging = staging_dir(out_dir)
+    atomic.remove_tree(staging)
+    staging.mkdir(parents=True)
+    atomic.save_safetensors(staging / WEIGHTS_FILE, quantized_head_tensors(head, records, recipe["format"]),
+                            metadata={"format": "pt"})
+    config = head.config.to_dict(head.target)
+    config["quantization_config"] = {**fmt.quantization_config(qconfig), "lm_head": False}
+    atomic.write_json(staging / CONFIG_FILE, config)
+    atomic.publish_dir(staging, out_dir)
+    return {"out_dir": str(out_dir), "recipe": recipe.name, "format": recipe["format"],
+            "calibration_rows": len(rows), "relative_output_error": errors,
+            "seconds": round(time.perf_counter() - started, 2)}
