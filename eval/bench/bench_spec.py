@@ -2,12 +2,12 @@
 
 Made, each in its own process under `/usr/bin/time -v` (``--reuse`` takes what an earlier run left
 with the same command, and continues an interrupted training): the FP head (`quantkit draft train`
-on the FP target); the W4 targets GPTQ W4 g128 and AWQ W4 g128, plus ``--qat-artifact`` (e.g.
-bench-qat's ternary QAT artifact) as one more target; for each quantized target the FP head
-re-aligned to it (`quantkit draft train --init`).
+on the FP target) and its GPTQ W4 g128 (`quantkit draft quantize`); the W4 targets GPTQ W4 g128 and
+AWQ W4 g128, plus ``--qat-artifact`` (e.g. bench-qat's ternary QAT artifact) as one more target; for
+each quantized target the FP head re-aligned to it (`quantkit draft train --init`).
 
-τ (`quantkit.eval.accept`: the runtime in float32) for every target × {FP head, that target's
-re-aligned head}: a greedy chain of ``--k``, a greedy ``--tree``, and a chain sampled at
+τ (`quantkit.eval.accept`: the runtime in float32) for every target × {FP head, W4 head, that
+target's re-aligned head}: a greedy chain of ``--k``, a greedy ``--tree``, and a chain sampled at
 ``--temperature``, on held-out prompts. Speed: the runtime as `quantkit generate` runs it, FP and
 GPTQ W4 targets, greedy, plain and with the FP head drafting chains and trees (decode tok/s, median
 of repeats), beside llama.cpp Q4_0's plain decode. The issue's
@@ -111,6 +111,9 @@ def main(model, out, head_tokens, realign_tokens, qat_artifact, k, tree, tempera
 
     head = made(Variant("head-fp", "FP head", _draft_command(model_dir, out / "head-fp", head_tokens),
                         CHECKPOINT_FILE))
+    w4_head = made(Variant("head-gptq-w4g128", "W4 head", [
+        sys.executable, "-m", "quantkit.cli", "draft", "quantize", "--head", str(head), "--target", str(model_dir),
+        "--recipe", "gptq-w4g128", "--out", str(out / "head-gptq-w4g128"), "--no-progress"]))
     targets = {"FP": model_dir}
     for recipe, label in QUANTIZED_TARGETS:
         targets[label] = made(Variant(recipe, label, quantize_command(recipe, model_dir, out / recipe)))
@@ -128,7 +131,8 @@ def main(model, out, head_tokens, realign_tokens, qat_artifact, k, tree, tempera
     pairings = []
     for label, target in targets.items():
         engine = load_engine(target, dtype=torch.float32)
-        heads = {"FP head": head, **({"re-aligned head": realigned[label]} if label in realigned else {})}
+        heads = {"FP head": head, "W4 head": w4_head,
+                 **({"re-aligned head": realigned[label]} if label in realigned else {})}
         for head_label, head_dir in heads.items():
             for shape, t, shape_tree in ((f"chain {k}", 0.0, None), (f"tree {tree}", 0.0, tree_shape),
                                          (f"chain {k}", temperature, None)):
@@ -173,7 +177,8 @@ def main(model, out, head_tokens, realign_tokens, qat_artifact, k, tree, tempera
         *[f"{verdict[tau_of(label, 're-aligned head') >= tau_of(label, 'FP head')]}  {label}: re-aligned head's tau "
           f">= the FP head's: {tau_of(label, 're-aligned head'):.3f} vs {tau_of(label, 'FP head'):.3f}"
           for label in realigned],
-        "not measured  a W4 head keeps >= 0.97x the FP head's tau: quantized heads are not built yet",
+        f"{verdict[tau_of('FP', 'W4 head') >= 0.97 * fp_tau]}  the W4 head keeps >= 0.97x the FP head's tau: "
+        f"{tau_of('FP', 'W4 head'):.3f} vs {fp_tau:.3f}",
     ]
     trained = json.loads((head / "draft_train.json").read_text())
     notes = "\n".join([
