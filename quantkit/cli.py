@@ -180,13 +180,15 @@ def draft_group():
               help="Training text: a calibration source name (docs/data.md) or a local text file.")
 @click.option("--init", "init", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Continue from this head (re-alignment: an FP target's head trained on for a quantized TARGET).")
+@click.option("--w4", type=click.Choice(["gptq", "marlin", "cpmcu"]), default=None,
+              help="Quantization-aware: train the head's linears through W4 g128 and write them in this layout.")
 @click.option("--seed", default=DRAFT_DEFAULTS.seed, show_default=True)
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its last checkpoint.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @json_option
 @_friendly_errors
 def draft_train(target, out, tokens, draft_vocab, ttt_steps, learning_rate, seq_len, batch_rows, aux_states, data,
-                init, seed, resume, progress, as_json):
+                init, w4, seed, resume, progress, as_json):
     """Train an EAGLE-3 head for TARGET (training-time test, FR-Spec vocabulary, distilled from TARGET's
     own distribution); writes the head in the official layout and a JSON log."""
     from dataclasses import replace
@@ -196,7 +198,7 @@ def draft_train(target, out, tokens, draft_vocab, ttt_steps, learning_rate, seq_
 
     settings = replace(DRAFT_DEFAULTS, tokens=tokens, draft_vocab=draft_vocab, ttt_steps=ttt_steps,
                        learning_rate=learning_rate, seq_len=seq_len, batch_rows=batch_rows, aux_states=aux_states,
-                       data=data, seed=seed)
+                       data=data, w4=w4, seed=seed)
     report = train_head(resolve_model(target), out, settings, init=init, resume=resume, progress=progress)
     measured = [e for e in report.log if "heldout_loss" in e]
     rows = [[e["step"], e["tokens"], e.get("loss"), e["heldout_loss"], *e["heldout_top1_by_step"][:4]]

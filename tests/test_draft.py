@@ -249,3 +249,25 @@ def test_head_quantization_refuses_other_formats_and_smoothing(packable, tmp_pat
         _quantized(packable, tmp_path, "awq-w4g128")
     with pytest.raises(DraftHeadError, match="smooths or skips prefix tokens"):
         _quantized(packable, tmp_path, "marlin")
+
+
+def test_w4_qat_of_a_head_writes_a_quantized_head_on_its_grid(packable, training_text, tmp_path):
+    """--w4: the head trains through W4 g128 (straight-through) from the FP head and is written quantized
+    (here in CPM.cu's layout); its linears read back on a 4-bit grid, and it drafts."""
+    from quantkit.kernels.generate import load_engine
+    from safetensors.torch import load_file
+
+    from quantkit.draft.trainer import train_head
+
+    target, head = packable
+    out = tmp_path / "w4"
+    train_head(target, out, settings(training_text, tokens=64 * 2 * 6, draft_vocab=None, w4="cpmcu"), init=head,
+               progress=False)
+    assert "midlayer.self_attn.qkv_proj.qweight" in load_file(out / "model.safetensors")
+    config = MiniCPMForCausalLM.from_pretrained(target).config
+    trained = load_head(out, config).state_dict()["fc.weight"]
+    groups = trained.reshape(-1, 128)
+    assert max(len(group.unique()) for group in groups) <= 16  # 4 bits: at most 16 values per group of 128
+    plain = load_engine(target, dtype=torch.float32).generate([5, 17, 99, 3], max_new_tokens=8)
+    assert load_engine(target, dtype=torch.float32, draft=out).generate([5, 17, 99, 3], max_new_tokens=8).tokens == \
+        plain.tokens

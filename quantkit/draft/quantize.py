@@ -25,15 +25,7 @@ from quantkit.artifact import staging_dir
 from quantkit.draft.ttt import unrolled_steps
 from quantkit.formats import FORMATS
 from quantkit.loading import load_model
-from quantkit.models.eagle3 import (
-    CONFIG_FILE,
-    HEAD_LINEAR_GROUPS,
-    WEIGHTS_FILE,
-    DraftHeadError,
-    entering_states,
-    load_head,
-    quantized_head_tensors,
-)
+from quantkit.models.eagle3 import HEAD_LINEAR_GROUPS, DraftHeadError, entering_states, load_head, save_quantized_head
 from quantkit.quant import QuantConfig
 from quantkit.recipe import Recipe
 from quantkit.stats import InputStats
@@ -98,12 +90,7 @@ def quantize_head(head_dir: str | Path, target_dir: str | Path, recipe: Recipe, 
 
     staging = staging_dir(out_dir)
     atomic.remove_tree(staging)
-    staging.mkdir(parents=True)
-    atomic.save_safetensors(staging / WEIGHTS_FILE, quantized_head_tensors(head, records, recipe["format"]),
-                            metadata={"format": "pt"})
-    config = head.config.to_dict(head.target)
-    config["quantization_config"] = {**fmt.quantization_config(qconfig), "lm_head": False}
-    atomic.write_json(staging / CONFIG_FILE, config)
+    save_quantized_head(head, records, recipe["format"], staging)
     atomic.publish_dir(staging, out_dir)
     return {"out_dir": str(out_dir), "recipe": recipe.name, "format": recipe["format"],
             "calibration_rows": len(rows), "relative_output_error": errors,

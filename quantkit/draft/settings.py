@@ -27,6 +27,7 @@ class DraftSettings:
     aux_states: str = "cpmcu"
     data: str = "default"
     seed: int = 0
+    w4: str | None = None  # QAT the head's linears to W4 g128 (symmetric) and write them in this layout
     eval_interval: int = 25
     eval_rows: int = 8
     checkpoint_interval: int = 25
@@ -44,6 +45,8 @@ class DraftSettings:
             problems.append(f"aux_states must be one of {sorted(AUX_STATES)}, got {self.aux_states!r}")
         if self.draft_vocab is not None and not 0 < self.draft_vocab <= vocab_size:
             problems.append(f"draft_vocab must be in 1..{vocab_size} (the target's vocabulary), got {self.draft_vocab}")
+        if self.w4 not in (None, "gptq", "marlin", "cpmcu"):
+            problems.append(f"w4 must be gptq, marlin or cpmcu (the layout of the W4 head), got {self.w4!r}")
         if self.tokens < self.batch_rows * self.seq_len:
             problems.append(f"tokens {self.tokens} is less than one step of {self.batch_rows} x {self.seq_len}")
         if problems:

@@ -29,9 +29,20 @@ from quantkit.draft.features import build_features, features_key, row_features
 from quantkit.draft.settings import DraftSettings, DraftTrainingError
 from quantkit.draft.ttt import unrolled_steps
 from quantkit.engine import peak_rss_mb
+from quantkit.formats import FORMATS
 from quantkit.loading import load_model
-from quantkit.models.eagle3 import Eagle3Config, Eagle3Head, draft_vocabulary, load_head, save_head
+from quantkit.models.eagle3 import (
+    HEAD_LINEAR_GROUPS,
+    Eagle3Config,
+    Eagle3Head,
+    draft_vocabulary,
+    load_head,
+    save_head,
+    save_quantized_head,
+)
 from quantkit.models.zoo import cache_root
+from quantkit.qat.fake_quant import FakeQuantLinear, check_groups, quantized_record, wrap_linears
+from quantkit.quant import QuantConfig
 from quantkit.training import state
 from quantkit.training.data import training_data
 from quantkit.training.distill import distillation_loss
@@ -41,6 +52,7 @@ RUN_FILE = "draft_run.json"
 CHECKPOINT_FILE = "draft_checkpoint.safetensors"
 LOG_FILE = "draft_train.json"
 HELDOUT = "austen"
+W4_GRID = QuantConfig(bits=4, group_size=128, sym=True)  # the MiniCPM4 report's QAT head: W4A16 g128 (Marlin)
 
 
 @dataclass
@@ -176,6 +188,12 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
     heldout_features = {name: torch.stack([f[name] for f in heldout_features]) for name in heldout_features[0]}
     report.features_seconds = round(time.perf_counter() - started, 3)
 
+    if settings.w4 is not None:  # quantization-aware: the linears train through W4's grid
+        linears = {name: head.get_submodule(name) for group in HEAD_LINEAR_GROUPS for name in group}
+        check_groups(W4_GRID, {name: (m.out_features, m.in_features) for name, m in linears.items()})
+        for name, module in linears.items():
+            FORMATS[settings.w4].check(W4_GRID, module.in_features, module.out_features, False, name)
+        wrap_linears(head, dict.fromkeys(linears, W4_GRID))
     embedding = target.model.embed_tokens
     trainable = {name: parameter for name, parameter in head.named_parameters()}
     optimizer = torch.optim.AdamW(list(trainable.values()), lr=settings.learning_rate, betas=settings.betas,
@@ -212,6 +230,9 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
         grad_norm = float(torch.nn.utils.clip_grad_norm_(list(trainable.values()), settings.grad_clip))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        for module in head.modules():
+            if isinstance(module, FakeQuantLinear):
+                module.refresh()
         entry = {"step": step + 1, "tokens": (step + 1) * settings.batch_rows * settings.seq_len, "loss": value,
                  "top1_by_step": agreement, "lr": lr, "grad_norm": grad_norm}
         if (step + 1) % settings.eval_interval == 0 or step + 1 == total_steps:
@@ -232,7 +253,12 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
     report.peak_rss_mb = round(peak_rss_mb(), 1)
     if last < total_steps:  # stopped early: the checkpoint stays, nothing is published
         return report
-    save_head(head, staging)
+    if settings.w4 is None:
+        save_head(head, staging)
+    else:
+        records = {name: quantized_record(head.get_submodule(name).weight, W4_GRID)
+                   for group in HEAD_LINEAR_GROUPS for name in group}
+        save_quantized_head(head, records, settings.w4, staging)
     atomic.write_json(staging / LOG_FILE, {"settings": asdict(settings), "target": str(target_dir),
                                            "data": data.described, **report.to_dict()})
     for leftover in (CHECKPOINT_FILE, RUN_FILE):

@@ -287,6 +287,22 @@ def quantized_head_tensors(head: Eagle3Head, records: dict, fmt: str) -> dict[st
     return {name: tensor.contiguous() for name, tensor in tensors.items()}
 
 
+def save_quantized_head(head: Eagle3Head, records: dict, fmt: str, directory: str | Path) -> Path:
+    """Write ``head`` with its linears as ``records`` in layout ``fmt`` (``quantized_head_tensors``) and a
+    config.json whose quantization_config is the format's, with the LM head unquantized."""
+    from quantkit.atomic import save_safetensors, write_json
+    from quantkit.formats import FORMATS
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_safetensors(directory / WEIGHTS_FILE, quantized_head_tensors(head, records, fmt), metadata={"format": "pt"})
+    grid = next(iter(records.values())).config
+    write_json(directory / CONFIG_FILE, {**head.config.to_dict(head.target),
+                                         "quantization_config": {**FORMATS[fmt].quantization_config(grid),
+                                                                 "lm_head": False}})
+    return directory
+
+
 def _quantized_format(names: set[str]) -> str:
     """Which layout a quantized head's tensors are in, from their names."""
     if f"{MIDLAYER}self_attn.qkv_proj.qweight" in names:
