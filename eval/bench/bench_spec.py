@@ -2,12 +2,13 @@
 
 Made, each in its own process under `/usr/bin/time -v` (``--reuse`` takes what an earlier run left
 with the same command, and continues an interrupted training): the FP head (`quantkit draft train`
-on the FP target) and its GPTQ W4 g128 (`quantkit draft quantize`); the W4 targets GPTQ W4 g128 and
+on the FP target), its GPTQ W4 g128 (`quantkit draft quantize`) and its W4 QAT (`draft train --init
+--w4`, as the MiniCPM4 report makes its head); the W4 targets GPTQ W4 g128 and
 AWQ W4 g128, plus ``--qat-artifact`` (e.g. bench-qat's ternary QAT artifact) as one more target; for
 each quantized target the FP head re-aligned to it (`quantkit draft train --init`).
 
-τ (`quantkit.eval.accept`: the runtime in float32) for every target × {FP head, W4 head, that
-target's re-aligned head}: a greedy chain of ``--k``, a greedy ``--tree``, and a chain sampled at
+τ (`quantkit.eval.accept`: the runtime in float32) for every target × {FP head, GPTQ W4 head, QAT W4
+head, that target's re-aligned head}: a greedy chain of ``--k``, a greedy ``--tree``, and a chain sampled at
 ``--temperature``, on held-out prompts. Speed: the runtime as `quantkit generate` runs it, FP and
 GPTQ W4 targets, greedy, plain and with the FP head drafting chains and trees (decode tok/s, median
 of repeats), beside llama.cpp Q4_0's plain decode. The issue's
@@ -42,9 +43,9 @@ class Pairing:
     rounds: int
 
 
-def _draft_command(target: Path, out: Path, tokens: int, init: Path | None = None) -> list[str]:
+def _draft_command(target: Path, out: Path, tokens: int, init: Path | None = None, *options: str) -> list[str]:
     command = [sys.executable, "-m", "quantkit.cli", "draft", "train", "--target", str(target), "--out", str(out),
-               "--tokens", str(tokens), "--no-progress"]
+               "--tokens", str(tokens), "--no-progress", *options]
     return command + (["--init", str(init)] if init is not None else [])
 
 
@@ -111,9 +112,12 @@ def main(model, out, head_tokens, realign_tokens, qat_artifact, k, tree, tempera
 
     head = made(Variant("head-fp", "FP head", _draft_command(model_dir, out / "head-fp", head_tokens),
                         CHECKPOINT_FILE))
-    w4_head = made(Variant("head-gptq-w4g128", "W4 head", [
+    w4_head = made(Variant("head-gptq-w4g128", "GPTQ W4 head", [
         sys.executable, "-m", "quantkit.cli", "draft", "quantize", "--head", str(head), "--target", str(model_dir),
         "--recipe", "gptq-w4g128", "--out", str(out / "head-gptq-w4g128"), "--no-progress"]))
+    qat_head = made(Variant("head-qat-w4", "QAT W4 head", _draft_command(model_dir, out / "head-qat-w4",
+                                                                         realign_tokens, head, "--w4", "gptq"),
+                            CHECKPOINT_FILE))
     targets = {"FP": model_dir}
     for recipe, label in QUANTIZED_TARGETS:
         targets[label] = made(Variant(recipe, label, quantize_command(recipe, model_dir, out / recipe)))
@@ -131,7 +135,7 @@ def main(model, out, head_tokens, realign_tokens, qat_artifact, k, tree, tempera
     pairings = []
     for label, target in targets.items():
         engine = load_engine(target, dtype=torch.float32)
-        heads = {"FP head": head, "W4 head": w4_head,
+        heads = {"FP head": head, "GPTQ W4 head": w4_head, "QAT W4 head": qat_head,
                  **({"re-aligned head": realigned[label]} if label in realigned else {})}
         for head_label, head_dir in heads.items():
             for shape, t, shape_tree in ((f"chain {k}", 0.0, None), (f"tree {tree}", 0.0, tree_shape),
@@ -177,8 +181,8 @@ def main(model, out, head_tokens, realign_tokens, qat_artifact, k, tree, tempera
         *[f"{verdict[tau_of(label, 're-aligned head') >= tau_of(label, 'FP head')]}  {label}: re-aligned head's tau "
           f">= the FP head's: {tau_of(label, 're-aligned head'):.3f} vs {tau_of(label, 'FP head'):.3f}"
           for label in realigned],
-        f"{verdict[tau_of('FP', 'W4 head') >= 0.97 * fp_tau]}  the W4 head keeps >= 0.97x the FP head's tau: "
-        f"{tau_of('FP', 'W4 head'):.3f} vs {fp_tau:.3f}",
+        *[f"{verdict[tau_of('FP', name) >= 0.97 * fp_tau]}  the {name} keeps >= 0.97x the FP head's tau: "
+          f"{tau_of('FP', name):.3f} vs {fp_tau:.3f}" for name in ("GPTQ W4 head", "QAT W4 head")],
     ]
     trained = json.loads((head / "draft_train.json").read_text())
     notes = "\n".join([
