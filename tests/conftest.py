@@ -59,3 +59,22 @@ def default_model() -> Path:
 def marlin_legal(tiny_checkpoint_factory) -> Path:
     """K and N multiples of 128/64 everywhere (4 KV heads of 16 -> N = 64): every format can pack it."""
     return tiny_checkpoint_factory(num_hidden_layers=2, num_key_value_heads=4, seed=5)
+
+
+@pytest.fixture(scope="module")
+def private_cache(tmp_path_factory):
+    """What a test's runs cache (a teacher's logits, a target's features) goes to a test folder, not the
+    user's ~/.cache/quantkit (module scope: a module's shared runs need it too)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("QUANTKIT_CACHE", str(tmp_path_factory.mktemp("quantkit-cache")))
+        yield
+
+
+@pytest.fixture(scope="session")
+def training_text(tmp_path_factory) -> Path:
+    """A slice of the bundled English calibration text: enough rows for training tests, quick to tokenize."""
+    from quantkit.calib import load_documents
+
+    path = tmp_path_factory.mktemp("training-text") / "train.txt"
+    path.write_text("\n\n".join(load_documents("en"))[:60_000])
+    return path

@@ -10,6 +10,7 @@ from quantkit.models import MiniCPMForCausalLM
 from quantkit.models.eagle3 import entering_states, load_head
 from quantkit.models.fixtures import write_tiny_eagle3_head
 
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 @pytest.fixture(scope="module")
 def target_dir(tiny_checkpoint_factory):
@@ -55,23 +56,6 @@ def test_unrolled_steps_equal_the_runtime_drafters_chains(target, head_dir):
             for step in range(1, steps):
                 hidden = drafter._step(hidden, ids[0, start + step + 1:start + step + 2])  # token p + 1
                 torch.testing.assert_close(hidden[0], unrolled[step][0, start + step], rtol=1e-5, atol=1e-5)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def private_cache(tmp_path_factory):
-    """Target features go to a test folder, not the user's ~/.cache/quantkit."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("QUANTKIT_CACHE", str(tmp_path_factory.mktemp("draft-cache")))
-        yield
-
-
-@pytest.fixture(scope="module")
-def training_text(tmp_path_factory):
-    from quantkit.calib import load_documents
-
-    path = tmp_path_factory.mktemp("draft-data") / "train.txt"
-    path.write_text("\n\n".join(load_documents("en"))[:60_000])
-    return path
 
 
 def settings(training_text, **changes):

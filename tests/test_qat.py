@@ -22,24 +22,7 @@ from quantkit.training.schedule import wsd_learning_rate
 STEP_TOKENS = 128  # two rows of 64 tokens a step
 
 
-@pytest.fixture(autouse=True, scope="module")
-def private_cache(tmp_path_factory):
-    """The teacher's cached logits go to a test folder, not the user's ~/.cache/quantkit (module scope:
-    the module's shared runs need it too)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("QUANTKIT_CACHE", str(tmp_path_factory.mktemp("qat-cache")))
-        yield
-
-
-@pytest.fixture(scope="module")
-def training_text(tmp_path_factory):
-    """A slice of the bundled English calibration text: enough rows for the tests, quick to tokenize."""
-    from quantkit.calib import load_documents
-
-    path = tmp_path_factory.mktemp("qat-data") / "train.txt"
-    path.write_text("\n\n".join(load_documents("en"))[:60_000])
-    return path
-
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 @pytest.fixture(scope="module")
 def model(tiny_checkpoint_factory):

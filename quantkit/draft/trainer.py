@@ -123,15 +123,6 @@ def step_loss(head: Eagle3Head, embedding, tokens: torch.Tensor, features: dict,
     return total, agreement
 
 
-def _check_start(out_dir: Path, staging: Path, resume: bool) -> None:
-    if out_dir.exists():
-        raise DraftTrainingError(f"output directory {out_dir} already exists; choose another --out or remove it")
-    if resume and not (staging / CHECKPOINT_FILE).is_file():
-        raise DraftTrainingError(f"--resume: {staging} holds no checkpoint to continue from")
-    if staging.exists() and not resume:
-        raise DraftTrainingError(f"{staging} holds an interrupted run: pass --resume to continue it, or remove it")
-
-
 def _starting_head(init: Path, target, settings: DraftSettings) -> Eagle3Head:
     """An existing head to continue from (re-alignment: an FP head trained on, for a quantized target),
     with its own vocabulary and aux states, which the settings must not contradict."""
@@ -155,7 +146,7 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
 
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     staging = staging_dir(out_dir)
-    _check_start(out_dir, staging, resume)
+    state.check_start(out_dir, staging, resume, CHECKPOINT_FILE, DraftTrainingError)
     target = load_model(target_dir, torch.float32)
     target.requires_grad_(False)
     settings.check(target.config.vocab_size)

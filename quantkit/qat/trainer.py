@@ -89,15 +89,6 @@ def run_fingerprint(model: str, init: str | None, recipe: Recipe, data: str, tok
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
-def _check_start(out_dir: Path, staging: Path, resume: bool) -> None:
-    if out_dir.exists():
-        raise QATError(f"output directory {out_dir} already exists; choose another --out or remove it")
-    if resume and not (staging / CHECKPOINT_FILE).is_file():
-        raise QATError(f"--resume: {staging} holds no checkpoint to continue from")
-    if staging.exists() and not resume:
-        raise QATError(f"{staging} holds an interrupted run: pass --resume to continue it, or remove it")
-
-
 def _student(source: Path, config: MiniCPMConfig, qconfig: QuantConfig, fmt):
     """The FP (or initial) model with every decoder linear on its format's grid, and what trains. An
     artifact's quantized linears start from weights that its grid rounds back to its own records."""
@@ -144,7 +135,7 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, tokens:
     if "qat" not in recipe.values:
         raise QATError(f"recipe {recipe.name} has no 'qat' section: it is a post-training recipe "
                        "(`quantkit quantize`); QAT recipes are qat-ternary-g32 and qat-ternary-g256")
-    _check_start(out_dir, staging, resume)
+    state.check_start(out_dir, staging, resume, CHECKPOINT_FILE, QATError)
     if device == "cuda" and not torch.cuda.is_available():
         raise QATError("--device cuda: this machine has no CUDA device (torch.cuda.is_available() is false)")
     settings = recipe["qat"]

@@ -15,6 +15,18 @@ from safetensors import safe_open
 from quantkit import atomic
 
 
+def check_start(out_dir: Path, staging: Path, resume: bool, checkpoint_file: str,
+                error: type[Exception] = RuntimeError) -> None:
+    """Refuse, before any work, a run whose output exists, a ``--resume`` with no checkpoint in
+    ``staging`` (``<out>.partial``), and a fresh start over an interrupted run's staging."""
+    if out_dir.exists():
+        raise error(f"output directory {out_dir} already exists; choose another --out or remove it")
+    if resume and not (staging / checkpoint_file).is_file():
+        raise error(f"--resume: {staging} holds no checkpoint to continue from")
+    if staging.exists() and not resume:
+        raise error(f"{staging} holds an interrupted run: pass --resume to continue it, or remove it")
+
+
 def save(path: Path, parameters: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer,
          loop: dict) -> None:
     tensors = {}
