@@ -155,12 +155,7 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
     target_fingerprint = CheckpointReader(target_dir).fingerprint()
     init_fingerprint = None if init is None else CheckpointReader(init).fingerprint()
     fingerprint = _fingerprint(target_fingerprint, data.fingerprint, settings, init_fingerprint)
-    run_file = staging / RUN_FILE
-    if resume and json.loads(run_file.read_text())["fingerprint"] != fingerprint:
-        raise DraftTrainingError(f"{staging} was started with another target, data or settings; remove it to start "
-                                 "over")
-    staging.mkdir(parents=True, exist_ok=True)
-    atomic.write_json(run_file, {"fingerprint": fingerprint})
+    state.record_run(staging, RUN_FILE, fingerprint, resume, DraftTrainingError)
 
     head = (initial_head(target, settings, torch.bincount(data.rows.flatten(), minlength=target.config.vocab_size))
             if init is None else _starting_head(Path(init), target, settings))

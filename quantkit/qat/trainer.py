@@ -164,12 +164,7 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, tokens:
     heldout = calib.heldout_tokens(tokenizer, HELDOUT, max_tokens=settings["eval_tokens"])
     model_fingerprint = reader.fingerprint()
     fingerprint = run_fingerprint(model_fingerprint, init_fingerprint, recipe, data.fingerprint, total_tokens)
-    run_file = staging / RUN_FILE
-    if resume and json.loads(run_file.read_text())["fingerprint"] != fingerprint:
-        raise QATError(f"{staging} was started with a different model, recipe, data or --tokens; remove it to "
-                       "start over")
-    staging.mkdir(parents=True, exist_ok=True)
-    atomic.write_json(run_file, {"fingerprint": fingerprint})
+    state.record_run(staging, RUN_FILE, fingerprint, resume, QATError)
 
     report = QATReport(out_dir=str(out_dir), recipe=recipe.name)
     cache = None

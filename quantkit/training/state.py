@@ -27,6 +27,17 @@ def check_start(out_dir: Path, staging: Path, resume: bool, checkpoint_file: str
         raise error(f"{staging} holds an interrupted run: pass --resume to continue it, or remove it")
 
 
+def record_run(staging: Path, run_file: str, fingerprint: str, resume: bool,
+               error: type[Exception] = RuntimeError) -> None:
+    """Tie ``staging`` to the run's inputs (``fingerprint``): a resumed run must have the same ones."""
+    path = staging / run_file
+    if resume and json.loads(path.read_text())["fingerprint"] != fingerprint:
+        raise error(f"{staging} was started with other inputs (model, recipe or settings, data or tokens); "
+                    "remove it to start over")
+    staging.mkdir(parents=True, exist_ok=True)
+    atomic.write_json(path, {"fingerprint": fingerprint})
+
+
 def save(path: Path, parameters: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer,
          loop: dict) -> None:
     tensors = {}
