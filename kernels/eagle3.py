@@ -1,7 +1,9 @@
 """An EAGLE-3 head drafting for the runtime's target (``quantkit.kernels.speculative.Drafter``).
 
 The head (``quantkit.models.eagle3``) pairs the target's residual states at position t with the token
-at t + 1 and predicts the token at t + 2. The drafter keeps one KV cache for the head's single layer:
+at t + 1 and predicts the token at t + 2. With a ``window`` the head attends only the last ``window``
+verified positions (CPM.cu's --spec-window-size, after TriForce): in long contexts its attention stays
+cheap, and it drafts better from recent context. The drafter keeps one KV cache for the head's single layer:
 positions whose target states are known ("observed") stay; the entries a proposal adds on top (each
 draft step feeds the head its own previous output) are dropped at the next ``observe``, which then
 appends the verified positions computed from the target's real states.
@@ -27,7 +29,7 @@ class _DenseAttention:
 
 
 class Eagle3Drafter(DecoderRunner):
-    def __init__(self, head: Eagle3Head, embedding: nn.Embedding):
+    def __init__(self, head: Eagle3Head, embedding: nn.Embedding, window: int | None = None):
         config = head.config
         dtype = embedding.weight.dtype
         kv_dtype = torch.float32 if embedding.weight.device.type == "cpu" else dtype
@@ -42,6 +44,9 @@ class Eagle3Drafter(DecoderRunner):
         self._embedding_norm = midlayer.input_layernorm.weight.float()
         self._hidden_norm = midlayer.hidden_norm.weight.float()
         self._device = embedding.weight.device
+        if window is not None and window < 1:
+            raise ValueError(f"the draft's window must be >= 1 position, got {window}")
+        self.window = window
         self.reset()
 
     def reset(self) -> None:
@@ -56,7 +61,7 @@ class Eagle3Drafter(DecoderRunner):
         """Verified context (``Drafter.observe``); the head reads the states and the next tokens."""
         self._cache.crop(self._observed)
         hidden = self.head.project(self.head.aux_from_states(states).to(self.dtype)).float()
-        hidden = self._step(hidden, next_tokens)
+        hidden = self._step(hidden, next_tokens, verified=self._cache.length + len(next_tokens))
         self._observed, self._last = self._cache.length, hidden[-1:]
 
     @torch.inference_mode()
@@ -105,16 +110,28 @@ class Eagle3Drafter(DecoderRunner):
         self._cache.crop(self._observed)
         return tree
 
+    def _windowed(self, positions: torch.Tensor, mask: torch.Tensor | None, verified: int | None) -> torch.Tensor:
+        """``mask`` (or causal attention) without the verified positions more than ``window`` back. Other
+        entries (draft tokens) are the query's own chain or lineage: always within reach."""
+        slots = torch.arange(self._cache.length + len(positions), device=self._device)
+        if mask is None:
+            mask = slots[None, :] <= (self._cache.length + torch.arange(len(positions), device=self._device))[:, None]
+        old = slots[None, :] < (self._observed if verified is None else verified)
+        return mask & ~(old & (slots[None, :] <= positions[:, None] - self.window))
+
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head.lm_head(rms_norm(hidden, self._final_norm, self.eps, self.dtype)).float()
 
     def _step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-              mask: torch.Tensor | None = None) -> torch.Tensor:
+              mask: torch.Tensor | None = None, verified: int | None = None) -> torch.Tensor:
         """One pass of the head's layer: hidden [T, H] float32 and the tokens that follow [T], at the next
         positions (or ``positions``, under ``mask`` over every cached entry and these) -> the layer's
-        output [T, H] float32 (before the head's final norm)."""
+        output [T, H] float32 (before the head's final norm). ``verified``: how many cache slots (these
+        included) hold verified positions, whose slot is their position (default: those observed)."""
         if positions is None:
             positions = torch.arange(self._cache.length, self._cache.length + tokens.shape[0], device=self._device)
+        if self.window is not None:
+            mask = self._windowed(positions, mask, verified)
         cos, signed_sin = rope_tables(self.head.rotary_emb, positions)
         embeds = self._embedding(tokens).float() * self._scale_emb
         both = torch.cat([rms_norm(embeds, self._embedding_norm, self.eps, self.dtype),

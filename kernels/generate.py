@@ -210,10 +210,11 @@ def stop_tokens_of(model_dir: Path, tokenizer, config) -> set[int]:
 def load_engine(model_dir: str | Path, *, sparse: str = "auto", sparse_overrides: dict | None = None,
                 device: str = "cpu", dtype: torch.dtype = torch.bfloat16, linear_backend: str = "cpu",
                 lm_head: str = "auto", prefill_chunk: int = DEFAULT_PREFILL_CHUNK, draft: str | Path | None = None,
-                draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft_tree: TreeShape | None = None) -> Engine:
+                draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft_tree: TreeShape | None = None,
+                draft_window: int | None = None) -> Engine:
     """An engine for any checkpoint quantkit reads: unquantized, or an artifact it wrote; with ``draft``
     (``load_drafter``) it decodes speculatively, ``draft_tokens`` drafts a round or, greedy, a
-    ``draft_tree``."""
+    ``draft_tree``; an EAGLE-3 head attends the last ``draft_window`` positions (all when None)."""
     from quantkit.kernels.device import check_device
     from quantkit.kernels.load import load_runtime_model
     from transformers import AutoTokenizer
@@ -225,12 +226,13 @@ def load_engine(model_dir: str | Path, *, sparse: str = "auto", sparse_overrides
     attention = make_attention(sparse_config, "triton" if device == "cuda" else "cpu")
     runtime = RuntimeModel(model, attention)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    drafter = None if draft is None else load_drafter(draft, runtime, device, linear_backend)
+    drafter = None if draft is None else load_drafter(draft, runtime, device, linear_backend, draft_window)
     return Engine(runtime, tokenizer, stop_tokens_of(model_dir, tokenizer, model.config), prefill_chunk, drafter,
                   draft_tokens, draft_tree)
 
 
-def load_drafter(draft: str | Path, target: RuntimeModel, device: str = "cpu", linear_backend: str = "cpu") -> Drafter:
+def load_drafter(draft: str | Path, target: RuntimeModel, device: str = "cpu", linear_backend: str = "cpu",
+                 window: int | None = None) -> Drafter:
     """A drafter for ``target``: an EAGLE-3 head's directory, or any model quantkit reads that shares the
     target's tokenizer (a smaller model, or the target itself), run in the target's dtype."""
     from quantkit.kernels.load import load_runtime_model
@@ -241,6 +243,6 @@ def load_drafter(draft: str | Path, target: RuntimeModel, device: str = "cpu", l
         from quantkit.kernels.eagle3 import Eagle3Drafter
 
         head = load_head(draft, target.config, target.dtype).to(device)
-        return Eagle3Drafter(head, target.model.model.embed_tokens)
+        return Eagle3Drafter(head, target.model.model.embed_tokens, window)
     model = load_runtime_model(draft, target.dtype, "triton" if device == "cuda" else linear_backend, device)
     return ModelDrafter(RuntimeModel(model, make_attention(None)), target.config.vocab_size)

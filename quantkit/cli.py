@@ -528,6 +528,8 @@ def _runtime_options(fn):
                      help="Draft tokens verified per target forward (with --draft)."),
         click.option("--draft-tree", default=None, metavar="DEPTHxTOPKxSIZE",
                      help="Greedy decoding drafts EAGLE-2 trees of this shape instead (with --draft), e.g. 3x4x12."),
+        click.option("--draft-window", default=None, type=click.IntRange(min=1),
+                     help="An EAGLE-3 head attends only the last N positions (CPM.cu uses 1024 in long contexts)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -535,7 +537,7 @@ def _runtime_options(fn):
 
 
 def _load_engine(model, sparse, sparse_config, device, prefill_chunk, draft=None, draft_tokens=3,
-                 draft_tree=None):
+                 draft_tree=None, draft_window=None):
     from quantkit.kernels.generate import load_engine
     from quantkit.kernels.speculative import TreeShape
     from quantkit.models.zoo import resolve_model
@@ -549,7 +551,8 @@ def _load_engine(model, sparse, sparse_config, device, prefill_chunk, draft=None
     return load_engine(resolve_model(model), sparse=sparse, sparse_overrides=overrides, device=device,
                        prefill_chunk=prefill_chunk, draft=None if draft is None else resolve_model(draft),
                        draft_tokens=draft_tokens,
-                       draft_tree=None if draft_tree is None else TreeShape.parse(draft_tree))
+                       draft_tree=None if draft_tree is None else TreeShape.parse(draft_tree),
+                       draft_window=draft_window)
 
 
 @main.command()
@@ -559,11 +562,12 @@ def _load_engine(model, sparse, sparse_config, device, prefill_chunk, draft=None
 @json_option
 @_friendly_errors
 def generate(prompt, chat, model, sparse, sparse_config, device, max_new_tokens, temperature, top_p, seed,
-             prefill_chunk, thinking, draft, draft_tokens, draft_tree, as_json):
+             prefill_chunk, thinking, draft, draft_tokens, draft_tree, draft_window, as_json):
     """Generate text with quantkit's runtime, streaming it as it is decoded."""
     from quantkit.kernels.sampling import Sampling
 
-    engine = _load_engine(model, sparse, sparse_config, device, prefill_chunk, draft, draft_tokens, draft_tree)
+    engine = _load_engine(model, sparse, sparse_config, device, prefill_chunk, draft, draft_tokens, draft_tree,
+                          draft_window)
     ids = (engine.chat_prompt([{"role": "user", "content": prompt}], enable_thinking=thinking) if chat
            else engine.encode(prompt))
     settings = dict(max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_p, seed))
@@ -589,13 +593,14 @@ def generate(prompt, chat, model, sparse, sparse_config, device, max_new_tokens,
 @_runtime_options
 @_friendly_errors
 def chat(model, sparse, sparse_config, device, max_new_tokens, temperature, top_p, seed, prefill_chunk, thinking,
-         draft, draft_tokens, draft_tree):
+         draft, draft_tokens, draft_tree, draft_window):
     """Interactive chat. The KV cache is kept between turns: each turn prefills only the new tokens.
     Type /reset to start over, /exit (or Ctrl-D) to leave."""
     from quantkit.kernels.chat import ChatSession
     from quantkit.kernels.sampling import Sampling
 
-    engine = _load_engine(model, sparse, sparse_config, device, prefill_chunk, draft, draft_tokens, draft_tree)
+    engine = _load_engine(model, sparse, sparse_config, device, prefill_chunk, draft, draft_tokens, draft_tree,
+                          draft_window)
     session = ChatSession(engine, enable_thinking=thinking)
     settings = dict(max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_p, seed))
     while True:

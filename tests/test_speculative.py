@@ -255,3 +255,25 @@ def test_tree_shapes_are_checked():
         TreeShape.parse("3x4")
     with pytest.raises(ValueError, match="at most 6 nodes"):
         TreeShape(2, 2, 7)
+
+
+def test_the_drafts_window_hides_old_positions_and_keeps_greedy_output(target_dir, tmp_path):
+    """--draft-window: the head attends the last W verified positions; its own draft entries stay visible.
+    A window wider than the text changes nothing; any window keeps the target's greedy output."""
+    head_dir = write_tiny_eagle3_head(tmp_path / "head", target_dir)
+    runtime = _runtime(target_dir)
+    head = load_head(head_dir, runtime.config)
+    drafter = Eagle3Drafter(head, runtime.model.model.embed_tokens, window=2)
+    logits, states = runtime.forward_capturing(torch.tensor(PROMPT), runtime.new_cache(), drafter.aux_layers)
+    drafter.observe(torch.tensor(PROMPT), states, torch.tensor(PROMPT[1:] + [int(logits[-1].argmax())]))
+    mask = drafter._windowed(torch.tensor([11, 12]), None, None)  # two draft steps after 11 verified slots
+    assert torch.nonzero(mask[0]).flatten().tolist() == [10, 11]  # verified 10 (11 - 2 < 10), its own entry
+    assert torch.nonzero(mask[1]).flatten().tolist() == [11, 12]  # the chain's earlier entry stays visible
+    want = _plain_greedy(target_dir, 24)
+    proposals = {}
+    for window in (None, 1, 4, 1000):
+        engine = load_engine(target_dir, dtype=torch.float32, draft=head_dir, draft_window=window)
+        result = engine.generate(PROMPT, max_new_tokens=24)
+        assert result.tokens == want[:len(result.tokens)]
+        proposals[window] = engine.drafter.propose(3, Sampler(Sampling()))
+    assert proposals[1000] == proposals[None]
