@@ -184,3 +184,18 @@ def test_a_target_of_another_width_or_depth_is_refused(head_dir, target):
     shallow = MiniCPMConfig(**{**target.config.to_dict(), "num_hidden_layers": 2})
     with pytest.raises(DraftHeadError, match=r"reads layers \[2, 1, -1\], the target has 2"):
         load_head(head_dir, shallow)
+
+
+def test_a_head_with_the_official_extras_loads(head_dir, target, tmp_path):
+    """What SpecForge and EAGLE's trainers also write: an embed_tokens copy (the target's is used instead),
+    eagle_config, rope_scaling null, torch_dtype, bf16 weights."""
+    tensors = {name: t.to(torch.bfloat16) if t.is_floating_point() else t
+               for name, t in load_file(head_dir / "model.safetensors").items()}
+    tensors["embed_tokens.weight"] = torch.zeros(target.config.vocab_size, target.config.hidden_size)
+    config = {**json.loads((head_dir / "config.json").read_text()), "torch_dtype": "bfloat16", "rope_scaling": None,
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], "use_aux_hidden_state": True},
+              "transformers_version": "4.51.0", "hidden_act": "silu", "bos_token_id": 1}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file(tensors, tmp_path / "model.safetensors")
+    head = load_head(tmp_path, target.config)
+    assert head.lm_head.weight.dtype == torch.float32 and "embed_tokens.weight" not in head.state_dict()
