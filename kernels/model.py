@@ -167,14 +167,17 @@ class RuntimeModel(DecoderRunner):
 
     @torch.inference_mode()
     def forward_capturing(self, tokens: torch.Tensor, cache: KVCache, layers: tuple[int, ...],
-                          tree: tuple[torch.Tensor, torch.Tensor] | None = None
+                          tree: tuple[torch.Tensor, torch.Tensor] | None = None, last_only: bool = False
                           ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """``forward`` with every token's logits [T, V], and the float32 residual states [T, H] entering
-        each of ``layers`` (what an EAGLE-3 draft head reads). ``tree`` = (positions [T], mask [T, cache
-        length + T]): tokens of a draft tree, each at its own position, attending what its mask row allows
-        (the cached context, its ancestors, itself) instead of everything before it."""
+        """``forward`` with every token's logits [T, V] (the last one's [1, V] with ``last_only``), and the
+        float32 residual states [T, H] entering each of ``layers`` (what an EAGLE-3 draft head reads).
+        ``tree`` = (positions [T], mask [T, cache length + T]): tokens of a draft tree, each at its own
+        position, attending what its mask row allows (the cached context, its ancestors, itself) instead
+        of everything before it."""
         captured = {layer: None for layer in layers}
         hidden = self._residual_stream(tokens, cache, captured, tree)
+        if last_only:
+            hidden = hidden[-1:]
         return self.model.logits_from_hidden(rms_norm(hidden, self.final_norm, self.eps, self.dtype)), captured
 
     def _residual_stream(self, tokens: torch.Tensor, cache: KVCache, captured: dict,

@@ -283,12 +283,14 @@ def speculative_tokens(runtime: RuntimeModel, drafter: Drafter, prompt: list[int
     """New tokens until a stop token (not yielded) or ``max_new_tokens``, drafting ``draft_tokens`` a
     round (or, greedy with ``tree``, a tree); ``acceptance`` collects each round's count. Returns
     (``yield from``) the stop reason."""
+    if not prompt:
+        raise ValueError("the prompt is empty")
     layers = drafter.aux_layers
     drafter.reset()
     ids = torch.tensor(prompt, dtype=torch.long)
     for start in range(0, len(prompt), prefill_chunk):  # the drafter sees each chunk once its next tokens are known
-        logits, states = runtime.forward_capturing(ids[start:start + prefill_chunk], cache, layers)
-        end = start + logits.shape[0]
+        end = min(start + prefill_chunk, len(prompt))
+        logits, states = runtime.forward_capturing(ids[start:end], cache, layers, last_only=True)
         if end < len(prompt):
             drafter.observe(ids[start:end], states, ids[start + 1:end + 1])
     token = sampler(logits[-1])
