@@ -25,11 +25,12 @@ LLMC_BIN := $(LLMC_VENV)/bin
 LLMC_INSTALLED := $(LLMC_VENV)/.installed
 LLMCOMPRESSOR ?= llmcompressor==0.14.0.1
 
-.PHONY: install demo demo-marlin test test-fast lint default-model bench-gptq bench-awq bench-gguf bench-scale bench-runtime bench-qat bench-spec eval-sparse interop interop-peer clean help \
+.PHONY: install demo demo-marlin publish-demo test test-fast lint default-model bench-gptq bench-awq bench-gguf bench-mlx bench-scale bench-runtime bench-qat bench-spec eval-sparse interop interop-peer clean help \
 	eval-ppl eval-kld eval-report eval-niah eval-tasks eval-accept
 
 help:
 	@echo "make demo       quantize the embedded default model (RTN W4 g128, GPTQ format), print perplexity and KL"
+	@echo "make publish-demo  the demo artifact checked and planned for the Hub (--dry-run: nothing sent), then its model card"
 	@echo "make test       the whole test suite (what CI runs)"
 	@echo "make test-fast  the suite without tests marked slow"
 	@echo "make lint       ruff (pyflakes, pycodestyle, import order; settings in pyproject.toml)"
@@ -38,6 +39,7 @@ help:
 	@echo "make bench-gptq  RTN / GPTQ / P-GPTQ / S-P-GPTQ / GPTQModel at W4 and W3 g128 on the default model, one table"
 	@echo "make bench-awq   AWQ / RTN / GPTQ / S-P-GPTQ at W4 and W3 g128, then AWQ vs llm-compressor at W4 g64"
 	@echo "make bench-gguf  every GGUF type exported by quantkit and by llama.cpp's quantizer, plus GPTQ on the Q4_0 and Q4_K_M grids, scored in llama.cpp"
+	@echo "make bench-mlx   mlx_lm.convert, mlx-lm's GPTQ/AWQ/DWQ and quantkit's MLX recipes at W4 g64, scored by mlx-lm (BENCH_MLX_ARGS='--reuse')"
 	@echo "make bench-runtime  quantkit's runtime (W4) vs transformers fp32/bf16 and llama.cpp Q4_0, decode and prefill; InfLLM v2 vs dense attention"
 	@echo "make eval-sparse  InfLLM v2 on MODEL with a scaled-down SPARSE_CONFIG: perplexity vs dense, needle retrieval"
 	@echo "make bench-scale  the marlin recipe on an 8B-shaped random MiniCPM4.1 checkpoint: time, memory, projection"
@@ -59,8 +61,9 @@ $(INSTALLED): pyproject.toml
 	$(BIN)/python -m pip install -e .
 	touch $@
 
+# The mlx extra (MLX's CPU backend and mlx-lm) is what tests/test_format_mlx.py and bench-mlx check against.
 $(TEST_INSTALLED): $(INSTALLED)
-	$(BIN)/python -m pip install -e ".[test]"
+	$(BIN)/python -m pip install -e ".[test,mlx]"
 	touch $@
 
 install: $(TEST_INSTALLED)
@@ -70,10 +73,21 @@ default-model: $(INSTALLED)
 
 # A first look in about two minutes after install: RTN's weights do not depend on calibration (it only
 # scores each layer's error), so 8 samples suffice; `eval kld` prints both perplexities beside the KL.
+DEMO_ARTIFACT := $(OUT)/demo-rtn-w4g128
+DEMO_QUANTIZE = $(BIN)/quantkit quantize --recipe rtn-w4g128 --model default --out $(DEMO_ARTIFACT) --set calibration.n_samples=8
 demo: $(INSTALLED)
-	rm -rf $(OUT)/demo-rtn-w4g128 $(OUT)/demo-rtn-w4g128.partial
-	$(BIN)/quantkit quantize --recipe rtn-w4g128 --model default --out $(OUT)/demo-rtn-w4g128 --set calibration.n_samples=8
-	$(BIN)/quantkit eval kld --model $(OUT)/demo-rtn-w4g128 --ref default --max-tokens 4096
+	rm -rf $(DEMO_ARTIFACT) $(DEMO_ARTIFACT).partial
+	$(DEMO_QUANTIZE)
+	$(BIN)/quantkit eval kld --model $(DEMO_ARTIFACT) --ref default --max-tokens 4096
+
+# Publishing without network: the demo artifact (made first if missing) is checked and the upload planned
+# (files, sizes, SHA-256, repository, revision) with --dry-run, which sends nothing; then its model card.
+# With a token and network, the same command without --dry-run publishes it (docs/hub.md).
+PUBLISH_REPO ?= your-name/SmolLM2-135M-MiniCPM-rtn-w4g128
+publish-demo: $(INSTALLED)
+	test -d $(DEMO_ARTIFACT) || $(DEMO_QUANTIZE)
+	$(BIN)/quantkit publish $(DEMO_ARTIFACT) --repo-id $(PUBLISH_REPO) --dry-run
+	$(BIN)/quantkit publish $(DEMO_ARTIFACT) --repo-id $(PUBLISH_REPO) --card-only
 
 # Each task's default subset (recorded with every output in $(OUT)/eval-tasks.json): a few minutes on 2 cores.
 EVAL_TASKS_ARGS ?=
@@ -109,6 +123,12 @@ bench-awq: $(INSTALLED) $(LLMC_INSTALLED)
 
 bench-gguf: $(TEST_INSTALLED)
 	$(BIN)/python -m quantkit.eval.bench.bench_gguf --out $(OUT)/bench-gguf
+
+# MLX at W4 g64 on MODEL, every row scored by mlx-lm itself (KL to the unquantized model run by mlx,
+# perplexity, top-1) with the issue's targets under the table; mlx and mlx-lm come with the test stamp.
+BENCH_MLX_ARGS ?=
+bench-mlx: $(TEST_INSTALLED)
+	nice -n 10 $(BIN)/python -m quantkit.eval.bench.bench_mlx --model $(MODEL) --out $(OUT)/bench-mlx $(BENCH_MLX_ARGS)
 
 # The runtime: quantkit's decode and prefill on a W4 artifact against transformers and llama.cpp Q4_0,
 # then InfLLM v2 against dense attention at 8K/32K/64K on MiniCPM4.1-8B's attention shape.

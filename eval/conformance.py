@@ -206,6 +206,16 @@ def ternary_planes(tensors: Arrays, name: str, quant: Mapping, shape: tuple[int,
     return (trits.astype(np.float32) * scales[:, _group_of(quant, k)]).astype(np.float32)
 
 
+# --- MLX (mx.dequantize): each row of uint32 words one little-endian bit stream, w = scale · q + bias ---
+
+def mlx_affine(tensors: Arrays, name: str, quant: Mapping, shape: tuple[int, int]) -> np.ndarray:
+    n, k = shape
+    codes = unpack_stream(tensors[f"{name}.weight"], quant["bits"], axis=1)[:, :k]  # [N, K]
+    groups = _group_of(quant, k)
+    scales, biases = (tensors[f"{name}.{part}"].astype(np.float32)[:, groups] for part in ("scales", "biases"))
+    return codes.astype(np.float32) * scales + biases
+
+
 def consumers_of(format_name: str, shapes: Mapping[str, tuple[int, int]]) -> tuple[Consumer, ...]:
     """The consumers whose reading of ``format_name`` artifacts is checked."""
     gptq_marlin = Consumer("vLLM gptq_marlin (sym 4/8-bit)", "vLLM gptq_marlin.py, uint4b8/uint8b128",
@@ -224,6 +234,7 @@ def consumers_of(format_name: str, shapes: Mapping[str, tuple[int, int]]) -> tup
         "cpmcu": (Consumer("CPM.cu", "scripts/model_convert/gptq2marlin.py: fused qkv/gate_up Marlin",
                            make_cpmcu_decoder(shapes)),),
         "ternary": (Consumer("quantkit runtime (documented planes)", "docs/formats.md, Ternary", ternary_planes),),
+        "mlx": (Consumer("mlx / mlx-lm", "mlx/backend/cpu/quantized.cpp: dequantize, scale * q + bias", mlx_affine),),
     }
     if format_name not in table:
         raise ValueError(f"no consumer rules for format {format_name!r} (GGUF files are checked against llama.cpp "
@@ -277,7 +288,8 @@ class ConformanceReport:
 
 
 def _numpy(tensors: Mapping) -> dict[str, np.ndarray]:
-    return {name: t.numpy() for name, t in tensors.items() if t.dtype != torch.bfloat16}
+    """NumPy has no bfloat16: those tensors (MLX's scales in a bfloat16 model) come as float32, exactly."""
+    return {name: t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy() for name, t in tensors.items()}
 
 
 def check_artifact(model_dir: str | Path) -> ConformanceReport:

@@ -11,7 +11,7 @@ import torch
 
 from quantkit.checkpoint import CheckpointReader
 from quantkit.models import MiniCPMConfig, MiniCPMForCausalLM
-from quantkit.reader import artifact_format
+from quantkit.reader import ArtifactReader, artifact_format
 
 LM_HEADS = ("auto", "int8", "float")
 
@@ -37,14 +37,17 @@ def load_runtime_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat1
         parent, _, child = name.rpartition(".")
         model.get_submodule(parent).register_module(child, module.to(device))
     reader = CheckpointReader(model_dir)
-    available = set(reader.names)
+    # outside the layers, as the format means them (MLX quantizes the embedding and LM head: dequantized)
+    outside = ArtifactReader(model_dir).other_tensors() if quantized else {}
+    available = set(reader.names) | set(outside)
     wanted = {name for name, tensor in model.state_dict().items() if tensor.is_meta}
     if config.tie_word_embeddings:
         wanted.discard("lm_head.weight")
     missing = sorted(wanted - available)
     if missing:
         raise ValueError(f"{model_dir}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    state = {name: reader.get(name).to(device=device, dtype=dtype) for name in sorted(wanted)}
+    state = {name: (outside[name] if name in outside else reader.get(name)).to(device=device, dtype=dtype)
+             for name in sorted(wanted)}
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.tie_weights()

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from quantkit import atomic
-from quantkit.checkpoint import INDEX_FILE, SINGLE_FILES, read_header
+from quantkit.checkpoint import INDEX_FILE, SINGLE_FILES, read_header, sha256_file
 
 PROGRESS_FILE = "progress.json"
 MANIFEST_FILE = "quantkit.json"
@@ -22,6 +22,15 @@ REPORT_FILE = "quantize_report.json"  # timings and memory: the only file that d
 
 # Files of the source checkpoint that the artifact replaces rather than copies.
 _NOT_COPIED = {"config.json", INDEX_FILE, *SINGLE_FILES, "quantize_config.json", MANIFEST_FILE, REPORT_FILE}
+
+
+FILES_KEY = "files"  # manifest key: each file's size and SHA-256, so a copy can be checked (quantkit publish)
+
+
+def file_records(directory: Path, skipped: set[str]) -> dict[str, dict]:
+    """``{name: {"size", "sha256"}}`` of every file in ``directory`` whose name is not in ``skipped``."""
+    return {path.name: {"size": path.stat().st_size, "sha256": sha256_file(path)}
+            for path in sorted(directory.iterdir()) if path.is_file() and path.name not in skipped}
 
 
 def staging_dir(out_dir: Path) -> Path:
@@ -56,10 +65,11 @@ class ArtifactWriter:
 
     def finish(self, source_dir: Path, out_dir: Path, config: dict, quantize_config: dict | None,
                manifest: dict, report: dict, weights_file: str | None = None,
-               manifest_file: str = MANIFEST_FILE) -> None:
+               manifest_file: str = MANIFEST_FILE, extra_configs: dict[str, dict] | None = None) -> None:
         """Write the index (or merge the shards into ``weights_file``), configs and copies; publish.
         A plain (fake-quantized) checkpoint has no ``quantize_config`` and keeps its record under
-        another ``manifest_file``: quantkit.json marks a quantized artifact."""
+        another ``manifest_file``: quantkit.json marks a quantized artifact. ``extra_configs`` are
+        further JSON files some consumer reads (file name -> content)."""
         shards = [self.shard_path(index) for index in range(self.total)]
         if weights_file is None:
             weight_map, total_size = {}, 0
@@ -74,15 +84,19 @@ class ArtifactWriter:
             for path in shards:
                 path.unlink()
         atomic.write_json(self.staging / "config.json", config)
+        for name, content in (extra_configs or {}).items():
+            atomic.write_json(self.staging / name, content)
         if quantize_config is not None:
             atomic.write_json(self.staging / "quantize_config.json", quantize_config)
-        atomic.write_json(self.staging / manifest_file, manifest)
         atomic.write_json(self.staging / REPORT_FILE, report)
         # Tokenizer, chat template, generation config and anything else travel verbatim.
         for path in sorted(source_dir.iterdir()):
             if path.is_file() and path.name not in _NOT_COPIED and path.suffix != ".safetensors":
                 shutil.copyfile(path, self.staging / path.name)
         (self.staging / PROGRESS_FILE).unlink()
+        # The manifest cannot record itself, and the report differs between runs of the same artifact.
+        records = file_records(self.staging, {manifest_file, REPORT_FILE})
+        atomic.write_json(self.staging / manifest_file, {**manifest, FILES_KEY: records})
         atomic.publish_dir(self.staging, out_dir)
 
 
@@ -116,7 +130,8 @@ def merge_safetensors(paths: list[Path], out: Path) -> None:
                 f.write(src.read(size))
 
 
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "I8": 1, "U8": 1,
+                "BOOL": 1}
 
 
 def _nbytes(dtype: str, shape: list[int]) -> int:

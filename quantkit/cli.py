@@ -80,7 +80,9 @@ def main():
 
 @main.command()
 @click.option("--recipe", required=True, help="Built-in recipe name (see `quantkit recipes`) or a YAML file.")
-@click.option("--model", default="default", show_default=True, help="Checkpoint directory, or 'default'.")
+@click.option("--model", default="default", show_default=True,
+              help="Checkpoint directory, 'default', or a Hub repo id owner/name[@revision] (every --model, --ref, "
+                   "--target and --draft takes one; docs/hub.md).")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Output directory (must not exist).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a recipe setting, e.g. --set quant.bits=3 --set calibration.n_samples=32.")
@@ -676,6 +678,62 @@ def export_gguf(model, file_type, out, tokenizer_pre, progress, as_json):
             ["bits per weight", report.bits_per_weight], ["tensors by type", report.tensors_by_type],
             ["seconds", report.seconds]]
     _emit(as_json, payload, format_table(["field", "value"], rows))
+
+
+@export_group.command("mlx")
+@click.option("--model", required=True, help="A quantized artifact whose grid MLX holds (natural groups of 32, 64 "
+                                             "or 128 channels that tile K): the codes and scales are kept, "
+                                             "bias = -zero * scale.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Output directory (must not exist).")
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16", "bfloat16"]),
+              help="dtype of the scales and biases: float32 makes mlx compute exactly the artifact's weights; "
+                   "float16/bfloat16 (half the size) only where every value is exact in it.")
+@json_option
+@_friendly_errors
+def export_mlx(model, out, dtype, as_json):
+    """Export a quantized artifact for mlx-lm (run it with `mlx_lm.generate --model OUT`)."""
+    from quantkit.mlx_export import export_mlx as export
+    from quantkit.models.zoo import resolve_model
+
+    report = export(resolve_model(model), out, dtype)
+    _emit(as_json, asdict(report), format_table(["field", "value"], [[k, v] for k, v in asdict(report).items()]))
+
+
+@main.command()
+@click.argument("target", type=click.Path(exists=True, path_type=Path))
+@click.option("--repo-id", required=True, help="The Hub repository, owner/name (or owner/name@revision).")
+@click.option("--revision", default=None, help="Branch to commit to (created from main if missing) [default: main].")
+@click.option("--private", is_flag=True, help="Create the repository private (an existing one keeps its visibility).")
+@click.option("--base-model", default=None, metavar="OWNER/NAME",
+              help="The model TARGET was quantized from (the card's base_model); known for quantkit's built-in "
+                   "models, required otherwise.")
+@click.option("--report", default=None, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A report.json from `quantkit eval report` that scores TARGET [default: TARGET/report.json].")
+@click.option("--dry-run", is_flag=True, help="Check and print the plan (files, sizes, hashes); no network request.")
+@click.option("--card-only", is_flag=True, help="Check and print the model card (README.md) only.")
+@json_option
+@_friendly_errors
+def publish(target, repo_id, revision, private, base_model, report, dry_run, card_only, as_json):
+    """Publish an artifact directory or a GGUF file to the Hugging Face Hub: check it, write its model card,
+    send what the repository lacks in one commit. The token comes from HF_TOKEN or `hf auth login`."""
+    from quantkit.hub.publish import check, render_card
+    from quantkit.hub.publish import publish as run
+    from quantkit.hub.repo import parse_repo_ref
+
+    ref = parse_repo_ref(repo_id, revision)
+    if card_only:
+        card = render_card(check(target, ref), ref, base_model, report)
+        _emit(as_json, {"repo_id": ref.repo_id, "card": card}, card)
+        return
+    result = run(target, ref, base_model=base_model, report=report, private=private, dry_run=dry_run)
+    rows = [[f.path_in_repo, f.size, f.sha256[:16], f.action] for f in result.files]
+    head = (f"{'plan for' if dry_run else 'published to'} {result.repo_id} (revision {result.revision}"
+            f"{', private' if private else ''})")
+    tail = (f"\ncommit {result.commit}: {result.commit_url}" if result.commit
+            else "" if dry_run else "\nnothing to send: the repository already holds every file")
+    notes = "".join(f"\nnote: {note}" for note in result.notes)
+    table = format_table(["file", "bytes", "sha256", "action"], rows)
+    _emit(as_json, result.to_dict(), f"{head}\n{table}{tail}{notes}")
 
 
 @main.command()

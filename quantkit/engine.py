@@ -221,8 +221,8 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
 
     reader = CheckpointReader(model_dir)
     config = MiniCPMConfig.from_pretrained(model_dir)
-    qconfig = QuantConfig(**recipe["quant"])
     fmt = FORMATS[recipe["format"]]
+    qconfig = fmt.grid(recipe["quant"], reader.dtype(EMBEDDING))
     validate_checkpoint(reader, config, qconfig, fmt, recipe["gptq"]["desc_act"], progress)
     dtype = compute_dtype(recipe["compute_dtype"])
 
@@ -244,8 +244,10 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
                               "remove it to start over")
         layer_errors = state["layer_errors"]
     else:
-        writer.write_shard(config.num_hidden_layers, {n: reader.get(n) for n in (EMBEDDING, FINAL_NORM, LM_HEAD)
-                                                      if n in reader})
+        outside = {n: reader.get(n) for n in (EMBEDDING, FINAL_NORM, LM_HEAD) if n in reader}
+        if fmt.write_outside is not None:  # formats that quantize the embedding or LM head as well
+            outside = fmt.write_outside(outside, qconfig)
+        writer.write_shard(config.num_hidden_layers, outside)
         writer.write_progress(fingerprint, layer_errors)
     done = len(layer_errors)
 
@@ -293,8 +295,9 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
         "calibration": calibration.describe(),
         "layer_errors": layer_errors,
     }
-    writer.finish(model_dir, out_dir, {**source_config, "quantization_config": quantization_config},
-                  quantization_config, manifest, report.to_dict(), weights_file=fmt.weights_file)
+    configs = fmt.config_files({**source_config, "quantization_config": quantization_config})
+    writer.finish(model_dir, out_dir, configs.pop("config.json"), quantization_config, manifest, report.to_dict(),
+                  weights_file=fmt.weights_file, extra_configs=configs)
     return report
 
 

@@ -13,7 +13,8 @@ def _quantization(quant: dict) -> str:
     if "file_type" in quant:  # GGUF blocks (format gguf-*): the file type names every tensor's type
         return f"{quant['quant_method']} {quant['file_type']}"
     symmetric = quant.get("sym", not quant.get("zero_point", True))
-    return (f"{quant.get('quant_method')} {quant.get('bits')}-bit g{quant.get('group_size')} "
+    method = quant.get("quant_method") or f"mlx {quant.get('mode', 'affine')}"  # mlx-lm writes no quant_method
+    return (f"{method} {quant.get('bits')}-bit g{quant.get('group_size')} "
             f"{'sym' if symmetric else 'asym'}")
 
 

@@ -3,6 +3,8 @@
 Algorithms (RTN, GPTQ, AWQ) produce a ``QuantizedTensor``; formats only turn that record into bytes
 and back. The grid follows the reference GPTQ quantizer (IST-DASLab ``quant.py``, AutoGPTQ): per
 group and output row, ``q = clamp(round(w / scale) + zero, 0, maxq)`` and ``w ≈ (q - zero) * scale``.
+A float-bias grid (``QuantConfig.float_bias``, MLX's affine mode) replaces the integer zero point
+with a float bias: ``q = clamp(round((w - bias) / scale), 0, maxq)`` and ``w ≈ scale * q + bias``.
 Parameter search (``find_group_params``) and rounding (``quantize_codes``) are separate functions
 because the GPTQ solver picks parameters per group but rounds one column at a time.
 """
@@ -15,7 +17,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-SUPPORTED_BITS = (2, 3, 4, 8)
+SUPPORTED_BITS = (2, 3, 4, 8)  # what the integer-zero formats (GPTQ, AWQ, ...) store
+FLOAT_BIAS_BITS = (2, 3, 4, 5, 6, 8)  # what MLX's affine grid stores
+FLOAT_BIAS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # MLX keeps scales in the model dtype
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128, 256)  # -1: one group spanning every input channel
 
 # Smallest positive float16 (subnormal): scales below it would round to 0 in the checkpoint.
@@ -31,17 +35,24 @@ class QuantConfig:
     ``min_zero`` is the smallest zero point the target format can store. GPTQ's v1 checkpoints store
     zero − 1 in ``bits`` bits, so a zero of 0 has no encoding there that every consumer decodes
     alike (docs/formats.md, "GPTQ zero points"); their asymmetric grid is therefore [1, maxq]. The
-    solvers choose parameters on this grid, so nothing is re-rounded when the record is written."""
+    solvers choose parameters on this grid, so nothing is re-rounded when the record is written.
+
+    ``float_bias`` is MLX's affine grid: a float bias per group instead of an integer zero point, the
+    scale and bias both stored in ``scale_dtype`` (the model's dtype), the scale possibly negative.
+    It is asymmetric by nature (``sym`` False) and also holds 5 and 6 bits."""
 
     bits: int
     group_size: int
     sym: bool
     ternary: bool = False
     min_zero: int = 0
+    float_bias: bool = False
+    scale_dtype: torch.dtype = torch.float16
 
     def __post_init__(self) -> None:
-        if isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS:
-            raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {self.bits!r}")
+        allowed_bits = FLOAT_BIAS_BITS if self.float_bias is True else SUPPORTED_BITS
+        if isinstance(self.bits, bool) or self.bits not in allowed_bits:
+            raise ValueError(f"bits must be one of {allowed_bits}, got {self.bits!r}")
         if isinstance(self.group_size, bool) or self.group_size not in SUPPORTED_GROUP_SIZES:
             raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {self.group_size!r}")
         if not isinstance(self.sym, bool):
@@ -53,6 +64,14 @@ class QuantConfig:
                              f"2-bit layout): it needs bits=2 and sym=False, got bits={self.bits}, sym={self.sym}")
         if isinstance(self.min_zero, bool) or self.min_zero not in (0, 1):
             raise ValueError(f"min_zero must be 0 or 1, got {self.min_zero!r}")
+        if not isinstance(self.float_bias, bool):
+            raise ValueError(f"float_bias must be a bool, got {self.float_bias!r}")
+        if self.float_bias and (self.sym or self.ternary or self.min_zero):
+            raise ValueError("a float-bias grid has no integer zero point: it needs sym=False, ternary=False and "
+                             f"min_zero=0, got sym={self.sym}, ternary={self.ternary}, min_zero={self.min_zero}")
+        allowed_dtypes = FLOAT_BIAS_DTYPES if self.float_bias else (torch.float16,)
+        if self.scale_dtype not in allowed_dtypes:
+            raise ValueError(f"scale_dtype must be one of {allowed_dtypes} on this grid, got {self.scale_dtype!r}")
 
     @property
     def maxq(self) -> int:
@@ -87,10 +106,13 @@ def require_finite(weights: Tensor) -> None:
 
 
 class GroupParams(NamedTuple):
-    """Grid of one group, one entry per output row (float32; scale values are exact float16)."""
+    """Grid of one group, one entry per output row (float32; scale values are exact float16).
+
+    A float-bias grid has ``bias`` and no meaningful ``zero`` (all 0)."""
 
     scale: Tensor
     zero: Tensor  # integers in [0, maxq]
+    bias: Tensor | None = None
 
 
 def find_group_params(weights: Tensor, config: QuantConfig) -> GroupParams:
@@ -111,6 +133,8 @@ def find_group_params(weights: Tensor, config: QuantConfig) -> GroupParams:
     require_finite(w)
     if config.ternary:
         return _absmean_params(w)
+    if config.float_bias:
+        return stored_affine_params(affine_params(w, config), config)
     xmin = w.amin(dim=1).clamp(max=0.0)
     xmax = w.amax(dim=1).clamp(min=0.0)
     if config.sym:
@@ -138,6 +162,45 @@ def find_group_params(weights: Tensor, config: QuantConfig) -> GroupParams:
     else:
         zero = torch.round(-xmin / scale).clamp(config.min_zero, config.maxq)
     return GroupParams(scale, zero)
+
+
+# mx.quantize's floor on a group's step (float32 1e-7): a constant group still gets a finite scale
+_AFFINE_EPS = torch.tensor(1e-7, dtype=torch.float32)
+
+
+def affine_params(weights: Tensor, config: QuantConfig) -> GroupParams:
+    """MLX's min-max rule (``mx.quantize``, mlx/backend/cpu/quantized.cpp), in float32, unrounded.
+
+    step = max((max − min) / maxq, 1e-7). The extreme of larger magnitude (the edge) becomes code 0:
+    the bias is the edge and the scale points from it into the group (negative when the edge is the
+    maximum). The scale is then adjusted to edge / round(edge / scale), so that 0 also falls exactly
+    on the grid. ``mx.quantize`` rounds the codes with these float32 values and stores the scale and
+    bias in the model dtype; ``stored_affine_params`` gives the grid as stored.
+    """
+    w = weights.to(torch.float32)
+    require_finite(w)
+    xmin, xmax = w.amin(dim=1), w.amax(dim=1)
+    bins = torch.full_like(xmin, float(config.maxq))
+    step = torch.maximum((xmax - xmin) / bins, _AFFINE_EPS)
+    min_is_edge = xmin.abs() > xmax.abs()
+    scale = torch.where(min_is_edge, step, -step)
+    edge = torch.where(min_is_edge, xmin, xmax)
+    q0 = torch.round(edge / scale)
+    on_grid = q0 != 0
+    scale = torch.where(on_grid, edge / q0, scale)
+    bias = torch.where(on_grid, edge, torch.zeros_like(edge))
+    return GroupParams(scale, torch.zeros_like(scale), bias)
+
+
+def stored_affine_params(params: GroupParams, config: QuantConfig) -> GroupParams:
+    """``params`` rounded to the dtype the format stores them in, back in float32: the exact grid."""
+    def stored(t: Tensor) -> Tensor:
+        return t.to(config.scale_dtype).to(torch.float32)
+
+    scale = stored(params.scale)
+    if not torch.isfinite(scale).all() or bool((scale == 0).any()):
+        raise ValueError(f"a group's scale does not fit {config.scale_dtype} (0 or beyond its range)")
+    return GroupParams(scale, params.zero, stored(params.bias))
 
 
 def _absmean_params(w: Tensor) -> GroupParams:
@@ -201,8 +264,13 @@ def _clip_errors(w: Tensor, extremes: Tensor, steps: Tensor, config: QuantConfig
         shrink = _shrink(chunk).unsqueeze(2)  # [c, rows, 1]
         params = find_group_params((shrink * extremes).reshape(-1, 2), config)
         scale, zero = params.scale.view(shrink.shape), params.zero.view(shrink.shape)
-        codes = torch.round(w / scale).add_(zero).clamp_(0, config.maxq)
-        delta = codes.sub_(zero).mul_(scale).sub_(w)
+        if params.bias is None:
+            codes = torch.round(w / scale).add_(zero).clamp_(0, config.maxq)
+            delta = codes.sub_(zero).mul_(scale).sub_(w)
+        else:
+            bias = params.bias.view(shrink.shape)
+            codes = torch.round((w - bias).div_(scale)).clamp_(0, config.maxq)
+            delta = codes.mul_(scale).add_(bias).sub_(w)
         if hessian is None:
             errors.append(delta.abs_().pow_(CLIP_NORM).sum(dim=2))
         else:
@@ -218,13 +286,18 @@ def _per_row(param: Tensor, like: Tensor) -> Tensor:
 def quantize_codes(weights: Tensor, params: GroupParams, maxq: int) -> Tensor:
     """Integer codes (as float32) of ``weights`` [rows] or [rows, cols] on the grid ``params``."""
     w = weights.to(torch.float32)
-    scale, zero = _per_row(params.scale, w), _per_row(params.zero, w)
-    return torch.clamp(torch.round(w / scale) + zero, 0, maxq)
+    scale = _per_row(params.scale, w)
+    if params.bias is not None:
+        return torch.clamp(torch.round((w - _per_row(params.bias, w)) / scale), 0, maxq)
+    return torch.clamp(torch.round(w / scale) + _per_row(params.zero, w), 0, maxq)
 
 
 def dequantize_codes(codes: Tensor, params: GroupParams) -> Tensor:
-    """``(codes - zero) * scale`` in float32: the same arithmetic as ``QuantizedTensor.dequantize``."""
+    """``(codes - zero) * scale``, or ``codes * scale + bias``, in float32: the same arithmetic as
+    ``QuantizedTensor.dequantize``."""
     c = codes.to(torch.float32)
+    if params.bias is not None:
+        return c * _per_row(params.scale, c) + _per_row(params.bias, c)
     return (c - _per_row(params.zero, c)) * _per_row(params.scale, c)
 
 
@@ -247,14 +320,16 @@ class QuantizedTensor:
 
     ``codes`` uint8 [N, K] in the original input-channel order; ``scales`` float16 [G, N];
     ``zeros`` uint8 [G, N] (the true integer zero point, no GPTQ-v1 offset); ``g_idx`` int32 [K]
-    (group of each input channel; non-monotonic under act-order).
+    (group of each input channel; non-monotonic under act-order). On a float-bias grid ``zeros`` is
+    None and ``biases`` [G, N] holds each group's bias; scales and biases are ``config.scale_dtype``.
     """
 
     codes: Tensor
     scales: Tensor
-    zeros: Tensor
+    zeros: Tensor | None
     g_idx: Tensor
     config: QuantConfig
+    biases: Tensor | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, QuantConfig):
@@ -265,20 +340,36 @@ class QuantizedTensor:
         n, k = self.codes.shape
         groups = self.config.num_groups(k)
         _check_tensor(self.codes, "codes", torch.uint8, (n, k))
-        _check_tensor(self.scales, "scales", torch.float16, (groups, n))
-        _check_tensor(self.zeros, "zeros", torch.uint8, (groups, n))
+        _check_tensor(self.scales, "scales", self.config.scale_dtype, (groups, n))
         _check_tensor(self.g_idx, "g_idx", torch.int32, (k,))
         maxq = self.config.maxq
         if int(self.codes.max()) > maxq:
             raise ValueError(f"codes exceed maxq={maxq} for {self.config.bits}-bit: max {int(self.codes.max())}")
-        if int(self.zeros.max()) > maxq:
-            raise ValueError(f"zeros exceed maxq={maxq} for {self.config.bits}-bit: max {int(self.zeros.max())}")
-        if int(self.zeros.min()) < self.config.min_zero:
-            raise ValueError(f"zeros below min_zero={self.config.min_zero}: min {int(self.zeros.min())}")
         if int(self.g_idx.min()) < 0 or int(self.g_idx.max()) >= groups:
             raise ValueError(
                 f"g_idx values must lie in [0, {groups}), got [{int(self.g_idx.min())}, {int(self.g_idx.max())}]"
             )
+        if self.config.float_bias:
+            self._check_biases(groups, n)
+        else:
+            self._check_zeros(groups, n)
+
+    def _check_biases(self, groups: int, n: int) -> None:
+        if self.zeros is not None or self.biases is None:
+            raise ValueError("a float-bias record has biases and no zero points")
+        _check_tensor(self.biases, "biases", self.config.scale_dtype, (groups, n))
+        if not (torch.isfinite(self.scales).all() and torch.isfinite(self.biases).all()):
+            raise ValueError("scales and biases must be finite")
+
+    def _check_zeros(self, groups: int, n: int) -> None:
+        if self.biases is not None:
+            raise ValueError(f"biases belong to a float-bias grid, not to {self.config}")
+        _check_tensor(self.zeros, "zeros", torch.uint8, (groups, n))
+        maxq = self.config.maxq
+        if int(self.zeros.max()) > maxq:
+            raise ValueError(f"zeros exceed maxq={maxq} for {self.config.bits}-bit: max {int(self.zeros.max())}")
+        if int(self.zeros.min()) < self.config.min_zero:
+            raise ValueError(f"zeros below min_zero={self.config.min_zero}: min {int(self.zeros.min())}")
         if not (torch.isfinite(self.scales).all() and (self.scales >= 0).all()):
             raise ValueError("scales must be finite and not negative")
 
@@ -287,8 +378,11 @@ class QuantizedTensor:
         return tuple(self.codes.shape)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """The weight [N, K]: ``(codes - zeros[g_idx].T) * scales[g_idx].T`` in float32, then cast."""
+        """The weight [N, K]: ``(codes - zeros[g_idx].T) * scales[g_idx].T``, or on a float-bias grid
+        ``codes * scales[g_idx].T + biases[g_idx].T``, in float32, then cast."""
         g = self.g_idx.long()
-        zeros = self.zeros[g].T.to(torch.float32)
         scales = self.scales[g].T.to(torch.float32)
+        if self.biases is not None:
+            return (self.codes.to(torch.float32) * scales + self.biases[g].T.to(torch.float32)).to(dtype)
+        zeros = self.zeros[g].T.to(torch.float32)
         return ((self.codes.to(torch.float32) - zeros) * scales).to(dtype)

@@ -33,13 +33,13 @@ def artifact_format(model_dir: Path, config: MiniCPMConfig) -> Format | None:
     if manifest.is_file():
         return FORMATS[json.loads(manifest.read_text())["format"]]
     quantization = getattr(config, "quantization_config", None) or {}
-    method = quantization.get("quant_method")
-    if method is None:
+    if not quantization:
         return None
-    key = (method, quantization.get("checkpoint_format"))
+    key = (quantization.get("quant_method"), quantization.get("checkpoint_format"))  # mlx-lm writes neither
     if key not in _FOREIGN_METHODS:
-        readable = ", ".join(f"{m}" + (f" with checkpoint_format {f}" if f else "") for m, f in _FOREIGN_METHODS)
-        raise ValueError(f"{model_dir}: quantization method '{method}' with checkpoint_format "
+        readable = ", ".join(f"{m or 'none (mlx-lm)'}" + (f" with checkpoint_format {f}" if f else "")
+                             for m, f in _FOREIGN_METHODS)
+        raise ValueError(f"{model_dir}: quantization method '{key[0]}' with checkpoint_format "
                          f"{key[1]!r} is not supported (readable: {readable})")
     return FORMATS[_FOREIGN_METHODS[key]]
 
@@ -87,8 +87,11 @@ class ArtifactReader:
         return {name: self.tensors.get(name) for name in self.tensors.names if name.startswith(prefix)}
 
     def other_tensors(self) -> dict[str, Tensor]:
-        """Everything outside the decoder layers (embedding, final norm, LM head)."""
-        return {name: self.tensors.get(name) for name in self.tensors.names if not name.startswith("model.layers.")}
+        """Everything outside the decoder layers (embedding, final norm, LM head), quantized ones dequantized."""
+        tensors = {name: self.tensors.get(name) for name in self.tensors.names if not name.startswith("model.layers.")}
+        if self.format is not None and self.format.read_outside is not None:
+            return self.format.read_outside(tensors, self.qconfig)
+        return tensors
 
     def layer(self, index: int) -> tuple[dict[str, Tensor], dict[str, QuantizedTensor]]:
         """Layer ``index``'s plain tensors and its quantized linears' records (none if unquantized)."""

@@ -16,12 +16,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import yaml
 
 from quantkit.algorithms import ALGORITHMS, SOLVES_BLOCK_TYPES
 from quantkit.formats import FORMATS
 from quantkit.models.layers import LINEARS, SEQUENTIAL_GROUPS
-from quantkit.quant import QuantConfig
+from quantkit.quant import FLOAT_BIAS_BITS
 
 
 class RecipeError(ValueError):
@@ -81,7 +82,8 @@ SCHEMA: dict[str, Any] = {
                            help="dtype of calibration forwards; auto: bfloat16 on CPUs that multiply it in "
                                 "hardware (AMX, AVX-512 BF16), float32 elsewhere (statistics accumulate in fp32)"),
     "quant": {
-        "bits": Field(int, required=True, choices=(2, 3, 4, 8), help="bits per weight code"),
+        "bits": Field(int, required=True, choices=FLOAT_BIAS_BITS,
+                      help="bits per weight code (5 and 6 on MLX's affine grid only)"),
         "group_size": Field(int, default=128, choices=(-1, 32, 64, 128, 256),
                             help="input channels sharing a scale and zero point (-1: one group of every channel)"),
         "sym": Field(bool, default=True, help="symmetric grid (fixed zero point) instead of a zero point per group"),
@@ -273,9 +275,12 @@ def load_recipe(name_or_path: str | Path, overrides: dict[str, Any] | None = Non
         raise RecipeError(f"{path}: 'gptq.desc_act' and 'gptq.group_aware' are two column orders: enable one "
                           "(group_aware is on by default: set gptq.group_aware: false for act-order)")
     try:
-        config = QuantConfig(**values["quant"])
+        config = FORMATS[values["format"]].grid(values["quant"], torch.float16)
     except ValueError as e:
-        raise RecipeError(f"{path}: 'quant': {e}") from e
+        # QuantConfig's messages start with the field they are about ("bits must be one of ...")
+        field = str(e).split(" ", 1)[0]
+        key = f"quant.{field}" if field in values["quant"] else "quant"
+        raise RecipeError(f"{path}: '{key}' on format {values['format']}: {e}") from e
     clips = values["algorithm"] == "awq" or (values["algorithm"] == "gptq" and values["gptq"]["clip_search"])
     if config.ternary and clips:
         raise RecipeError(f"{path}: a ternary grid's scale is the group's mean |w|, with no range to clip: "

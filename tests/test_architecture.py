@@ -50,7 +50,10 @@ READERS = ["kernels", "eval", "quantkit/gguf"]
 
 
 @pytest.mark.parametrize("folders, forbidden", [
-    (READERS + ["quantkit/reader.py", "quantkit/loading.py", "quantkit/formats"], ("quantkit.engine", "quantkit.cli")),
+    (READERS + ["quantkit/reader.py", "quantkit/loading.py", "quantkit/formats", "quantkit/mlx_export.py"],
+     ("quantkit.engine", "quantkit.cli")),
+    # the Hub, both ways, works on finished artifacts: never the engine or the CLI
+    (["quantkit/hub"], ("quantkit.engine", "quantkit.cli", "quantkit.kernels", "quantkit.eval")),
     (["quantkit/models"], ("quantkit.kernels", "quantkit.engine", "quantkit.cli", "quantkit.eval")),
     (["quantkit/formats", "quantkit/algorithms", "quantkit/quant.py"], ("quantkit.engine", "quantkit.cli",
                                                                        "quantkit.kernels", "quantkit.eval")),

@@ -21,6 +21,8 @@ FINGERPRINTS = {
     "gptq-ternary-g32": "61be3f49e1a24eae79bfee9cfa9eeeefc700788cd8ddad6d3fc99023e5ada33f",
     "gptq-w4g128": "d4251035ec3396c5da54e881d005c72c99abf4510ff9c45cfe3792b05506cd1f",
     "marlin": "c29502c09ca4a6be3edc0a4e59dab211fc189ab6f2dcb7da087ffb20a438671c",
+    "mlx-s-p-gptq-w4g64": "6eccba0556e1e3c03450af37ca7a7e6a922df1129763681d63906f80863845a6",
+    "mlx-rtn-w4g64": "62fd3d2fd922bc8bc28b3cb2a6a60228f04184209d11aef30a4bc1925bc60165",
     "p-gptq-w4g128": "465013af18af503be36c5d035357772556f7bee573e1e2db8f19a680b79e7284",
     "qat-ternary-g256": "5120f7db670f809afe89cfd8d220748f1c31e8be71e7df788f4fd864ea40c87a",
     "qat-ternary-g32": "ad3318380b8eb8376a71bc6ce173a4d92e236c80fa1a84b3d0167e64e52767fb",

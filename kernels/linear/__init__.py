@@ -52,7 +52,8 @@ def linear_for(record, bias: torch.Tensor | None, backend: str, dtype: torch.dty
     uniform = isinstance(record, QuantizedTensor)
     if uniform and record.config.ternary and backend == "cpu":
         return TernaryLinear.from_record(record, bias, keep_dequantized)
-    four_bit = uniform and record.config.bits == 4
+    # the int4 kernels take integer zero points; a float-bias (MLX) record runs dequantized
+    four_bit = uniform and record.config.bits == 4 and not record.config.float_bias
     if four_bit and backend == "cpu":
         return Int4Linear.from_record(record, bias, keep_dequantized)
     if four_bit and backend == "triton":

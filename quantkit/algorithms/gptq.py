@@ -173,11 +173,12 @@ class _Grid:
         self.order = order
         self.scales = torch.empty(config.num_groups(k), w.shape[0], dtype=torch.float32)
         self.zeros = torch.empty_like(self.scales)
+        self.biases = torch.empty_like(self.scales) if config.float_bias else None
         self.group_starts: set[int] = set()
         self.position_group = natural_groups[order] if up_front or groups_follow_columns else natural_groups
         if up_front:  # from the unmodified weights in natural column order, whatever the processing order
             for group, columns in enumerate(group_slices(k, config.group_size)):
-                self.scales[group], self.zeros[group] = self.find(w[:, columns], config)
+                self.keep(group, self.find(w[:, columns], config))
         else:  # each group's columns are consecutive positions; parameters are found as it starts
             changes = torch.nonzero(self.position_group[1:] != self.position_group[:-1]).flatten() + 1
             self.group_starts = {0, *changes.tolist()}
@@ -188,8 +189,13 @@ class _Grid:
         if position in self.group_starts:
             width = min(self.config.group_size, len(self.position_group) - position)
             with _threads(self.threads):
-                self.scales[group], self.zeros[group] = self.find(rows[:width].T, self.config)
-        return GroupParams(self.scales[group], self.zeros[group])
+                self.keep(group, self.find(rows[:width].T, self.config))
+        return GroupParams(self.scales[group], self.zeros[group], None if self.biases is None else self.biases[group])
+
+    def keep(self, group: int, params: GroupParams) -> None:
+        self.scales[group], self.zeros[group] = params.scale, params.zero
+        if self.biases is not None:
+            self.biases[group] = params.bias
 
     def round(self, position: int, rows: Tensor) -> tuple[Tensor, Tensor]:
         """(codes, fake-quantized values) of the column at ``position``."""
@@ -201,7 +207,11 @@ class _Grid:
         """The record of the solver's ``codes`` [N, K] (natural column order) on this grid."""
         g_idx = torch.empty(codes.shape[1], dtype=torch.int32)
         g_idx[self.order] = self.position_group.to(torch.int32)
-        return QuantizedTensor(codes, self.scales.to(torch.float16), self.zeros.to(torch.uint8), g_idx, self.config)
+        dtype = self.config.scale_dtype  # exact: the parameters were found on the stored grid
+        scales = self.scales.to(dtype)
+        if self.biases is not None:
+            return QuantizedTensor(codes, scales, None, g_idx, self.config, biases=self.biases.to(dtype))
+        return QuantizedTensor(codes, scales, self.zeros.to(torch.uint8), g_idx, self.config)
 
 
 @contextmanager

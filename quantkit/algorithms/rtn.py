@@ -1,4 +1,9 @@
-"""Round-to-nearest: every group's grid from its own min/max, each weight rounded independently."""
+"""Round-to-nearest: every group's grid from its own min/max, each weight rounded independently.
+
+On a float-bias grid (MLX) RTN is mlx-lm's own quantizer, ``mx.quantize``: the codes are rounded
+with the float32 min-max parameters and the scale and bias are then stored in the model dtype, so
+the result equals ``mlx_lm.convert -q`` bit for bit. (The solvers instead choose codes on the grid
+as stored: ``find_group_params``.)"""
 from __future__ import annotations
 
 from typing import Callable
@@ -10,6 +15,7 @@ from quantkit.quant import (
     GroupParams,
     QuantConfig,
     QuantizedTensor,
+    affine_params,
     default_g_idx,
     find_group_params,
     group_slices,
@@ -28,16 +34,20 @@ def quantize_groups(weight: Tensor, config: QuantConfig, choose_grid: GridChoose
     w = weight.to(torch.float32)
     slices = group_slices(k, config.group_size)
     codes = torch.empty(n, k, dtype=torch.uint8)
-    scales = torch.empty(len(slices), n, dtype=torch.float16)
-    zeros = torch.empty(len(slices), n, dtype=torch.uint8)
+    scales = torch.empty(len(slices), n, dtype=config.scale_dtype)
+    offsets = torch.empty(len(slices), n, dtype=config.scale_dtype if config.float_bias else torch.uint8)
     for group, columns in enumerate(slices):
         params = choose_grid(w, columns)
         codes[:, columns] = quantize_codes(w[:, columns], params, config.maxq).to(torch.uint8)
-        scales[group] = params.scale.to(torch.float16)
-        zeros[group] = params.zero.to(torch.uint8)
-    return QuantizedTensor(codes, scales, zeros, default_g_idx(k, config.group_size), config)
+        scales[group] = params.scale.to(config.scale_dtype)
+        offsets[group] = params.bias if config.float_bias else params.zero
+    g_idx = default_g_idx(k, config.group_size)
+    if config.float_bias:
+        return QuantizedTensor(codes, scales, None, g_idx, config, biases=offsets)
+    return QuantizedTensor(codes, scales, offsets, g_idx, config)
 
 
 def rtn_quantize(weight: Tensor, config: QuantConfig) -> QuantizedTensor:
     """Quantize a linear weight [N, K] group by group (float32 math whatever the input dtype)."""
-    return quantize_groups(weight, config, lambda w, columns: find_group_params(w[:, columns], config))
+    find = affine_params if config.float_bias else find_group_params
+    return quantize_groups(weight, config, lambda w, columns: find(w[:, columns], config))

@@ -8,10 +8,10 @@ format is one module plus one entry in ``MODULES``.
 """
 from __future__ import annotations
 
-from quantkit.formats import awq, cpmcu, gguf, gptq, marlin, ternary
+from quantkit.formats import awq, cpmcu, gguf, gptq, marlin, mlx, ternary
 from quantkit.formats.base import Format, Shapes
 
-MODULES = (gptq, awq, marlin, cpmcu, ternary, gguf)
+MODULES = (gptq, awq, marlin, cpmcu, ternary, gguf, mlx)
 FORMATS: dict[str, Format] = {fmt.name: fmt for module in MODULES for fmt in module.FORMATS}
 
 __all__ = ["FORMATS", "Format", "MODULES", "Shapes"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+import torch
 from torch import Tensor
 
 from quantkit.quant import QuantConfig, QuantizedTensor
@@ -15,6 +16,14 @@ Shapes = Mapping[str, tuple[int, int]]  # linear name -> (out_features, in_featu
 
 def _recipe_grid(config: QuantConfig, linear: str, layer: int, layers: int, shape: tuple[int, int]) -> QuantConfig:
     return config
+
+
+def _uniform_grid(quant: Mapping[str, Any], model_dtype: torch.dtype) -> QuantConfig:
+    return QuantConfig(**quant)
+
+
+def _only_config_json(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {"config.json": config}
 
 
 @dataclass(frozen=True)
@@ -33,11 +42,22 @@ class Format:
     # (recipe grid, linear name, layer, layers, (N, K)) -> what the algorithm rounds that linear to
     target: Callable[..., Any] = _recipe_grid
     block_types: bool = False  # linears are solved on GGUF block types, not on the recipe's uniform grid
+    # (recipe's quant section, the checkpoint's float dtype) -> the grid of the whole run
+    grid: Callable[[Mapping[str, Any], torch.dtype], QuantConfig] = _uniform_grid
+    # the embedding, final norm and LM head as stored, for formats that quantize some of them too:
+    # (tensors, grid) -> what is written, and (stored tensors, grid) -> the float tensors they mean
+    write_outside: Callable[[Mapping[str, Tensor], QuantConfig], dict[str, Tensor]] | None = None
+    read_outside: Callable[[Mapping[str, Tensor], QuantConfig], dict[str, Tensor]] | None = None
+    # the full config.json -> every JSON file the consumers read it from ({"config.json": ...} at least)
+    config_files: Callable[[dict[str, Any]], dict[str, dict[str, Any]]] = _only_config_json
 
     def stores(self, tensor_name: str) -> bool:
-        """Whether ``tensor_name`` is part of a quantized linear in this format."""
+        """Whether ``tensor_name`` is part of a quantized linear in this format. A dotted suffix
+        ("q_proj.weight") matches the name's tail, a plain one its last component, one ending in "_"
+        a prefix of that component."""
         suffix = tensor_name.rsplit(".", 1)[-1]
-        return any(suffix == s or (s.endswith("_") and suffix.startswith(s)) for s in self.suffixes)
+        return any(tensor_name.endswith("." + s) if "." in s
+                   else suffix == s or (s.endswith("_") and suffix.startswith(s)) for s in self.suffixes)
 
 
 def per_linear(write: Callable[[QuantizedTensor, str], dict[str, Tensor]],

@@ -121,8 +121,8 @@ def build_tiny_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def _tiny_config(tokenizer: Tokenizer, *, tied, longrope, num_hidden_layers, hidden_size, intermediate_size,
-                 num_attention_heads, num_key_value_heads, head_dim, vocab_size, attention_bias,
+def _tiny_config(tokenizer: Tokenizer, *, tied, longrope, same_rope_factors, num_hidden_layers, hidden_size,
+                 intermediate_size, num_attention_heads, num_key_value_heads, head_dim, vocab_size, attention_bias,
                  sparse_config, dtype) -> MiniCPMConfig:
     vocab_size = tokenizer.get_vocab_size() if vocab_size is None else vocab_size
     if vocab_size < tokenizer.get_vocab_size():
@@ -134,7 +134,7 @@ def _tiny_config(tokenizer: Tokenizer, *, tied, longrope, num_hidden_layers, hid
         rope_scaling = {
             "rope_type": "longrope",
             "short_factor": [1.0 + 0.5 * i for i in range(frequencies)],
-            "long_factor": [1.0 + 2.0 * i for i in range(frequencies)],
+            "long_factor": [1.0 + (0.5 if same_rope_factors else 2.0) * i for i in range(frequencies)],
             "original_max_position_embeddings": TINY_ORIGINAL_CONTEXT,
         }
     return MiniCPMConfig(
@@ -240,6 +240,7 @@ def write_tiny_checkpoint(
     *,
     tied: bool = False,
     longrope: bool = True,
+    same_rope_factors: bool = False,
     seed: int = 0,
     num_hidden_layers: int = 2,
     hidden_size: int = 256,
@@ -252,11 +253,16 @@ def write_tiny_checkpoint(
     sparse_config: dict | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """Write a random MiniCPM checkpoint folder at ``path`` and return it (GQA 16:1 by default)."""
+    """Write a random MiniCPM checkpoint folder at ``path`` and return it (GQA 16:1 by default).
+
+    ``same_rope_factors``: LongRoPE's long and short factor lists identical, as in the shipped
+    MiniCPM4.1 configs (mlx-lm applies the long factors at every length, so only then does it agree
+    with MiniCPM's own modeling, which picks between the two)."""
     path = Path(path)
     tokenizer = build_tiny_tokenizer()
     config = _tiny_config(
-        tokenizer, tied=tied, longrope=longrope, num_hidden_layers=num_hidden_layers, hidden_size=hidden_size,
+        tokenizer, tied=tied, longrope=longrope, same_rope_factors=same_rope_factors,
+        num_hidden_layers=num_hidden_layers, hidden_size=hidden_size,
         intermediate_size=intermediate_size, num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads, head_dim=head_dim, vocab_size=vocab_size,
         attention_bias=attention_bias, sparse_config=sparse_config, dtype=dtype,

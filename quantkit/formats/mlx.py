@@ -1,0 +1,195 @@
+"""MLX affine-quantized checkpoints, the layout ``mlx_lm.convert -q`` writes and ``mlx_lm.load`` reads.
+
+Per quantized module (K = in_features, N = out_features, G = K / group_size; see docs/formats.md,
+"MLX"):
+
+- ``weight`` uint32 [N, K·bits/32]: each row's codes as one little-endian bit stream, code k at bits
+  [k·bits, (k+1)·bits) of the row (so 3-, 5- and 6-bit codes straddle words), as ``mx.quantize`` packs;
+- ``scales`` and ``biases`` [N, G] in the model's float dtype: ``w = scales · q + biases`` per group.
+
+The grid is quantkit's float-bias grid (``QuantConfig.float_bias``). As mlx-lm's converter does, the
+embedding and the LM head are quantized too (round to nearest on the same grid) wherever their width
+is a whole number of groups. ``config.json`` carries ``"quantization": {"group_size", "bits", "mode"}``
+(and the same dict as ``quantization_config``, as mlx-lm writes it).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from quantkit.algorithms.rtn import rtn_quantize
+from quantkit.formats.base import Format, per_linear
+from quantkit.formats.gptq import fetch_packed, tensor_key
+from quantkit.models.layers import EMBEDDING, LINEARS, LM_HEAD
+from quantkit.quant import FLOAT_BIAS_BITS, QuantConfig, QuantizedTensor, default_g_idx
+
+GROUP_SIZES = (32, 64, 128)
+WORD_BITS = 32
+MODE = "affine"
+# Outside the decoder layers, the modules mlx-lm's converter quantizes (it quantizes every module
+# with ``to_quantized`` whose last dimension is a whole number of groups)
+QUANTIZED_OUTSIDE = (EMBEDDING, LM_HEAD)
+# transformers >= 5.0 reads this file instead of config.json (its ``configuration_files`` mechanism)
+TRANSFORMERS_CONFIG = "config.5.0.0.json"
+DEFAULT_ROPE_THETA = 10000.0  # MiniCPM's own default (quantkit.models.configuration_minicpm)
+
+
+def check_mlx(config: QuantConfig, in_features: int, out_features: int, desc_act: bool = False,
+              name: str = "") -> None:
+    """Raise a ValueError naming ``name`` and every rule of MLX's affine grid this linear breaks."""
+    rules = (
+        (f"bits in {FLOAT_BIAS_BITS}", config.bits in FLOAT_BIAS_BITS, f"bits={config.bits}"),
+        (f"group_size in {GROUP_SIZES}", config.group_size in GROUP_SIZES, f"group_size={config.group_size}"),
+        ("an affine grid (quant.sym: false)", not config.sym, f"sym={config.sym}"),
+        ("no ternary grid", not config.ternary, "ternary=True"),
+        ("no act-order (groups are runs of input channels)", not desc_act, f"desc_act={desc_act}"),
+        ("K a whole number of groups", config.group_size > 0 and in_features % config.group_size == 0,
+         f"in_features K={in_features}, group_size={config.group_size}"),
+    )
+    broken = [f"{rule} ({found})" for rule, holds, found in rules if not holds]
+    if broken:
+        raise ValueError(f"{name or 'linear'}: cannot use the MLX format: " + "; ".join(broken))
+
+
+def mlx_grid(quant: Mapping[str, Any], model_dtype: torch.dtype) -> QuantConfig:
+    """The recipe's grid as MLX stores it: a float bias per group, scales and biases in the model dtype."""
+    if quant.get("sym", True) or quant.get("ternary", False):
+        raise ValueError("format mlx stores an affine grid (scale and float bias per group): set quant.sym: false "
+                         "(and no quant.ternary)")
+    return QuantConfig(**quant, float_bias=True, scale_dtype=model_dtype)
+
+
+def pack_codes(codes: Tensor, bits: int) -> Tensor:
+    """uint8 codes [R, K] -> uint32 [R, K·bits/32]: each row one little-endian stream of ``bits``-bit fields."""
+    rows, k = codes.shape
+    if (k * bits) % WORD_BITS:
+        raise ValueError(f"cannot pack {k} codes of {bits} bits into whole 32-bit words")
+    fields = np.unpackbits(codes.numpy()[..., None], axis=-1, count=bits, bitorder="little")  # [R, K, bits]
+    stream = np.packbits(fields.reshape(rows, k * bits), axis=-1, bitorder="little")
+    return torch.from_numpy(stream.view("<u4").astype(np.uint32))
+
+
+def unpack_codes(words: Tensor, bits: int) -> Tensor:
+    """Inverse of ``pack_codes``: uint32 [R, W] -> uint8 [R, W·32/bits]."""
+    rows, width = words.shape
+    stream = np.unpackbits(words.numpy().astype("<u4").view(np.uint8), axis=-1, bitorder="little")
+    fields = stream.reshape(rows, width * WORD_BITS // bits, bits)
+    return torch.from_numpy(np.packbits(fields, axis=-1, bitorder="little")[..., 0])
+
+
+def require_natural_groups(qt: QuantizedTensor, prefix: str) -> None:
+    if not torch.equal(qt.g_idx, default_g_idx(qt.shape[1], qt.config.group_size)):
+        raise ValueError(f"{prefix or 'linear'}: MLX stores no g_idx; this record has an act-order one")
+
+
+def mlx_tensors(qt: QuantizedTensor, prefix: str) -> dict[str, Tensor]:
+    """``{prefix}.weight/.scales/.biases`` for one module (``prefix`` = its module name)."""
+    n, k = qt.shape
+    check_mlx(qt.config, k, n, name=prefix)
+    if not qt.config.float_bias:
+        raise ValueError(f"{prefix or 'linear'}: MLX stores a float bias per group; this record has integer zero "
+                         "points (quantize with format mlx, or `quantkit export mlx` an asymmetric artifact)")
+    require_natural_groups(qt, prefix)
+    return {
+        tensor_key(prefix, "weight"): pack_codes(qt.codes, qt.config.bits),
+        tensor_key(prefix, "scales"): qt.scales.T.contiguous(),
+        tensor_key(prefix, "biases"): qt.biases.T.contiguous(),
+    }
+
+
+def read_mlx_tensors(tensors: Mapping[str, Tensor], prefix: str, config: QuantConfig,
+                     shape: tuple[int, int]) -> QuantizedTensor:
+    """Exact inverse of ``mlx_tensors``; the scales' dtype is the one stored."""
+    n, k = shape
+    check_mlx(config, k, n, name=prefix)
+    groups = k // config.group_size
+    scales = tensors.get(tensor_key(prefix, "scales"))
+    if scales is None:
+        raise KeyError(f"MLX tensor {tensor_key(prefix, 'scales')!r} is missing")
+    grid = replace(config, scale_dtype=scales.dtype)
+    weight = fetch_packed(tensors, tensor_key(prefix, "weight"), torch.uint32, (n, k * config.bits // WORD_BITS),
+                          "MLX")
+    scales = fetch_packed(tensors, tensor_key(prefix, "scales"), scales.dtype, (n, groups), "MLX")
+    biases = fetch_packed(tensors, tensor_key(prefix, "biases"), scales.dtype, (n, groups), "MLX")
+    return QuantizedTensor(unpack_codes(weight, config.bits), scales.T.contiguous(), None,
+                           default_g_idx(k, config.group_size), grid, biases=biases.T.contiguous())
+
+
+def write_outside(tensors: Mapping[str, Tensor], config: QuantConfig) -> dict[str, Tensor]:
+    """The embedding and LM head quantized as ``mlx_lm.convert`` does (round to nearest, each in its own
+    dtype) where their width is a whole number of groups; everything else as it is."""
+    if LM_HEAD not in tensors:
+        raise ValueError("format mlx: this checkpoint ties its LM head to the embedding, and mlx-lm's MiniCPM "
+                         "cannot load a tied checkpoint (mlx_lm/models/minicpm.py adds an lm_head.weight the tied "
+                         "model has no module for), quantized or not")
+    out = dict(tensors)
+    for name in QUANTIZED_OUTSIDE:
+        weight = tensors.get(name)
+        if weight is None or weight.shape[1] % config.group_size:
+            continue
+        module = name.removesuffix(".weight")
+        del out[name]
+        out |= mlx_tensors(rtn_quantize(weight, replace(config, scale_dtype=weight.dtype)), module)
+    return out
+
+
+def read_outside(tensors: Mapping[str, Tensor], config: QuantConfig) -> dict[str, Tensor]:
+    """Inverse of ``write_outside`` up to quantization: quantized modules come back as float32 weights."""
+    out = {}
+    for name, tensor in tensors.items():
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and tensor_key(module, "scales") in tensors:
+            n, groups = tensors[tensor_key(module, "scales")].shape
+            record = read_mlx_tensors(tensors, module, config, (n, groups * config.group_size))
+            out[name] = record.dequantize(torch.float32)
+        elif not name.endswith((".scales", ".biases")):
+            out[name] = tensor
+    return out
+
+
+def quantization_config(config: QuantConfig, **_settings: Any) -> dict[str, Any]:
+    """mlx-lm's ``quantization`` dict; the solver's settings (desc_act, damping, ...) have no place in it."""
+    return {"group_size": config.group_size, "bits": config.bits, "mode": MODE}
+
+
+def parse_quantization_config(d: Mapping[str, Any]) -> QuantConfig:
+    """The grid of an MLX ``quantization`` dict; each record takes its scales' dtype from the tensors."""
+    if d.get("mode", MODE) != MODE:
+        raise ValueError(f"MLX quantization mode {d['mode']!r} is not supported; only {MODE!r} is")
+    overrides = sorted(key for key, value in d.items() if isinstance(value, dict))
+    if overrides:
+        raise ValueError(f"per-module MLX quantization overrides ({', '.join(overrides)}) are not supported")
+    return QuantConfig(bits=d["bits"], group_size=d["group_size"], sym=False, float_bias=True,
+                       scale_dtype=torch.float32)
+
+
+def config_files(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """config.json with mlx-lm's ``quantization`` key; and, for transformers >= 5, the same config without
+    ``rope_theta`` when it is MiniCPM's default.
+
+    mlx-lm loads the tokenizer through transformers' ``AutoTokenizer``, which reads config.json; not
+    knowing ``model_type: minicpm``, it falls back to its base config class, which crashes
+    standardising LongRoPE whenever ``rope_theta`` and ``rope_scaling`` are both present. transformers
+    reads the file named in ``configuration_files`` instead of config.json, so that file leaves
+    ``rope_theta`` to its default (the same value), while mlx-lm, which reads config.json alone,
+    computes exactly what it would have.
+    """
+    config = dict(config, quantization=config["quantization_config"])
+    if not config.get("rope_scaling") or config.get("rope_theta", DEFAULT_ROPE_THETA) != DEFAULT_ROPE_THETA:
+        return {"config.json": config}
+    for_transformers = {key: value for key, value in config.items() if key != "rope_theta"}
+    return {"config.json": dict(config, configuration_files=[TRANSFORMERS_CONFIG]),
+            TRANSFORMERS_CONFIG: for_transformers}
+
+
+FORMATS = (Format("mlx", "MLX affine (mlx-lm): uint32 codes, scales and float biases in the model dtype; "
+                  "embedding and LM head quantized too", check_mlx,
+                  *per_linear(mlx_tensors, read_mlx_tensors), quantization_config, parse_quantization_config,
+                  suffixes=(*(f"{linear}.weight" for linear in LINEARS), "scales", "biases"),
+                  reads=((None, None),),  # mlx-lm's quantization dict has no quant_method
+                  grid=mlx_grid, write_outside=write_outside, read_outside=read_outside,
+                  config_files=config_files),)

@@ -1,0 +1,250 @@
+"""The model card (the repository's README.md), built from the artifact's own files.
+
+Front matter in the Hub's conventions (https://huggingface.co/docs/hub/model-cards#model-card-metadata):
+``base_model`` with ``base_model_relation: quantized``, ``library_name``, ``pipeline_tag``, the base
+model's ``license`` and ``language``, and tags naming the method and the format. The body says what
+the artifact is, its size and bits per weight, the evaluation table of a ``quantkit eval report``
+when one is given, how to run it (only with the consumers that read its format: ``USAGE``), the
+recipe and the calibration data with their hashes, and every file with its SHA-256.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from quantkit.hub.check import CARD_FILE, CheckedArtifact, CheckedGGUF
+from quantkit.hub.repo import RepoRef
+from quantkit.table import format_table
+
+REPORT_FILE = "report.json"  # what `quantkit eval report` writes; looked for in the artifact too
+# Words CPM.cu looks for in a model's folder name to treat it as quantized (cpmcu/common/utils.py).
+CPMCU_QUANTIZED_WORDS = ("marlin", "gptq", "quant", "awq", "int4", "int8", "w4a16", "qat")
+
+
+@dataclass(frozen=True)
+class Consumer:
+    """How one program runs a published repository: a code block, and why it looks as it does."""
+
+    title: str
+    language: str
+    # str.format fields: repo, ref, remote (Python keyword), remote_flag (CLI), register, local, file_type
+    command: str
+    note: str = ""
+
+
+CONSUMERS: dict[str, Consumer] = {
+    "transformers": Consumer(
+        "transformers", "python",
+        '{register}from transformers import AutoModelForCausalLM, AutoTokenizer\n\n'
+        'tokenizer = AutoTokenizer.from_pretrained("{repo}"{remote})\n'
+        'model = AutoModelForCausalLM.from_pretrained("{repo}", device_map="auto"{remote})',
+        "transformers loads GPTQ and AWQ checkpoints through GPTQModel: `pip install gptqmodel optimum`."),
+    "vllm": Consumer("vLLM", "bash", "vllm serve {repo}{remote_flag}",
+                     "vLLM takes the method from `quantization_config` (GPTQ runs on its Marlin kernels)."),
+    "sglang": Consumer("SGLang", "bash", "python -m sglang.launch_server --model-path {repo}{remote_flag}"),
+    "cpmcu": Consumer(
+        "CPM.cu", "bash",
+        'hf download {repo} --local-dir {local}\npython -m cpmcu.cli --model-path {local} --prompt-text "Hello"',
+        "CPM.cu treats a model as quantized only when its folder's name says so (`marlin`, `gptq`, ...)."),
+    "quantkit": Consumer("quantkit's runtime", "bash",
+                         'quantkit generate --model {ref} --prompt "Hello"\nquantkit chat --model {ref}'),
+    "llama.cpp": Consumer("llama.cpp", "bash", "llama-cli -hf {repo}:{file_type}\nllama-server -hf {repo}:{file_type}"),
+}
+
+# Which consumers read each format (docs/formats.md, "Which consumer reads what"); a format not
+# listed is read by quantkit alone. GGUF files are llama.cpp's.
+USAGE: dict[str, tuple[str, ...]] = {
+    "gptq": ("transformers", "vllm", "sglang", "quantkit"),
+    "gptq-v2": ("vllm", "sglang", "quantkit"),
+    "awq": ("transformers", "vllm", "sglang", "quantkit"),
+    "cpmcu": ("cpmcu", "quantkit"),
+}
+GGUF_USAGE = ("llama.cpp",)
+PIPELINE_TAG = "text-generation"
+
+
+@dataclass(frozen=True)
+class BaseModel:
+    repo_id: str
+    license: str
+    languages: tuple[str, ...]
+
+
+def consumers_of(fmt: str) -> tuple[str, ...]:
+    return USAGE.get(fmt, ("quantkit",))
+
+
+def _front_matter(base: BaseModel, library: str, tags: list[str]) -> str:
+    from huggingface_hub import ModelCardData
+
+    data = ModelCardData(base_model=base.repo_id, base_model_relation="quantized", library_name=library,
+                         pipeline_tag=PIPELINE_TAG, license=base.license, language=list(base.languages) or None,
+                         tags=list(dict.fromkeys(tags)))
+    return f"---\n{data.to_yaml()}\n---\n"
+
+
+def _usage(names: tuple[str, ...], fields: dict) -> str:
+    blocks = []
+    for name in names:
+        consumer = CONSUMERS[name]
+        note = f"\n{consumer.note}\n" if consumer.note else ""
+        blocks.append(f"### {consumer.title}\n\n```{consumer.language}\n{consumer.command.format(**fields)}\n```\n"
+                      + note)
+    return "## Use it\n\n" + "\n".join(blocks)
+
+
+def _cpmcu_folder(name: str) -> str:
+    quantized = any(word in name.lower() for word in CPMCU_QUANTIZED_WORDS)
+    return f"models/{name}" if quantized else f"models/{name}-marlin"
+
+
+def _files_table(files) -> str:
+    return format_table(["file", "bytes", "sha256"], [[f.path_in_repo, f.size, f.sha256] for f in files])
+
+
+def _calibration(calibration: dict) -> str:
+    from quantkit.calib import CORPORA, DATA_PACKAGE
+
+    shipped = json.loads(resources.files(DATA_PACKAGE).joinpath("manifest.json").read_text())["files"]
+    rows = []
+    for source, count in sorted(calibration.get("rows_per_source", {}).items()):
+        corpus = CORPORA.get(source)
+        record = shipped.get(corpus.file, {}) if corpus else {}
+        rows.append([source, count, corpus.description if corpus else source, corpus.file if corpus else "-",
+                     record.get("sha256", "-")])
+    table = format_table(["source", "rows", "text", "file", "sha256"], rows)
+    return (f"## Calibration data\n\n{calibration['n_samples']} rows of {calibration['seq_len']} tokens "
+            f"(mix `{calibration['source']}`, seed {calibration['seed']}, chat template "
+            f"{'on' if calibration.get('chat') else 'off'}), from texts shipped with quantkit:\n\n```\n{table}\n```\n\n"
+            f"SHA-256 of the token rows: `{calibration['fingerprint']}`.\n")
+
+
+def _evaluation(report: dict | None, artifact: Path) -> str:
+    if report is None:
+        return ("## Evaluation\n\nNo evaluation report was published with this artifact "
+                "(`quantkit eval report` writes one; `quantkit publish --report` adds it here).\n")
+    variants = report["variants"]
+    mine = [v for v in variants[1:] if Path(v["path"]).name == artifact.name]
+    if not mine:
+        raise ValueError(f"the report has no variant named {artifact.name} "
+                         f"(it has {', '.join(Path(v['path']).name for v in variants[1:])})")
+    shown = [variants[0], mine[0]]
+    tasks = list(variants[0].get("tasks", {}))
+    tau = variants[0].get("tau") is not None
+    headers = ["model", "bits/param", "perplexity", "Δppl %", "mean KL", "top-1", *tasks, *(["τ"] if tau else [])]
+    rows = [[v["name"], v["bits_per_parameter"], v["perplexity"], v["delta_ppl_pct"], v["mean_kl"], v["top1"],
+             *[v["tasks"][t] for t in tasks], *([v["tau"]] if tau else [])] for v in shown]
+    setup = report["setup"]
+    return (f"## Evaluation\n\nMeasured by `quantkit eval report` against the unquantized model on {setup['tokens']} "
+            f"held-out tokens (`{setup['data']}`, window {setup['window']}, token SHA-256 "
+            f"`{setup['tokens_sha256'][:16]}`); KL over the reference's top {setup['kl_top_k']} tokens:\n\n"
+            f"```\n{format_table(headers, rows)}\n```\n")
+
+
+def base_model_of(checked: CheckedArtifact, repo_id: str | None) -> BaseModel:
+    """The base model: ``repo_id`` (``--base-model``) or the upstream of a quantkit-converted model; its
+    licence and languages from the base model's card the artifact carries, else from quantkit's registry."""
+    from quantkit.models.zoo import MODELS, SOURCE_FILE
+
+    source_path = checked.directory / SOURCE_FILE
+    source = json.loads(source_path.read_text()).get("source", {}) if source_path.is_file() else {}
+    upstream = MODELS.get(source.get("model", ""))
+    repo_id = repo_id or (upstream.hub_repo if upstream else None)
+    if repo_id is None:
+        raise ValueError(f"cannot tell which model {checked.directory} was quantized from: pass --base-model "
+                         "owner/name")
+    card = _base_card(checked.directory / CARD_FILE)
+    license_ = card.get("license") or (upstream.hub_license if upstream else "unknown")
+    languages = card.get("language") or (upstream.languages if upstream else ())
+    return BaseModel(repo_id, license_, tuple([languages] if isinstance(languages, str) else languages))
+
+
+def gguf_base_model(checked: CheckedGGUF, repo_id: str | None) -> BaseModel:
+    if repo_id is None:
+        raise ValueError(f"a GGUF file does not say which Hub model it came from: pass --base-model owner/name "
+                         f"for {checked.file.path}")
+    return BaseModel(repo_id, checked.license or "unknown", checked.languages)
+
+
+def _base_card(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    from huggingface_hub import ModelCard
+
+    return ModelCard(path.read_text(encoding="utf-8")).data.to_dict()
+
+
+def load_report(path: Path | None, directory: Path) -> dict | None:
+    """``path``, else the artifact's own report.json, else nothing."""
+    found = path or (directory / REPORT_FILE if (directory / REPORT_FILE).is_file() else None)
+    return json.loads(Path(found).read_text()) if found else None
+
+
+def artifact_card(checked: CheckedArtifact, ref: RepoRef, base: BaseModel, report: dict | None) -> str:
+    from quantkit.formats import FORMATS
+    from quantkit.inspect import describe
+    from quantkit.models import MiniCPMConfig
+    from quantkit.models.minicpm import weight_shapes
+
+    manifest = checked.manifest or {}
+    fmt = checked.format or "unquantized"
+    recipe = manifest.get("recipe", {})
+    info = describe(checked.directory)
+    shapes = weight_shapes(MiniCPMConfig.from_pretrained(checked.directory))
+    parameters = sum(math.prod(shape) for shape in shapes.values())
+    consumers = consumers_of(fmt)
+    library = "transformers" if "transformers" in consumers else "quantkit"
+    # MiniCPM's code: the config's own (auto_map, remote code), else quantkit's, registered on import
+    remote = "auto_map" in checked.config
+    fields = {"repo": ref.repo_id, "ref": str(ref), "remote": ", trust_remote_code=True" if remote else "",
+              "remote_flag": " --trust-remote-code" if remote else "", "local": _cpmcu_folder(ref.name),
+              "register": "" if remote else "import quantkit  # registers MiniCPM's model code with transformers\n"}
+    summary = FORMATS[fmt].summary if fmt in FORMATS else fmt
+    facts = [["format", f"`{fmt}`: {summary}"], ["quantization", info["quantization"]],
+             ["weights", f"{checked.weight_bytes / 2**20:.1f} MB"],
+             ["bits per weight", f"{8 * checked.weight_bytes / parameters:.3f} (weight files over the "
+                                 f"{parameters:,} parameters of the unquantized model)"]]
+    if info.get("max_layer_rel_error") is not None:
+        facts.append(["largest layer error", f"{info['max_layer_rel_error']:.4g} (relative output error of one "
+                                             "linear on calibration data)"])
+    body = [f"# {ref.name}\n",
+            f"A quantization of [{base.repo_id}](https://huggingface.co/{base.repo_id}) made with "
+            f"quantkit {manifest.get('quantkit_version', '')}"
+            + (f", recipe `{recipe['name']}`: {recipe.get('description', '')}." if recipe else "."),
+            _facts(facts),
+            _evaluation(report, checked.directory), _usage(consumers, fields)]
+    if recipe:
+        body.append(f"## Recipe\n\n```yaml\n{yaml.safe_dump(recipe, sort_keys=False, allow_unicode=True)}```\n")
+    if "calibration" in manifest:
+        body.append(_calibration(manifest["calibration"]))
+    body.append(f"## Files\n\n```\n{_files_table(checked.files)}\n```\n")
+    tags = ["quantkit", "quantized", recipe.get("algorithm", ""), fmt,
+            *([f"{recipe['quant']['bits']}-bit"] if recipe.get("quant", {}).get("bits") else [])]
+    return _front_matter(base, library, [t for t in tags if t]) + "\n" + "\n".join(body)
+
+
+def _facts(rows: list[list[str]]) -> str:
+    return "\n| | |\n|---|---|\n" + "".join(f"| {key} | {value} |\n" for key, value in rows)
+
+
+def gguf_card(checked: CheckedGGUF, ref: RepoRef, base: BaseModel, siblings: list[tuple[str, int]]) -> str:
+    """The card of a GGUF repository: llama.cpp's usage, and every GGUF file the repository holds
+    (``siblings``: the other files already there, as (name, bytes))."""
+    files = sorted({*siblings, (checked.file.path_in_repo, checked.file.size)})
+    facts = [["this file", f"`{checked.file.path_in_repo}` ({checked.file.size / 2**20:.1f} MB, "
+                           f"{checked.bits_per_weight:.3f} bits per weight, {checked.parameters:,} parameters)"],
+             ["file type", checked.file_type], ["architecture", checked.architecture],
+             ["sha256", f"`{checked.file.sha256}`"]]
+    fields = {"repo": ref.repo_id, "file_type": checked.file_type}
+    table = format_table(["file", "MB"], [[name, size / 2**20] for name, size in files])
+    body = [f"# {ref.name}\n",
+            f"GGUF files of [{base.repo_id}](https://huggingface.co/{base.repo_id}) for llama.cpp, made with "
+            f"quantkit; one file per type, named `<model>-<TYPE>.gguf`.\n", _facts(facts),
+            f"## Files\n\n```\n{table}\n```\n", _usage(GGUF_USAGE, fields)]
+    tags = ["quantkit", "quantized", "gguf", "llama.cpp", checked.file_type]
+    return _front_matter(base, "gguf", tags) + "\n" + "\n".join(body)

@@ -1,0 +1,446 @@
+"""The Hub, both ways, against a protocol-level stand-in for the Hub (tests/hub_server.py): the real Hub
+is unreachable here, so huggingface_hub 2.4.0 itself talks HTTP to a local server that answers its
+endpoints. What arrives must be the artifact's bytes; a second run sends nothing; an interrupted
+upload resumes; a download gives the same bytes back and loads; bad inputs send nothing."""
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from quantkit.cli import main
+from quantkit.hub.card import CONSUMERS, GGUF_USAGE, consumers_of
+from quantkit.hub.check import ArtifactCheckError, check_artifact
+from quantkit.hub.publish import NOT_CONSULTED, UNCHANGED, UPLOAD, check, publish, render_card
+from quantkit.hub.pull import PULL_PATTERNS, pull_model
+from quantkit.hub.repo import RepoRef, parse_repo_ref
+from quantkit.models.zoo import resolve_model
+
+from helpers import small_recipe
+from hub_server import HubServer, StoredFile
+
+TOKEN = "hf_quantkitTestToken0123456789abcdef"
+BASE = "openbmb/MiniCPM4.1-8B"
+REPO = RepoRef("someone/tiny-w4")
+
+
+def _quantize(model: Path, recipe: str, out: Path, **changes) -> Path:
+    from quantkit.engine import quantize
+
+    quantize(model, small_recipe(recipe, out.parent, **changes), out, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_checkpoint, tmp_path_factory) -> Path:
+    return _quantize(tiny_checkpoint, "rtn-w4g128", tmp_path_factory.mktemp("hub") / "tiny-w4")
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """The stand-in Hub, with huggingface_hub pointed at it: HF_ENDPOINT (quantkit reads it at each call),
+    a private cache, no stored login, and the LFS upload path (huggingface_hub picks Xet on the client
+    side whenever hf_xet is installed; the stand-in speaks LFS)."""
+    from huggingface_hub import constants
+
+    with HubServer(TOKEN) as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setenv("HF_TOKEN", TOKEN)
+        monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+        monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-login" / "token"))
+        yield server
+
+
+def _artifact_bytes(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()}
+
+
+def _sent(server, method="PUT"):
+    return [kind for m, kind in server.state.requests if m == method]
+
+
+def test_publish_sends_exactly_the_artifact_and_a_second_run_sends_nothing(hub, artifact):
+    result = publish(artifact, REPO, base_model=BASE)
+    arrived = hub.files(REPO.repo_id)
+    assert arrived == {**_artifact_bytes(artifact), "README.md": result.card.encode()}
+    shards = sorted(p for p in artifact.glob("*.safetensors"))
+    assert sorted(hub.state.lfs_received) == sorted(hashlib.sha256(p.read_bytes()).hexdigest()
+                                                    for p in shards)
+    (payload,) = hub.state.commit_payloads  # one commit; weights through LFS, the rest inline
+    assert {line["value"]["path"] for line in payload if line["key"] == "lfsFile"} == {p.name for p in shards}
+    assert {line["value"]["path"] for line in payload if line["key"] == "file"} == \
+        set(arrived) - {p.name for p in shards}
+    assert result.commit == hub.state.repos[REPO.repo_id].branches["main"]
+    assert set(hub.state.auth_headers) == {f"Bearer {TOKEN}"}
+
+    before = list(hub.state.requests)
+    again = publish(artifact, REPO, base_model=BASE)
+    assert again.commit is None and {f.action for f in again.files} == {UNCHANGED}
+    new = [kind for _, kind in hub.state.requests[len(before):]]
+    assert new == ["create_repo", "tree"]  # looked, sent nothing
+    assert len(hub.state.commit_payloads) == 1
+
+
+def test_only_a_changed_file_is_sent(hub, artifact):
+    publish(artifact, REPO, base_model=BASE)
+    result = publish(artifact, REPO, base_model="someone-else/other-base")  # the card changes, nothing else
+    assert [f.path_in_repo for f in result.files if f.action == UPLOAD] == ["README.md"]
+    assert hub.files(REPO.repo_id)["README.md"] == result.card.encode()
+    assert len(hub.state.lfs_received) == 3 and len(hub.state.commit_payloads) == 2
+    assert [line["value"]["path"] for line in hub.state.commit_payloads[1] if line["key"] != "header"] == ["README.md"]
+
+
+def test_a_failed_upload_is_retried_by_the_client(hub, artifact):
+    shard = max(artifact.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    oid = hashlib.sha256(shard.read_bytes()).hexdigest()
+    hub.state.fail("lfs-upload", status=500, count=1, oid=oid)  # a transient storage error
+    publish(artifact, REPO, base_model=BASE)
+    assert _sent(hub).count("lfs_upload") == 4  # three objects, one of them twice
+    assert hub.state.lfs_received.count(oid) == 1
+    assert hub.files(REPO.repo_id)[shard.name] == shard.read_bytes()
+
+
+def test_an_interrupted_upload_resumes_and_sends_only_what_is_missing(hub, artifact):
+    shard = max(artifact.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    oid = hashlib.sha256(shard.read_bytes()).hexdigest()
+    hub.state.fail("lfs-upload", status=403, count=1, oid=oid)  # not retried: the run stops
+    with pytest.raises(RuntimeError, match="nothing was committed.*Run the same command again"):
+        publish(artifact, REPO, base_model=BASE)
+    assert hub.files(REPO.repo_id) == {} and hub.state.commit_payloads == []
+    assert len(hub.state.lfs_objects) == 2  # the other two objects arrived before the run stopped
+
+    received = len(hub.state.lfs_received)
+    publish(artifact, REPO, base_model=BASE)
+    assert hub.state.lfs_received[received:] == [oid]  # only the missing object is sent again
+    assert hub.files(REPO.repo_id)[shard.name] == shard.read_bytes()
+
+
+def test_a_failed_commit_is_resumed_without_sending_the_weights_again(hub, artifact):
+    hub.state.fail("commit", status=500, count=1)
+    with pytest.raises(RuntimeError, match="nothing was committed"):
+        publish(artifact, REPO, base_model=BASE)
+    assert len(hub.state.lfs_received) == 3
+    publish(artifact, REPO, base_model=BASE)
+    assert len(hub.state.lfs_received) == 3  # the Hub held them: no upload action, no PUT
+    assert hub.files(REPO.repo_id).keys() == {*_artifact_bytes(artifact), "README.md"}
+
+
+def test_a_pulled_repository_has_the_same_bytes_and_loads(hub, artifact):
+    from quantkit.loading import load_model
+
+    publish(artifact, REPO, base_model=BASE)
+    pulled = resolve_model(REPO.repo_id)
+    assert pulled.parents[1].name == "models--someone--tiny-w4"  # huggingface_hub's own cache
+    assert _artifact_bytes(pulled) == {**_artifact_bytes(artifact), "README.md": hub.files(REPO.repo_id)["README.md"]}
+    ids = torch.tensor([[1, 5, 9, 14, 3]])
+    with torch.no_grad():
+        assert torch.equal(load_model(pulled)(ids).logits, load_model(artifact)(ids).logits)
+
+
+def test_pull_fetches_weights_configs_and_tokenizer_but_no_pickle_or_code(hub, artifact):
+    files = {name: StoredFile(data, lfs=name.endswith(".safetensors"))
+             for name, data in _artifact_bytes(artifact).items()}
+    unsafe = {"pytorch_model.bin": StoredFile(b"pickle", lfs=True), "training_args.pt": StoredFile(b"pickle", lfs=True),
+              "modeling_minicpm.py": StoredFile(b"import os", lfs=False)}
+    hub.seed("someone/mixed", files | unsafe)
+    pulled = pull_model(parse_repo_ref("someone/mixed"))
+    assert {p.name for p in pulled.iterdir()} == set(_artifact_bytes(artifact))
+    hub.seed("someone/pickles-only", {"config.json": files["config.json"], **unsafe})
+    with pytest.raises(FileNotFoundError, match="no safetensors weights"):
+        pull_model(parse_repo_ref("someone/pickles-only"))
+    assert "*.py" not in PULL_PATTERNS and not any(p.endswith((".bin", ".pt")) for p in PULL_PATTERNS)
+
+
+def test_a_revision_is_published_to_and_pulled_from_its_branch(hub, artifact):
+    result = publish(artifact, parse_repo_ref(REPO.repo_id, "w4-rtn"), base_model=BASE)
+    assert result.revision == "w4-rtn" and hub.files(REPO.repo_id, "main") == {}
+    assert "quantkit generate --model someone/tiny-w4@w4-rtn" in result.card
+    pulled = resolve_model(f"{REPO.repo_id}@w4-rtn")
+    assert (pulled / "quantkit.json").read_bytes() == (artifact / "quantkit.json").read_bytes()
+    with pytest.raises(FileNotFoundError, match="no revision 'v9'"):
+        resolve_model(f"{REPO.repo_id}@v9")
+
+
+def test_a_model_neither_here_nor_on_the_hub_is_one_clear_line(hub):
+    result = CliRunner().invoke(main, ["roofline", "--device", "orin", "--model", "someone/absent"])
+    assert result.exit_code == 1
+    assert result.output.strip() == (f"Error: someone/absent is no local directory, so it was looked up on the Hub: no "
+                                     f"model repository someone/absent on {hub.url} (for a private or gated one, set "
+                                     "HF_TOKEN or run `hf auth login`)")
+
+
+def test_offline_uses_the_cache_and_says_how_to_fill_it(hub, artifact, monkeypatch):
+    from huggingface_hub import constants
+
+    publish(artifact, REPO, base_model=BASE)
+    online = resolve_model(REPO.repo_id)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    requests = len(hub.state.requests)
+    assert resolve_model(REPO.repo_id) == online
+    assert len(hub.state.requests) == requests  # no network request at all
+    with pytest.raises(RuntimeError, match=r"not in the Hugging Face cache[\s\S]*hf download someone/never-pulled "
+                                           r"--revision v1 --include '\*.safetensors'[\s\S]*HF_HUB_OFFLINE=1"):
+        resolve_model("someone/never-pulled@v1")
+
+
+@pytest.mark.parametrize("text", ["no-slash", "a/b/c", "-owner/name", "owner/name-", "own--er/name", "owner/na..me",
+                                  "owner/name@", "owner/" + "x" * 97, "owner/na me"])
+def test_a_malformed_repo_id_is_refused_before_any_request(hub, artifact, text):
+    with pytest.raises(ValueError, match="malformed Hub repo id"):
+        parse_repo_ref(text)
+    result = CliRunner().invoke(main, ["publish", str(artifact), "--repo-id", text, "--base-model", BASE])
+    assert result.exit_code == 1 and "malformed Hub repo id" in result.output
+    assert hub.state.requests == []
+
+
+def test_a_missing_token_is_refused_before_any_request(hub, artifact, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN")
+    with pytest.raises(RuntimeError, match="no Hugging Face token found: set HF_TOKEN.*hf auth login"):
+        publish(artifact, REPO, base_model=BASE)
+    assert hub.state.requests == []
+    plan = publish(artifact, REPO, base_model=BASE, dry_run=True)  # the plan still shows, and says so
+    assert any("a real run would stop here: no Hugging Face token" in note for note in plan.notes)
+
+
+def test_a_refused_token_is_said_so_and_nothing_is_committed(hub, artifact, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_wrongToken")
+    with pytest.raises(RuntimeError, match="the Hub refused the token for someone/tiny-w4: set HF_TOKEN") as raised:
+        publish(artifact, REPO, base_model=BASE)
+    assert "hf_wrongToken" not in str(raised.value) and hub.state.repos == {}
+
+
+def _broken_copy(artifact: Path, tmp_path: Path, change) -> Path:
+    copy = tmp_path / "copy"
+    shutil.copytree(artifact, copy)
+    change(copy)
+    return copy
+
+
+def _rewrite_records(directory: Path) -> None:
+    """Make the manifest's file records match the (changed) files, so a deeper check must catch it."""
+    from quantkit.artifact import FILES_KEY, REPORT_FILE, file_records
+
+    manifest = json.loads((directory / "quantkit.json").read_text())
+    manifest[FILES_KEY] = file_records(directory, {"quantkit.json", REPORT_FILE})
+    (directory / "quantkit.json").write_text(json.dumps(manifest))
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def _wrong_bits(directory: Path) -> None:
+    for name in ("config.json", "quantize_config.json"):
+        config = json.loads((directory / name).read_text())
+        (config.get("quantization_config") or config)["bits"] = 8
+        (directory / name).write_text(json.dumps(config))
+    _rewrite_records(directory)
+
+
+def _no_template(directory: Path) -> None:
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    _rewrite_records(directory)
+
+
+BROKEN = {
+    "a shard missing": (lambda d: (d / "model-00002-of-00003.safetensors").unlink(), "incomplete artifact"),
+    "a shard changed": (lambda d: _flip_byte(d / "model-00001-of-00003.safetensors"), "SHA-256 differs"),
+    "a shard truncated": (lambda d: (d / "model-00003-of-00003.safetensors").write_bytes(b"\0" * 8),
+                          "corrupt safetensors file"),
+    "a config file deleted": (lambda d: (d / "generation_config.json").unlink(), "generation_config.json is missing"),
+    "quantization_config vs tensors": (_wrong_bits, "does not describe the tensors of layer 0"),
+    "no tokenizer": (lambda d: ((d / "tokenizer.json").unlink(), _rewrite_records(d)), "no tokenizer"),
+    "no chat template": (_no_template, "no chat template"),
+    "a pickle file": (lambda d: (d / "optimizer.pt").write_bytes(b"x"), "pickle files"),
+    "an unfinished run": (lambda d: (d / "progress.json").write_text("{}"), "unfinished run"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_an_incomplete_or_tampered_artifact_is_refused_and_nothing_sent(hub, artifact, tmp_path, case):
+    change, message = BROKEN[case]
+    broken = _broken_copy(artifact, tmp_path, change)
+    with pytest.raises(ArtifactCheckError, match=message):
+        publish(broken, REPO, base_model=BASE)
+    assert hub.state.requests == []
+
+
+def test_the_check_passes_the_artifact_as_written(artifact):
+    checked = check_artifact(artifact)
+    assert [f.path_in_repo for f in checked.files] == sorted(_artifact_bytes(artifact))
+    assert checked.notes == []
+
+
+def test_dry_run_plans_every_file_with_its_hash_and_sends_nothing(hub, artifact):
+    result = CliRunner().invoke(main, ["publish", str(artifact), "--repo-id", "someone/tiny-w4", "--revision", "v1",
+                                       "--base-model", BASE, "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    assert plan["repo_id"] == "someone/tiny-w4" and plan["revision"] == "v1" and plan["dry_run"]
+    files = {f["path_in_repo"]: f for f in plan["files"]}
+    assert plan["files"][0]["path_in_repo"] == "README.md"
+    for name, data in _artifact_bytes(artifact).items():
+        assert files[name]["size"] == len(data)
+        assert files[name]["sha256"] == hashlib.sha256(data).hexdigest()
+        assert files[name]["action"] == NOT_CONSULTED
+    assert hub.state.requests == []
+
+
+def _front_matter(card: str) -> dict:
+    from huggingface_hub import ModelCard
+
+    parsed = ModelCard(card)
+    assert ModelCard(str(parsed)).data.to_dict() == parsed.data.to_dict()  # round-trips
+    return parsed.data.to_dict()
+
+
+def test_the_card_front_matter_parses_with_huggingface_hub(artifact):
+    ref = REPO
+    card = render_card(check(artifact, ref), ref, BASE)
+    data = _front_matter(card)
+    assert data["base_model"] == BASE and data["base_model_relation"] == "quantized"
+    assert data["library_name"] == "transformers" and data["pipeline_tag"] == "text-generation"
+    assert data["license"] == "unknown"  # the tiny checkpoint carries no base model card
+    assert {"quantkit", "rtn", "gptq", "4-bit"} <= set(data["tags"])
+    manifest = json.loads((artifact / "quantkit.json").read_text())
+    assert manifest["calibration"]["fingerprint"] in card
+    assert "name: rtn-w4g128" in card and "No evaluation report" in card
+    assert "import quantkit  # registers MiniCPM" in card and "trust_remote_code" not in card  # no auto_map
+
+
+def test_remote_code_the_config_names_is_used_in_the_usage_and_noted_when_missing(artifact, tmp_path):
+    def add_auto_map(directory: Path) -> None:
+        config = json.loads((directory / "config.json").read_text())
+        config["auto_map"] = {"AutoModelForCausalLM": "modeling_minicpm.MiniCPMForCausalLM",
+                              "AutoTokenizer": ["tokenization_minicpm.MiniCPMTokenizer", None]}
+        (directory / "config.json").write_text(json.dumps(config))
+        (directory / "tokenization_minicpm.py").write_text("")
+        _rewrite_records(directory)
+
+    checked = check_artifact(_broken_copy(artifact, tmp_path, add_auto_map))
+    assert len(checked.notes) == 1 and "modeling_minicpm.py" in checked.notes[0]
+    assert "tokenization_minicpm.py" not in checked.notes[0]
+    card = render_card(checked, REPO, BASE)
+    assert 'from_pretrained("someone/tiny-w4", device_map="auto", trust_remote_code=True)' in card
+    assert "vllm serve someone/tiny-w4 --trust-remote-code" in card
+
+
+def test_the_base_models_card_gives_licence_and_languages(artifact, tmp_path):
+    base_card = "---\nlicense: apache-2.0\nlanguage:\n- zh\n- en\n---\n# MiniCPM4.1\n"
+    copy = _broken_copy(artifact, tmp_path, lambda d: (d / "README.md").write_text(base_card))
+    checked = check_artifact(copy)
+    assert "README.md" not in [f.path_in_repo for f in checked.files]  # replaced by the published card
+    data = _front_matter(render_card(checked, REPO, BASE))
+    assert data["license"] == "apache-2.0" and data["language"] == ["zh", "en"]
+
+
+def test_a_quantkit_built_in_model_names_its_upstream(artifact, tmp_path):
+    copy = _broken_copy(artifact, tmp_path, lambda d: (d / "quantkit_source.json").write_text(
+        json.dumps({"source": {"model": "smollm2-135m"}})))
+    data = _front_matter(render_card(check(copy, REPO), REPO))
+    assert data["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and data["license"] == "apache-2.0"
+    with pytest.raises(ValueError, match="pass --base-model"):
+        render_card(check(artifact, REPO), REPO)
+
+
+def test_the_evaluation_table_comes_from_report_json(artifact, tmp_path):
+    variant = {"bits_per_parameter": 4.6, "perplexity": 12.5, "delta_ppl_pct": 3.25, "mean_kl": 0.0421,
+               "top1": 0.912, "tasks": {"gsm": 0.31}, "tau": 2.5, "layer_errors": [], "size_mb": 1.0}
+    report = {"setup": {"tokens": 4096, "data": "austen", "window": 2048, "tokens_sha256": "ab" * 32, "kl_top_k": 256},
+              "variants": [{**variant, "name": "fp (reference)", "path": "/x/fp", "perplexity": 12.1, "mean_kl": 0.0},
+                           {**variant, "name": "tiny-w4", "path": str(artifact)}]}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    card = render_card(check(artifact, REPO), REPO, BASE, path)
+    table = card.split("## Evaluation")[1].split("##")[0]
+    assert "0.0421" in table and "0.912" in table and "gsm" in table and "τ" in table and "4096" in table
+
+
+def _headings(card: str) -> list[str]:
+    usage = card.split("## Use it")[1].split("\n## ")[0]
+    return [line.removeprefix("### ") for line in usage.splitlines() if line.startswith("### ")]
+
+
+USAGE_MARKERS = {"transformers": "AutoModelForCausalLM", "vllm": "vllm serve", "sglang": "sglang.launch_server",
+                 "cpmcu": "cpmcu.cli", "quantkit": "quantkit generate", "llama.cpp": "llama-cli"}
+FORMAT_ARTIFACTS = {  # format -> (recipe, changes, fixture)
+    "awq": ("awq-w4g128", {}, "tiny_checkpoint"),
+    "cpmcu": ("cpmcu", {"smooth": {"enabled": False}}, "marlin_legal"),
+    "ternary": ("rtn-ternary-g32", {}, "tiny_checkpoint"),
+}
+
+
+@pytest.mark.parametrize("fmt", ["gptq", *FORMAT_ARTIFACTS])
+def test_each_format_card_shows_only_its_consumers(fmt, artifact, tmp_path, request):
+    if fmt == "gptq":
+        directory = artifact
+    else:
+        recipe, changes, fixture = FORMAT_ARTIFACTS[fmt]
+        directory = _quantize(request.getfixturevalue(fixture), recipe, tmp_path / f"tiny-{fmt}", **changes)
+    ref = RepoRef(f"someone/tiny-{fmt}")
+    card = render_card(check(directory, ref), ref, BASE)
+    expected = [CONSUMERS[name].title for name in consumers_of(fmt)]
+    assert _headings(card) == expected
+    usage = card.split("## Use it")[1]
+    for name, marker in USAGE_MARKERS.items():
+        assert (marker in usage) == (name in consumers_of(fmt)), (fmt, name)
+    if fmt == "cpmcu":
+        assert "--model-path models/tiny-cpmcu-marlin" in card
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tiny_checkpoint, tmp_path_factory) -> dict[str, Path]:
+    from quantkit.gguf.export import export_gguf
+
+    out = tmp_path_factory.mktemp("gguf")
+    return {t: export_gguf(tiny_checkpoint, out / f"tiny-{t}.gguf", t, progress=False) and out / f"tiny-{t}.gguf"
+            for t in ("q8_0", "q4_0")}
+
+
+def test_gguf_files_follow_llama_cpp_naming_in_one_repo(hub, gguf_files):
+    ref = RepoRef("someone/Tiny-MiniCPM-GGUF")
+    first = publish(gguf_files["q8_0"], ref, base_model=BASE)
+    assert [f.path_in_repo for f in first.files] == ["README.md", "Tiny-MiniCPM-Q8_0.gguf"]
+    second = publish(gguf_files["q4_0"], ref, base_model=BASE)
+    arrived = hub.files(ref.repo_id)
+    assert arrived["Tiny-MiniCPM-Q8_0.gguf"] == gguf_files["q8_0"].read_bytes()
+    assert arrived["Tiny-MiniCPM-Q4_0.gguf"] == gguf_files["q4_0"].read_bytes()
+    card = arrived["README.md"].decode()
+    assert card == second.card and "Tiny-MiniCPM-Q8_0.gguf" in card and "Tiny-MiniCPM-Q4_0.gguf" in card
+    data = _front_matter(card)
+    assert data["library_name"] == "gguf" and {"gguf", "Q4_0"} <= set(data["tags"])
+    assert _headings(card) == [CONSUMERS[name].title for name in GGUF_USAGE]
+    assert "llama-cli -hf someone/Tiny-MiniCPM-GGUF:Q4_0" in card
+    assert "vllm serve" not in card and "from_pretrained" not in card and "quantkit generate" not in card
+
+
+def test_no_token_appears_in_any_output_log_or_file(hub, artifact, tmp_path):
+    """The real CLI in a subprocess, configured through the environment only: publish, then read it back."""
+    home = tmp_path / "home"
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_XET": "1",
+           "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"), "HF_DEBUG": "1", "QUANTKIT_DEBUG": "1",
+           "OMP_NUM_THREADS": "1"}
+    cli = [sys.executable, "-m", "quantkit.cli"]
+    runs = [subprocess.run(cli + args, capture_output=True, text=True, env=env, cwd=tmp_path) for args in (
+        ["publish", str(artifact), "--repo-id", REPO.repo_id, "--base-model", BASE, "--private"],
+        ["roofline", "--device", "orin", "--model", REPO.repo_id, "--json"])]
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+        assert TOKEN not in run.stdout and TOKEN not in run.stderr
+    commit = hub.state.repos[REPO.repo_id].branches["main"]
+    assert f"commit {commit}" in runs[0].stdout and hub.state.repos[REPO.repo_id].private
+    assert json.loads(runs[1].stdout)["model"].endswith(commit)  # pulled (private: with the token) and read
+    assert set(hub.state.auth_headers) == {f"Bearer {TOKEN}"}  # it was sent, to the Hub only
+    written = [p for root in (home, tmp_path, artifact) for p in Path(root).rglob("*") if p.is_file()]
+    assert written and not [p for p in written if TOKEN.encode() in p.read_bytes()]
