@@ -373,12 +373,15 @@ def _headings(card: str) -> list[str]:
 
 
 USAGE_MARKERS = {"transformers": "AutoModelForCausalLM", "vllm": "vllm serve", "sglang": "sglang.launch_server",
-                 "cpmcu": "cpmcu.cli", "quantkit": "quantkit generate", "llama.cpp": "llama-cli"}
+                 "cpmcu": "cpmcu.cli", "quantkit": "quantkit generate", "llama.cpp": "llama-cli",
+                 "mlx-lm": "mlx_lm.generate"}
 FORMAT_ARTIFACTS = {  # format -> (recipe, changes, fixture)
     "awq": ("awq-w4g128", {}, "tiny_checkpoint"),
     "cpmcu": ("cpmcu", {"smooth": {"enabled": False}}, "marlin_legal"),
     "ternary": ("rtn-ternary-g32", {}, "tiny_checkpoint"),
+    "mlx": ("mlx-rtn-w4g64", {}, "tiny_checkpoint"),
 }
+LIBRARY = {"gptq": "transformers", "awq": "transformers", "cpmcu": "quantkit", "ternary": "quantkit", "mlx": "mlx"}
 
 
 @pytest.mark.parametrize("fmt", ["gptq", *FORMAT_ARTIFACTS])
@@ -395,6 +398,9 @@ def test_each_format_card_shows_only_its_consumers(fmt, artifact, tmp_path, requ
     usage = card.split("## Use it")[1]
     for name, marker in USAGE_MARKERS.items():
         assert (marker in usage) == (name in consumers_of(fmt)), (fmt, name)
+    from huggingface_hub import ModelCard
+
+    assert ModelCard(card).data.to_dict()["library_name"] == LIBRARY[fmt]
     if fmt == "cpmcu":
         assert "--model-path models/tiny-cpmcu-marlin" in card
 

@@ -54,6 +54,9 @@ CONSUMERS: dict[str, Consumer] = {
     "quantkit": Consumer("quantkit's runtime", "bash",
                          'quantkit generate --model {ref} --prompt "Hello"\nquantkit chat --model {ref}'),
     "llama.cpp": Consumer("llama.cpp", "bash", "llama-cli -hf {repo}:{file_type}\nllama-server -hf {repo}:{file_type}"),
+    "mlx-lm": Consumer("mlx-lm", "bash", 'pip install "mlx-lm>=0.32"\nmlx_lm.generate --model {repo} --prompt "Hello"',
+                       "mlx-lm reads `config.json`'s `quantization` (group size, bits) and the packed uint32 "
+                       "weights with their scales and biases; Apple silicon, or `mlx[cpu]` on Linux."),
 }
 
 # Which consumers read each format (docs/formats.md, "Which consumer reads what"); a format not
@@ -63,7 +66,10 @@ USAGE: dict[str, tuple[str, ...]] = {
     "gptq-v2": ("vllm", "sglang", "quantkit"),
     "awq": ("transformers", "vllm", "sglang", "quantkit"),
     "cpmcu": ("cpmcu", "quantkit"),
+    "mlx": ("mlx-lm", "quantkit"),
 }
+# The Hub's library_name: the first consumer of the format that has one (else quantkit).
+LIBRARY_OF = {"transformers": "transformers", "mlx-lm": "mlx"}
 GGUF_USAGE = ("llama.cpp",)
 PIPELINE_TAG = "text-generation"
 
@@ -198,7 +204,7 @@ def artifact_card(checked: CheckedArtifact, ref: RepoRef, base: BaseModel, repor
     shapes = weight_shapes(MiniCPMConfig.from_pretrained(checked.directory))
     parameters = sum(math.prod(shape) for shape in shapes.values())
     consumers = consumers_of(fmt)
-    library = "transformers" if "transformers" in consumers else "quantkit"
+    library = next((LIBRARY_OF[name] for name in consumers if name in LIBRARY_OF), "quantkit")
     # MiniCPM's code: the config's own (auto_map, remote code), else quantkit's, registered on import
     remote = "auto_map" in checked.config
     fields = {"repo": ref.repo_id, "ref": str(ref), "remote": ", trust_remote_code=True" if remote else "",
