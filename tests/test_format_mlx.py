@@ -56,18 +56,20 @@ def mlx_checkpoint_bf16(tiny_checkpoint_factory):
     return tiny_checkpoint_factory(same_rope_factors=True, seed=3, dtype=torch.bfloat16)
 
 
+def _quantized(checkpoint: Path, recipe: str, tmp_path_factory, name: str) -> Path:
+    out = tmp_path_factory.mktemp(name) / name
+    quantize(checkpoint, small_recipe(recipe, out.parent), out, progress=False)
+    return out
+
+
 @pytest.fixture(scope="module")
 def rtn_artifact(mlx_checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("mlx") / "rtn"
-    quantize(mlx_checkpoint, small_recipe("mlx-rtn-w4g64", out.parent), out, progress=False)
-    return out
+    return _quantized(mlx_checkpoint, "mlx-rtn-w4g64", tmp_path_factory, "rtn")
 
 
 @pytest.fixture(scope="module")
 def gptq_artifact(mlx_checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("mlx") / "gptq"
-    quantize(mlx_checkpoint, small_recipe("mlx-s-p-gptq-w4g64", out.parent), out, progress=False)
-    return out
+    return _quantized(mlx_checkpoint, "mlx-s-p-gptq-w4g64", tmp_path_factory, "gptq")
 
 
 def _safetensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -336,9 +338,7 @@ def test_engine_refuses_before_any_work(tiny_checkpoint_factory, tmp_path):
 
 @pytest.fixture(scope="module")
 def awq_artifact(mlx_checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("awq") / "awq"
-    quantize(mlx_checkpoint, small_recipe("awq-w4g128", out.parent), out, progress=False)
-    return out
+    return _quantized(mlx_checkpoint, "awq-w4g128", tmp_path_factory, "awq")
 
 
 def _mlx_lm_weights(directory: Path) -> dict[str, np.ndarray]:
