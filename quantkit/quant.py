@@ -129,12 +129,12 @@ def find_group_params(weights: Tensor, config: QuantConfig) -> GroupParams:
     """
     if weights.dim() != 2 or weights.shape[1] == 0:
         raise ValueError(f"expected a [rows, group_width] weight slice, got shape {tuple(weights.shape)}")
+    if config.float_bias:  # affine_params checks finiteness itself
+        return stored_affine_params(affine_params(weights, config), config)
     w = weights.to(torch.float32)
     require_finite(w)
     if config.ternary:
         return _absmean_params(w)
-    if config.float_bias:
-        return stored_affine_params(affine_params(w, config), config)
     xmin = w.amin(dim=1).clamp(max=0.0)
     xmax = w.amax(dim=1).clamp(min=0.0)
     if config.sym:
