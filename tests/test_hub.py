@@ -18,7 +18,7 @@ from quantkit.cli import main
 from quantkit.hub.card import CONSUMERS, GGUF_USAGE, consumers_of
 from quantkit.hub.check import ArtifactCheckError, check_artifact
 from quantkit.hub.publish import NOT_CONSULTED, UNCHANGED, UPLOAD, check, publish, render_card
-from quantkit.hub.pull import PULL_PATTERNS, pull_model
+from quantkit.hub.pull import PULL_PATTERNS, choose_gguf, pull_model
 from quantkit.hub.repo import RepoRef, parse_repo_ref
 from quantkit.models.zoo import resolve_model
 
@@ -429,6 +429,71 @@ def test_gguf_files_follow_llama_cpp_naming_in_one_repo(hub, gguf_files):
     assert _headings(card) == [CONSUMERS[name].title for name in GGUF_USAGE]
     assert "llama-cli -hf someone/Tiny-MiniCPM-GGUF:Q4_0" in card
     assert "vllm serve" not in card and "from_pretrained" not in card and "quantkit generate" not in card
+
+
+GGUF_REPO = "someone/SmolLM2-135M-Instruct-GGUF"
+
+
+def test_one_gguf_file_is_pulled_alone_and_converted_like_the_built_in_model(hub, default_model, tmp_path,
+                                                                             monkeypatch):
+    """``owner/name:QUANT`` (llama.cpp's -hf naming) downloads that file only and converts it exactly as
+    the default model is converted from the same file; offline, the cached file and checkpoint serve."""
+    from huggingface_hub import constants
+
+    from quantkit.models.zoo import SOURCE_FILE, fetch_gguf
+
+    original = fetch_gguf(progress=False).read_bytes()
+    hub.seed(GGUF_REPO, {"SmolLM2-135M-Instruct-Q4_1.gguf": StoredFile(original, lfs=True),
+                         "SmolLM2-135M-Instruct-Q8_0.gguf": StoredFile(b"never fetched", lfs=True)})
+    pulled = resolve_model(f"{GGUF_REPO}:q4_1", cache_dir=tmp_path / "quantkit", progress=False)
+    snapshot = next((tmp_path / "hf-cache").glob("models--someone--SmolLM2-135M-Instruct-GGUF/snapshots/*"))
+    assert [p.name for p in snapshot.iterdir()] == ["SmolLM2-135M-Instruct-Q4_1.gguf"]
+    assert (pulled / "model.safetensors").read_bytes() == (default_model / "model.safetensors").read_bytes()
+    source = json.loads((pulled / SOURCE_FILE).read_text())["source"]
+    assert source == {"hub": {"repo_id": GGUF_REPO, "revision": None, "file": "SmolLM2-135M-Instruct-Q4_1.gguf"}}
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    requests = len(hub.state.requests)
+    assert resolve_model(f"{GGUF_REPO}:Q4_1", cache_dir=tmp_path / "quantkit", progress=False) == pulled
+    assert len(hub.state.requests) == requests
+
+
+def test_a_gguf_repository_without_a_quant_lists_its_files(hub):
+    hub.seed(GGUF_REPO, {"M-Q4_0.gguf": StoredFile(b"a", lfs=True), "M-Q8_0.gguf": StoredFile(b"b", lfs=True)})
+    with pytest.raises(FileNotFoundError, match=rf"holds GGUF files, not safetensors weights: name one as "
+                                                rf"{GGUF_REPO}:QUANT \(files: M-Q4_0.gguf, M-Q8_0.gguf\)"):
+        resolve_model(GGUF_REPO)
+
+
+FILES = ["M-Q4_K_M.gguf", "M-Q4_K_S.gguf", "m.q8_0.gguf", "M-Q5_0.gguf", "N-Q5_0.gguf", "M-Q2_K-00001-of-00002.gguf",
+         "M-Q2_K-00002-of-00002.gguf"]
+
+
+@pytest.mark.parametrize("quant, chosen", [("Q4_K_M", "M-Q4_K_M.gguf"), ("q4_k_m", "M-Q4_K_M.gguf"),
+                                           ("Q8_0", "m.q8_0.gguf"), ("M-Q4_K_S.gguf", "M-Q4_K_S.gguf")])
+def test_a_quant_tag_chooses_one_file_whatever_its_case(quant, chosen):
+    assert choose_gguf(RepoRef("o/M-GGUF", gguf=quant), FILES) == chosen
+
+
+@pytest.mark.parametrize("quant, error", [("Q4_K", "no GGUF file of o/M-GGUF matches 'Q4_K' \\(files: M-Q4_K_M"),
+                                          ("Q6_K", "no GGUF file"), ("Q5_0", "several GGUF files")])
+def test_a_quant_tag_that_names_no_single_file_lists_the_files(quant, error):
+    with pytest.raises(FileNotFoundError, match=error):
+        choose_gguf(RepoRef("o/M-GGUF", gguf=quant), FILES)
+
+
+def test_a_split_gguf_part_is_refused_with_the_merge_command():
+    with pytest.raises(ValueError, match="llama-gguf-split --merge"):
+        choose_gguf(RepoRef("o/M-GGUF", gguf="Q2_K"), FILES)
+
+
+def test_a_repo_ref_with_a_quant_parses_and_is_refused_as_a_publish_target(hub, gguf_files):
+    assert parse_repo_ref("o/M-GGUF:Q4_K_M@v2") == RepoRef("o/M-GGUF", "v2", "Q4_K_M")
+    assert str(RepoRef("o/M-GGUF", "v2", "Q4_K_M")) == "o/M-GGUF:Q4_K_M@v2"
+    with pytest.raises(ValueError, match="malformed"):
+        parse_repo_ref("o/M-GGUF@v2:Q4_K_M")
+    with pytest.raises(ValueError, match="not to one file of it"):
+        publish(gguf_files["q4_0"], parse_repo_ref("o/M-GGUF:Q4_0"), base_model=BASE)
+    assert hub.state.requests == []
 
 
 def test_no_token_appears_in_any_output_log_or_file(hub, artifact, tmp_path):

@@ -119,6 +119,9 @@ def publish(target: str | Path, ref: RepoRef, *, base_model: str | None = None, 
     from huggingface_hub.errors import HfHubHTTPError
 
     target, report = Path(target), Path(report) if report else None
+    if ref.gguf is not None:
+        raise ValueError(f"publish to a repository ({ref.repo_id}), not to one file of it (:{ref.gguf}): a GGUF "
+                         "file's name in the repository follows from the file")
     revision = ref.revision or DEFAULT_REVISION
     checked = check(target, ref)  # nothing is read from or sent to the Hub for an artifact that fails
     notes = [] if isinstance(checked, CheckedGGUF) else list(checked.notes)

