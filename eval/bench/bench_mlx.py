@@ -146,7 +146,9 @@ def targets(rows: list[Row]) -> list[str]:
 @click.option("--window", default=512, show_default=True)
 @click.option("--only", default=None, help="Comma-separated variant keys to make and score (default: all).")
 @click.option("--reuse", is_flag=True, help="Keep artifacts an earlier run made with the same command.")
-def main(model, out, bits, group_size, n_samples, seq_len, max_tokens, window, only, reuse):
+@click.option("--variant-timeout", default=None, type=float,
+              help="Stop a quantizer still running after this many seconds; its row says so.")
+def main(model, out, bits, group_size, n_samples, seq_len, max_tokens, window, only, reuse, variant_timeout):
     from transformers import AutoTokenizer
 
     from quantkit import calib
@@ -160,7 +162,7 @@ def main(model, out, bits, group_size, n_samples, seq_len, max_tokens, window, o
     rows, made = [], {}
     for variant in variants:
         try:
-            record = make_variant(variant, out, reuse)
+            record = make_variant(variant, out, reuse, variant_timeout)
         except click.ClickException as e:
             rows.append(Row(variant.label, note=_failure(e.message)))
             continue

@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -44,11 +45,22 @@ def median_rate(run: Callable[[], float], count: int, repeats: int) -> float:
     return count / statistics.median(run() for _ in range(repeats))
 
 
-def timed(command: list[str], log: Path) -> tuple[float, float]:
+def timed(command: list[str], log: Path, timeout: float | None = None) -> tuple[float, float]:
     """Run a command under /usr/bin/time -v, its output in ``log``; return (wall seconds, peak RSS MB)
-    of that process alone (not inherited from this one)."""
+    of that process alone (not inherited from this one). Past ``timeout`` seconds it is killed
+    (``subprocess.TimeoutExpired``)."""
     with open(log, "w") as f:
-        subprocess.run(["/usr/bin/time", "-v", *command], stdout=f, stderr=subprocess.STDOUT, check=True)
+        # its own session, so that a timeout stops the command and not only /usr/bin/time
+        process = subprocess.Popen(["/usr/bin/time", "-v", *command], stdout=f, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        try:
+            returncode = process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            raise
+    if returncode != 0:
+        raise subprocess.CalledProcessError(returncode, command)
     text = log.read_text()
     wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)", text).group(1)
     seconds = sum(float(part) * 60 ** i for i, part in enumerate(reversed(wall.split(":"))))
@@ -158,10 +170,11 @@ class Variant:
     checkpoint: str | None = None  # a training run's checkpoint file: its --resume needs it in <key>.partial
 
 
-def make_variant(variant: Variant, out: Path, reuse: bool) -> dict:
+def make_variant(variant: Variant, out: Path, reuse: bool, timeout: float | None = None) -> dict:
     """Make ``variant``'s artifact under ``/usr/bin/time -v`` (or, with ``reuse``, take the one an earlier
     run of the benchmark left with the same command, or continue its interrupted run); return its record:
-    command, seconds, peak RSS MB, resumed, reused."""
+    command, seconds, peak RSS MB, resumed, reused. A command still running after ``timeout`` seconds
+    is stopped and reported as a ClickException."""
     import shlex
     import shutil
 
@@ -186,7 +199,9 @@ def make_variant(variant: Variant, out: Path, reuse: bool) -> dict:
     click.echo(f"[{variant.label}] {shlex.join(command)}", err=True)
     log = out / f"{variant.key}.log"
     try:
-        seconds, rss = timed(command, log)
+        seconds, rss = timed(command, log, timeout)
+    except subprocess.TimeoutExpired as e:
+        raise click.ClickException(f"stopped: did not finish within {timeout:.0f} s on this machine") from e
     except subprocess.CalledProcessError as e:
         raise click.ClickException(f"exit {e.returncode}: {shlex.join(command)}\n"
                                    f"last lines of {log}:\n{log_tail(log.read_text())}") from e
