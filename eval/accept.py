@@ -28,10 +28,8 @@ def acceptance(engine, draft: str | Path, prompts: torch.Tensor, k: int, max_new
     """The acceptance statistics (τ, per-position rates) of ``draft`` for the target of ``engine`` (a
     runtime ``Engine``) over every prompt of ``prompts`` [N, T], exactly ``max_new_tokens`` generated
     after each (stop tokens do not end a run, so every target is measured on as many rounds); prompt
-    i samples with seed ``seed + i`` (temperature > 0). With a ``tree`` (``TreeShape``, greedy only) the
-    draft proposes trees instead of chains of ``k``."""
-    if tree is not None and temperature > 0:
-        raise ValueError("draft trees are verified greedily: use --temperature 0 with a tree")
+    i samples with seed ``seed + i`` (temperature > 0). With a ``tree`` (``TreeShape``) the draft
+    proposes trees instead of chains of ``k`` (sampled trees: ``quantkit.kernels.speculative``)."""
     from quantkit.kernels.generate import Engine, load_drafter
     from quantkit.kernels.sampling import Sampling
     from tqdm.auto import tqdm

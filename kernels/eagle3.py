@@ -15,7 +15,7 @@ from quantkit.kernels.infllm import causal_attention_of_last_positions
 from quantkit.kernels.kv_cache import KVCache
 from quantkit.kernels.model import DecoderRunner, RuntimeLayer, rms_norm, rope_tables
 from quantkit.kernels.sampling import Sampler
-from quantkit.kernels.speculative import DraftTree, TreeShape, grow_tree, tree_attention_mask
+from quantkit.kernels.speculative import DraftTree, TreeShape, draft_children, grow_tree, tree_attention_mask
 from torch import nn
 
 from quantkit.models.eagle3 import Eagle3Head
@@ -78,15 +78,14 @@ class Eagle3Drafter(DecoderRunner):
             else:
                 draft = torch.softmax(logits.double() / sampler.settings.temperature, dim=-1)
                 draft_id = sampler.draw(draft)
-                distributions.append(torch.zeros(self.head.config.vocab_size, dtype=torch.float64)
-                                     .index_put_((self.head.target_ids(torch.arange(draft.numel())),), draft))
+                distributions.append(self._over_target(draft))
             tokens.append(int(self.head.target_ids(torch.tensor(draft_id))))
             if step + 1 < count:
                 hidden = self._step(hidden, torch.tensor(tokens[-1:], device=self._device))
         return tokens, None if greedy else distributions
 
     @torch.inference_mode()
-    def propose_tree(self, shape: TreeShape) -> DraftTree:
+    def propose_tree(self, shape: TreeShape, sampler: Sampler) -> DraftTree:
         """``Drafter.propose_tree``: a node at depth d runs at position (observed − 1) + d on its parent's
         output, attending the verified context and its own lineage."""
         outputs, slots = {}, {}  # node -> the head's output [1, H]; node -> its cache slot
@@ -103,12 +102,17 @@ class Eagle3Drafter(DecoderRunner):
                                     positions, tree_attention_mask(tree, frontier, slots, self._observed, start))
                 for row, node in enumerate(frontier):
                     outputs[node], slots[node] = hidden[row:row + 1], start + row
-            values, draft_ids = torch.log_softmax(self._logits(hidden).double(), -1).topk(shape.topk, dim=-1)
-            return list(zip(values, self.head.target_ids(draft_ids)))
+            return [(log_probs, self.head.target_ids(ids), None if q is None else self._over_target(q))
+                    for log_probs, ids, q in draft_children(self._logits(hidden), shape.topk, sampler)]
 
-        tree = grow_tree(shape, children_of)
+        tree = grow_tree(shape, children_of, sampled=sampler.settings.temperature > 0)
         self._cache.crop(self._observed)
         return tree
+
+    def _over_target(self, draft: torch.Tensor) -> torch.Tensor:
+        """A distribution over the draft vocabulary as one over the target's (zero outside the draft's)."""
+        return (torch.zeros(self.head.config.vocab_size, dtype=draft.dtype, device=draft.device)
+                .index_put_((self.head.target_ids(torch.arange(draft.numel(), device=draft.device)),), draft))
 
     def _windowed(self, positions: torch.Tensor, mask: torch.Tensor | None, verified: int | None) -> torch.Tensor:
         """``mask`` (or causal attention) without the verified positions more than ``window`` back. Other

@@ -134,7 +134,7 @@ class Engine:
     def _speculative(self, prompt: list[int], max_new_tokens: int, sampler: Sampler, cache: KVCache,
                      timings: dict) -> Iterator[int]:
         """``tokens`` with the drafter; the prefill's time is the first token's (it ends in it)."""
-        tree = self.draft_tree if sampler.settings.temperature == 0 else None
+        tree = self.draft_tree
         acceptance = timings["acceptance"] = Acceptance(tree.depth if tree is not None else self.draft_tokens)
         start, first = time.perf_counter(), True
         steps = speculative_tokens(self.runtime, self.drafter, prompt, max_new_tokens, sampler, cache,

@@ -13,11 +13,21 @@ there.
   at the first rejection the token is drawn from max(p − q, 0) renormalised. The committed tokens are
   distributed exactly as the target's own sampling (p after temperature and top-p) would give them.
 
-Greedy decoding can also draft a tree (EAGLE-2's dynamic tree, Li et al., arXiv 2406.16858): the
-drafter expands its ``topk`` most likely continuations ``depth`` times, keeping the ``topk`` best
-partial paths by cumulative log-probability at each depth, and sends the ``size`` best nodes; the
-target verifies every branch in one forward under a tree attention mask and keeps the longest branch
-that matches its own argmax. Sampled decoding drafts chains.
+The drafter can also draft a tree (EAGLE-2's dynamic tree, Li et al., arXiv 2406.16858): it expands
+``topk`` continuations of a node ``depth`` times, keeping the ``topk`` best partial paths by
+cumulative log-probability at each depth; the target verifies every branch in one forward under a
+tree attention mask.
+
+- Greedy: the ``topk`` most likely continuations; the ``size`` best nodes are sent, and the target
+  keeps the longest branch that matches its own argmax.
+- Sampled: each expanded node's ``topk`` children are drawn from the draft's q without replacement
+  and verified by recursive rejection sampling (Jeon et al., "Recursive Speculative Decoding",
+  arXiv 2402.14160; SpecInfer, Miao et al., arXiv 2305.09781): child i is kept with probability
+  min(1, pᵢ(x)/qᵢ(x)); on rejection p ← max(pᵢ − qᵢ, 0) renormalised and x leaves q (renormalised);
+  when every child is rejected the token is drawn from what p has become. The committed tokens
+  follow the target's own sampling exactly, provided that whether a node's children are verified
+  never depends on the children themselves: so a sampled tree keeps or drops each node's children
+  as a whole (by the parent's score), never some of them by their own scores.
 
 τ (the acceptance length) is the mean number of tokens a round commits, the target's own included,
 as the EAGLE papers and vLLM report it.
@@ -47,8 +57,9 @@ class Drafter(Protocol):
         """``count`` draft tokens after the observed context; when ``sampler`` samples, also each one's
         draft distribution over the target vocabulary (what verification needs)."""
 
-    def propose_tree(self, shape: TreeShape) -> DraftTree:
-        """A draft tree after the observed context (greedy decoding)."""
+    def propose_tree(self, shape: TreeShape, sampler: Sampler) -> DraftTree:
+        """A draft tree after the observed context: greedy, or drawn with ``sampler`` (``draft_children``),
+        each drawn family with its distribution over the target vocabulary."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +97,16 @@ class DraftTree:
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
+    # sampled trees: node (−1: the root) -> the draft distribution over the target vocabulary its
+    # children were drawn from (in node order, without replacement)
+    drafts: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def children(self) -> dict[int, list[int]]:
+        """node (−1: the root) -> its children, in node order."""
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(self.parents):
+            children.setdefault(parent, []).append(node)
+        return children
 
     def depth(self, node: int) -> int:
         return 0 if node < 0 else 1 + self.depth(self.parents[node])
@@ -97,10 +118,27 @@ class DraftTree:
     def best(self, size: int) -> DraftTree:
         """The ``size`` highest-scoring nodes. A child scores at most its parent and ties keep node order,
         so every kept node's parent is kept too."""
-        kept = sorted(sorted(range(len(self.tokens)), key=lambda i: (-self.scores[i], i))[:size])
+        return self._subtree(sorted(range(len(self.tokens)), key=lambda i: (-self.scores[i], i))[:size])
+
+    def best_families(self, size: int) -> DraftTree:
+        """Whole families (a parent's children) while the nodes fit in ``size``, shallower parents first
+        and, at one depth, by the parent's score. Whether a family is kept then depends only on nodes
+        no deeper than its parent, never on the family itself, as sampled verification needs."""
+        kept: list[int] = []
+        families = self.children()
+        order = sorted(families, key=lambda n: (self.depth(n), -(self.scores[n] if n >= 0 else 0.0), n))
+        for parent in order:
+            if (parent < 0 or parent in kept) and len(kept) + len(families[parent]) <= size:
+                kept += families[parent]
+        return self._subtree(kept)
+
+    def _subtree(self, nodes: list[int]) -> DraftTree:
+        kept = sorted(nodes)
         index = {old: new for new, old in enumerate(kept)}
+        parents = {self.parents[i] for i in kept}  # a childless node's distribution is not needed
         return DraftTree([self.tokens[i] for i in kept], [index.get(self.parents[i], -1) for i in kept],
-                         [self.scores[i] for i in kept])
+                         [self.scores[i] for i in kept],
+                         {index.get(node, -1): q for node, q in self.drafts.items() if node in parents})
 
     def verification(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions, mask) of the root and every node verified after ``start`` cached positions: the
@@ -113,20 +151,39 @@ class DraftTree:
         return torch.tensor([start] + [start + self.depth(n) for n in range(len(self.tokens))]), mask
 
 
-def grow_tree(shape: TreeShape, children_of) -> DraftTree:
+def grow_tree(shape: TreeShape, children_of, sampled: bool = False) -> DraftTree:
     """EAGLE-2's tree: ``children_of(frontier, tree)`` runs the drafter on the frontier nodes (−1: the
-    root) and returns, per node, its ``topk`` children's (log-probabilities, token ids)."""
+    root) and returns, per node, its children's (log-probabilities, token ids, and for a ``sampled``
+    tree the distribution they were drawn from)."""
     tree, frontier = DraftTree(), [-1]
     for _ in range(shape.depth):
         first = len(tree.tokens)
-        for node, (log_probs, tokens) in zip(frontier, children_of(frontier, tree)):
+        for node, (log_probs, tokens, draft) in zip(frontier, children_of(frontier, tree)):
+            if draft is not None:
+                tree.drafts[node] = draft
             base = 0.0 if node < 0 else tree.scores[node]
             for log_prob, token in zip(log_probs.tolist(), tokens.tolist()):
                 tree.tokens.append(int(token))
                 tree.parents.append(node)
                 tree.scores.append(base + log_prob)
         frontier = sorted(range(first, len(tree.tokens)), key=lambda i: (-tree.scores[i], i))[:shape.topk]
-    return tree.best(shape.size)
+    return tree.best_families(shape.size) if sampled else tree.best(shape.size)
+
+
+def draft_children(logits: torch.Tensor, topk: int, sampler: Sampler) -> list[tuple]:
+    """Per row of ``logits`` [rows, V] (a drafter's, over its vocabulary): the ``topk`` children as
+    (log-probabilities, ids, distribution). Greedy: the most likely ids, no distribution. Sampled: ids
+    drawn from q = softmax(logits / T) without replacement (Gumbel top-k: the k largest of
+    log q + Gumbel noise), at most as many as q has non-zero entries, in the order drawn."""
+    if sampler.settings.temperature == 0:
+        values, ids = torch.log_softmax(logits.double(), -1).topk(topk, dim=-1)
+        return [(v, i, None) for v, i in zip(values, ids)]
+    log_q = torch.log_softmax(logits.double() / sampler.settings.temperature, -1)
+    children = []
+    for row in log_q:
+        _, ids = (row + sampler.gumbel(row.shape)).topk(min(topk, int(torch.isfinite(row).sum())))
+        children.append((row[ids], ids, row.exp()))
+    return children
 
 
 def tree_attention_mask(tree: DraftTree, frontier: list[int], slots: dict[int, int], visible: int,
@@ -178,7 +235,7 @@ class ModelDrafter:
             tokens.append(token)
         return tokens, None if greedy else distributions
 
-    def propose_tree(self, shape: TreeShape) -> DraftTree:
+    def propose_tree(self, shape: TreeShape, sampler: Sampler) -> DraftTree:
         root_logits = self.runtime.forward(torch.tensor([self._next]), self._cache)  # the committed token
         context, slots = self._cache.length, {}  # verified context + the root; node -> cache slot
 
@@ -192,9 +249,9 @@ class ModelDrafter:
                 logits, _ = self.runtime.forward_capturing(torch.tensor([tree.tokens[n] for n in frontier]),
                                                            self._cache, (), tree=(positions, mask))
                 slots.update({node: start + row for row, node in enumerate(frontier)})
-            return list(zip(*torch.log_softmax(logits.double(), -1).topk(shape.topk, dim=-1)))
+            return draft_children(logits, shape.topk, sampler)
 
-        tree = grow_tree(shape, children_of)
+        tree = grow_tree(shape, children_of, sampled=sampler.settings.temperature > 0)
         self._cache.crop(self._observed)  # expansions are not the verified sequence
         return tree
 
@@ -265,6 +322,27 @@ def verify_tree_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int]
     return path, predicted[node + 1]
 
 
+def verify_tree_sampled(tree: DraftTree, logits: torch.Tensor, sampler: Sampler) -> tuple[list[int], int]:
+    """Recursive rejection sampling down a sampled tree: logits [1 + nodes, V] of the target at the root
+    and each node -> (the kept branch, as nodes; the token drawn after it)."""
+    families, path, node = tree.children(), [], -1
+    while True:
+        p, q = sampler.probabilities(logits[node + 1]), tree.drafts.get(node)
+        for child in families.get(node, []):
+            token = tree.tokens[child]
+            if sampler.uniform() * float(q[token]) < float(p[token]):  # u < p/q without dividing by q
+                path.append(child)
+                node = child
+                break
+            residual = (p - q.to(p.dtype)).clamp_(min=0)
+            p = residual / residual.sum() if float(residual.sum()) > 0 else p
+            q = q.clone()
+            q[token] = 0
+            q /= q.sum()
+        else:
+            return path, sampler.draw(p)
+
+
 def verify_sampled(drafts: list[int], draft_probs: list[torch.Tensor], logits: torch.Tensor,
                    sampler: Sampler) -> tuple[int, int]:
     """Speculative sampling over a chain: (drafts kept, the next token), drawn with ``sampler``."""
@@ -281,7 +359,7 @@ def speculative_tokens(runtime: RuntimeModel, drafter: Drafter, prompt: list[int
                        sampler: Sampler, cache: KVCache, draft_tokens: int, stop_tokens: set[int],
                        prefill_chunk: int, acceptance: Acceptance, tree: TreeShape | None = None) -> Iterator[int]:
     """New tokens until a stop token (not yielded) or ``max_new_tokens``, drafting ``draft_tokens`` a
-    round (or, greedy with ``tree``, a tree); ``acceptance`` collects each round's count. Returns
+    round (or, with ``tree``, a tree); ``acceptance`` collects each round's count. Returns
     (``yield from``) the stop reason."""
     if not prompt:
         raise ValueError("the prompt is empty")
@@ -305,11 +383,12 @@ def speculative_tokens(runtime: RuntimeModel, drafter: Drafter, prompt: list[int
             if emitted == max_new_tokens:
                 return "length"
         position, budget = cache.length, max_new_tokens - emitted - 1  # a round commits at most drafts + 1
-        if tree is not None and sampler.settings.temperature == 0 and budget >= tree.depth:
-            drafted = drafter.propose_tree(tree)
+        if tree is not None and budget >= tree.depth:
+            drafted = drafter.propose_tree(tree, sampler)
             block = torch.tensor([token, *drafted.tokens], dtype=torch.long)
             logits, states = runtime.forward_capturing(block, cache, layers, drafted.verification(position))
-            path, after = verify_tree_greedy(drafted, logits)
+            path, after = (verify_tree_greedy(drafted, logits) if sampler.settings.temperature == 0
+                           else verify_tree_sampled(drafted, logits, sampler))
             acceptance.add_round(tree.depth, len(path))
             rows = [0, *(1 + node for node in path)]
             cache.keep(position, [position + row for row in rows])

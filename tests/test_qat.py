@@ -40,8 +40,9 @@ def recipe(training_text, name="qat-ternary-g32", **settings):
 @pytest.mark.parametrize("config", [QuantConfig(2, 32, False, True), QuantConfig(2, 256, False, True),
                                     QuantConfig(2, -1, False, True), QuantConfig(4, 128, True)],
                          ids=["ternary-g32", "ternary-g256", "ternary-per-row", "int4-g128"])
-def test_the_training_grid_is_rtns_grid_bit_for_bit(config):
-    weight = torch.randn(96, 512, generator=torch.Generator().manual_seed(1)) * 0.02
+@pytest.mark.parametrize("in_features", [512, 1728])  # 1728 = 13.5 groups of 128: the EAGLE-3 fc of hidden 576
+def test_the_training_grid_is_rtns_grid_bit_for_bit(config, in_features):
+    weight = torch.randn(96, in_features, generator=torch.Generator().manual_seed(1)) * 0.02
     assert torch.equal(grid_weight(weight, config), quantized_record(weight, config).dequantize())
 
 

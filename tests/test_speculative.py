@@ -14,7 +14,15 @@ from quantkit.kernels.generate import Engine, load_engine
 from quantkit.kernels.load import load_runtime_model
 from quantkit.kernels.model import RuntimeModel
 from quantkit.kernels.sampling import Sampler, Sampling
-from quantkit.kernels.speculative import DraftTree, ModelDrafter, TreeShape, verify_sampled
+from quantkit.kernels.speculative import (
+    DraftTree,
+    ModelDrafter,
+    TreeShape,
+    draft_children,
+    grow_tree,
+    verify_sampled,
+    verify_tree_sampled,
+)
 
 from quantkit.engine import quantize
 from quantkit.models.eagle3 import load_head
@@ -151,14 +159,59 @@ def test_speculative_sampling_keeps_the_target_distribution():
     assert math.isclose(float(committed.sum()), draws)
 
 
-def test_sampled_speculative_generation_keeps_the_targets_distribution(target_dir, tiny_checkpoint_factory):
+def test_recursive_rejection_sampling_down_a_tree_keeps_the_target_distribution():
+    """A tree of depth 2 drawn from q without replacement (3 children at the root, 2 under each), verified
+    by recursive rejection sampling: the first two committed tokens (t1, t2) must follow the target's
+    p(t1)·p(t2 | t1) (level 0.001, 20,000 trees over 64 bins); the first drafted child alone, which
+    follows q, must fail the same test."""
+    generator = torch.Generator().manual_seed(0)
+    vocab, draws = 8, 20_000
+    target = torch.randn(vocab + 1, vocab, generator=generator) * 1.5  # row 0: the root; row 1 + t: after t
+    draft = torch.randn(vocab + 1, vocab, generator=generator) * 1.5
+    sampler = Sampler(Sampling(temperature=0.8, seed=1))
+    first = sampler.probabilities(target[0])
+    joint = torch.stack([first[t] * sampler.probabilities(target[1 + t]) for t in range(vocab)]).flatten()
+    committed, drafted = torch.zeros(vocab * vocab), torch.zeros(vocab)
+
+    def children_of(frontier, tree):
+        rows = [0 if node < 0 else 1 + tree.tokens[node] for node in frontier]
+        return draft_children(draft[rows], 3 if frontier == [-1] else 2, sampler)
+
+    for _ in range(draws):
+        tree = grow_tree(TreeShape(2, 3, 9), children_of, sampled=True)
+        assert len(tree.tokens) == 9 and len(tree.drafts) == 4  # every family kept: the root's and 3 more
+        logits = torch.stack([target[0]] + [target[1 + t] for t in tree.tokens])
+        path, after = verify_tree_sampled(tree, logits, sampler)
+        tokens = [tree.tokens[node] for node in path] + [after]
+        if len(tokens) == 1:  # the next round's own token after t1
+            tokens.append(sampler(target[1 + tokens[0]]))
+        committed[tokens[0] * vocab + tokens[1]] += 1
+        drafted[tree.tokens[0]] += 1
+    assert _chi_square_p_value(committed, joint) > 1e-3
+    assert _chi_square_p_value(drafted, first) < 1e-3
+
+
+def test_a_sampled_tree_keeps_or_drops_whole_families_shallow_first():
+    tree = DraftTree(tokens=[1, 2, 3, 4, 5, 6, 7], parents=[-1, -1, 0, 0, 1, 1, 2],
+                     scores=[-1.0, -0.5, -1.5, -3.0, -0.6, -0.7, -1.6],
+                     drafts={node: torch.full((8,), node + 2.0) for node in (-1, 0, 1, 2)})
+    kept = tree.best_families(4)  # the root's family, then node 1's (its parent scores higher than node 0)
+    assert kept.tokens == [1, 2, 5, 6] and kept.parents == [-1, -1, 1, 1]
+    assert sorted(kept.drafts) == [-1, 1] and torch.equal(kept.drafts[1], tree.drafts[1])
+    assert tree.best_families(7).tokens == [1, 2, 3, 4, 5, 6, 7]
+    assert tree.best_families(1).tokens == []  # the root's family does not fit: no drafts
+
+
+@pytest.mark.parametrize("tree", [None, TreeShape(2, 2, 6)])
+def test_sampled_speculative_generation_keeps_the_targets_distribution(target_dir, tiny_checkpoint_factory, tree):
     """End to end at T = 0.1 (where the random models' distributions are peaked but overlap) with another
     model drafting: the second generated token (the first a round commits) against its exact marginal
     Σ p(t₁)·p(t₂ | t₁) under the target (level 0.001, 400 runs): the wiring of the rule into the engine;
     the rule's own power is shown by test_speculative_sampling_keeps_the_target_distribution."""
     runtime = _runtime(target_dir)
     draft = _runtime(tiny_checkpoint_factory(num_hidden_layers=8, seed=11))
-    engine = Engine(runtime, None, set(), drafter=ModelDrafter(draft, runtime.config.vocab_size), draft_tokens=2)
+    engine = Engine(runtime, None, set(), drafter=ModelDrafter(draft, runtime.config.vocab_size), draft_tokens=2,
+                    draft_tree=tree)
     temperature = 0.1
     with torch.no_grad():
         first = torch.softmax(runtime.forward(torch.tensor(PROMPT), runtime.new_cache()).double() / temperature, -1)
@@ -167,13 +220,16 @@ def test_sampled_speculative_generation_keeps_the_targets_distribution(target_di
             logits = runtime.forward(torch.tensor(PROMPT + [token]), runtime.new_cache())
             second += first[token] * torch.softmax(logits.double() / temperature, -1)
     counts, rounds = torch.zeros_like(first), []
+    length = 2 + (tree.depth if tree else 1)  # the prefill's token, then one round (a tree needs depth left)
     for seed in range(400):
-        timings = {}  # 3 tokens: the prefill's, then one round of one draft
-        tokens = list(engine.tokens(PROMPT, max_new_tokens=3, sampling=Sampling(temperature, seed=seed),
+        timings = {}
+        tokens = list(engine.tokens(PROMPT, max_new_tokens=length, sampling=Sampling(temperature, seed=seed),
                                     timings=timings))
         counts[tokens[1]] += 1
-        rounds.append(timings["acceptance"].committed - 1)  # drafts kept in the one round
-    assert 0 < sum(rounds) < len(rounds)  # both the acceptance and the resampling path ran
+        rounds.append(timings["acceptance"].committed - 1)  # drafts kept in the first round
+    # both the acceptance and the resampling path ran (a tree's two candidates are seldom both rejected at
+    # T = 0.1: its rejection paths are shown by test_recursive_rejection_sampling_down_a_tree_...)
+    assert any(rounds) and (tree is not None or 0 in rounds)
     assert _chi_square_p_value(counts, second) > 1e-3
 
 

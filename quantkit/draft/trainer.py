@@ -41,7 +41,7 @@ from quantkit.models.eagle3 import (
     save_quantized_head,
 )
 from quantkit.models.zoo import cache_root
-from quantkit.qat.fake_quant import FakeQuantLinear, check_groups, quantized_record, wrap_linears
+from quantkit.qat.fake_quant import FakeQuantLinear, quantized_record, wrap_linears
 from quantkit.quant import QuantConfig
 from quantkit.training import state
 from quantkit.training.data import training_data
@@ -176,7 +176,6 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
 
     if settings.w4 is not None:  # quantization-aware: the linears train through W4's grid
         linears = {name: head.get_submodule(name) for group in HEAD_LINEAR_GROUPS for name in group}
-        check_groups(W4_GRID, {name: (m.out_features, m.in_features) for name, m in linears.items()})
         for name, module in linears.items():
             FORMATS[settings.w4].check(W4_GRID, module.in_features, module.out_features, False, name)
         wrap_linears(head, dict.fromkeys(linears, W4_GRID))

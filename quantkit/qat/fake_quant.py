@@ -18,12 +18,18 @@ from quantkit.quant import QuantConfig, QuantizedTensor, fake_quantize, find_gro
 @torch.no_grad()
 def grid_weight(weight: Tensor, config: QuantConfig) -> Tensor:
     """``weight`` [N, K] rounded onto ``config``'s grid, in float32: what ``rtn_quantize(weight,
-    config).dequantize()`` holds, with every group a row of one ``find_group_params`` call. Groups
-    must tile K (``check_groups``)."""
+    config).dequantize()`` holds, with every whole group a row of one ``find_group_params`` call and a
+    last, narrower group (K not a multiple of the group size: GPTQ's layout allows it) a row of another."""
     w = weight.detach().to(torch.float32)
     n, k = w.shape
-    rows = w.reshape(-1, k if config.group_size == -1 else config.group_size)
-    return fake_quantize(rows, find_group_params(rows, config), config.maxq).reshape(n, k)
+    width = k if config.group_size == -1 else config.group_size
+    whole = k - k % width
+    on_grid = torch.empty_like(w)
+    for columns, size in ((slice(0, whole), width), (slice(whole, k), k - whole)):
+        if size:
+            rows = w[:, columns].reshape(-1, size)
+            on_grid[:, columns] = fake_quantize(rows, find_group_params(rows, config), config.maxq).reshape(n, -1)
+    return on_grid
 
 
 def quantized_record(weight: Tensor, config: QuantConfig) -> QuantizedTensor:
@@ -92,8 +98,9 @@ def wrap_linears(model: torch.nn.Module, grids: dict[str, QuantConfig]) -> None:
 
 
 def check_groups(config: QuantConfig, shapes: dict[str, tuple[int, int]]) -> None:
-    """QAT's grid must tile every trained linear: a ragged group would get a scale from fewer weights
-    than the recipe says."""
+    """A QAT recipe's grid must tile every trained linear: a ragged group would get a scale from fewer
+    weights than the recipe says. (The draft head's W4 grid instead follows GPTQ's layout, whose last
+    group may be narrower: the EAGLE-3 fc's K = 3·hidden is rarely a multiple of 128.)"""
     if config.group_size == -1:
         return
     ragged = {name: k for name, (_, k) in shapes.items() if k % config.group_size}
