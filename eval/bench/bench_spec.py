@@ -4,7 +4,8 @@ Made, each in its own process under `/usr/bin/time -v` (``--reuse`` takes what a
 with the same command, and continues an interrupted training): the FP head (`quantkit draft train`
 on the FP target), its GPTQ W4 g128 (`quantkit draft quantize`) and its W4 QAT (`draft train --init
 --w4`, as the MiniCPM4 report makes its head); the W4 targets GPTQ W4 g128 and
-AWQ W4 g128, plus ``--qat-artifact`` (e.g. bench-qat's ternary QAT artifact) as one more target; for
+AWQ W4 (g64 where K is not a whole number of 128-groups), plus ``--qat-artifact`` (e.g. bench-qat's
+ternary QAT artifact) as one more target; for
 each quantized target the FP head re-aligned to it (`quantkit draft train --init`).
 
 τ (`quantkit.eval.accept`: the runtime in float32) for every target × {FP head, GPTQ W4 head, QAT W4
@@ -29,7 +30,10 @@ from quantkit.eval.bench.common import Variant, machine, make_variant, median_ra
 
 from quantkit.table import format_table
 
-QUANTIZED_TARGETS = (("gptq-w4g128", "GPTQ W4 g128"), ("awq-w4g128", "AWQ W4 g128"))
+# (artifact, recipe, its settings, label). AutoAWQ's GEMM layout needs K in whole groups: the default
+# model's hidden size 576 is 4.5 groups of 128, so its AWQ target uses groups of 64.
+QUANTIZED_TARGETS = (("gptq-w4g128", "gptq-w4g128", (), "GPTQ W4 g128"),
+                     ("awq-w4g64", "awq-w4g128", ("quant.group_size=64",), "AWQ W4 g64"))
 
 
 @dataclass
@@ -119,8 +123,8 @@ def main(model, out, head_tokens, realign_tokens, qat_artifact, k, tree, tempera
                                                                          realign_tokens, head, "--w4", "gptq"),
                             CHECKPOINT_FILE))
     targets = {"FP": model_dir}
-    for recipe, label in QUANTIZED_TARGETS:
-        targets[label] = made(Variant(recipe, label, quantize_command(recipe, model_dir, out / recipe)))
+    for key, recipe, settings, label in QUANTIZED_TARGETS:
+        targets[label] = made(Variant(key, label, quantize_command(recipe, model_dir, out / key, settings)))
     if qat_artifact is not None:
         targets["ternary QAT"] = qat_artifact
     realigned = {}
