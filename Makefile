@@ -25,7 +25,7 @@ LLMC_BIN := $(LLMC_VENV)/bin
 LLMC_INSTALLED := $(LLMC_VENV)/.installed
 LLMCOMPRESSOR ?= llmcompressor==0.14.0.1
 
-.PHONY: install demo demo-marlin publish-demo test test-fast lint default-model bench-gptq bench-awq bench-gguf bench-mlx bench-scale bench-runtime bench-qat bench-spec eval-sparse interop interop-peer clean help \
+.PHONY: install demo demo-marlin publish-demo test test-fast lint default-model bench-gptq bench-awq bench-gguf llama-tools bench-mlx bench-scale bench-runtime bench-qat bench-spec eval-sparse test-reliability interop interop-peer clean help \
 	eval-ppl eval-kld eval-report eval-niah eval-tasks eval-accept
 
 help:
@@ -33,12 +33,14 @@ help:
 	@echo "make publish-demo  the demo artifact checked and planned for the Hub (--dry-run: nothing sent), then its model card"
 	@echo "make test       the whole test suite (what CI runs)"
 	@echo "make test-fast  the suite without tests marked slow"
+	@echo "make test-reliability  kills, write errors, busy outputs and hostile input, every case; prints the table"
 	@echo "make lint       ruff (pyflakes, pycodestyle, import order; settings in pyproject.toml)"
 	@echo "make eval-tasks  HumanEval / GSM / family-relationships scores of the default model (EVAL_TASKS_ARGS='--limit N')"
 	@echo "make demo-marlin  the marlin recipe end to end on Qwen2.5-Coder-0.5B (Marlin-legal shapes), KL vs RTN and GPTQ"
 	@echo "make bench-gptq  RTN / GPTQ / P-GPTQ / S-P-GPTQ / GPTQModel at W4 and W3 g128 on the default model, one table"
 	@echo "make bench-awq   AWQ / RTN / GPTQ / S-P-GPTQ at W4 and W3 g128, then AWQ vs llm-compressor at W4 g64"
 	@echo "make bench-gguf  every GGUF type exported by quantkit and by llama.cpp's quantizer, plus GPTQ on the Q4_0 and Q4_K_M grids, scored in llama.cpp"
+	@echo "make llama-tools  build llama.cpp's llama-imatrix and llama-quantize once (bench-gguf's imatrix anchor; ~10 min)"
 	@echo "make bench-mlx   mlx_lm.convert, mlx-lm's GPTQ/AWQ/DWQ and quantkit's MLX recipes at W4 g64, scored by mlx-lm (BENCH_MLX_ARGS='--reuse')"
 	@echo "make bench-runtime  quantkit's runtime (W4) vs transformers fp32/bf16 and llama.cpp Q4_0, decode and prefill; InfLLM v2 vs dense attention"
 	@echo "make eval-sparse  InfLLM v2 on MODEL with a scaled-down SPARSE_CONFIG: perplexity vs dense, needle retrieval"
@@ -123,6 +125,12 @@ bench-awq: $(INSTALLED) $(LLMC_INSTALLED)
 
 bench-gguf: $(TEST_INSTALLED)
 	$(BIN)/python -m quantkit.eval.bench.bench_gguf --out $(OUT)/bench-gguf
+
+# llama.cpp's llama-imatrix and llama-quantize (bench-gguf's imatrix anchor), built once from the llama.cpp
+# that llama-cpp-python vendors into ~/.cache/quantkit/llama.cpp-<version>/bin; bench-gguf builds them if absent.
+LLAMA_TOOLS_JOBS ?= 2
+llama-tools: $(TEST_INSTALLED)
+	$(BIN)/python -c "from quantkit.eval.bench.bench_gguf import llama_tools; print(llama_tools(jobs=$(LLAMA_TOOLS_JOBS)))"
 
 # MLX at W4 g64 on MODEL, every row scored by mlx-lm itself (KL to the unquantized model run by mlx,
 # perplexity, top-1) with the issue's targets under the table; mlx and mlx-lm come with the test stamp.
@@ -237,6 +245,10 @@ lint: $(TEST_INSTALLED)
 
 test-fast: $(TEST_INSTALLED)
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# tests/test_reliability.py with every case (make test runs a reduced set), summed into one table.
+test-reliability: $(TEST_INSTALLED)
+	OMP_NUM_THREADS=1 QUANTKIT_RELIABILITY_CASES=full $(BIN)/python tests/reliability_table.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(OUT) build dist *.egg-info

@@ -100,6 +100,10 @@ class Engine:
         """Runs the prompt through the model in chunks; returns the last position's logits."""
         if not tokens:
             raise ValueError("the prompt is empty")
+        context = getattr(getattr(self.runtime, "config", None), "max_position_embeddings", None)
+        if isinstance(context, int) and len(tokens) + getattr(cache, "length", 0) > context:
+            raise ValueError(f"the prompt ({len(tokens)} tokens) does not fit the model's context of {context} "
+                             "tokens (max_position_embeddings)")
         ids = torch.tensor(tokens, dtype=torch.long)
         for start in range(0, len(tokens), self.prefill_chunk):
             logits = self.runtime.forward(ids[start:start + self.prefill_chunk], cache)
@@ -217,7 +221,8 @@ def load_engine(model_dir: str | Path, *, sparse: str = "auto", sparse_overrides
     ``draft_tree``; an EAGLE-3 head attends the last ``draft_window`` positions (all when None)."""
     from quantkit.kernels.device import check_device
     from quantkit.kernels.load import load_runtime_model
-    from transformers import AutoTokenizer
+
+    from quantkit.checkpoint import load_tokenizer
 
     check_device(device)
     model_dir = Path(model_dir)
@@ -225,7 +230,7 @@ def load_engine(model_dir: str | Path, *, sparse: str = "auto", sparse_overrides
     sparse_config = sparse_config_for(sparse, model.config.sparse_attention, sparse_overrides)
     attention = make_attention(sparse_config, "triton" if device == "cuda" else "cpu")
     runtime = RuntimeModel(model, attention)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     drafter = None if draft is None else load_drafter(draft, runtime, device, linear_backend, draft_window)
     return Engine(runtime, tokenizer, stop_tokens_of(model_dir, tokenizer, model.config), prefill_chunk, drafter,
                   draft_tokens, draft_tree)

@@ -1,6 +1,7 @@
 """Choosing the next token from float32 logits: greedy, temperature, top-p (nucleus)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -13,8 +14,8 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # NaN fails every comparison
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
@@ -44,6 +45,12 @@ class Sampler:
     def draw(self, probs: torch.Tensor) -> int:
         """A token drawn from ``probs`` with this sampler's generator."""
         return int(torch.multinomial(probs, 1, generator=self._generator))
+
+    def gumbel(self, shape: torch.Size) -> torch.Tensor:
+        """Standard Gumbel noise (−log(−log U)) from this sampler's generator: the k largest of log q plus
+        this noise are k draws from q without replacement."""
+        uniform = torch.rand(shape, generator=self._generator, dtype=torch.float64).clamp_(min=1e-300)
+        return -torch.log(-torch.log(uniform))
 
     def uniform(self) -> float:
         """A number in [0, 1) from this sampler's generator (speculative sampling's acceptance test)."""

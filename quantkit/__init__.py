@@ -65,15 +65,14 @@ def evaluate(model, ref="default", *, data: str = "austen", max_tokens: int = 81
     """Perplexity of ``model`` and its KL divergence and top-1 agreement against ``ref`` on held-out text."""
     from dataclasses import asdict
 
-    from transformers import AutoTokenizer
-
     from quantkit import calib
+    from quantkit.checkpoint import load_tokenizer
     from quantkit.eval.kld import kl_divergence
     from quantkit.loading import load_model
     from quantkit.models.zoo import resolve_model
 
     model_dir, ref_dir = resolve_model(model), resolve_model(ref)
-    tokens = calib.heldout_tokens(AutoTokenizer.from_pretrained(model_dir), name=data, max_tokens=max_tokens)
+    tokens = calib.heldout_tokens(load_tokenizer(model_dir), name=data, max_tokens=max_tokens)
     result = kl_divergence(load_model(model_dir), load_model(ref_dir), tokens, window, progress=progress)
     return {"model": str(model_dir), "ref": str(ref_dir), "data": data, **asdict(result)}
 

@@ -15,6 +15,7 @@ import torch
 
 from quantkit import atomic
 from quantkit.checkpoint import INDEX_FILE, SINGLE_FILES, read_header, sha256_file
+from quantkit.lock import OutputLock
 
 PROGRESS_FILE = "progress.json"
 MANIFEST_FILE = "quantkit.json"
@@ -47,7 +48,11 @@ class ArtifactWriter:
     def __init__(self, staging: Path, num_layers: int):
         self.staging = staging
         self.total = num_layers + 1
+        # One writer per output (<out>.lock, held until published; a killed run's lock is stale and taken over).
+        self.lock = OutputLock(staging.with_name(staging.name.removesuffix(".partial"))).acquire()
         staging.mkdir(parents=True, exist_ok=True)
+        for stale in staging.glob(".*.tmp"):  # a killed run's half-written shard, never to be published
+            stale.unlink()
 
     def shard_path(self, index: int) -> Path:
         return self.staging / shard_name(index, self.total)
@@ -92,12 +97,14 @@ class ArtifactWriter:
         # Tokenizer, chat template, generation config and anything else travel verbatim.
         for path in sorted(source_dir.iterdir()):
             if path.is_file() and path.name not in _NOT_COPIED and path.suffix != ".safetensors":
-                shutil.copyfile(path, self.staging / path.name)
+                with atomic.atomic_path(self.staging / path.name) as tmp:  # a failed copy names its file
+                    shutil.copyfile(path, tmp)
         (self.staging / PROGRESS_FILE).unlink()
         # The manifest cannot record itself, and the report differs between runs of the same artifact.
         records = file_records(self.staging, {manifest_file, REPORT_FILE})
         atomic.write_json(self.staging / manifest_file, {**manifest, FILES_KEY: records})
         atomic.publish_dir(self.staging, out_dir)
+        self.lock.release()
 
 
 def _header(path: Path) -> dict[str, tuple[str, list[int]]]:

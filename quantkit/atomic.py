@@ -1,6 +1,7 @@
 """Atomic writes: every output appears under its final name whole, or not at all."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -8,6 +9,28 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+
+class OutputWriteError(RuntimeError):
+    """An output could not be written (disk full, file size limit, read-only place); nothing was left
+    under its name."""
+
+
+# errno values that mean "the bytes could not be written here", as opposed to an input's read error.
+_WRITE_ERRNOS = {errno.EFBIG, errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+
+
+def _write_failure(error: BaseException) -> str | None:
+    """Why ``error`` is a failed write, or None if it is some other error."""
+    if isinstance(error, OSError):
+        if error.errno in _WRITE_ERRNOS:
+            return error.strerror
+        if error.errno is None and "written" in str(error):  # numpy's tofile: "N requested and M written"
+            return f"short write ({error})"
+        return None
+    if type(error).__name__ == "SafetensorError" and "I/O error" in str(error):  # safetensors' Rust writer
+        return str(error).rpartition("I/O error: ")[2]
+    return None
 
 
 def _temp_beside(path: Path) -> Path:
@@ -24,13 +47,21 @@ def _temp_beside(path: Path) -> Path:
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; rename it onto ``path`` only if the block succeeds."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_beside(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _temp_beside(path)
+    except OSError as e:
+        raise OutputWriteError(f"cannot write {path}: {e.strerror or e}") from e
     try:
         yield tmp
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except Exception as e:
+        reason = _write_failure(e)
+        if reason is None:
+            raise
+        raise OutputWriteError(f"cannot write {path}: {reason}; nothing was left under that name") from e
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,28 +50,102 @@ class TensorEntry:
     size: int
 
 
+MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit on the JSON header
+
+
+def _unique_keys(pairs: list) -> dict:
+    names = [name for name, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate name '{next(n for n in names if names.count(n) > 1)}' in the header")
+    return dict(pairs)
+
+
+def _check_entries(header, data_start: int, file_size: int) -> str | None:
+    """What is wrong with a parsed header's tensor entries, or None. Checked before any tensor is read, so
+    no byte count the file does not hold is ever allocated."""
+    if not isinstance(header, dict):
+        return f"the header is a JSON {type(header).__name__}, not an object"
+    spans = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            if not isinstance(info, dict):
+                return "'__metadata__' is not an object"
+            continue
+        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+            return f"tensor '{name}' lacks dtype, shape or data_offsets"
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            return f"tensor '{name}' has an unknown dtype {dtype!r}"
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            return f"tensor '{name}' has a bad shape {shape!r}"
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1] or data_start + offsets[1] > file_size):
+            return f"tensor '{name}' lies outside the file (data_offsets {offsets!r})"
+        count = 1
+        for d in shape:
+            count *= d
+        if count * DTYPES[dtype].itemsize != offsets[1] - offsets[0]:
+            return (f"tensor '{name}': shape {shape} of {dtype} needs {count * DTYPES[dtype].itemsize} bytes, "
+                    f"data_offsets hold {offsets[1] - offsets[0]}")
+        spans.append((offsets[0], offsets[1], name))
+    spans.sort()
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            return f"tensors '{first}' and '{second}' overlap"
+    return None
+
+
 def read_header(path: Path) -> tuple[dict, int]:
-    """A safetensors file's JSON header and the offset where its data starts (validated)."""
+    """A safetensors file's JSON header and the offset where its data starts (validated: every tensor's
+    dtype, shape and byte span agree and lie inside the file, no two overlap, no name repeats)."""
     try:
+        if path.exists() and not path.is_file():
+            raise ValueError("not a regular file")
         file_size = path.stat().st_size
         with open(path, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
-            if length > file_size - 8:
-                raise ValueError(f"header length {length} exceeds the file")
-            header = json.loads(f.read(length))
+            if length > file_size - 8 or length > MAX_HEADER_BYTES:
+                raise ValueError(f"header length {length} exceeds the file or the format's limit")
+            header = json.loads(f.read(length), object_pairs_hook=_unique_keys)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint shard missing: {path}") from None
-    except (OSError, ValueError, struct.error) as e:
+    except (OSError, ValueError, struct.error, RecursionError) as e:
         raise CheckpointError(f"{path}: corrupt safetensors file ({e})") from e
     data_start = 8 + length
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = info.get("data_offsets", (0, -1))
-        if info.get("dtype") not in DTYPES or not 0 <= begin <= end or data_start + end > file_size:
-            raise CheckpointError(f"{path}: corrupt safetensors file (tensor '{name}' lies outside the file "
-                                  "or has an unknown dtype)")
+    problem = _check_entries(header, data_start, file_size)
+    if problem is not None:
+        raise CheckpointError(f"{path}: corrupt safetensors file ({problem})")
     return header, data_start
+
+
+_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def read_config_json(directory: str | Path) -> dict:
+    """``directory``'s config.json as a dict, or one clear error (transformers reports a malformed one
+    from deep inside its loader)."""
+    path = Path(directory) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path}: not a readable JSON file ({e})") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
+def load_tokenizer(directory: str | Path):
+    """The checkpoint's tokenizer (transformers' AutoTokenizer), or one clear error naming the directory:
+    a missing or malformed tokenizer file otherwise fails deep inside transformers."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except Exception as e:  # transformers and tokenizers raise many kinds for a broken tokenizer
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{directory}: its tokenizer cannot be loaded ({type(e).__name__}: {reason}); a "
+                              "checkpoint needs tokenizer.json (or the files of a slow tokenizer) and "
+                              "tokenizer_config.json") from e
 
 
 class CheckpointReader:
@@ -80,15 +155,29 @@ class CheckpointReader:
             raise CheckpointError(f"model directory not found: {self.directory}")
         if not (self.directory / "config.json").is_file():
             raise CheckpointError(f"{self.directory} has no config.json: not a Hugging Face checkpoint")
+        layers = read_config_json(self.directory).get("num_hidden_layers")
         self._entries = self._read_entries()
+        if isinstance(layers, int):
+            beyond = sorted({int(m[1]) for m in map(_LAYER_KEY.match, self._entries) if m and int(m[1]) >= layers})
+            if beyond:
+                raise CheckpointError(f"{self.directory} holds tensors of layer {beyond[0]}, but its config.json "
+                                      f"has num_hidden_layers = {layers}: config and weights disagree")
 
     def _weight_files(self) -> list[Path]:
         index = self.directory / INDEX_FILE
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise CheckpointError(f"{index}: corrupt index ({e})") from e
+            except (ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: corrupt index ({e!r})") from e
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise CheckpointError(f"{index}: corrupt index ('weight_map' is not a non-empty object)")
+            for file in set(weight_map.values()):
+                # Shards are files of this directory, by plain name: never a path that leaves it. (A shard
+                # may be a symlink, as in the Hugging Face cache; what it points to is validated like any shard.)
+                if (not isinstance(file, str) or not file or file != Path(file).name or file in (".", "..")
+                        or "\\" in file):
+                    raise CheckpointError(f"{index}: shard name {file!r} is not a file name in {self.directory}")
             return sorted({self.directory / file for file in weight_map.values()})
         single = next((self.directory / f for f in SINGLE_FILES if (self.directory / f).is_file()), None)
         if single is None:
@@ -104,6 +193,9 @@ class CheckpointReader:
             header, data_start = read_header(path)
             for name, info in header.items():
                 if name != "__metadata__":
+                    if name in entries:
+                        raise CheckpointError(f"{self.directory}: tensor '{name}' is stored twice, in "
+                                              f"{entries[name].path.name} and {path.name}")
                     begin, end = info["data_offsets"]
                     entries[name] = TensorEntry(path, info["dtype"], tuple(info["shape"]), data_start + begin,
                                                 end - begin)

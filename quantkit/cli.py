@@ -288,11 +288,10 @@ def _eval_options(fn):
 
 
 def _eval_tokens(model_dir: Path, data: str, max_tokens: int):
-    from transformers import AutoTokenizer
-
     from quantkit import calib
+    from quantkit.checkpoint import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     return calib.heldout_tokens(tokenizer, name=data, max_tokens=max_tokens)
 
 
@@ -408,16 +407,15 @@ def eval_conformance(model, as_json):
 @json_option
 def eval_niah(model, data, lengths, depths, trials, seed, plot_path, as_json, runtime, sparse, sparse_config):
     """Needle in a haystack: retrieval accuracy over context length x needle depth."""
-    from transformers import AutoTokenizer
-
     from quantkit import calib
+    from quantkit.checkpoint import load_tokenizer
     from quantkit.eval import niah
     from quantkit.models.zoo import resolve_model
 
     model_dir = resolve_model(model)
     text = "\n\n".join(calib.load_documents(data))
     evaluated = _evaluated_model(model_dir, runtime, sparse, sparse_config)
-    results = niah.run(evaluated, AutoTokenizer.from_pretrained(model_dir), text,
+    results = niah.run(evaluated, load_tokenizer(model_dir), text,
                        [int(v) for v in lengths.split(",")], [float(v) for v in depths.split(",")], trials, seed,
                        progress=not as_json)
     grid = niah.accuracy_grid(results)
@@ -466,7 +464,7 @@ def eval_tasks(model, task_names, limit, record, progress, as_json):
               help="An EAGLE-3 head, or a model with the target's tokenizer (repeat for several).")
 @click.option("--k", default=4, show_default=True, type=click.IntRange(min=1), help="Draft tokens per round.")
 @click.option("--tree", default=None, metavar="DEPTHxTOPKxSIZE",
-              help="Also measure EAGLE-2 draft trees of this shape (greedy), e.g. 3x4x12.")
+              help="Also measure EAGLE-2 draft trees of this shape, e.g. 3x4x12.")
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0),
               help="0: greedy; above 0: speculative sampling at this temperature.")
 @click.option("--data", default="austen", show_default=True, help="Held-out text the prompts are cut from.")
@@ -529,7 +527,8 @@ def _runtime_options(fn):
         click.option("--draft-tokens", default=3, show_default=True, type=click.IntRange(min=1),
                      help="Draft tokens verified per target forward (with --draft)."),
         click.option("--draft-tree", default=None, metavar="DEPTHxTOPKxSIZE",
-                     help="Greedy decoding drafts EAGLE-2 trees of this shape instead (with --draft), e.g. 3x4x12."),
+                     help="Draft EAGLE-2 trees of this shape instead of chains (with --draft), e.g. 3x4x12; "
+                          "sampled trees keep the target's distribution (recursive rejection sampling)."),
         click.option("--draft-window", default=None, type=click.IntRange(min=1),
                      help="An EAGLE-3 head attends only the last N positions (CPM.cu uses 1024 in long contexts)."),
     ]
@@ -697,6 +696,28 @@ def export_mlx(model, out, dtype, as_json):
 
     report = export(resolve_model(model), out, dtype)
     _emit(as_json, asdict(report), format_table(["field", "value"], [[k, v] for k, v in asdict(report).items()]))
+
+
+@main.command()
+@click.option("--model", default="default", show_default=True, help="Checkpoint (or artifact) whose activations count.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Output .gguf file (must not exist).")
+@click.option("--calibration", default="default", show_default=True,
+              help="Calibration source, as the recipes' calibration.source (corpus or mix name, file, hf:<dataset>).")
+@click.option("--n-samples", default=128, show_default=True, type=click.IntRange(min=1), help="Calibration sequences.")
+@click.option("--seq-len", default=512, show_default=True, type=click.IntRange(min=16), help="Tokens per sequence.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the sample draw.")
+@click.option("--progress/--no-progress", default=True, show_default=True)
+@json_option
+@_friendly_errors
+def imatrix(model, out, calibration, n_samples, seq_len, seed, progress, as_json):
+    """Write llama.cpp's importance matrix (for `llama-quantize --imatrix`) from quantkit's calibration set."""
+    from quantkit.gguf.imatrix import imatrix_for
+    from quantkit.models.zoo import resolve_model
+
+    report = imatrix_for(resolve_model(model), out, source=calibration, n_samples=n_samples, seq_len=seq_len,
+                         seed=seed, progress=progress).describe()
+    _emit(as_json, {"path": str(out), **report},
+          format_table(["field", "value"], [["file", str(out)], *[[k, v] for k, v in report.items()]]))
 
 
 @main.command()

@@ -27,6 +27,7 @@ from quantkit.algorithms.smooth import smooth_layer
 from quantkit.artifact import ArtifactWriter, staging_dir
 from quantkit.checkpoint import CheckpointReader
 from quantkit.formats import FORMATS, Format
+from quantkit.lock import OutputLock
 from quantkit.models import MiniCPMConfig, MiniCPMDecoderLayer, MiniCPMRotaryEmbedding
 from quantkit.models.layers import (
     ATTENTION_PROJECTIONS,
@@ -216,6 +217,7 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
     if out_dir.exists():
         raise EngineError(f"output directory {out_dir} already exists; choose another --out or remove it")
     staging = staging_dir(out_dir)
+    OutputLock(out_dir).acquire()  # a live run writing this output is named before its staging is judged
     if staging.exists() and not resume:
         raise EngineError(f"{staging} holds an interrupted run: pass --resume to continue it, or remove it")
 
@@ -226,9 +228,9 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
     validate_checkpoint(reader, config, qconfig, fmt, recipe["gptq"]["desc_act"], progress)
     dtype = compute_dtype(recipe["compute_dtype"])
 
-    from transformers import AutoTokenizer
+    from quantkit.checkpoint import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     cal = recipe["calibration"]
     calibration = calib.calibration_set(tokenizer, source=cal["source"], n_samples=cal["n_samples"],
                                         seq_len=cal["seq_len"], seed=cal["seed"], chat=cal["chat"])

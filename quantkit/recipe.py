@@ -240,7 +240,11 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise RecipeError(f"override '{text}' must look like section.key=value")
-    return key.strip(), yaml.safe_load(value)
+    try:
+        return key.strip(), yaml.safe_load(value)
+    except yaml.YAMLError as e:
+        raise RecipeError(f"override '{key.strip()}': value {value!r} is not valid YAML "
+                          f"({str(e).splitlines()[0]})") from None
 
 
 def _apply_overrides(raw: dict, overrides: dict[str, Any], source: str) -> dict:
@@ -265,8 +269,8 @@ def load_recipe(name_or_path: str | Path, overrides: dict[str, Any] | None = Non
     if not path.is_file():
         raise RecipeError(f"recipe file not found: {path}")
     try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise RecipeError(f"{path}: not valid YAML: {e}") from e
     if overrides:
         raw = _apply_overrides(raw if isinstance(raw, dict) else {}, overrides, str(path))

@@ -4,8 +4,13 @@ grids, every file measured in llama.cpp on the same held-out tokens.
 For each type, quantkit exports the model directly and llama.cpp's ``llama_model_quantize``
 quantizes quantkit's F32 export; the table says whether their tensors are identical and how long
 each took. Each file is then scored in llama.cpp against the F32 file (also in llama.cpp):
-perplexity, mean KL and top-1 agreement, with quantkit's windows and float64 arithmetic. The last
-rows are the GPTQ-on-GGUF recipes, each exported without re-rounding as the file type it targets.
+perplexity, mean KL and top-1 agreement, with quantkit's windows and float64 arithmetic. Then, with
+an importance matrix: llama.cpp's own anchor (``llama-imatrix`` on quantkit's calibration text, then
+``llama-quantize --imatrix``), llama-quantize fed quantkit's imatrix (``quantkit imatrix``), and the
+GPTQ-on-GGUF recipes, whose block scales are llama.cpp's imatrix search weighted by diag(H), each
+exported without re-rounding as the file type it targets. The two llama.cpp tools are built once from
+the llama.cpp source that the installed llama-cpp-python vendors (``make llama-tools``, ~10 min on 2
+cores) and cached in ~/.cache/quantkit/llama.cpp-<llama-cpp-python version>/bin.
 
     python -m quantkit.eval.bench.bench_gguf --out out/bench-gguf
 """
@@ -13,6 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import subprocess
+import sys
+import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +30,97 @@ from quantkit.eval.bench.common import machine, quantize_command, report, timed
 
 from quantkit.table import format_table
 
-# GPTQ recipe -> the GGUF file type its artifact is exported as, unchanged
-GPTQ_RECIPES = {"gguf-q4_0": "q4_0", "gguf-q4_k_m": "q4_k_m", "gguf-q5_k_m": "q5_k_m"}
+# bench row -> (recipe, the GGUF file type its artifact is exported as unchanged, recipe overrides).
+# gguf-q4_0 solves on GPTQ's own W4 g32 grid (clip search); -blocks solves on the Q4_0 blocks
+# themselves, with llama.cpp's imatrix scale search weighted by diag(H).
+GPTQ_RECIPES = {
+    "gguf-q4_0": ("gguf-q4_0", "q4_0", ()),
+    "gguf-q4_0-blocks": ("gguf-q4_0", "q4_0", ("format=gguf-q4_0", "gptq.clip_search=false")),
+    "gguf-q4_k_m": ("gguf-q4_k_m", "q4_k_m", ()),
+    "gguf-q5_k_m": ("gguf-q5_k_m", "q5_k_m", ()),
+}
+# Targets of issue 32: quantkit's best file of the type, against llama.cpp + llama-imatrix
+TARGET_TYPES, TARGET_RATIO = ("q4_0", "q4_k_m"), 0.8
+
+LLAMA_TOOLS = ("llama-imatrix", "llama-quantize")
+# CPU only, static (the binaries outlive any pip reinstall), no network code, only the two tools
+CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF",
+               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+               "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_TOOLS=ON")
+
+
+def llama_tools_dir() -> Path:
+    """One directory per llama-cpp-python release: the tools must be the llama.cpp it vendors."""
+    import llama_cpp
+
+    return Path.home() / ".cache" / "quantkit" / f"llama.cpp-{llama_cpp.__version__}"
+
+
+def _vendored_source(root: Path) -> Path:
+    """llama.cpp's source from the llama-cpp-python sdist of the installed version (pip download)."""
+    import llama_cpp
+
+    src = root / "src"
+    if src.exists():
+        return src
+    sdist = root / "sdist"
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                    f"llama-cpp-python=={llama_cpp.__version__}", "-d", str(sdist)], check=True)
+    archive = next(sdist.glob("llama_cpp_python-*.tar.gz"))
+    prefix = f"{archive.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
+    with tarfile.open(archive) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+        for member in members:
+            member.name = member.name[len(prefix):]
+        tar.extractall(root / "src.partial", members=members, filter="data")
+    (root / "src.partial").rename(src)
+    shutil.rmtree(sdist)
+    return src
+
+
+def llama_tools(build: bool = True, jobs: int = 1) -> Path | None:
+    """The directory holding llama-imatrix and llama-quantize, built on first use (or None if absent and
+    ``build`` is off)."""
+    root = llama_tools_dir()
+    bin_dir = root / "bin"
+    if all((bin_dir / tool).exists() for tool in LLAMA_TOOLS):
+        return bin_dir
+    if not build:
+        return None
+    src = _vendored_source(root)
+    subprocess.run(["cmake", "-S", str(src), "-B", str(root / "build"), *CMAKE_FLAGS], check=True)
+    subprocess.run(["cmake", "--build", str(root / "build"), "--config", "Release", "-j", str(jobs), "--target",
+                    *LLAMA_TOOLS], check=True)
+    bin_dir.mkdir(exist_ok=True)
+    for tool in LLAMA_TOOLS:
+        shutil.copy2(root / "build" / "bin" / tool, bin_dir / tool)
+    return bin_dir
+
+
+def calibration_text(model_dir: Path, n_samples: int, seq_len: int) -> str:
+    """quantkit's calibration rows (the recipes' source and seed) as text for llama-imatrix, which only
+    reads text: it re-tokenizes, so its chunks hold the same text, not exactly the same tokens."""
+    from transformers import AutoTokenizer
+
+    from quantkit import calib
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = calib.calibration_set(tokenizer, source="default", n_samples=n_samples, seq_len=seq_len, seed=0)
+    return "\n\n".join(tokenizer.decode(row) for row in rows.input_ids.tolist())
+
+
+def check_loaded(log: str, entries: int) -> None:
+    """llama-quantize's own account of reading quantkit's imatrix: every entry loaded, every tensor found."""
+    if f"loaded {entries} importance matrix entries" not in log or "did not find weights for" in log:
+        raise click.ClickException(f"llama-quantize did not take all {entries} entries of quantkit's imatrix:\n"
+                                   + "\n".join(line for line in log.splitlines() if "imatrix" in line.lower()))
+
+
+def _run(command: list[str], log: Path) -> float:
+    started = time.perf_counter()
+    with open(log, "w") as f:
+        subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, check=True)
+    return time.perf_counter() - started
 
 
 @dataclass
@@ -57,11 +154,16 @@ def tensor_digest(path: Path) -> str:
 @click.option("--max-tokens", default=4096, show_default=True, help="Held-out tokens scored.")
 @click.option("--window", default=512, show_default=True, help="Tokens per llama.cpp evaluation window.")
 @click.option("--recipes", default=",".join(GPTQ_RECIPES), show_default=True,
-              help=f"Comma-separated GPTQ-on-GGUF recipes, of {', '.join(GPTQ_RECIPES)}.")
-@click.option("--n-samples", default=128, show_default=True, help="GPTQ calibration rows.")
+              help=f"Comma-separated GPTQ-on-GGUF rows, of {', '.join(GPTQ_RECIPES)}.")
+@click.option("--imatrix-types", default=",".join(TARGET_TYPES), show_default=True,
+              help="Comma-separated types quantized by llama-quantize --imatrix (empty: none).")
+@click.option("--llama-tools/--no-llama-tools", "use_llama_tools", default=True, show_default=True,
+              help="Build (once) and run llama-imatrix and llama-quantize for the imatrix rows.")
+@click.option("--n-samples", default=128, show_default=True, help="Calibration rows (GPTQ and both imatrices).")
 @click.option("--seq-len", default=512, show_default=True)
+@click.option("--threads", default=2, show_default=True, help="Threads of the llama.cpp tools.")
 @click.option("--out", default="out/bench-gguf", show_default=True, type=click.Path(path_type=Path))
-def main(model, types, recipes, max_tokens, window, n_samples, seq_len, out):
+def main(model, types, recipes, imatrix_types, use_llama_tools, max_tokens, window, n_samples, seq_len, threads, out):
     """Export every type both ways, score each file in llama.cpp, print one table."""
     from quantkit.eval.kld import kl_divergence
     from quantkit.eval.llamacpp import LlamaCppModel, llama_quantize
@@ -110,18 +212,49 @@ def main(model, types, recipes, max_tokens, window, n_samples, seq_len, out):
         if same != "yes":  # not expected: score llama.cpp's file on its own
             rows[-1] = score(theirs, "llama.cpp quantize (of f32.gguf)", quantize_seconds, same)
 
-    for recipe in [r.strip() for r in recipes.split(",") if r.strip()]:
-        file_type = GPTQ_RECIPES[recipe]
-        artifact = out / recipe
-        shutil.rmtree(artifact, ignore_errors=True)
-        seconds, _ = timed(quantize_command(recipe, model_dir, artifact, (f"calibration.n_samples={n_samples}",
-                                                                          f"calibration.seq_len={seq_len}")),
-                           out / f"{recipe}.log")
+    anchors: dict[str, float] = {}  # file type -> KL of llama.cpp + llama-imatrix
+    best: dict[str, float] = {}  # file type -> KL of quantkit's best GPTQ file
+    wanted = [t.strip() for t in imatrix_types.split(",") if t.strip()]
+    bin_dir = llama_tools(build=use_llama_tools) if wanted else None
+    if bin_dir is not None:
+        from quantkit.gguf.imatrix import imatrix_for
+
+        calibration = out / "calibration.txt"
+        calibration.write_text(calibration_text(model_dir, n_samples, seq_len))
+        theirs_imatrix, ours_imatrix = out / "imatrix-llama.cpp.gguf", out / "imatrix-quantkit.gguf"
+        ours_imatrix.unlink(missing_ok=True)
+        made = {theirs_imatrix: _run([str(bin_dir / "llama-imatrix"), "-m", str(f32), "-f", str(calibration), "-o",
+                                      str(theirs_imatrix), "-c", str(seq_len), "-b", str(seq_len), "--chunks",
+                                      str(n_samples), "-t", str(threads), "--no-ppl"], out / "llama-imatrix.log")}
         started = time.perf_counter()
-        exported = export_gguf(artifact, out / f"{recipe}.gguf", file_type, progress=False)
-        rows.append(score(out / f"{recipe}.gguf", f"quantkit {recipe} recipe ({exported.exact_tensors} tensors "
-                          "solved by GPTQ)", seconds + time.perf_counter() - started, ""))
+        entries = len(imatrix_for(model_dir, ours_imatrix, n_samples=n_samples, seq_len=seq_len).sums)
+        made[ours_imatrix] = time.perf_counter() - started
+        for file_type in wanted:
+            for imatrix, by in ((theirs_imatrix, "llama-imatrix"), (ours_imatrix, "quantkit imatrix")):
+                path = out / f"{file_type}-{imatrix.stem}.gguf"
+                log = out / f"{path.stem}.log"
+                seconds = _run([str(bin_dir / "llama-quantize"), "--imatrix", str(imatrix), str(f32), str(path),
+                                file_type.upper(), str(threads)], log)
+                if imatrix == ours_imatrix:
+                    check_loaded(log.read_text(), entries)
+                rows.append(score(path, f"llama.cpp quantize --imatrix ({by}; seconds include it)",
+                                  made[imatrix] + seconds, ""))
+            anchors[file_type] = rows[-2].mean_kl
+
+    for name in [r.strip() for r in recipes.split(",") if r.strip()]:
+        recipe, file_type, settings = GPTQ_RECIPES[name]
+        artifact = out / name
+        shutil.rmtree(artifact, ignore_errors=True)
+        settings = (*settings, f"calibration.n_samples={n_samples}", f"calibration.seq_len={seq_len}")
+        seconds, _ = timed(quantize_command(recipe, model_dir, artifact, settings), out / f"{name}.log")
+        started = time.perf_counter()
+        exported = export_gguf(artifact, out / f"{name}.gguf", file_type, progress=False)
+        rows.append(score(out / f"{name}.gguf", f"quantkit {name} ({exported.exact_tensors} tensors solved by GPTQ)",
+                          seconds + time.perf_counter() - started, ""))
+        best[file_type] = min(best.get(file_type, float("inf")), rows[-1].mean_kl)
     reference.close()
+    targets = [f"target {t}: quantkit's best KL {best[t]:.4f} <= {TARGET_RATIO} x llama.cpp+imatrix {anchors[t]:.4f}: "
+               f"{'PASS' if best[t] <= TARGET_RATIO * anchors[t] else 'FAIL'}" for t in TARGET_TYPES if t in anchors]
 
     table = format_table(["file", "made by", "bits/weight", "MB", "ppl", "mean KL", "top-1", "seconds",
                           "same tensors"],
@@ -130,7 +263,8 @@ def main(model, types, recipes, max_tokens, window, n_samples, seq_len, out):
     header = (f"model {model_dir.name}; held-out Austen, {fp.tokens} scored tokens, llama.cpp windows of {window} "
               f"(weight repacking off, KV cache f16), reference f32.gguf in llama.cpp; GPTQ calibration "
               f"{n_samples} x {seq_len} tokens; machine: {machine()}")
-    report(header, table, rows, json_path=out / "bench.json", markdown_path=out / "bench.md")
+    report(header, table, rows, json_path=out / "bench.json", markdown_path=out / "bench.md", notes="\n".join(targets),
+           extra={"targets": targets})
 
 
 if __name__ == "__main__":

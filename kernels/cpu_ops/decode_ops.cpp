@@ -145,10 +145,19 @@ Tensor silu_mul(Tensor gate_up) {
 }
 
 // Ternary weights as bit planes (quantkit/formats/ternary.py): word w of a row holds input channels
-// 16w..16w+15, bit j set for +1 and bit 16+j for -1. Sums x over each group's + and - channels,
-// times the group's scale; ROWS activation rows share each word's masks. float32 [ROWS, N].
-// BLOCK output rows at a time, with separate + and - sums, keep 2·BLOCK·ROWS independent add
-// chains in flight: one chain per row is latency-bound (4 cycles per masked add) at 1.8x slower.
+// 16w..16w+15, bit j set for +1 and bit 16+j for -1. Sums x times each group's trits, times the
+// group's scale; ROWS activation rows share each word's decoded weights. float32 [ROWS, N]. BLOCK
+// output rows at a time keep 2·BLOCK·ROWS (AVX-512) or BLOCK·ROWS (AVX2) independent add chains in
+// flight. The path is picked at compile time (-march=native):
+// - AVX-512: two masked adds per 16 weights (into a + sum and a - sum), the masks are the word's halves.
+//   One chain per row is latency-bound (4 cycles per masked add) at 1.8x slower.
+// - AVX2 + FMA (most desktops): per 8 weights srlv, and, madd_epi16, cvt turn the word into ±1.0/0
+//   floats (below), then one FMA per activation row into a per-group sum. Measured on a 2-thread AVX2
+//   EPYC against the alternatives the same run (4096x4096, one row): compare-equal lane masks with
+//   separate + and - sums 1.5-1.9x slower, a 256-entry table of lane masks 1.5x slower.
+// - portable (ARM NEON, x86 without AVX2): branchless loops over the 16 lanes of a word that -O3
+//   vectorizes: a 256-entry table of {0, 1} floats per byte gives the trit as table[+ byte] -
+//   table[- byte], times the scale, accumulated per lane.
 #ifdef __AVX512F__
 template <int ROWS, int BLOCK>
 static void ternary_block(const float* x, const uint32_t* planes, const at::Half* scales, float* out,
@@ -181,25 +190,90 @@ static void ternary_block(const float* x, const uint32_t* planes, const at::Half
   for (int b = 0; b < BLOCK; ++b)
     for (int r = 0; r < ROWS; ++r) out[r * n_out + n + b] = _mm512_reduce_add_ps(total[b][r]);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline float ternary_hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// The trits of 8 lanes of a word (broadcast to every lane) as floats +1, -1 or 0: shifting lane i
+// right by its channel j brings bits j and 16+j to bits 0 and 16, an int16 pair (+, -) that
+// madd_epi16 with (1, -1) turns into the int32 difference.
+static inline __m256 ternary_trits(__m256i word, __m256i channels) {
+  const __m256i pair = _mm256_and_si256(_mm256_srlv_epi32(word, channels), _mm256_set1_epi32(0x00010001));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pair, _mm256_set1_epi32(static_cast<int>(0xFFFF0001u))));
+}
+
+template <int ROWS, int BLOCK>
+static void ternary_block(const float* x, const uint32_t* planes, const at::Half* scales, float* out,
+                          int64_t n, int64_t n_out, int64_t words, int64_t groups, int64_t group_words) {
+  const __m256i low = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), high = _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15);
+  __m256 total[BLOCK][ROWS];
+  for (int b = 0; b < BLOCK; ++b)
+    for (int r = 0; r < ROWS; ++r) total[b][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 sum[BLOCK][ROWS];
+    for (int b = 0; b < BLOCK; ++b)
+      for (int r = 0; r < ROWS; ++r) sum[b][r] = _mm256_setzero_ps();
+    for (int64_t w = g * group_words; w < std::min(words, (g + 1) * group_words); ++w) {
+      for (int b = 0; b < BLOCK; ++b) {
+        const __m256i word = _mm256_set1_epi32(static_cast<int>(planes[(n + b) * words + w]));
+        const __m256 trits_low = ternary_trits(word, low), trits_high = ternary_trits(word, high);
+        for (int r = 0; r < ROWS; ++r) {
+          const float* xw = x + (r * words + w) * 16;
+          sum[b][r] = _mm256_fmadd_ps(_mm256_loadu_ps(xw), trits_low, sum[b][r]);
+          sum[b][r] = _mm256_fmadd_ps(_mm256_loadu_ps(xw + 8), trits_high, sum[b][r]);
+        }
+      }
+    }
+    for (int b = 0; b < BLOCK; ++b) {
+      const __m256 scale = _mm256_set1_ps(static_cast<float>(scales[(n + b) * groups + g]));
+      for (int r = 0; r < ROWS; ++r) total[b][r] = _mm256_fmadd_ps(scale, sum[b][r], total[b][r]);
+    }
+  }
+  for (int b = 0; b < BLOCK; ++b)
+    for (int r = 0; r < ROWS; ++r) out[r * n_out + n + b] = ternary_hsum(total[b][r]);
+}
 #else
+struct TernaryBitTable { float lanes[256][8]; };  // lanes[byte][j]: bit j of byte, 1.f or 0.f
+static constexpr TernaryBitTable ternary_bit_table() {
+  TernaryBitTable table{};
+  for (int byte = 0; byte < 256; ++byte)
+    for (int j = 0; j < 8; ++j) table.lanes[byte][j] = static_cast<float>((byte >> j) & 1);
+  return table;
+}
+static constexpr TernaryBitTable kTernaryBits = ternary_bit_table();
+
 template <int ROWS, int BLOCK>
 static void ternary_block(const float* x, const uint32_t* planes, const at::Half* scales, float* out,
                           int64_t n, int64_t n_out, int64_t words, int64_t groups, int64_t group_words) {
   for (int b = 0; b < BLOCK; ++b) {
     const uint32_t* row = planes + (n + b) * words;
-    for (int r = 0; r < ROWS; ++r) {
-      float total = 0.f;
-      for (int64_t g = 0; g < groups; ++g) {
-        float acc = 0.f;
-        for (int64_t w = g * group_words; w < std::min(words, (g + 1) * group_words); ++w) {
-          for (int j = 0; j < 16; ++j) {
-            const float xj = x[(r * words + w) * 16 + j];
-            acc += ((row[w] >> j) & 1u) ? xj : (((row[w] >> (16 + j)) & 1u) ? -xj : 0.f);
-          }
+    float total[ROWS][16] = {};  // per-lane sums, summed across lanes at the end
+    for (int64_t g = 0; g < groups; ++g) {
+      const float scale = static_cast<float>(scales[(n + b) * groups + g]);
+      for (int64_t w = g * group_words; w < std::min(words, (g + 1) * group_words); ++w) {
+        const uint32_t bits = row[w];
+        const float* plus_low = kTernaryBits.lanes[bits & 0xFF];
+        const float* plus_high = kTernaryBits.lanes[(bits >> 8) & 0xFF];
+        const float* minus_low = kTernaryBits.lanes[(bits >> 16) & 0xFF];
+        const float* minus_high = kTernaryBits.lanes[bits >> 24];
+        float weight[16];
+        for (int j = 0; j < 8; ++j) weight[j] = scale * (plus_low[j] - minus_low[j]);
+        for (int j = 0; j < 8; ++j) weight[8 + j] = scale * (plus_high[j] - minus_high[j]);
+        for (int r = 0; r < ROWS; ++r) {
+          const float* xw = x + (r * words + w) * 16;
+          for (int j = 0; j < 16; ++j) total[r][j] += weight[j] * xw[j];
         }
-        total += static_cast<float>(scales[(n + b) * groups + g]) * acc;
       }
-      out[r * n_out + n + b] = total;
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      float sum = 0.f;
+      for (int j = 0; j < 16; ++j) sum += total[r][j];
+      out[r * n_out + n + b] = sum;
     }
   }
 }
@@ -208,7 +282,7 @@ static void ternary_block(const float* x, const uint32_t* planes, const at::Half
 template <int ROWS>
 static void ternary_rows(const float* x, const uint32_t* planes, const at::Half* scales, float* out,
                          int64_t n_out, int64_t words, int64_t groups, int64_t group_words) {
-  constexpr int BLOCK = ROWS == 1 ? 4 : 2;  // 8 or 2·2·ROWS accumulators of the 32 vector registers
+  constexpr int BLOCK = ROWS == 1 ? 4 : 2;
   at::parallel_for(0, (n_out + BLOCK - 1) / BLOCK, 8, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
       const int64_t n = block * BLOCK;

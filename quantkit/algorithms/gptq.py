@@ -73,12 +73,17 @@ def gptq_quantize(
     static_groups: bool = False,
     group_aware: bool = False,
     clip_search: bool = False,
+    imatrix: bool = True,
 ) -> QuantizedTensor | GGUFTensor:
-    """GPTQ-quantize ``weight`` [N, K] against ``hessian`` [K, K] (H = 2/n Σ xᵀx of its inputs)."""
+    """GPTQ-quantize ``weight`` [N, K] against ``hessian`` [K, K] (H = 2/n Σ xᵀx of its inputs).
+
+    The recipes' entry point: on a GGUF block type the block scales come from llama.cpp's imatrix
+    search weighted by diag(H) unless ``imatrix`` is off (``gptq_solve``'s default keeps llama.cpp's
+    plain search)."""
     return gptq_solve(
         weight, hessian, config,
         damp_percent=damp_percent, block_size=block_size, desc_act=desc_act, static_groups=static_groups,
-        group_aware=group_aware, clip_search=clip_search,
+        group_aware=group_aware, clip_search=clip_search, imatrix=imatrix,
     ).quantized
 
 
@@ -93,8 +98,11 @@ def gptq_solve(
     static_groups: bool = False,
     group_aware: bool = False,
     clip_search: bool = False,
+    imatrix: bool = False,
 ) -> GPTQSolution:
-    """As ``gptq_quantize``, also returning the solver's fake-quantized weights and the damping used."""
+    """As ``gptq_quantize``, also returning the solver's fake-quantized weights and the damping used.
+    ``imatrix``: on a GGUF block type, choose the block scales with llama.cpp's imatrix search, the
+    imatrix being diag(H) (gguf/solver_grid.py); no effect on GPTQ's own grid."""
     _validate(weight, hessian, config, damp_percent, block_size, desc_act, static_groups, clip_search)
     if desc_act and group_aware:
         raise ValueError("desc_act and group_aware are two different column orders: choose one")
@@ -115,7 +123,7 @@ def gptq_solve(
         grid = _Grid(w, order, config, up_front=static_groups or config.group_size == -1,
                      groups_follow_columns=not desc_act, clip_search=clip_search)
     else:
-        grid = BlockGrid(config, (n, k), order)
+        grid = BlockGrid(config, w, order, diag if imatrix else None)  # dead channels weigh 0
     factor, used_damp = _hessian_factor(hessian, order, dead, damp_percent)
 
     work = w[:, order].T.contiguous()  # [K, N]: one row per input channel, in processing order

@@ -39,7 +39,8 @@ def quantize_head(head_dir: str | Path, target_dir: str | Path, recipe: Recipe, 
     """Quantize the head at ``head_dir`` (for the target at ``target_dir``) with ``recipe`` into
     ``out_dir``; returns a report (per-linear relative output error, seconds)."""
     from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
+
+    from quantkit.checkpoint import load_tokenizer
 
     out_dir = Path(out_dir)
     if out_dir.exists():
@@ -61,7 +62,7 @@ def quantize_head(head_dir: str | Path, target_dir: str | Path, recipe: Recipe, 
     for name, module in linears.items():
         fmt.check(qconfig, module.in_features, module.out_features, False, name)
     settings = recipe["calibration"]
-    rows = calib.calibration_set(AutoTokenizer.from_pretrained(target_dir), source=settings["source"],
+    rows = calib.calibration_set(load_tokenizer(target_dir), source=settings["source"],
                                  n_samples=settings["n_samples"], seq_len=settings["seq_len"],
                                  seed=settings["seed"]).input_ids
     inputs = []

@@ -142,7 +142,7 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
     """Train a head for the checkpoint or artifact ``target_dir`` (from scratch, or from the head ``init``)
     and write it to ``out_dir`` (official layout, plus ``draft_train.json``). ``stop_after_steps`` leaves
     the run as an interruption would (tests)."""
-    from transformers import AutoTokenizer
+    from quantkit.checkpoint import load_tokenizer
 
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     staging = staging_dir(out_dir)
@@ -150,7 +150,7 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
     target = load_model(target_dir, torch.float32)
     target.requires_grad_(False)
     settings.check(target.config.vocab_size)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    tokenizer = load_tokenizer(target_dir)
     data = training_data(tokenizer, settings.data, settings.seq_len, settings.seed)
     target_fingerprint = CheckpointReader(target_dir).fingerprint()
     init_fingerprint = None if init is None else CheckpointReader(init).fingerprint()

@@ -21,11 +21,13 @@ import torch
 from tqdm.auto import tqdm
 
 from quantkit.atomic import atomic_path
+from quantkit.checkpoint import CheckpointError
 from quantkit.gguf.exact import exact_blocks
 from quantkit.gguf.mixes import FILE_TYPES, choose_type
 from quantkit.gguf.names import gguf_name, permute_rows, unpermute_rows
 from quantkit.gguf.types import TensorType
 from quantkit.gguf.vocab import read_vocab
+from quantkit.lock import OutputLock
 from quantkit.models import MiniCPMConfig, MiniCPMRotaryEmbedding
 from quantkit.models.layers import K, Q
 from quantkit.models.minicpm import weight_shapes
@@ -91,7 +93,11 @@ class _LayerTensors:
             return self.reader.get(key).float()
         self._load(key)
         record = self._records.get(key)
-        return record.dequantize(torch.float32) if record is not None else self._plain[key].float()
+        if record is not None:
+            return record.dequantize(torch.float32)
+        if key not in self._plain:
+            raise CheckpointError(f"{self.artifact.dir} lacks tensor '{key}'")
+        return self._plain[key].float()
 
 
 def _rope_factors(config: MiniCPMConfig) -> dict[str, list[float]]:
@@ -216,12 +222,14 @@ def export_gguf(model_dir: str | Path, out: str | Path, file_type: str, *, token
         raise ValueError(f"unknown GGUF type '{file_type}'; choose from {', '.join(FILE_TYPES)}")
     if out.exists():
         raise FileExistsError(f"{out} already exists; choose another --out or remove it")
-    config = MiniCPMConfig.from_pretrained(model_dir)
+    source = _LayerTensors(model_dir)  # reads and checks the checkpoint's files first
+    config = source.config
     _check_exportable(config)
     planned = _plan(config, file_type)
-    source = _LayerTensors(model_dir)
     report = ExportReport(str(out), file_type)
-    with atomic_path(out) as tmp:
+    with OutputLock(out), atomic_path(out) as tmp:
+        if out.exists():  # another run finished it while this one was checking
+            raise FileExistsError(f"{out} already exists; choose another --out or remove it")
         writer = gguf.GGUFWriter(tmp, ARCH)
         _add_metadata(writer, config, model_dir, file_type, tokenizer_pre)
         for item in planned:
@@ -249,8 +257,8 @@ def exported_weights(model_dir: str | Path, file_type: str) -> dict[str, torch.T
     tensor's stored blocks (a record's own grid, or its type's quantizer) dequantized. quantkit's
     reference for what llama.cpp should compute from the file."""
     model_dir = Path(model_dir)
-    config = MiniCPMConfig.from_pretrained(model_dir)
     source = _LayerTensors(model_dir)
+    config = source.config
     state = {}
     for item in _plan(config, file_type):
         if item.name.startswith("rope_factors_"):

@@ -5,9 +5,14 @@
   12 bytes, fp16 ``d`` and ``dmin`` (``make_qkx2_quants``, weights av|x| + |x|).
 
 Each repeats ggml's ``quantize_row_*_ref`` (docs/formats.md, "GGUF blocks") in float32 with sums in the C code's
-order, so the bytes equal llama.cpp's (tested against ``ggml_quantize_chunk``).
+order, so the bytes equal llama.cpp's (tested against ``ggml_quantize_chunk``). Given an importance
+vector (llama.cpp's imatrix row) they repeat ``quantize_row_*_impl`` instead, ggml's weighted search
+(docs/gguf.md, "Importance weights").
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -18,12 +23,28 @@ GROUP_MAX_EPS = np.float32(1e-15)
 _F32 = np.float32
 
 
+def _whole_blocks(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=_F32)
+    if x.shape[-1] % QK_K:
+        raise ValueError(f"rows of {x.shape[-1]} values are not whole blocks of {QK_K}")
+    return x
+
+
+def importance_like(importance: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """An importance vector (one float per input channel, llama.cpp's imatrix row) broadcast to x [..., K]."""
+    importance = np.asarray(importance, dtype=_F32)
+    if importance.shape != x.shape[-1:]:
+        raise ValueError(f"importance has shape {importance.shape}; rows of {x.shape[-1]} values need "
+                         f"({x.shape[-1]},)")
+    return np.broadcast_to(importance, x.shape)
+
+
 def _nearest_int(v: np.ndarray) -> np.ndarray:
     """ggml's nearest_int (the 1.5·2^23 trick): round half to even in float32."""
     return np.rint(v.astype(_F32)).astype(np.int32)
 
 
-def _fsum(terms: np.ndarray) -> np.ndarray:
+def ordered_sum(terms: np.ndarray) -> np.ndarray:
     """Σ over the last axis, one float32 addition at a time from the left (the C loop's order)."""
     total = np.zeros(terms.shape[:-1], dtype=_F32)
     for i in range(terms.shape[-1]):
@@ -31,31 +52,34 @@ def _fsum(terms: np.ndarray) -> np.ndarray:
     return total
 
 
-def _codes_and_sums(x: np.ndarray, iscale: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Clamped codes l of x·iscale and the weighted sums Σ w·x·l, Σ w·l·l with w = x² (rmse_type 1)."""
+def _codes_and_sums(x: np.ndarray, iscale: np.ndarray, nmax: int, w: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Clamped codes l of x·iscale and the weighted sums Σ w·x·l, Σ w·l·l."""
     level = np.clip(_nearest_int((iscale * x).astype(_F32)), -nmax, nmax - 1)
     lf = level.astype(_F32)
-    w = (x * x).astype(_F32)
-    return level, _fsum(((w * x).astype(_F32) * lf).astype(_F32)), _fsum(((w * lf).astype(_F32) * lf).astype(_F32))
+    return (level, ordered_sum(((w * x).astype(_F32) * lf).astype(_F32)),
+            ordered_sum(((w * lf).astype(_F32) * lf).astype(_F32)))
 
 
-def make_qx_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+def make_qx_quants(x: np.ndarray, nmax: int, weights: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Scale and codes (0..2·nmax−1) of each row of x [..., n]: the weighted least-squares scale of
-    the best of 19 rounding grids around −nmax/max (``make_qx_quants`` with rmse_type 1)."""
+    the best of 19 rounding grids around −nmax/max (``make_qx_quants`` with rmse_type 1: weights x²
+    unless the caller gives its own, as the importance-matrix paths do)."""
+    w = (x * x).astype(_F32) if weights is None else np.broadcast_to(weights, x.shape).astype(_F32)
     first_largest = np.abs(x).argmax(axis=-1)[..., None]
     signed_max = np.take_along_axis(x, first_largest, axis=-1)[..., 0]
     dead = np.abs(signed_max) < GROUP_MAX_EPS
     safe_max = np.where(dead, _F32(1), signed_max).astype(_F32)
 
     iscale = (_F32(-nmax) / safe_max).astype(_F32)
-    level, sumlx, suml2 = _codes_and_sums(x, iscale[..., None], nmax)
+    level, sumlx, suml2 = _codes_and_sums(x, iscale[..., None], nmax, w)
     scale = np.where(suml2 != 0, sumlx / np.where(suml2 != 0, suml2, _F32(1)), _F32(0)).astype(_F32)
     best = (scale * sumlx).astype(_F32)
     for step in range(-9, 10):
         if step == 0:
             continue
         trial_iscale = (-(_F32(nmax) + (_F32(0.1) * _F32(step)).astype(_F32)) / safe_max).astype(_F32)
-        trial, sumlx, suml2 = _codes_and_sums(x, trial_iscale[..., None], nmax)
+        trial, sumlx, suml2 = _codes_and_sums(x, trial_iscale[..., None], nmax, w)
         better = (suml2 > 0) & ((sumlx * sumlx).astype(_F32) > (best * suml2).astype(_F32))
         level = np.where(better[..., None], trial, level)
         scale = np.where(better, sumlx / np.where(suml2 > 0, suml2, _F32(1)), scale).astype(_F32)
@@ -64,14 +88,16 @@ def make_qx_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     return scale, np.where(dead[..., None], 0, level + nmax)
 
 
-def quantize_q6_k(x: np.ndarray) -> np.ndarray:
-    """float32 [..., K] (K a multiple of 256) -> Q6_K bytes [..., K/256 · 210]."""
-    x = np.asarray(x, dtype=_F32)
-    if x.shape[-1] % QK_K:
-        raise ValueError(f"rows of {x.shape[-1]} values are not whole blocks of {QK_K}")
+def quantize_q6_k(x: np.ndarray, importance: np.ndarray | None = None, row_sigma2: np.ndarray | None = None
+                  ) -> np.ndarray:
+    """float32 [..., K] (K a multiple of 256) -> Q6_K bytes [..., K/256 · 210]. With ``importance``
+    (``quantize_row_q6_K_impl``) each sub-block's scale search weighs x by it instead of by x²; ggml's
+    Q6_K has no σ² term, so ``row_sigma2`` is not used."""
+    x = _whole_blocks(x)
     lead = x.shape[:-1]
     sub = x.reshape(-1, 16, 16)  # [super-blocks, sub-block, value]
-    scales, codes = make_qx_quants(sub, 32)
+    weights = None if importance is None else importance_like(importance, x).reshape(-1, 16, 16)
+    scales, codes = make_qx_quants(sub, 32, weights)
 
     first_largest = np.abs(scales).argmax(axis=-1)[:, None]
     max_scale = np.take_along_axis(scales, first_largest, axis=-1)[:, 0]
@@ -130,8 +156,8 @@ def make_qkx2_quants(x: np.ndarray, weights: np.ndarray, nmax: int, rmin: float,
     squares fit is searched over nstep + 1 rescalings of the range (``make_qkx2_quants``, squared error)."""
     low = np.minimum(x.min(axis=-1), _F32(0)).astype(_F32)
     high = x.max(axis=-1)
-    sum_w = _fsum(weights)
-    sum_x = _fsum(np.concatenate([(weights[..., :1] * x[..., :1]).astype(_F32),
+    sum_w = ordered_sum(weights)
+    sum_x = ordered_sum(np.concatenate([(weights[..., :1] * x[..., :1]).astype(_F32),
                                   (weights[..., 1:] * x[..., 1:]).astype(_F32)], axis=-1))
     flat = high == low
 
@@ -142,7 +168,7 @@ def make_qkx2_quants(x: np.ndarray, weights: np.ndarray, nmax: int, rmin: float,
     def error(scale: np.ndarray, minimum: np.ndarray, codes: np.ndarray) -> np.ndarray:
         fitted = ((scale[..., None] * codes.astype(_F32)).astype(_F32) + minimum[..., None]).astype(_F32)
         diff = (fitted - x).astype(_F32)
-        return _fsum((weights * (diff * diff).astype(_F32)).astype(_F32))
+        return ordered_sum((weights * (diff * diff).astype(_F32)).astype(_F32))
 
     def span(minimum: np.ndarray) -> np.ndarray:
         return np.where(flat, _F32(1), (high - minimum).astype(_F32)).astype(_F32)
@@ -158,8 +184,8 @@ def make_qkx2_quants(x: np.ndarray, weights: np.ndarray, nmax: int, rmin: float,
         trial = fit((shift / span(minimum)).astype(_F32), minimum)
         lf = trial.astype(_F32)
         wl = (weights * lf).astype(_F32)
-        sum_l, sum_l2 = _fsum(wl), _fsum((wl * lf).astype(_F32))
-        sum_xl = _fsum((wl * x).astype(_F32))
+        sum_l, sum_l2 = ordered_sum(wl), ordered_sum((wl * lf).astype(_F32))
+        sum_xl = ordered_sum((wl * x).astype(_F32))
         det = ((sum_w * sum_l2).astype(_F32) - (sum_l * sum_l).astype(_F32)).astype(_F32)
         solvable = det > 0
         safe_det = np.where(solvable, det, _F32(1))
@@ -179,6 +205,55 @@ def make_qkx2_quants(x: np.ndarray, weights: np.ndarray, nmax: int, rmin: float,
     return scale, (-np.where(flat, low, minimum)).astype(_F32), codes
 
 
+def make_qp_quants(x: np.ndarray, nmax: int, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(scale, codes uint8) of each row of non-negative x [..., n] on the grid l·scale, l in 0..nmax
+    (``make_qp_quants``): the best of 9 rescalings of nmax/max by weighted squared error, then up to
+    5 passes that move single codes while Σwxl²/Σwl² grows. Codes live in uint8 as in ggml, so a
+    negative one wraps, and later sums use the wrapped value where ggml's do."""
+    top = np.maximum(x.max(axis=-1), _F32(0)).astype(_F32)
+    dead = top < GROUP_MAX_EPS
+    top = np.where(dead, _F32(1), top).astype(_F32)
+
+    def squared_error(iscale: np.ndarray, levels: np.ndarray) -> np.ndarray:
+        diff = (x - ((_F32(1) / iscale).astype(_F32)[..., None] * levels.astype(_F32)).astype(_F32)).astype(_F32)
+        return ordered_sum(((weights * diff).astype(_F32) * diff).astype(_F32))
+
+    iscale = (_F32(nmax) / top).astype(_F32)
+    best = squared_error(iscale, _nearest_int((iscale[..., None] * x).astype(_F32)) & 255)
+    for step in (-4, -3, -2, -1, 1, 2, 3, 4):
+        trial = (((_F32(0.1) * _F32(step)).astype(_F32) + _F32(nmax)).astype(_F32) / top).astype(_F32)
+        error = squared_error(trial, np.minimum(nmax, _nearest_int((trial[..., None] * x).astype(_F32))))
+        better = error < best
+        best = np.where(better, error, best).astype(_F32)
+        iscale = np.where(better, trial, iscale).astype(_F32)
+    level = np.minimum(nmax, _nearest_int((iscale[..., None] * x).astype(_F32)))
+    wx = (weights * x).astype(_F32)
+    lf = level.astype(_F32)
+    sumlx = ordered_sum((wx * lf).astype(_F32))
+    suml2 = ordered_sum(((weights * lf).astype(_F32) * lf).astype(_F32))
+    codes = (level & 255).astype(np.int32)
+    # A pass that changes nothing leaves the state as it was, so the next one changes nothing too:
+    # running all five passes equals ggml's early exit.
+    for _ in range(5):
+        for i in range(x.shape[-1]):
+            w, li = weights[..., i], codes[..., i].astype(_F32)
+            slx = (sumlx - (wx[..., i] * li).astype(_F32)).astype(_F32)
+            sl2 = (suml2 - ((w * li).astype(_F32) * li).astype(_F32)).astype(_F32)
+            movable = (slx > 0) & (sl2 > 0)
+            ratio = ((x[..., i] * sl2).astype(_F32) / np.where(movable, slx, _F32(1))).astype(_F32)
+            new = np.minimum(nmax, _nearest_int(np.where(movable, ratio, _F32(0))))
+            nf = new.astype(_F32)
+            slx = (slx + (wx[..., i] * nf).astype(_F32)).astype(_F32)
+            sl2 = (sl2 + ((w * nf).astype(_F32) * nf).astype(_F32)).astype(_F32)
+            take = movable & (new != codes[..., i]) & (
+                ((slx * slx).astype(_F32) * suml2).astype(_F32) > ((sumlx * sumlx).astype(_F32) * sl2).astype(_F32))
+            codes[..., i] = np.where(take, new & 255, codes[..., i])
+            sumlx = np.where(take, slx, sumlx).astype(_F32)
+            suml2 = np.where(take, sl2, suml2).astype(_F32)
+    scale = np.where(suml2 > 0, sumlx / np.where(suml2 > 0, suml2, _F32(1)), _F32(0)).astype(_F32)
+    return np.where(dead, _F32(0), scale).astype(_F32), np.where(dead[..., None], 0, codes).astype(np.uint8)
+
+
 def _pack_scales_mins(ls: np.ndarray, lm: np.ndarray) -> np.ndarray:
     """6-bit scales and mins [blocks, 8] -> the 12-byte K-quant layout (docs/formats.md, "GGUF blocks")."""
     packed = np.zeros((ls.shape[0], 12), dtype=np.uint8)
@@ -194,13 +269,10 @@ def _unpack_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ls, lm
 
 
-def _quantize_qk_k(x: np.ndarray, nmax: int, rmin: float, nstep: int) -> tuple[np.ndarray, ...]:
-    """Shared Q4_K/Q5_K steps: (d16, dmin16, packed scales, codes [blocks, 256])."""
-    x = np.asarray(x, dtype=_F32)
-    if x.shape[-1] % QK_K:
-        raise ValueError(f"rows of {x.shape[-1]} values are not whole blocks of {QK_K}")
-    sub = x.reshape(-1, 8, 32)
-    av_x = np.sqrt((_fsum((sub * sub).astype(_F32)) / _F32(32)).astype(_F32)).astype(_F32)
+def _qk_k_scales(sub: np.ndarray, nmax: int, rmin: float, nstep: int) -> tuple[np.ndarray, ...]:
+    """``quantize_row_q4_K_ref`` / ``q5_K_ref``'s scale search: weights av|x| + |x| per sub-block, 6-bit
+    scales and mins by rounding against the largest. (d, dmin, scales₆, mins₆, search codes)."""
+    av_x = np.sqrt((ordered_sum((sub * sub).astype(_F32)) / _F32(32)).astype(_F32)).astype(_F32)
     weights = (av_x[..., None] + np.abs(sub)).astype(_F32)
     scales, mins, codes = make_qkx2_quants(sub, weights, nmax, rmin, 0.1, nstep)
     max_scale = np.maximum(scales.max(axis=-1), _F32(0)).astype(_F32)
@@ -209,14 +281,40 @@ def _quantize_qk_k(x: np.ndarray, nmax: int, rmin: float, nstep: int) -> tuple[n
     inv_min = np.where(max_min > 0, _F32(63) / np.where(max_min > 0, max_min, _F32(1)), _F32(0)).astype(_F32)
     ls = np.minimum(63, _nearest_int((inv_scale[:, None] * scales).astype(_F32)).astype(np.uint8)).astype(np.uint8)
     lm = np.minimum(63, _nearest_int((inv_min[:, None] * mins).astype(_F32)).astype(np.uint8)).astype(np.uint8)
-    d16 = (max_scale / _F32(63)).astype(_F32).astype("<f2")
-    dmin16 = (max_min / _F32(63)).astype(_F32).astype("<f2")
+    return (max_scale / _F32(63)).astype(_F32), (max_min / _F32(63)).astype(_F32), ls, lm, codes
+
+
+def _qk_k_weighted_scales(sub: np.ndarray, importance: np.ndarray, nmax: int, cap: bool) -> tuple[np.ndarray, ...]:
+    """``quantize_row_q4_K_impl`` / ``q5_K_impl`` with quant_weights: weights qw·√(σ² + x²) with
+    σ² = 2·Σx²/256 over the super-block, ``make_qkx3_quants`` (which is ``make_qkx2_quants`` with
+    its own range steps), then the 6-bit scales and mins fitted by ``make_qp_quants`` weighted by each
+    sub-block's total weight. Only Q5_K clamps the 6-bit values to 63 (``cap``)."""
+    sum_x2 = ordered_sum((sub * sub).astype(_F32).reshape(-1, QK_K))
+    sigma2 = ((_F32(2) * sum_x2).astype(_F32) / _F32(QK_K)).astype(_F32)
+    weights = (importance * np.sqrt((sigma2[:, None, None] + (sub * sub).astype(_F32)).astype(_F32))).astype(_F32)
+    scales, mins, codes = make_qkx2_quants(sub, weights, nmax, -0.9, 0.05, 36)
+    total = ordered_sum(weights)
+    d, ls = make_qp_quants(scales, 63, total)
+    dmin, lm = make_qp_quants(mins, 63, total)
+    if cap:
+        ls, lm = np.minimum(ls, 63), np.minimum(lm, 63)
+    return d, dmin, ls, lm, codes
+
+
+def _quantize_qk_k(sub: np.ndarray, nmax: int, d: np.ndarray, dmin: np.ndarray, ls: np.ndarray, lm: np.ndarray,
+                   codes: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Shared Q4_K/Q5_K tail: (d16, dmin16, packed scales, codes [blocks, 256]), the codes re-rounded
+    on the stored grid. The 6-bit values are read back from the packed bytes, as ggml's
+    ``get_scale_min_k4`` does (it matters only if a value ever exceeded 6 bits)."""
+    d16, dmin16 = d.astype("<f2"), dmin.astype("<f2")
+    packed = _pack_scales_mins(ls, lm)
+    ls, lm = _unpack_scales_mins(packed)
     d = (d16.astype(_F32)[:, None] * ls.astype(_F32)).astype(_F32)
     dm = (dmin16.astype(_F32)[:, None] * lm.astype(_F32)).astype(_F32)
     requantized = np.clip(_nearest_int(((sub + dm[..., None]).astype(_F32)
                                         / np.where(d == 0, _F32(1), d)[..., None]).astype(_F32)), 0, nmax)
     codes = np.where((d == 0)[..., None], codes, requantized).astype(np.uint8).reshape(-1, QK_K)
-    return d16, dmin16, _pack_scales_mins(ls, lm), codes
+    return d16, dmin16, packed, codes
 
 
 def _q4_k_code_bytes(codes: np.ndarray) -> np.ndarray:
@@ -258,22 +356,42 @@ def _with_qk_k_codes(b: np.ndarray, codes: np.ndarray, code_bytes) -> np.ndarray
     return np.concatenate([b[:, :16], code_bytes(codes)], axis=-1)
 
 
-def _qk_k_blocks(x: np.ndarray, nmax: int, rmin: float, nstep: int, code_bytes) -> np.ndarray:
-    lead = np.shape(x)[:-1]
-    d16, dmin16, scales, codes = _quantize_qk_k(x, nmax, rmin, nstep)
+@dataclass(frozen=True)
+class _QKK:
+    """What differs between Q4_K and Q5_K: code range, the plain search's range steps, the packing."""
+
+    nmax: int
+    rmin: float
+    nstep: int
+    caps_6bit: bool  # the imatrix path clamps the 6-bit scales to 63 (ggml's Q5_K does, its Q4_K does not)
+    code_bytes: Callable[[np.ndarray], np.ndarray]
+
+
+def _qk_k_blocks(x: np.ndarray, kind: _QKK, importance: np.ndarray | None) -> np.ndarray:
+    x = _whole_blocks(x)
+    sub = x.reshape(-1, 8, 32)
+    if importance is None:
+        found = _qk_k_scales(sub, kind.nmax, kind.rmin, kind.nstep)
+    else:
+        found = _qk_k_weighted_scales(sub, importance_like(importance, x).reshape(-1, 8, 32), kind.nmax,
+                                      kind.caps_6bit)
+    d16, dmin16, scales, codes = _quantize_qk_k(sub, kind.nmax, *found)
     blocks = np.concatenate([d16.view(np.uint8).reshape(-1, 2), dmin16.view(np.uint8).reshape(-1, 2), scales,
-                             code_bytes(codes)], axis=-1)
-    return blocks.reshape(*lead, -1)
+                             kind.code_bytes(codes)], axis=-1)
+    return blocks.reshape(*x.shape[:-1], -1)
 
 
-def quantize_q4_k(x: np.ndarray) -> np.ndarray:
-    """float32 [..., K] -> Q4_K bytes [..., K/256 · 144]: d, dmin, scales[12], qs[128]."""
-    return _qk_k_blocks(x, 15, -1.0, 20, _q4_k_code_bytes)
+def quantize_q4_k(x: np.ndarray, importance: np.ndarray | None = None, row_sigma2: np.ndarray | None = None
+                  ) -> np.ndarray:
+    """float32 [..., K] -> Q4_K bytes [..., K/256 · 144]: d, dmin, scales[12], qs[128]. σ² is the
+    super-block's own in ggml, so ``row_sigma2`` is not used."""
+    return _qk_k_blocks(x, _Q4_K, importance)
 
 
-def quantize_q5_k(x: np.ndarray) -> np.ndarray:
+def quantize_q5_k(x: np.ndarray, importance: np.ndarray | None = None, row_sigma2: np.ndarray | None = None
+                  ) -> np.ndarray:
     """float32 [..., K] -> Q5_K bytes [..., K/256 · 176]: d, dmin, scales[12], qh[32], qs[128]."""
-    return _qk_k_blocks(x, 31, -0.5, 15, _q5_k_code_bytes)
+    return _qk_k_blocks(x, _Q5_K, importance)
 
 
 def _dequantize_qk_k(data: np.ndarray, k: int, block_bytes: int, codes_of) -> np.ndarray:
@@ -290,6 +408,9 @@ def dequantize_q4_k(data: np.ndarray, k: int) -> np.ndarray:
 def dequantize_q5_k(data: np.ndarray, k: int) -> np.ndarray:
     return _dequantize_qk_k(data, k, 176, _q5_k_codes)
 
+
+_Q4_K = _QKK(15, -1.0, 20, False, _q4_k_code_bytes)
+_Q5_K = _QKK(31, -0.5, 15, True, _q5_k_code_bytes)
 
 CODECS = {
     "q4_k": Codec(32, 15, _qk_k_grid, lambda b: _q4_k_codes(b[:, 16:]),

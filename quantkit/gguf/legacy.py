@@ -4,7 +4,8 @@ fp16 scale (and for the _1 types an fp16 minimum); the 5-bit types keep each cod
 
 Each quantizer repeats the float32 arithmetic of ggml's reference C code
 (``quantize_row_*_ref``; layouts in docs/formats.md, "GGUF blocks"), so the bytes are identical to
-llama.cpp's own quantizer.
+llama.cpp's own quantizer; ``WEIGHTED_QUANTIZERS`` repeat ggml's importance-matrix path
+(``quantize_row_*_impl`` with quant_weights; Q8_0 has none).
 The tests compare them against ``ggml_quantize_chunk`` from the llama.cpp library that
 llama-cpp-python ships. Inputs are float32 arrays [..., K] with K a multiple of 32. Outputs are uint8
 arrays [..., K/32 · block bytes].
@@ -12,10 +13,15 @@ arrays [..., K/32 · block bytes].
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from quantkit.gguf.codec import Codec
+from quantkit.gguf.kquants import importance_like, make_qkx2_quants, make_qx_quants, ordered_sum
+
+# (x [..., K], importance [K], the rows' σ² or None) -> bytes [..., row bytes]
+Quantizer = Callable[[np.ndarray, np.ndarray, "np.ndarray | None"], np.ndarray]
 
 BLOCK = 32
 _F32 = np.float32
@@ -195,8 +201,52 @@ def quantize_q5_1(x: np.ndarray) -> np.ndarray:
     return _flatten(np.concatenate([half_bytes(d), half_bytes(low), _five_bit_bytes(q)], axis=-1))
 
 
+# ggml's legacy imatrix path (``quantize_row_q4_0_impl`` ... ``q5_1_impl``) weighs each weight by
+# qw·√(σ² + x²), σ² = Σx²/K over the whole row: a block's scale then fits the weights whose inputs are
+# loud, large weights more than small ones, and σ² keeps small weights from counting for nothing.
+def row_sigma2(x: np.ndarray) -> np.ndarray:
+    """σ² of each row of x [..., K] as ggml sums it: Σx² in order, divided by K."""
+    x = np.asarray(x, dtype=_F32)
+    return (ordered_sum((x * x).astype(_F32)) / _F32(x.shape[-1])).astype(_F32)
+
+
+def _weighted_blocks(x: np.ndarray, importance: np.ndarray, sigma2: np.ndarray | None
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """(blocks [..., K/32, 32], their weights qw·√(σ² + x²)). ``sigma2`` [...] stands in for the rows'
+    own when x is only part of each row (the GPTQ solver quantizes one block at a time)."""
+    b = _blocks(x)
+    sigma2 = row_sigma2(x) if sigma2 is None else np.asarray(sigma2, dtype=_F32)
+    qw = importance_like(importance, np.asarray(x, dtype=_F32)).reshape(b.shape)
+    return b, (qw * np.sqrt((sigma2[..., None, None] + (b * b).astype(_F32)).astype(_F32))).astype(_F32)
+
+
+def _weighted_signed(half: int, code_bytes: Callable[[np.ndarray], np.ndarray]) -> Quantizer:
+    """Q4_0 (half 8) and Q5_0 (16) with an imatrix: ``make_qx_quants`` on the weights, whose codes
+    (0..2·half − 1, all 0 in an all-zero block) are kept as found, d unrounded until stored."""
+    def quantize(x: np.ndarray, importance: np.ndarray, sigma2: np.ndarray | None = None) -> np.ndarray:
+        b, weights = _weighted_blocks(x, importance, sigma2)
+        d, q = make_qx_quants(b, half, weights)
+        return _flatten(np.concatenate([half_bytes(d[..., None]), code_bytes(q)], axis=-1))
+    return quantize
+
+
+def _weighted_min_max(levels: int, code_bytes: Callable[[np.ndarray], np.ndarray]) -> Quantizer:
+    """Q4_1 (levels 15) and Q5_1 (31) with an imatrix: ``make_qkx3_quants`` (range steps −0.9 + 0.05·i,
+    i = 0..36), storing d and the minimum; codes as found."""
+    def quantize(x: np.ndarray, importance: np.ndarray, sigma2: np.ndarray | None = None) -> np.ndarray:
+        b, weights = _weighted_blocks(x, importance, sigma2)
+        d, negated_min, q = make_qkx2_quants(b, weights, levels, -0.9, 0.05, 36)
+        low = (-negated_min).astype(_F32)
+        return _flatten(np.concatenate([half_bytes(d[..., None]), half_bytes(low[..., None]), code_bytes(q)],
+                                       axis=-1))
+    return quantize
+
+
 QUANTIZERS = {"q8_0": quantize_q8_0, "q5_0": quantize_q5_0, "q5_1": quantize_q5_1, "q4_0": quantize_q4_0,
               "q4_1": quantize_q4_1}
+# Q8_0 has no imatrix path: ggml's quantize_q8_0 ignores the weights.
+WEIGHTED_QUANTIZERS = {"q5_0": _weighted_signed(16, _five_bit_bytes), "q5_1": _weighted_min_max(31, _five_bit_bytes),
+                       "q4_0": _weighted_signed(8, pack_nibbles), "q4_1": _weighted_min_max(15, pack_nibbles)}
 CODECS = {
     name: Codec(BLOCK, 2**layout.bits - 1,
                 lambda b, name=name: block_grid(b, name),

@@ -6,6 +6,12 @@ the block's weights as they stand then, with every earlier column's error compen
 Its scales and minimums are kept; every column of the block is then rounded by the solver to that
 grid (``weight = code · scale + offset`` per sub-block), and at the end the solver's codes replace
 llama.cpp's round-to-nearest ones in the blocks. The result is a file any llama.cpp build reads.
+
+With ``importance`` (one value per input channel: GPTQ passes its Hessian's diagonal, which is
+llama.cpp's imatrix, the mean x² of each input channel, times 2) the scale search is ggml's imatrix
+path instead, the one ``llama-quantize --imatrix`` runs: each block's scales then fit the weights
+whose inputs are loud. The legacy types' σ² is a whole row's (ggml's rule); since the solver sees one
+block at a time, it is taken from the weights the solver starts from.
 """
 from __future__ import annotations
 
@@ -13,16 +19,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from quantkit.gguf.legacy import row_sigma2
 from quantkit.gguf.record import GGUFTensor
 from quantkit.gguf.types import TensorType
 
 
 class BlockGrid:
-    def __init__(self, tensor_type: TensorType, shape: tuple[int, int], order: Tensor):
+    def __init__(self, tensor_type: TensorType, weight: Tensor, order: Tensor, importance: Tensor | None = None):
         if tensor_type.codec is None:
             raise ValueError(f"GPTQ cannot solve on {tensor_type.name}: it has no integer grid "
                              "(solvable: the legacy block types and the K-quants)")
-        n, k = shape
+        shape = n, k = tuple(weight.shape)
         if not tensor_type.fits(k):
             raise ValueError(f"{tensor_type.name} needs rows in blocks of {tensor_type.block_size}; K = {k} is not")
         self.type = tensor_type
@@ -33,6 +40,8 @@ class BlockGrid:
         self.blocks = np.zeros((n, k // self.width, tensor_type.block_bytes), dtype=np.uint8)
         self.scale = torch.zeros(k // self.codec.sub_block, n)  # per sub-block of input channels, per row
         self.offset = torch.zeros_like(self.scale)
+        self.importance = None if importance is None else importance.to(torch.float32).numpy()
+        self.row_sigma2 = None if importance is None else row_sigma2(weight.numpy())
 
     def round(self, position: int, rows: Tensor) -> tuple[Tensor, Tensor]:
         """(codes, fake-quantized values) of the column at ``position``; ``rows`` [>= block, N] start at it."""
@@ -49,7 +58,10 @@ class BlockGrid:
         columns = self.order[position:position + self.width]
         block = int(columns.min()) // self.width
         natural = rows[:self.width][torch.argsort(columns)]  # the block's columns in file order, [width, N]
-        data = self.type.quantize(np.ascontiguousarray(natural.T.numpy()))
+        channels = slice(block * self.width, (block + 1) * self.width)
+        data = self.type.quantize_with(np.ascontiguousarray(natural.T.numpy()),
+                                       None if self.importance is None else self.importance[channels],
+                                       self.row_sigma2)
         self.blocks[:, block] = data
         scale, offset = self.codec.grid(data)
         subs = slice(block * scale.shape[1], (block + 1) * scale.shape[1])

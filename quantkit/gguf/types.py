@@ -25,6 +25,18 @@ class TensorType:
     quantize: Callable[[np.ndarray], np.ndarray]
     dequantize: Callable[[np.ndarray, int], np.ndarray]  # (bytes [..., n], K) -> float32 [..., K]
     codec: Codec | None = None  # the codes' grid, for types GPTQ can solve on
+    # ggml's importance-matrix path: (x, importance [K], the rows' σ² or None) -> bytes; None where ggml
+    # ignores the imatrix (Q8_0, the ternary and float types)
+    quantize_weighted: Callable[[np.ndarray, np.ndarray, np.ndarray | None], np.ndarray] | None = None
+
+    def quantize_with(self, x: np.ndarray, importance: np.ndarray | None = None,
+                      row_sigma2: np.ndarray | None = None) -> np.ndarray:
+        """``ggml_quantize_chunk(type, x, ..., imatrix)``: with ``importance`` (one non-negative float per
+        input channel, llama.cpp's imatrix row) the type's weighted scale search, else the plain one.
+        ``row_sigma2`` replaces the legacy types' per-row σ² when x holds only part of each row."""
+        if importance is None or self.quantize_weighted is None:
+            return self.quantize(x)
+        return self.quantize_weighted(x, importance, row_sigma2)
 
     def row_bytes(self, k: int) -> int:
         return k // self.block_size * self.block_bytes
@@ -65,14 +77,15 @@ TYPES: dict[str, TensorType] = {
     "f16": _float_type("f16", GGML.F16, "<f2"),
     "bf16": TensorType("bf16", GGML.BF16, 1, 2, _to_bf16, _from_bf16),
     **{name: TensorType(name, GGML[name.upper()], legacy.BLOCK, layout.block_bytes, legacy.QUANTIZERS[name],
-                        lambda data, k, name=name: legacy.dequantize(data, k, name), legacy.CODECS[name])
+                        lambda data, k, name=name: legacy.dequantize(data, k, name), legacy.CODECS[name],
+                        legacy.WEIGHTED_QUANTIZERS.get(name))
        for name, layout in legacy.LAYOUTS.items()},
     "q4_k": TensorType("q4_k", GGML.Q4_K, 256, 144, kquants.quantize_q4_k, kquants.dequantize_q4_k,
-                       kquants.CODECS["q4_k"]),
+                       kquants.CODECS["q4_k"], kquants.quantize_q4_k),
     "q5_k": TensorType("q5_k", GGML.Q5_K, 256, 176, kquants.quantize_q5_k, kquants.dequantize_q5_k,
-                       kquants.CODECS["q5_k"]),
+                       kquants.CODECS["q5_k"], kquants.quantize_q5_k),
     "q6_k": TensorType("q6_k", GGML.Q6_K, 256, 210, kquants.quantize_q6_k, kquants.dequantize_q6_k,
-                       kquants.CODECS["q6_k"]),
+                       kquants.CODECS["q6_k"], kquants.quantize_q6_k),
     "tq2_0": TensorType("tq2_0", GGML.TQ2_0, 256, 66, ternary.quantize_tq2_0, ternary.dequantize_tq2_0),
     "tq1_0": TensorType("tq1_0", GGML.TQ1_0, 256, 54, ternary.quantize_tq1_0, ternary.dequantize_tq1_0),
 }

@@ -21,6 +21,8 @@ from pathlib import Path
 
 from gguf import TokenType
 
+from quantkit.checkpoint import load_tokenizer
+
 # tokenizer.json "pre_tokenizer" -> llama.cpp pre-tokenizer name
 _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
 PRE_TOKENIZERS: dict[str, str] = {
@@ -53,6 +55,7 @@ def _merge_string(merge) -> str:
 
 def read_vocab(model_dir: Path, vocab_size: int, special_ids: dict[str, int], pre: str | None = None) -> Vocab:
     """``special_ids`` from the model config (bos/eos/pad); ``pre`` overrides the table lookup (BPE)."""
+    load_tokenizer(model_dir)  # a missing or broken tokenizer: one clear error before its files are read here
     if (model_dir / "tokenizer.model").is_file():
         return _sentencepiece_vocab(model_dir, vocab_size, special_ids)
     return _byte_level_vocab(model_dir, vocab_size, special_ids, pre)

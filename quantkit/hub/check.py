@@ -186,8 +186,8 @@ def check_gguf(path: str | Path, repo_name: str) -> CheckedGGUF:
         raise ArtifactCheckError(f"GGUF file not found: {path}")
     try:
         reader = GGUFReader(path)
-    except (ValueError, OSError) as error:
-        raise ArtifactCheckError(f"{path} is not a readable GGUF file ({error})") from error
+    except Exception as error:  # gguf-py meets a malformed file with whatever its parsing hits: IndexError, ...
+        raise ArtifactCheckError(f"{path} is not a readable GGUF file ({type(error).__name__}: {error})") from error
     fields = reader.fields
 
     def value(key: str):

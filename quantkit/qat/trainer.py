@@ -157,9 +157,9 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, tokens:
             raise QATError(f"--init {init} is not a variant of {model_dir}: its linears have other shapes")
         init_fingerprint = CheckpointReader(init).fingerprint()
 
-    from transformers import AutoTokenizer
+    from quantkit.checkpoint import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     data = training_data(tokenizer, settings["data"], settings["seq_len"], settings["seed"])
     heldout = calib.heldout_tokens(tokenizer, HELDOUT, max_tokens=settings["eval_tokens"])
     model_fingerprint = reader.fingerprint()
