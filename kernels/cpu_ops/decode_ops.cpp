@@ -152,12 +152,15 @@ Tensor silu_mul(Tensor gate_up) {
 // - AVX-512: two masked adds per 16 weights (into a + sum and a - sum), the masks are the word's halves.
 //   One chain per row is latency-bound (4 cycles per masked add) at 1.8x slower.
 // - AVX2 + FMA (most desktops): per 8 weights srlv, and, madd_epi16, cvt turn the word into ±1.0/0
-//   floats (below), then one FMA per activation row into a per-group sum. Measured on a 2-thread AVX2
-//   EPYC against the alternatives the same run (4096x4096, one row): compare-equal lane masks with
-//   separate + and - sums 1.5-1.9x slower, a 256-entry table of lane masks 1.5x slower.
+//   floats (below), then one FMA per activation row into a per-group sum. On a 2-core AVX2 EPYC
+//   (one thread, 4096x4096 g32, one row, kernel alone, same runs): 1.6-2.0 ms, where compare-equal
+//   lane masks anded into separate + and - sums took 1.2-1.9x as long, a 256-entry table of lane
+//   masks 1.3-1.7x, and the branchy scalar loop this replaced 84 ms. bench_linear (2 threads,
+//   MiniCPM4.1-8B shapes, one row): 0.5-2.4x a bf16 GEMV (was 0.05-0.09x), int4's 1.0-3.3x.
 // - portable (ARM NEON, x86 without AVX2): branchless loops over the 16 lanes of a word that -O3
 //   vectorizes: a 256-entry table of {0, 1} floats per byte gives the trit as table[+ byte] -
-//   table[- byte], times the scale, accumulated per lane.
+//   table[- byte], times the scale, accumulated per lane. 7.0 ms in the measurement above when
+//   built with -mno-avx2 (12 ms with the trit from bit tests instead of the table).
 #ifdef __AVX512F__
 template <int ROWS, int BLOCK>
 static void ternary_block(const float* x, const uint32_t* planes, const at::Half* scales, float* out,

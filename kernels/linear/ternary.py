@@ -10,9 +10,14 @@ g128. The kernel has three paths, picked when it is compiled (-march=native):
 - portable (ARM NEON, x86 without AVX2): branchless loops that -O3 vectorizes, the trit of each
   lane read from a 256-entry table of {0, 1} floats per byte of the word (+ byte minus - byte).
 
-On a 2-thread AVX2 EPYC (shared with other jobs; one thread, 4096x4096 g32, one row, the kernel
-alone in a C++ harness): AVX2 2.0 ms, portable 7.0 ms, and the branchy scalar loop they replace
-84 ms. See ``python -m quantkit.eval.bench.bench_linear`` for the linears against bf16 and int4.
+Measured on a 2-core AVX2 EPYC shared with other jobs (so ratios from back-to-back runs, not
+absolute figures). The kernel alone, one thread, 4096x4096 g32, one row: AVX2 1.6-2.0 ms, portable
+(built with -mno-avx2) 7.0 ms, the branchy scalar loop they replaced 84 ms. ``OMP_NUM_THREADS=2
+python -m quantkit.eval.bench.bench_linear --rows 1,4`` (MiniCPM4.1-8B shapes): one row 0.5-2.4x a
+bf16 GEMV (was 0.05-0.09x), where int4 g128 is 1.0-3.3x, so 0.5-1.05x int4's speed; four rows
+1.7-3.0x (int4 2.1-4.4x). Decoding the default 135M model on the runtime (2 threads, interleaved
+rounds, median of 3): the ternary g32 artifact 4.9x faster than before, on par with the W4 g128
+artifact (1.08x, within the noise).
 Prefill rows multiply by the bf16 dequantized weight, like the 4-bit linears. Without a compiler,
 decode also uses the dequantized weight.
 """
