@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import glob
 import json
 import os
 import shutil
@@ -33,8 +34,28 @@ def _write_failure(error: BaseException) -> str | None:
     return None
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _remove_orphaned_temps(path: Path) -> None:
+    """Delete temporaries of ``path`` left by a killed process (a SIGKILL runs no cleanup; an 8B GGUF's
+    is gigabytes). A temporary names its writer's PID, so a live writer's is never touched."""
+    for temp in path.parent.glob(f".{glob.escape(path.name)}.*-*.tmp"):
+        pid = temp.name[len(path.name) + 2:].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            temp.unlink(missing_ok=True)
+
+
 def _temp_beside(path: Path) -> Path:
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    _remove_orphaned_temps(path)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}-", suffix=".tmp", dir=path.parent)
     os.close(fd)
     # mkstemp creates 0600; give the file the mode an ordinary open() would (0666 less the umask).
     umask = os.umask(0)

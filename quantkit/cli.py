@@ -63,6 +63,15 @@ sparse_option = click.option(
     "--sparse", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
     help="InfLLM v2 sparse attention: follow the checkpoint's sparse_config (auto), force it (on), or dense "
          "attention (off). `quantkit eval` commands: with --runtime.")
+
+
+def revision_option(of: str):
+    """``--revision`` for a command's main model option (other model options take owner/name@revision)."""
+    return click.option("--revision", default=None, metavar="REV",
+                        help=f"Branch, tag or commit of {of} when it is a Hub repo id (other model options take "
+                             "owner/name@revision).")
+
+
 sparse_config_option = click.option(
     "--sparse-config", "sparse_config", default=None, metavar="JSON",
     help='Override sparse_config keys, e.g. \'{"dense_len": 1024, "window_size": 256}\'. '
@@ -83,6 +92,7 @@ def main():
 @click.option("--model", default="default", show_default=True,
               help="Checkpoint directory, 'default', or a Hub repo id owner/name[@revision] (every --model, --ref, "
                    "--target and --draft takes one; docs/hub.md).")
+@revision_option("--model")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Output directory (must not exist).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a recipe setting, e.g. --set quant.bits=3 --set calibration.n_samples=32.")
@@ -90,14 +100,15 @@ def main():
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @json_option
 @_friendly_errors
-def quantize(recipe, model, out, overrides, resume, progress, as_json):
+def quantize(recipe, model, revision, out, overrides, resume, progress, as_json):
     """Quantize a model layer by layer and write the recipe's checkpoint format."""
     from quantkit.engine import quantize as run
     from quantkit.models.zoo import resolve_model
     from quantkit.recipe import load_recipe, parse_override
 
     settings = dict(parse_override(text) for text in overrides)
-    report = run(resolve_model(model), load_recipe(recipe, settings), out, resume=resume, progress=progress)
+    report = run(resolve_model(model, revision=revision), load_recipe(recipe, settings), out, resume=resume,
+                 progress=progress)
     rows = []
     for layer in report.layers:
         worst = max(layer.errors, key=layer.errors.get)
@@ -115,6 +126,7 @@ def qat_group():
 
 @qat_group.command("ternary")
 @click.option("--model", default="default", show_default=True, help="Checkpoint directory, or 'default' (the teacher).")
+@revision_option("--model")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Output directory (must not exist).")
 @click.option("--recipe", default="qat-ternary-g32", show_default=True,
               help="QAT recipe: qat-ternary-g32, qat-ternary-g256, or a YAML file with a 'qat' section.")
@@ -131,7 +143,7 @@ def qat_group():
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @json_option
 @_friendly_errors
-def qat_ternary(model, out, recipe, overrides, tokens, init, out_format, resume, device, progress, as_json):
+def qat_ternary(model, revision, out, recipe, overrides, tokens, init, out_format, resume, device, progress, as_json):
     """Train MODEL to ternary weights (BitCPM4): straight-through estimator, WSD schedule, distillation from
     MODEL itself; writes the ternary artifact, a loss/perplexity curve and a JSON log."""
     from quantkit.models.zoo import resolve_model
@@ -142,7 +154,7 @@ def qat_ternary(model, out, recipe, overrides, tokens, init, out_format, resume,
     loaded = load_recipe(recipe, settings)
     if not loaded["quant"]["ternary"]:
         raise click.ClickException(f"recipe {loaded.name} does not train a ternary grid (quant.ternary is false)")
-    report = run_qat(resolve_model(model), loaded, out, tokens=tokens, init=init, resume=resume,
+    report = run_qat(resolve_model(model, revision=revision), loaded, out, tokens=tokens, init=init, resume=resume,
                      fake_quant=out_format == "fake-quant", device=device, progress=progress)
     measured = [e for e in report.log if "heldout_ppl" in e]
     rows = [[e["step"], e["tokens"], e.get("loss"), e["heldout_ppl"]] for e in measured]
@@ -164,6 +176,7 @@ def draft_group():
 
 @draft_group.command("train")
 @click.option("--target", default="default", show_default=True, help="The target model: a checkpoint or 'default'.")
+@revision_option("--target")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Output directory (must not exist).")
 @click.option("--tokens", default=DRAFT_DEFAULTS.tokens, show_default=True, type=click.IntRange(min=1),
               help="Training tokens.")
@@ -189,8 +202,8 @@ def draft_group():
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @json_option
 @_friendly_errors
-def draft_train(target, out, tokens, draft_vocab, ttt_steps, learning_rate, seq_len, batch_rows, aux_states, data,
-                init, w4, seed, resume, progress, as_json):
+def draft_train(target, revision, out, tokens, draft_vocab, ttt_steps, learning_rate, seq_len, batch_rows, aux_states,
+                data, init, w4, seed, resume, progress, as_json):
     """Train an EAGLE-3 head for TARGET (training-time test, FR-Spec vocabulary, distilled from TARGET's
     own distribution); writes the head in the official layout and a JSON log."""
     from dataclasses import replace
@@ -201,7 +214,8 @@ def draft_train(target, out, tokens, draft_vocab, ttt_steps, learning_rate, seq_
     settings = replace(DRAFT_DEFAULTS, tokens=tokens, draft_vocab=draft_vocab, ttt_steps=ttt_steps,
                        learning_rate=learning_rate, seq_len=seq_len, batch_rows=batch_rows, aux_states=aux_states,
                        data=data, w4=w4, seed=seed)
-    report = train_head(resolve_model(target), out, settings, init=init, resume=resume, progress=progress)
+    report = train_head(resolve_model(target, revision=revision), out, settings, init=init, resume=resume,
+                        progress=progress)
     measured = [e for e in report.log if "heldout_loss" in e]
     rows = [[e["step"], e["tokens"], e.get("loss"), e["heldout_loss"], *e["heldout_top1_by_step"][:4]]
             for e in measured]
@@ -220,6 +234,7 @@ def draft_train(target, out, tokens, draft_vocab, ttt_steps, learning_rate, seq_
 @click.option("--head", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="The FP head (e.g. from `quantkit draft train`).")
 @click.option("--target", default="default", show_default=True, help="The head's target (its states calibrate).")
+@revision_option("--target")
 @click.option("--recipe", default="gptq-w4g128", show_default=True, help="gptq-w4g128 or rtn-w4g128, or a YAML file.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a recipe setting; the layout: --set format=gptq (default), marlin or cpmcu (CPM.cu).")
@@ -227,7 +242,7 @@ def draft_train(target, out, tokens, draft_vocab, ttt_steps, learning_rate, seq_
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @json_option
 @_friendly_errors
-def draft_quantize(head, target, recipe, overrides, out, progress, as_json):
+def draft_quantize(head, target, revision, recipe, overrides, out, progress, as_json):
     """Quantize an EAGLE-3 head's linears (fc and the midlayer; true-sequential GPTQ or RTN, calibrated on
     the head's own draft steps) into the GPTQ, Marlin or CPM.cu layout."""
     from quantkit.draft.quantize import quantize_head
@@ -235,7 +250,7 @@ def draft_quantize(head, target, recipe, overrides, out, progress, as_json):
     from quantkit.recipe import load_recipe, parse_override
 
     loaded = load_recipe(recipe, dict(parse_override(text) for text in overrides))
-    report = quantize_head(head, resolve_model(target), loaded, out, progress=progress)
+    report = quantize_head(head, resolve_model(target, revision=revision), loaded, out, progress=progress)
     rows = [[name, error] for name, error in report["relative_output_error"].items()]
     text = format_table(["linear", "relative output error"], rows)
     text += f"\n\nwrote {out} ({report['format']}) in {report['seconds']:.1f} s"
@@ -277,7 +292,7 @@ def _evaluated_model(model_dir: Path, runtime: bool, sparse: str, sparse_config:
         if sparse != "auto" or sparse_config:
             raise click.ClickException("--sparse and --sparse-config need --runtime")
         return load_model(model_dir)
-    return EngineLM(_load_engine(str(model_dir), sparse, sparse_config, "cpu", DEFAULT_PREFILL_CHUNK))
+    return EngineLM(_load_engine(str(model_dir), None, sparse, sparse_config, "cpu", DEFAULT_PREFILL_CHUNK))
 
 
 def _eval_options(fn):
@@ -297,14 +312,15 @@ def _eval_tokens(model_dir: Path, data: str, max_tokens: int):
 
 @eval_group.command("ppl")
 @click.option("--model", default="default", show_default=True, help="Checkpoint or quantized artifact.")
+@revision_option("--model")
 @_eval_runtime_options
 @_eval_options
-def eval_ppl(model, data, max_tokens, window, stride, as_json, runtime, sparse, sparse_config):
+def eval_ppl(model, revision, data, max_tokens, window, stride, as_json, runtime, sparse, sparse_config):
     """Perplexity on held-out text."""
     from quantkit.eval.ppl import perplexity
     from quantkit.models.zoo import resolve_model
 
-    model_dir = resolve_model(model)
+    model_dir = resolve_model(model, revision=revision)
     evaluated = _evaluated_model(model_dir, runtime, sparse, sparse_config)
     result = perplexity(evaluated, _eval_tokens(model_dir, data, max_tokens), window, stride, progress=not as_json)
     payload = {"model": str(model_dir), "data": data, "runtime": runtime, "sparse": sparse,
@@ -315,18 +331,19 @@ def eval_ppl(model, data, max_tokens, window, stride, as_json, runtime, sparse, 
 
 @eval_group.command("kld")
 @click.option("--model", required=True, help="The model under test (e.g. a quantized artifact).")
+@revision_option("--model")
 @click.option("--ref", default="default", show_default=True, help="The reference (unquantized) model.")
 @click.option("--reference-prefix", type=click.IntRange(min=0), default=0, show_default=True,
               help="Each window's first N positions run through the reference, and the model continues "
                    "from their K/V (a full-precision stored prefix); only later positions are scored.")
 @_eval_options
-def eval_kld(model, ref, data, max_tokens, window, stride, as_json, reference_prefix):
+def eval_kld(model, revision, ref, data, max_tokens, window, stride, as_json, reference_prefix):
     """KL divergence and top-1 agreement against a reference model."""
     from quantkit.eval.kld import kl_divergence
     from quantkit.loading import load_model
     from quantkit.models.zoo import resolve_model
 
-    model_dir, ref_dir = resolve_model(model), resolve_model(ref)
+    model_dir, ref_dir = resolve_model(model, revision=revision), resolve_model(ref)
     result = kl_divergence(load_model(model_dir), load_model(ref_dir), _eval_tokens(ref_dir, data, max_tokens),
                            window, stride, progress=not as_json, reference_prefix=reference_prefix)
     payload = {"model": str(model_dir), "reference": str(ref_dir), "data": data, **asdict(result)}
@@ -374,15 +391,16 @@ def eval_report(ref, variants, out, top_k, cache_dir, task_names, task_limit, dr
 
 @eval_group.command("conformance")
 @click.option("--model", required=True, help="A quantized artifact (quantkit's, or a GPTQ/AWQ checkpoint).")
+@revision_option("--model")
 @json_option
 @_friendly_errors
-def eval_conformance(model, as_json):
+def eval_conformance(model, revision, as_json):
     """Decode every quantized linear the way each consumer does (AutoGPTQ, vLLM, GPTQModel, AutoAWQ,
     Marlin, CPM.cu) and compare with quantkit's reading, bit for bit. Exits 1 on any difference."""
     from quantkit.eval.conformance import check_artifact
     from quantkit.models.zoo import resolve_model
 
-    report = check_artifact(resolve_model(model))
+    report = check_artifact(resolve_model(model, revision=revision))
     rows = [[c.consumer, c.linears, "yes" if c.identical else f"no ({len(c.mismatched)} differ)", c.max_abs_diff]
             for c in report.checks]
     text = format_table(["consumer", "linears", "identical", "max |diff|"], rows)
@@ -395,6 +413,7 @@ def eval_conformance(model, as_json):
 
 @eval_group.command("niah")
 @click.option("--model", default="default", show_default=True, help="Checkpoint or quantized artifact.")
+@revision_option("--model")
 @click.option("--data", default="austen", show_default=True, help="Held-out text the haystack is cut from.")
 @click.option("--lengths", default="1024,2048,4096,8192", show_default=True, help="Comma-separated context lengths.")
 @click.option("--depths", default="0,0.25,0.5,0.75,1", show_default=True,
@@ -405,14 +424,14 @@ def eval_conformance(model, as_json):
 @_eval_runtime_options
 @_friendly_errors
 @json_option
-def eval_niah(model, data, lengths, depths, trials, seed, plot_path, as_json, runtime, sparse, sparse_config):
+def eval_niah(model, revision, data, lengths, depths, trials, seed, plot_path, as_json, runtime, sparse, sparse_config):
     """Needle in a haystack: retrieval accuracy over context length x needle depth."""
     from quantkit import calib
     from quantkit.checkpoint import load_tokenizer
     from quantkit.eval import niah
     from quantkit.models.zoo import resolve_model
 
-    model_dir = resolve_model(model)
+    model_dir = resolve_model(model, revision=revision)
     text = "\n\n".join(calib.load_documents(data))
     evaluated = _evaluated_model(model_dir, runtime, sparse, sparse_config)
     results = niah.run(evaluated, load_tokenizer(model_dir), text,
@@ -431,6 +450,7 @@ def eval_niah(model, data, lengths, depths, trials, seed, plot_path, as_json, ru
     _emit(as_json, payload, table)
 @eval_group.command("tasks")
 @click.option("--model", default="default", show_default=True, help="Checkpoint or quantized artifact.")
+@revision_option("--model")
 @click.option("--tasks", "task_names", default="humaneval,gsm,family", show_default=True,
               help="Comma-separated task names: humaneval, gsm, family.")
 @click.option("--limit", type=click.IntRange(min=1), default=None,
@@ -440,7 +460,7 @@ def eval_niah(model, data, lengths, depths, trials, seed, plot_path, as_json, ru
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @json_option
 @_friendly_errors
-def eval_tasks(model, task_names, limit, record, progress, as_json):
+def eval_tasks(model, revision, task_names, limit, record, progress, as_json):
     """Task scores, offline: HumanEval pass@1 (sandboxed), GSM exact match, multiple-choice accuracy."""
     from quantkit.atomic import write_json
     from quantkit.eval.tasks.model import TaskModel
@@ -448,7 +468,7 @@ def eval_tasks(model, task_names, limit, record, progress, as_json):
     from quantkit.models.zoo import resolve_model
 
     names = parse_task_names(task_names)
-    model_dir = resolve_model(model)
+    model_dir = resolve_model(model, revision=revision)
     results = evaluate_tasks(TaskModel.load(model_dir), names, limit, progress=progress and not as_json)
     summaries = [{k: v for k, v in asdict(r).items() if k != "records"} for r in results]
     if record is not None:
@@ -511,6 +531,7 @@ def _runtime_options(fn):
     options = [
         click.option("--model", default="default", show_default=True,
                      help="Any checkpoint quantkit reads: unquantized, or an artifact it wrote."),
+        revision_option("--model"),
         sparse_option,
         sparse_config_option,
         click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True),
@@ -537,7 +558,7 @@ def _runtime_options(fn):
     return fn
 
 
-def _load_engine(model, sparse, sparse_config, device, prefill_chunk, draft=None, draft_tokens=3,
+def _load_engine(model, revision, sparse, sparse_config, device, prefill_chunk, draft=None, draft_tokens=3,
                  draft_tree=None, draft_window=None):
     from quantkit.kernels.generate import load_engine
     from quantkit.kernels.speculative import TreeShape
@@ -549,7 +570,8 @@ def _load_engine(model, sparse, sparse_config, device, prefill_chunk, draft=None
             overrides = json.loads(sparse_config)
         except json.JSONDecodeError as e:
             raise click.ClickException(f"--sparse-config is not valid JSON: {e}") from e
-    return load_engine(resolve_model(model), sparse=sparse, sparse_overrides=overrides, device=device,
+    return load_engine(resolve_model(model, revision=revision), sparse=sparse, sparse_overrides=overrides,
+                       device=device,
                        prefill_chunk=prefill_chunk, draft=None if draft is None else resolve_model(draft),
                        draft_tokens=draft_tokens,
                        draft_tree=None if draft_tree is None else TreeShape.parse(draft_tree),
@@ -562,13 +584,13 @@ def _load_engine(model, sparse, sparse_config, device, prefill_chunk, draft=None
 @_runtime_options
 @json_option
 @_friendly_errors
-def generate(prompt, chat, model, sparse, sparse_config, device, max_new_tokens, temperature, top_p, seed,
+def generate(prompt, chat, model, revision, sparse, sparse_config, device, max_new_tokens, temperature, top_p, seed,
              prefill_chunk, thinking, draft, draft_tokens, draft_tree, draft_window, as_json):
     """Generate text with quantkit's runtime, streaming it as it is decoded."""
     from quantkit.kernels.sampling import Sampling
 
-    engine = _load_engine(model, sparse, sparse_config, device, prefill_chunk, draft, draft_tokens, draft_tree,
-                          draft_window)
+    engine = _load_engine(model, revision, sparse, sparse_config, device, prefill_chunk, draft, draft_tokens,
+                          draft_tree, draft_window)
     ids = (engine.chat_prompt([{"role": "user", "content": prompt}], enable_thinking=thinking) if chat
            else engine.encode(prompt))
     settings = dict(max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_p, seed))
@@ -593,15 +615,15 @@ def generate(prompt, chat, model, sparse, sparse_config, device, max_new_tokens,
 @main.command()
 @_runtime_options
 @_friendly_errors
-def chat(model, sparse, sparse_config, device, max_new_tokens, temperature, top_p, seed, prefill_chunk, thinking,
-         draft, draft_tokens, draft_tree, draft_window):
+def chat(model, revision, sparse, sparse_config, device, max_new_tokens, temperature, top_p, seed, prefill_chunk,
+         thinking, draft, draft_tokens, draft_tree, draft_window):
     """Interactive chat. The KV cache is kept between turns: each turn prefills only the new tokens.
     Type /reset to start over, /exit (or Ctrl-D) to leave."""
     from quantkit.kernels.chat import ChatSession
     from quantkit.kernels.sampling import Sampling
 
-    engine = _load_engine(model, sparse, sparse_config, device, prefill_chunk, draft, draft_tokens, draft_tree,
-                          draft_window)
+    engine = _load_engine(model, revision, sparse, sparse_config, device, prefill_chunk, draft, draft_tokens,
+                          draft_tree, draft_window)
     session = ChatSession(engine, enable_thinking=thinking)
     settings = dict(max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_p, seed))
     while True:
@@ -623,12 +645,13 @@ def chat(model, sparse, sparse_config, device, max_new_tokens, temperature, top_
 @main.command()
 @click.option("--device", "target", type=click.Choice(["rtx4090", "orin"]), required=True)
 @click.option("--model", default="default", show_default=True, help="Checkpoint or quantized artifact.")
+@revision_option("--model")
 @click.option("--context", "contexts", multiple=True, type=int, default=(4096,), show_default=True,
               help="Tokens already in the KV cache (repeat for several).")
 @sparse_option
 @json_option
 @_friendly_errors
-def roofline(target, model, contexts, sparse, as_json):
+def roofline(target, model, revision, contexts, sparse, as_json):
     """Bandwidth-bound decode ceiling on a GPU: (weight + KV bytes per token) / peak bandwidth.
     Arithmetic, not a measurement: no GPU exists where quantkit is tested."""
     from quantkit.kernels.attention import sparse_config_for
@@ -637,7 +660,7 @@ def roofline(target, model, contexts, sparse, as_json):
     from quantkit.models import MiniCPMConfig
     from quantkit.models.zoo import resolve_model
 
-    model_dir = resolve_model(model)
+    model_dir = resolve_model(model, revision=revision)
     sparse_settings = sparse_config_for(sparse, MiniCPMConfig.from_pretrained(model_dir).sparse_attention)
     results = [ceiling(model_dir, target, context, sparse_settings) for context in contexts]
     rows = [[r.context, r.attention, r.weight_bytes / 1e6, r.kv_bytes / 1e6, r.decode_tokens_per_second_ceiling,
@@ -658,6 +681,7 @@ def export_group():
 @click.option("--model", default="default", show_default=True,
               help="Checkpoint or quantized artifact (a quantized linear is copied as it is where the type holds "
                    "its grid, else dequantized and re-quantized).")
+@revision_option("--model")
 @click.option("--type", "file_type", required=True, metavar="TYPE",
               help="f32, f16, bf16, q8_0, q6_k, q5_k_m, q5_k_s, q4_k_m, q4_k_s, q4_0, q4_1, tq2_0 or tq1_0; "
                    "each tensor's type is chosen as llama.cpp's quantizer chooses it.")
@@ -666,12 +690,13 @@ def export_group():
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @json_option
 @_friendly_errors
-def export_gguf(model, file_type, out, tokenizer_pre, progress, as_json):
+def export_gguf(model, revision, file_type, out, tokenizer_pre, progress, as_json):
     """Export a MiniCPM model as a GGUF file for llama.cpp (and Ollama, LM Studio)."""
     from quantkit.gguf.export import export_gguf as export
     from quantkit.models.zoo import resolve_model
 
-    report = export(resolve_model(model), out, file_type, tokenizer_pre=tokenizer_pre, progress=progress)
+    report = export(resolve_model(model, revision=revision), out, file_type, tokenizer_pre=tokenizer_pre,
+                    progress=progress)
     payload = {**asdict(report), "bits_per_weight": report.bits_per_weight}
     rows = [["file", report.path], ["type", report.file_type], ["size MB", report.file_bytes / 2**20],
             ["bits per weight", report.bits_per_weight], ["tensors by type", report.tensors_by_type],
@@ -683,23 +708,25 @@ def export_gguf(model, file_type, out, tokenizer_pre, progress, as_json):
 @click.option("--model", required=True, help="A quantized artifact whose grid MLX holds (natural groups of 32, 64 "
                                              "or 128 channels that tile K): the codes and scales are kept, "
                                              "bias = -zero * scale.")
+@revision_option("--model")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Output directory (must not exist).")
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16", "bfloat16"]),
               help="dtype of the scales and biases: float32 makes mlx compute exactly the artifact's weights; "
                    "float16/bfloat16 (half the size) only where every value is exact in it.")
 @json_option
 @_friendly_errors
-def export_mlx(model, out, dtype, as_json):
+def export_mlx(model, revision, out, dtype, as_json):
     """Export a quantized artifact for mlx-lm (run it with `mlx_lm.generate --model OUT`)."""
     from quantkit.mlx_export import export_mlx as export
     from quantkit.models.zoo import resolve_model
 
-    report = export(resolve_model(model), out, dtype)
+    report = export(resolve_model(model, revision=revision), out, dtype)
     _emit(as_json, asdict(report), format_table(["field", "value"], [[k, v] for k, v in asdict(report).items()]))
 
 
 @main.command()
 @click.option("--model", default="default", show_default=True, help="Checkpoint (or artifact) whose activations count.")
+@revision_option("--model")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Output .gguf file (must not exist).")
 @click.option("--calibration", default="default", show_default=True,
               help="Calibration source, as the recipes' calibration.source (corpus or mix name, file, hf:<dataset>).")
@@ -709,13 +736,13 @@ def export_mlx(model, out, dtype, as_json):
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @json_option
 @_friendly_errors
-def imatrix(model, out, calibration, n_samples, seq_len, seed, progress, as_json):
+def imatrix(model, revision, out, calibration, n_samples, seq_len, seed, progress, as_json):
     """Write llama.cpp's importance matrix (for `llama-quantize --imatrix`) from quantkit's calibration set."""
     from quantkit.gguf.imatrix import imatrix_for
     from quantkit.models.zoo import resolve_model
 
-    report = imatrix_for(resolve_model(model), out, source=calibration, n_samples=n_samples, seq_len=seq_len,
-                         seed=seed, progress=progress).describe()
+    report = imatrix_for(resolve_model(model, revision=revision), out, source=calibration, n_samples=n_samples,
+                         seq_len=seq_len, seed=seed, progress=progress).describe()
     _emit(as_json, {"path": str(out), **report},
           format_table(["field", "value"], [["file", str(out)], *[[k, v] for k, v in report.items()]]))
 

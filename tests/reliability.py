@@ -391,6 +391,9 @@ def run_kill_case(launcher: Launcher, tally: Tally, command: str, argv: list[str
                             f"{differences(snapshot(final), reference) if final.exists() else 'everything'}")
     elif differences(snapshot(final), reference):
         partial = True
+    orphans = sorted(p.name for p in final.parent.glob(f".{final.name}.*.tmp"))
+    if orphans:
+        problems.append(f"{case.fault}: temporaries left beside the output: {orphans}")
     if partial:
         row.partial_outputs += 1
         problems.append(f"{case.fault}: an incomplete output stood under {final}")

@@ -168,6 +168,23 @@ def test_a_revision_is_published_to_and_pulled_from_its_branch(hub, artifact):
         resolve_model(f"{REPO.repo_id}@v9")
 
 
+def test_the_revision_option_picks_the_branch_of_a_hub_model_and_only_of_one(hub, artifact):
+    publish(artifact, parse_repo_ref(REPO.repo_id, "w4-rtn"), base_model=BASE)
+    conformance = ["eval", "conformance", "--model"]
+    result = CliRunner().invoke(main, [*conformance, REPO.repo_id, "--revision", "w4-rtn", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["passed"]
+    result = CliRunner().invoke(main, [*conformance, REPO.repo_id, "--revision", "v9"])
+    assert result.exit_code == 1 and "no revision 'v9'" in result.output
+    result = CliRunner().invoke(main, [*conformance, f"{REPO.repo_id}@v1", "--revision", "w4-rtn"])
+    assert result.exit_code == 1 and "names revision 'v1' but --revision is 'w4-rtn'" in result.output
+    requests = len(hub.state.requests)
+    result = CliRunner().invoke(main, [*conformance, str(artifact), "--revision", "w4-rtn"])
+    assert result.output.strip() == (f"Error: --revision w4-rtn applies to a Hub repo id, and {artifact} is a local "
+                                     "directory")
+    assert len(hub.state.requests) == requests
+
+
 def test_a_model_neither_here_nor_on_the_hub_is_one_clear_line(hub):
     result = CliRunner().invoke(main, ["roofline", "--device", "orin", "--model", "someone/absent"])
     assert result.exit_code == 1

@@ -310,6 +310,24 @@ def test_the_lock_excludes_another_process_and_not_its_own(tmp_path):
     assert OutputLockedError.__mro__[1] is RuntimeError  # the command line prints it as one line
 
 
+def test_a_killed_writers_temporary_is_removed_by_the_next_write_and_a_live_ones_kept(tmp_path):
+    import subprocess
+    import sys
+
+    from quantkit.atomic import write_bytes
+
+    final = tmp_path / "model-Q4_0.gguf"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f".{final.name}.{int(dead.stdout)}-abc123.tmp"
+    live = tmp_path / f".{final.name}.{os.getppid()}-def456.tmp"  # the test runner's parent: alive
+    other = tmp_path / f".other.gguf.{int(dead.stdout)}-ghi789.tmp"  # another output's: not ours to judge
+    for path in (orphan, live, other):
+        path.write_bytes(b"partial")
+    write_bytes(final, b"whole")
+    assert final.read_bytes() == b"whole"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([final.name, live.name, other.name])
+
+
 # ---------------------------------------------------------------------------------------------------
 # Hostile input: safetensors headers
 

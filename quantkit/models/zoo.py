@@ -230,11 +230,14 @@ def resolve_model(name_or_dir: str | os.PathLike, cache_dir: str | os.PathLike |
     from quantkit.hub.repo import is_repo_ref, parse_repo_ref
 
     name = str(name_or_dir)
+    path = Path(name_or_dir)
+    if revision is not None and (path.is_dir() or not is_repo_ref(name)):
+        raise ValueError(f"--revision {revision} applies to a Hub repo id, and {name} is "
+                         f"{'a local directory' if path.is_dir() else 'not one'}")
     if name == "default":
         name = DEFAULT_MODEL
     if name in MODELS:
         return ensure_model(name, cache_dir, progress)
-    path = Path(name_or_dir)
     if path.is_dir():
         return path
     if is_repo_ref(name):
