@@ -9,11 +9,11 @@ ternary QAT artifact) as one more target; for
 each quantized target the FP head re-aligned to it (`quantkit draft train --init`).
 
 τ (`quantkit.eval.accept`: the runtime in float32) for every target × {FP head, GPTQ W4 head, QAT W4
-head, that target's re-aligned head}: a greedy chain of ``--k``, a greedy ``--tree``, and a chain sampled at
-``--temperature``, on held-out prompts. Speed: the runtime as `quantkit generate` runs it, FP and
-GPTQ W4 targets, greedy, plain and with the FP head drafting chains and trees (decode tok/s, median
-of repeats), beside llama.cpp Q4_0's plain decode. The issue's
-targets are printed, not asserted.
+head, that target's re-aligned head}: a chain of ``--k`` and a ``--tree``, each greedy and sampled at
+``--temperature`` (sampled trees verified by recursive rejection sampling), on held-out prompts.
+Speed: the runtime as `quantkit generate` runs it, FP and GPTQ W4 targets, greedy, plain and with the
+FP head drafting chains and trees (decode tok/s, median of repeats), beside llama.cpp Q4_0's plain
+decode. The issue's targets are printed, not asserted.
 
     python -m quantkit.eval.bench.bench_spec --out out/bench-spec
 """
@@ -143,7 +143,7 @@ def main(model, out, head_tokens, realign_tokens, qat_artifact, k, tree, tempera
                  **({"re-aligned head": realigned[label]} if label in realigned else {})}
         for head_label, head_dir in heads.items():
             for shape, t, shape_tree in ((f"chain {k}", 0.0, None), (f"tree {tree}", 0.0, tree_shape),
-                                         (f"chain {k}", temperature, None)):
+                                         (f"chain {k}", temperature, None), (f"tree {tree}", temperature, tree_shape)):
                 click.echo(f"[tau] {label} <- {head_label}, {shape}, T={t}", err=True)
                 stats = acceptance(engine, head_dir, batch, k, max_new_tokens, t, tree=shape_tree)
                 pairings.append(Pairing(label, head_label, shape, t, stats.tau, stats.position_rates, stats.rounds))
