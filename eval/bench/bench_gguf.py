@@ -17,6 +17,7 @@ cores) and cached in ~/.cache/quantkit/llama.cpp-<llama-cpp-python version>/bin.
 from __future__ import annotations
 
 import hashlib
+import re
 import shutil
 import subprocess
 import sys
@@ -109,10 +110,17 @@ def calibration_text(model_dir: Path, n_samples: int, seq_len: int) -> str:
     return "\n\n".join(tokenizer.decode(row) for row in rows.input_ids.tolist())
 
 
-def check_loaded(log: str, entries: int) -> None:
-    """llama-quantize's own account of reading quantkit's imatrix: every entry loaded, every tensor found."""
-    if f"loaded {entries} importance matrix entries" not in log or "did not find weights for" in log:
-        raise click.ClickException(f"llama-quantize did not take all {entries} entries of quantkit's imatrix:\n"
+def check_loaded(log: str, entries: int, anchor_log: str) -> None:
+    """llama-quantize's own account of reading quantkit's imatrix: every entry loaded, and no tensor left
+    without weights that llama-imatrix's file covers (neither covers token_embd, nor output.weight,
+    which llama-imatrix does not collect by default)."""
+    def uncovered(text: str) -> set[str]:
+        return set(re.findall(r"did not find weights for (\S+)", text))
+
+    missing = uncovered(log) - uncovered(anchor_log)
+    if f"loaded {entries} importance matrix entries" not in log or missing:
+        raise click.ClickException(f"llama-quantize did not take all {entries} entries of quantkit's imatrix "
+                                   f"(no weights for {sorted(missing)}):\n"
                                    + "\n".join(line for line in log.splitlines() if "imatrix" in line.lower()))
 
 
@@ -236,7 +244,7 @@ def main(model, types, recipes, imatrix_types, use_llama_tools, max_tokens, wind
                 seconds = _run([str(bin_dir / "llama-quantize"), "--imatrix", str(imatrix), str(f32), str(path),
                                 file_type.upper(), str(threads)], log)
                 if imatrix == ours_imatrix:
-                    check_loaded(log.read_text(), entries)
+                    check_loaded(log.read_text(), entries, (out / f"{file_type}-{theirs_imatrix.stem}.log").read_text())
                 rows.append(score(path, f"llama.cpp quantize --imatrix ({by}; seconds include it)",
                                   made[imatrix] + seconds, ""))
             anchors[file_type] = rows[-2].mean_kl
