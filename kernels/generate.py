@@ -100,8 +100,8 @@ class Engine:
         """Runs the prompt through the model in chunks; returns the last position's logits."""
         if not tokens:
             raise ValueError("the prompt is empty")
-        context = getattr(getattr(self.runtime, "config", None), "max_position_embeddings", None)
-        if isinstance(context, int) and len(tokens) + getattr(cache, "length", 0) > context:
+        context = self.runtime.config.max_position_embeddings
+        if len(tokens) + cache.length > context:
             raise ValueError(f"the prompt ({len(tokens)} tokens) does not fit the model's context of {context} "
                              "tokens (max_position_embeddings)")
         ids = torch.tensor(tokens, dtype=torch.long)

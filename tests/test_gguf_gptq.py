@@ -60,7 +60,8 @@ def test_gptq_beats_llama_cpp_quantizer_on_every_type(name):
     weight, hessian = torch.from_numpy(_weights(64, 512)), _hessian(512)
     baseline = _output_error(weight, GGUFTensor.quantize(weight, tensor_type).dequantize(), hessian)
     for group_aware in (False, True):
-        solution = gptq_solve(weight, hessian, tensor_type, block_size=256, group_aware=group_aware)
+        solution = gptq_solve(weight, hessian, tensor_type, block_size=256, group_aware=group_aware,
+                              imatrix=False)  # the same blocks and scale search as the baseline
         record = solution.quantized
         assert isinstance(record, GGUFTensor) and record.type_name == name
         assert torch.equal(solution.weight, record.dequantize())  # the solver propagated the stored weights
@@ -74,7 +75,8 @@ def test_without_correlations_gptq_rounds_to_nearest_on_llama_cpp_grid(name):
     codes are sometimes one step off the stored grid's nearest: never closer)."""
     tensor_type = TYPES[name]
     weight = torch.from_numpy(_weights(32, 512, seed=3))
-    ours = gptq_solve(weight, torch.diag(torch.rand(512) + 0.5), tensor_type, block_size=256).quantized
+    ours = gptq_solve(weight, torch.diag(torch.rand(512) + 0.5), tensor_type, block_size=256,
+                      imatrix=False).quantized
     theirs = GGUFTensor.quantize(weight, tensor_type)
     grids = [tensor_type.codec.grid(r.data.numpy().reshape(-1, tensor_type.block_bytes)) for r in (ours, theirs)]
     assert all(np.array_equal(a, b) for a, b in zip(*grids))

@@ -131,11 +131,16 @@ def _triggers(is_file: bool, reference_size: int) -> dict:
 _REFERENCES: dict[str, tuple[dict, float]] = {}
 
 
+def _output(outputs: Path, command: str, tag) -> Path:
+    """Where one case of ``command`` writes: a .gguf file or an artifact directory."""
+    return outputs / f"{command.replace(' ', '-')}-{tag}{'.gguf' if COMMANDS[command][1] else ''}"
+
+
 def _reference(command, launcher, model, outputs, extra) -> tuple[dict, float]:
     """The uninterrupted run's bytes and how long it took."""
     if command not in _REFERENCES:
-        build, is_file, *_ = COMMANDS[command]
-        final = outputs / (command.replace(" ", "-") + "-reference" + (".gguf" if is_file else ""))
+        build = COMMANDS[command][0]
+        final = _output(outputs, command, "reference")
         outcome = launcher.run(build(model, final, extra))
         assert outcome.code == 0, outcome.stderr[-3000:]
         # a second run times the work alone (a first run also pays for lazy imports): the random kills' range
@@ -171,7 +176,7 @@ def test_killed_runs_resume_to_the_same_bytes(command, launcher, model, outputs,
             n.endswith((".pt", ".safetensors")) and not n.startswith(".") for n in staging)))
     problems = []
     for number, case in enumerate(kills):
-        final = outputs / f"{command.replace(' ', '-')}-{number}{'.gguf' if is_file else ''}"
+        final = _output(outputs, command, number)
         problems += run_kill_case(launcher, tally, command, build(model, final, training_extra), final, reference,
                                   case, resume_flag)
     assert not problems, "\n".join(problems)
@@ -190,7 +195,7 @@ def test_write_errors_are_one_clear_line_and_leave_nothing_under_the_final_name(
     row = tally.row(command, "file size limit (RLIMIT_FSIZE)")
     problems = []
     for limit in limits:
-        final = outputs / f"{command.replace(' ', '-')}-fsize{limit}{'.gguf' if is_file else ''}"
+        final = _output(outputs, command, f"fsize{limit}")
         row.cases += 1
         outcome = launcher.run(build(model, final), fsize=limit)
         row.tracebacks += outcome.traceback
@@ -224,13 +229,13 @@ def _wait_for(condition, proc, timeout=300.0) -> bool:
 
 @pytest.mark.parametrize("command", ["quantize gptq-w4g128", "export gguf q4_k_m"])
 def test_a_second_run_into_the_same_output_is_refused(command, launcher, model, outputs, tally, training_extra):
-    build, is_file, resume_flag, *_ = COMMANDS[command]
+    build, _, resume_flag, *_ = COMMANDS[command]
     launcher.env = {}
     reference, _ = _reference(command, launcher, model, outputs, training_extra)
     row = tally.row(command, "second run into a busy output")
     problems = []
     for attempt in range(cases(1, 3)):
-        final = outputs / f"{command.replace(' ', '-')}-busy{attempt}{'.gguf' if is_file else ''}"
+        final = _output(outputs, command, f"busy{attempt}")
         lock = final.with_name(final.name + ".lock")
         first = launcher.start(build(model, final))
         if not _wait_for(lock.exists, first):
@@ -259,13 +264,13 @@ def test_a_second_run_into_the_same_output_is_refused(command, launcher, model, 
 
 @pytest.mark.parametrize("command", ["quantize rtn-w4g128", "export gguf q4_k_m"])
 def test_a_killed_runs_lock_is_stale_and_taken_over(command, launcher, model, outputs, tally, training_extra):
-    build, is_file, resume_flag, *_ = COMMANDS[command]
+    build, _, resume_flag, *_ = COMMANDS[command]
     launcher.env = {}
     reference, _ = _reference(command, launcher, model, outputs, training_extra)
     row = tally.row(command, "stale lock of a killed run")
     problems = []
     for attempt in range(cases(1, 3)):
-        final = outputs / f"{command.replace(' ', '-')}-stale{attempt}{'.gguf' if is_file else ''}"
+        final = _output(outputs, command, f"stale{attempt}")
         lock = final.with_name(final.name + ".lock")
         row.cases += 1
         if attempt == 0:  # killed as soon as it holds the lock

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -110,6 +111,8 @@ def test_text_stream_pieces_add_up_to_the_decoded_text(default_model):
 
 class _ScriptedRuntime:
     """A runtime whose logits put all mass on a scripted token sequence (for stop-token logic)."""
+
+    config = SimpleNamespace(max_position_embeddings=64)
 
     def __init__(self, script):
         self.script, self.calls = script, 0

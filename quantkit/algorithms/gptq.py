@@ -78,8 +78,7 @@ def gptq_quantize(
     """GPTQ-quantize ``weight`` [N, K] against ``hessian`` [K, K] (H = 2/n Σ xᵀx of its inputs).
 
     The recipes' entry point: on a GGUF block type the block scales come from llama.cpp's imatrix
-    search weighted by diag(H) unless ``imatrix`` is off (``gptq_solve``'s default keeps llama.cpp's
-    plain search)."""
+    search weighted by diag(H) unless ``imatrix`` is off (then llama.cpp's plain search)."""
     return gptq_solve(
         weight, hessian, config,
         damp_percent=damp_percent, block_size=block_size, desc_act=desc_act, static_groups=static_groups,
@@ -98,7 +97,7 @@ def gptq_solve(
     static_groups: bool = False,
     group_aware: bool = False,
     clip_search: bool = False,
-    imatrix: bool = False,
+    imatrix: bool = True,
 ) -> GPTQSolution:
     """As ``gptq_quantize``, also returning the solver's fake-quantized weights and the damping used.
     ``imatrix``: on a GGUF block type, choose the block scales with llama.cpp's imatrix search, the
