@@ -26,10 +26,10 @@ import torch
 from quantkit.eval.kld import KLResult
 from quantkit.eval.ppl import window_log_probs, windows
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from quantkit.atomic import atomic_path
+from quantkit.atomic import save_safetensors
 
 CACHE_VERSION = 2
 DEFAULT_TOP_K = 256
@@ -104,8 +104,7 @@ def cached_reference(reference_dir: Path, tokens: torch.Tensor, window: int, str
             raise ValueError(f"{path} is not a readable reference cache ({e}); delete it to recompute") from e
     result = compute_reference(load_model(reference_dir), tokens, window, stride, top_k, tail_samples, progress)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp:
-        save_file(result.tensors(), str(tmp))
+    save_safetensors(path, result.tensors())
     return result, path
 
 

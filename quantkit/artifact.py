@@ -52,7 +52,7 @@ class ArtifactWriter:
         self.lock = OutputLock(staging.with_name(staging.name.removesuffix(".partial"))).acquire()
         staging.mkdir(parents=True, exist_ok=True)
         for stale in staging.glob(".*.tmp"):  # a killed run's half-written shard, never to be published
-            stale.unlink()
+            atomic.remove_temporary(stale)
 
     def shard_path(self, index: int) -> Path:
         return self.staging / shard_name(index, self.total)

@@ -50,12 +50,23 @@ def _remove_orphaned_temps(path: Path) -> None:
     for temp in path.parent.glob(f".{glob.escape(path.name)}.*-*.tmp"):
         pid = temp.name[len(path.name) + 2:].split("-", 1)[0]
         if pid.isdigit() and not _alive(int(pid)):
-            temp.unlink(missing_ok=True)
+            remove_temporary(temp)
 
 
-def _temp_beside(path: Path) -> Path:
+def remove_temporary(temp: Path) -> None:
+    """Delete one temporary of ``atomic_path``: a file, or a private directory and what is in it."""
+    if temp.is_dir():
+        shutil.rmtree(temp, ignore_errors=True)
+    else:
+        temp.unlink(missing_ok=True)
+
+
+def _temp_beside(path: Path, own_directory: bool) -> Path:
     _remove_orphaned_temps(path)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}-", suffix=".tmp", dir=path.parent)
+    prefix = f".{path.name}.{os.getpid()}-"
+    if own_directory:
+        return Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=path.parent)) / path.name
+    fd, name = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=path.parent)
     os.close(fd)
     # mkstemp creates 0600; give the file the mode an ordinary open() would (0666 less the umask).
     umask = os.umask(0)
@@ -65,12 +76,16 @@ def _temp_beside(path: Path) -> Path:
 
 
 @contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; rename it onto ``path`` only if the block succeeds."""
+def atomic_path(path: str | os.PathLike, own_directory: bool = False) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; rename it onto ``path`` only if the block succeeds.
+
+    ``own_directory``: the temporary lies in a private directory beside ``path``, for writers that make
+    temporaries of their own beside the file they are given (safetensors >= 0.7 writes a ``.tmpXXXXXX``
+    and renames it): a kill then strands theirs inside ours, where the next write removes both."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _temp_beside(path)
+        tmp = _temp_beside(path, own_directory)
     except OSError as e:
         raise OutputWriteError(f"cannot write {path}: {e.strerror or e}") from e
     try:
@@ -84,7 +99,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
             raise
         raise OutputWriteError(f"cannot write {path}: {reason}; nothing was left under that name") from e
     finally:
-        tmp.unlink(missing_ok=True)
+        remove_temporary(tmp.parent if own_directory else tmp)
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -104,7 +119,7 @@ def write_json(path: str | os.PathLike, obj) -> None:
 def save_safetensors(path: str | os.PathLike, tensors: dict, metadata: dict[str, str] | None = None) -> None:
     from safetensors.torch import save_file
 
-    with atomic_path(path) as tmp:
+    with atomic_path(path, own_directory=True) as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
 
 

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from quantkit.artifact import MANIFEST_FILE, REPORT_FILE
+from quantkit.checkpoint import read_config_json
 
 
 def _quantization(quant: dict) -> str:
@@ -23,7 +24,7 @@ def describe(model_dir: str | Path) -> dict:
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{model_dir} has no config.json")
-    config = json.loads(config_path.read_text())
+    config = read_config_json(model_dir)
     quant = config.get("quantization_config") or {}
     weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     info = {

@@ -319,7 +319,7 @@ def test_a_killed_writers_temporary_is_removed_by_the_next_write_and_a_live_ones
     import subprocess
     import sys
 
-    from quantkit.atomic import write_bytes
+    from quantkit.atomic import save_safetensors, write_bytes
 
     final = tmp_path / "model-Q4_0.gguf"
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
@@ -328,9 +328,16 @@ def test_a_killed_writers_temporary_is_removed_by_the_next_write_and_a_live_ones
     other = tmp_path / f".other.gguf.{int(dead.stdout)}-ghi789.tmp"  # another output's: not ours to judge
     for path in (orphan, live, other):
         path.write_bytes(b"partial")
+    # save_safetensors writes in a private directory: safetensors strands its own .tmpXXXXXX in it
+    orphan_dir = tmp_path / f".{final.name}.{int(dead.stdout)}-jkl012.tmp"
+    orphan_dir.mkdir()
+    (orphan_dir / ".tmpAbC123").write_bytes(b"partial")
     write_bytes(final, b"whole")
     assert final.read_bytes() == b"whole"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([final.name, live.name, other.name])
+    save_safetensors(tmp_path / "shard.safetensors", {"x": torch.arange(4)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([final.name, live.name, other.name,
+                                                                 "shard.safetensors"])
 
 
 # ---------------------------------------------------------------------------------------------------
