@@ -42,6 +42,8 @@ GPTQ_RECIPES = {
 }
 # Targets of issue 32: quantkit's best file of the type, against llama.cpp + llama-imatrix
 TARGET_TYPES, TARGET_RATIO = ("q4_0", "q4_k_m"), 0.8
+# quantkit's imatrix against llama-imatrix's: the median tensor's largest relative difference
+IMATRIX_TOLERANCE = 0.05
 
 LLAMA_TOOLS = ("llama-imatrix", "llama-quantize")
 # CPU only, static (the binaries outlive any pip reinstall), no network code, only the two tools
@@ -122,6 +124,30 @@ def check_loaded(log: str, entries: int, anchor_log: str) -> None:
         raise click.ClickException(f"llama-quantize did not take all {entries} entries of quantkit's imatrix "
                                    f"(no weights for {sorted(missing)}):\n"
                                    + "\n".join(line for line in log.splitlines() if "imatrix" in line.lower()))
+
+
+def compare_imatrices(theirs: Path, ours: Path) -> dict:
+    """llama-imatrix's file against quantkit's on the same calibration text: the same entries and
+    counts, and how far each tensor's per-channel mean x² is from llama.cpp's (llama-imatrix
+    re-tokenizes the text, so the activations are close, not equal)."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    def entries(path: Path) -> dict[str, np.ndarray]:
+        return {t.name: np.array(t.data, dtype=np.float64).ravel() for t in GGUFReader(path).tensors}
+
+    a, b = entries(theirs), entries(ours)
+    sums = sorted(name for name in a if name.endswith(".in_sum2"))
+    relative, correlation = [], []
+    for name in sums:
+        counts = name.removesuffix(".in_sum2") + ".counts"
+        x, y = a[name] / a[counts][0], b[name] / b[counts][0]
+        relative.append(float(np.abs(x - y).max() / np.abs(x).max()))
+        correlation.append(float(np.corrcoef(x, y)[0, 1]))
+    same_counts = set(a) == set(b) and all(np.array_equal(a[n], b[n]) for n in a if n.endswith(".counts"))
+    return {"entries": len(sums), "same_names_and_counts": same_counts,
+            "median_max_relative_difference": float(np.median(relative)),
+            "worst_max_relative_difference": max(relative), "min_correlation": min(correlation)}
 
 
 def _run(command: list[str], log: Path) -> float:
@@ -224,6 +250,7 @@ def main(model, types, recipes, imatrix_types, use_llama_tools, max_tokens, wind
     best: dict[str, float] = {}  # file type -> KL of quantkit's best GPTQ file
     wanted = [t.strip() for t in imatrix_types.split(",") if t.strip()]
     bin_dir = llama_tools(build=use_llama_tools) if wanted else None
+    imatrix_note = ""
     if bin_dir is not None:
         from quantkit.gguf.imatrix import imatrix_for
 
@@ -237,6 +264,16 @@ def main(model, types, recipes, imatrix_types, use_llama_tools, max_tokens, wind
         started = time.perf_counter()
         entries = len(imatrix_for(model_dir, ours_imatrix, n_samples=n_samples, seq_len=seq_len).sums)
         made[ours_imatrix] = time.perf_counter() - started
+        agreement = compare_imatrices(theirs_imatrix, ours_imatrix)
+        agrees = (agreement["same_names_and_counts"]
+                  and agreement["median_max_relative_difference"] <= IMATRIX_TOLERANCE)
+        imatrix_note = (f"quantkit's imatrix vs llama-imatrix's on the same text: {agreement['entries']} entries, "
+                        f"names and counts {'equal' if agreement['same_names_and_counts'] else 'DIFFERENT'}; "
+                        f"per-channel mean x² within {agreement['median_max_relative_difference']:.1%} of "
+                        f"llama.cpp's (median over tensors of the largest difference; worst tensor "
+                        f"{agreement['worst_max_relative_difference']:.1%}), correlation >= "
+                        f"{agreement['min_correlation']:.3f}: {'PASS' if agrees else 'FAIL'} "
+                        f"(tolerance {IMATRIX_TOLERANCE:.0%}; llama-imatrix re-tokenizes the text)")
         for file_type in wanted:
             for imatrix, by in ((theirs_imatrix, "llama-imatrix"), (ours_imatrix, "quantkit imatrix")):
                 path = out / f"{file_type}-{imatrix.stem}.gguf"
@@ -271,8 +308,9 @@ def main(model, types, recipes, imatrix_types, use_llama_tools, max_tokens, wind
     header = (f"model {model_dir.name}; held-out Austen, {fp.tokens} scored tokens, llama.cpp windows of {window} "
               f"(weight repacking off, KV cache f16), reference f32.gguf in llama.cpp; GPTQ calibration "
               f"{n_samples} x {seq_len} tokens; machine: {machine()}")
-    report(header, table, rows, json_path=out / "bench.json", markdown_path=out / "bench.md", notes="\n".join(targets),
-           extra={"targets": targets})
+    notes = "\n".join([*targets, imatrix_note])
+    report(header, table, rows, json_path=out / "bench.json", markdown_path=out / "bench.md", notes=notes.strip(),
+           extra={"targets": targets, "imatrix_agreement": imatrix_note})
 
 
 if __name__ == "__main__":
