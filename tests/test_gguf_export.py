@@ -294,7 +294,7 @@ def test_every_minicpm_tensor_name_round_trips(tiny_checkpoint):
 
 
 def test_gptq_artifact_reaches_llama_cpp_on_its_own_grid(marlin_legal, tmp_path):
-    """The gguf-q4_0 recipe's GPTQ codes and scales are written as Q4_0 blocks unchanged."""
+    """The gguf-q4_0 recipe's GPTQ blocks (scales from the weighted search) are written unchanged."""
     from quantkit.engine import quantize
     from quantkit.loading import load_model
     from quantkit.models.layers import LINEARS
@@ -309,12 +309,12 @@ def test_gptq_artifact_reaches_llama_cpp_on_its_own_grid(marlin_legal, tmp_path)
     gptq_weights, exported = load_model(artifact).state_dict(), exported_weights(artifact, "q4_0")
     linear_keys = [k for k in exported if any(k.endswith(f"{linear}.weight") for linear in LINEARS)]
     assert all(torch.equal(exported[k], gptq_weights[k]) for k in linear_keys)
-    # llama.cpp's own rule (d from each block's largest weight) would move many of them (measured 43 %)
+    # llama.cpp's plain rule (d from each block's largest weight) would move some of them (measured 15 %)
     from quantkit.gguf.types import TYPES
 
     q4_0, weight = TYPES["q4_0"], gptq_weights[linear_keys[0]].numpy()
     rerounded = torch.from_numpy(q4_0.dequantize(q4_0.quantize(weight), weight.shape[1]))
-    assert (rerounded != gptq_weights[linear_keys[0]]).float().mean() > 0.2
+    assert (rerounded != gptq_weights[linear_keys[0]]).float().mean() > 0.05
     ids = list(range(5, 105))
     with torch.no_grad():
         ours = _model(artifact, exported)(torch.tensor([ids])).logits[0].double().numpy()

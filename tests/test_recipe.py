@@ -15,7 +15,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "recipes.md"
 FINGERPRINTS = {
     "awq-w4g128": "27fa945f670fd5ab285778b24990545856950607ae384f1c78a2eabaefa22d07",
     "cpmcu": "0114cf83ade69d55536ce7dedce5ec2cc75495f64ae80f519c2042efbcf1194a",
-    "gguf-q4_0": "76b6c86ea7c6330bed01e4c57f561ebacdc83f325effd28bfd053ceec1e0c838",
+    "gguf-q4_0": "77cce7aaa568e0f5521e5536dd6082d4579edb478c9a88b4342eb6f745e027a4",
     "gguf-q4_k_m": "8c5fac7fe950224ae9168c42048ac21063dc7e67b4ff06b38abd7b6cb3db21db",
     "gguf-q5_k_m": "1582fd57af316578504d6524c8532ac1ff462100d5ac489b59774fd6bcf7616f",
     "gptq-ternary-g32": "61be3f49e1a24eae79bfee9cfa9eeeefc700788cd8ddad6d3fc99023e5ada33f",
