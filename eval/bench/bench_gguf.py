@@ -32,11 +32,11 @@ from quantkit.eval.bench.common import machine, quantize_command, report, timed
 from quantkit.table import format_table
 
 # bench row -> (recipe, the GGUF file type its artifact is exported as unchanged, recipe overrides).
-# gguf-q4_0 solves on GPTQ's own W4 g32 grid (clip search); -blocks solves on the Q4_0 blocks
-# themselves, with llama.cpp's imatrix scale search weighted by diag(H).
+# gguf-q4_0 solves on the Q4_0 blocks with llama.cpp's imatrix scale search weighted by diag(H);
+# -own-grid is the ablation on GPTQ's own W4 g32 grid with its clip search (exported as Q4_0).
 GPTQ_RECIPES = {
     "gguf-q4_0": ("gguf-q4_0", "q4_0", ()),
-    "gguf-q4_0-blocks": ("gguf-q4_0", "q4_0", ("format=gguf-q4_0", "gptq.clip_search=false")),
+    "gguf-q4_0-own-grid": ("gguf-q4_0", "q4_0", ("format=gptq", "gptq.clip_search=true")),
     "gguf-q4_k_m": ("gguf-q4_k_m", "q4_k_m", ()),
     "gguf-q5_k_m": ("gguf-q5_k_m", "q5_k_m", ()),
 }
