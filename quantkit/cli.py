@@ -63,6 +63,10 @@ sparse_option = click.option(
     "--sparse", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
     help="InfLLM v2 sparse attention: follow the checkpoint's sparse_config (auto), force it (on), or dense "
          "attention (off). `quantkit eval` commands: with --runtime.")
+sparse_config_option = click.option(
+    "--sparse-config", "sparse_config", default=None, metavar="JSON",
+    help='Override sparse_config keys, e.g. \'{"dense_len": 1024, "window_size": 256}\'. '
+         "`quantkit eval` commands: with --runtime.")
 
 
 def revision_option(of: str):
@@ -70,12 +74,6 @@ def revision_option(of: str):
     return click.option("--revision", default=None, metavar="REV",
                         help=f"Branch, tag or commit of {of} when it is a Hub repo id (other model options take "
                              "owner/name@revision).")
-
-
-sparse_config_option = click.option(
-    "--sparse-config", "sparse_config", default=None, metavar="JSON",
-    help='Override sparse_config keys, e.g. \'{"dense_len": 1024, "window_size": 256}\'. '
-         "`quantkit eval` commands: with --runtime.")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]},
