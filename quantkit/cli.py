@@ -119,7 +119,33 @@ def quantize(recipe, model, revision, out, overrides, resume, progress, as_json)
 
 @main.group("qat")
 def qat_group():
-    """Quantization-aware training: train a model toward a low-bit grid (BitCPM4's ternary QAT)."""
+    """Quantization-aware training: train a model toward a low-bit grid (BitCPM4's ternary QAT), or train the
+    scales and biases of fixed codes (mlx-lm's DWQ)."""
+
+
+def _run_qat(model, revision, out, recipe, overrides, tokens, init, fake_quant, resume, device, progress, as_json,
+             refuse):
+    """What every `quantkit qat` command does: load the recipe, refuse it if ``refuse(recipe)`` says why,
+    train, and report the measured points."""
+    from quantkit.models.zoo import resolve_model
+    from quantkit.qat import run_qat
+    from quantkit.recipe import load_recipe, parse_override
+
+    settings = dict(parse_override(text) for text in overrides)
+    loaded = load_recipe(recipe, settings)
+    refusal = refuse(loaded)
+    if refusal:
+        raise click.ClickException(f"recipe {loaded.name} {refusal}")
+    report = run_qat(resolve_model(model, revision=revision), loaded, out, tokens=tokens, init=init, resume=resume,
+                     fake_quant=fake_quant, device=device, progress=progress)
+    measured = [e for e in report.log if "heldout_ppl" in e]
+    rows = [[e["step"], e["tokens"], e.get("loss"), e["heldout_ppl"]] for e in measured]
+    text = format_table(["step", "tokens", "loss", "held-out ppl"], rows)
+    text += (f"\n\nwrote {out}: {report.steps} steps, {report.tokens} tokens at {report.tokens_per_second:.0f} tok/s "
+             f"(teacher {report.teacher_seconds:.0f} s, training {report.train_seconds:.0f} s), "
+             f"peak RSS {report.peak_rss_mb:.0f} MB" + (f" (resumed at step {report.resumed_from_step})"
+                                                       if report.resumed_from_step else ""))
+    _emit(as_json, report.to_dict(), text)
 
 
 @qat_group.command("ternary")
@@ -144,24 +170,43 @@ def qat_group():
 def qat_ternary(model, revision, out, recipe, overrides, tokens, init, out_format, resume, device, progress, as_json):
     """Train MODEL to ternary weights (BitCPM4): straight-through estimator, WSD schedule, distillation from
     MODEL itself; writes the ternary artifact, a loss/perplexity curve and a JSON log."""
-    from quantkit.models.zoo import resolve_model
-    from quantkit.qat import run_qat
-    from quantkit.recipe import load_recipe, parse_override
+    def refuse(loaded):
+        if not loaded["quant"]["ternary"]:
+            return "does not train a ternary grid (quant.ternary is false)"
+        return None
 
-    settings = dict(parse_override(text) for text in overrides)
-    loaded = load_recipe(recipe, settings)
-    if not loaded["quant"]["ternary"]:
-        raise click.ClickException(f"recipe {loaded.name} does not train a ternary grid (quant.ternary is false)")
-    report = run_qat(resolve_model(model, revision=revision), loaded, out, tokens=tokens, init=init, resume=resume,
-                     fake_quant=out_format == "fake-quant", device=device, progress=progress)
-    measured = [e for e in report.log if "heldout_ppl" in e]
-    rows = [[e["step"], e["tokens"], e.get("loss"), e["heldout_ppl"]] for e in measured]
-    text = format_table(["step", "tokens", "loss", "held-out ppl"], rows)
-    text += (f"\n\nwrote {out}: {report.steps} steps, {report.tokens} tokens at {report.tokens_per_second:.0f} tok/s "
-             f"(teacher {report.teacher_seconds:.0f} s, training {report.train_seconds:.0f} s), "
-             f"peak RSS {report.peak_rss_mb:.0f} MB" + (f" (resumed at step {report.resumed_from_step})"
-                                                       if report.resumed_from_step else ""))
-    _emit(as_json, report.to_dict(), text)
+    _run_qat(model, revision, out, recipe, overrides, tokens, init, out_format == "fake-quant", resume, device,
+             progress, as_json, refuse)
+
+
+@qat_group.command("dwq")
+@click.option("--model", default="default", show_default=True, help="Checkpoint directory, or 'default' (the teacher).")
+@revision_option("--model")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Output directory (must not exist).")
+@click.option("--recipe", default="mlx-dwq-w4g64", show_default=True,
+              help="DWQ recipe: mlx-dwq-w4g64, or a YAML file whose 'qat' section sets trains: scales.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a recipe setting, e.g. --set qat.learning_rate=3e-5 --set qat.top_k=64.")
+@click.option("--tokens", type=click.IntRange(min=1), default=None, help="Training tokens (default: the recipe's).")
+@click.option("--init", "init", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Keep this MLX artifact's codes (e.g. an mlx-s-p-gptq-w4g64 one) instead of RTN's.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted run from its last checkpoint.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--progress/--no-progress", default=True, show_default=True)
+@json_option
+@_friendly_errors
+def qat_dwq(model, revision, out, recipe, overrides, tokens, init, resume, device, progress, as_json):
+    """Distilled scales and biases (mlx-lm's DWQ): keep every decoder linear's codes (RTN's, or --init's) and
+    train only each group's scale and bias toward MODEL's own output distribution; writes the MLX artifact,
+    a loss/perplexity curve and a JSON log."""
+    def refuse(loaded):
+        trains = loaded.values.get("qat", {}).get("trains")
+        if trains != "scales":
+            return (f"does not train scales and biases (qat.trains is {trains!r}, DWQ needs 'scales'): "
+                    "use mlx-dwq-w4g64, or `quantkit qat ternary` for weight QAT")
+        return None
+
+    _run_qat(model, revision, out, recipe, overrides, tokens, init, False, resume, device, progress, as_json, refuse)
 
 
 DRAFT_DEFAULTS = DraftSettings()

@@ -212,7 +212,10 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
     started = time.perf_counter()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if "qat" in recipe.values:
-        raise EngineError(f"recipe {recipe.name} trains (it has a 'qat' section): run it with `quantkit qat ternary "
+        from quantkit.qat.fake_quant import TRAINS
+
+        command = TRAINS[recipe["qat"]["trains"]].command
+        raise EngineError(f"recipe {recipe.name} trains (it has a 'qat' section): run it with `{command} "
                           f"--recipe {recipe.name}`")
     if out_dir.exists():
         raise EngineError(f"output directory {out_dir} already exists; choose another --out or remove it")

@@ -22,6 +22,7 @@ import yaml
 from quantkit.algorithms import ALGORITHMS, SOLVES_BLOCK_TYPES
 from quantkit.formats import FORMATS
 from quantkit.models.layers import LINEARS, SEQUENTIAL_GROUPS
+from quantkit.qat.fake_quant import TRAINS
 from quantkit.quant import FLOAT_BIAS_BITS
 
 
@@ -122,6 +123,9 @@ SCHEMA: dict[str, Any] = {
     # Quantization-aware training (`quantkit qat`): BitCPM4's recipe shape (re-warmup, WSD schedule,
     # distillation from the FP model). docs/qat.md says which values were measured.
     "qat": Section({
+        "trains": Field(str, default="weights", choices=tuple(TRAINS),
+                        help="weights: latent weights through the grid and the norm gains (QAT); scales: the codes "
+                             "fixed, each group's scale and float bias (mlx-lm's DWQ; float-bias grids: format mlx)"),
         "tokens": Field(int, default=400_000, check=_positive, rule="> 0",
                         help="training tokens (`--tokens` overrides): steps = tokens / batch_tokens"),
         "batch_tokens": Field(int, default=2048, check=_positive, rule="> 0",
@@ -297,12 +301,16 @@ def load_recipe(name_or_path: str | Path, overrides: dict[str, Any] | None = Non
         raise RecipeError(f"{path}: format '{values['format']}' keeps GGUF blocks, whose scales llama.cpp's "
                           f"quantizer chooses: set {' and '.join(f'gptq.{key}: false' for key in own_grid)}")
     if "qat" in values:
-        _check_qat(values, path)
+        _check_qat(values, config, path)
     return Recipe(values, str(path))
 
 
-def _check_qat(values: dict, path: Path) -> None:
+def _check_qat(values: dict, config, path: Path) -> None:
     qat = values["qat"]
+    if TRAINS[qat["trains"]].float_bias_only and not config.float_bias:
+        raise RecipeError(f"{path}: 'qat.trains' = {qat['trains']!r} trains each group's scale and float bias with "
+                          f"the codes fixed, which needs a float-bias grid (format: mlx), not format "
+                          f"'{values['format']}'")
     phases = qat["warmup"] + qat["stable"] + qat["decay"]
     if abs(phases - 1) > 1e-9:
         raise RecipeError(f"{path}: 'qat.warmup' + 'qat.stable' + 'qat.decay' must be 1 (the whole run), "

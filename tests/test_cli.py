@@ -45,7 +45,8 @@ def test_every_builtin_recipe_loads_says_what_it_is_for_and_matches_its_name():
         # rtn, awq, gptq, p-gptq, s-gptq, s-p-gptq (marlin, cpmcu: S-P-GPTQ); mlx-<family> on MLX's grid
         family = name.split("-w")[0].removeprefix("mlx-")
         family = {"marlin": "s-p-gptq", "cpmcu": "s-p-gptq", "gguf-q4_0": "gptq",
-                  "rtn-ternary-g32": "rtn", "qat-ternary-g32": "rtn", "qat-ternary-g256": "rtn"}.get(family, family)
+                  "rtn-ternary-g32": "rtn", "qat-ternary-g32": "rtn", "qat-ternary-g256": "rtn",
+                  "dwq": "rtn"}.get(family, family)
         assert recipe["algorithm"] == (family if family in ("rtn", "awq") else "gptq"), name
         assert recipe["smooth"]["enabled"] == (family.startswith("s-") or family == "awq"), name
         assert (recipe["prefix_tokens"] == 4) == ("p-gptq" in family), name

@@ -29,12 +29,15 @@ def model(tiny_checkpoint_factory):
     return tiny_checkpoint_factory(hidden_size=256, intermediate_size=512)
 
 
+def overrides(training_text, **settings) -> dict:
+    """The tests' small QAT settings (64-token rows, two a step, the tiny training text), updated by ``settings``."""
+    return {"qat.seq_len": 64, "qat.batch_tokens": STEP_TOKENS, "qat.eval_interval": 5, "qat.eval_tokens": 128,
+            "qat.checkpoint_interval": 5, "qat.data": str(training_text), "qat.learning_rate": 1e-3,
+            "qat.top_k": 8, **settings}
+
+
 def recipe(training_text, name="qat-ternary-g32", **settings):
-    overrides = {"qat.seq_len": 64, "qat.batch_tokens": STEP_TOKENS, "qat.eval_interval": 5, "qat.eval_tokens": 128,
-                 "qat.checkpoint_interval": 5, "qat.data": str(training_text), "qat.learning_rate": 1e-3,
-                 "qat.top_k": 8}
-    overrides.update(settings)
-    return load_recipe(name, overrides)
+    return load_recipe(name, overrides(training_text, **settings))
 
 
 @pytest.mark.parametrize("config", [QuantConfig(2, 32, False, True), QuantConfig(2, 256, False, True),

@@ -1,7 +1,9 @@
 """``make bench-mlx``: MLX artifacts of one model, every row scored by mlx-lm itself.
 
 Rows: ``mlx_lm.convert -q`` (4 bits, group 64), mlx-lm's own learned quantizers (GPTQ, AWQ, DWQ, fed
-quantkit's calibration rows: ``quantkit.eval.interop.mlx_lm_quantize``) and quantkit's MLX recipes.
+quantkit's calibration rows: ``quantkit.eval.interop.mlx_lm_quantize``), quantkit's MLX recipes, and
+quantkit's DWQ (``quantkit qat dwq``) started from this run's ``mlx-s-p-gptq-w4g64`` artifact, beside
+mlx-lm's DWQ.
 Each artifact is loaded with ``mlx_lm.utils.load_model`` and run by mlx on held-out text beside the
 unquantized model, also run by mlx: KL divergence to it, perplexity and top-1 agreement, on the same
 windows. Bits per weight are mlx-lm's own count (``compute_bits_per_weight``); size is the weight
@@ -23,6 +25,9 @@ CONVERT_KL_RATIO = 0.7  # quantkit's best at most this times mlx_lm.convert's KL
 BPW_SLACK = 0.01  # "equal bits per weight": within this many bits
 
 
+DWQ_RECIPE, DWQ_INIT = "mlx-dwq-w4g64", "mlx-s-p-gptq-w4g64"  # quantkit's DWQ keeps this artifact's codes
+
+
 # mlx_lm.convert's command line, in a process that has imported quantkit: on a LongRoPE checkpoint the
 # plain command crashes loading the tokenizer (docs/formats.md, "MLX"); quantkit registers MiniCPM with
 # transformers, which changes nothing mlx-lm computes
@@ -37,6 +42,8 @@ def _failure(message: str) -> str:
 
 
 def _variants(model: Path, out: Path, bits: int, group_size: int, n_samples: int, seq_len: int) -> list[Variant]:
+    from quantkit.qat.trainer import CHECKPOINT_FILE
+
     peer = [sys.executable, "-m", "quantkit.eval.interop.mlx_lm_quantize", str(model)]
     sizes = ["--bits", str(bits), "--group-size", str(group_size), "--nsamples", str(n_samples),
              "--seqlen", str(seq_len)]
@@ -49,7 +56,12 @@ def _variants(model: Path, out: Path, bits: int, group_size: int, n_samples: int
                   [*peer, str(out / f"mlx-lm-{method}"), "--method", method, *sizes])
           for method in ("gptq", "awq", "dwq")),
         *(Variant(recipe, f"quantkit {recipe}", quantize_command(recipe, model, out / recipe, grid))
-          for recipe in ("mlx-rtn-w4g64", "mlx-s-p-gptq-w4g64")),
+          for recipe in ("mlx-rtn-w4g64", DWQ_INIT)),
+        # after its --init artifact, made just above
+        Variant(DWQ_RECIPE, f"quantkit {DWQ_RECIPE} (from {DWQ_INIT})",
+                [sys.executable, "-m", "quantkit.cli", "qat", "dwq", "--model", str(model), "--out",
+                 str(out / DWQ_RECIPE), "--recipe", DWQ_RECIPE, "--init", str(out / DWQ_INIT), "--no-progress",
+                 *(arg for setting in grid[:2] for arg in ("--set", setting))], checkpoint=CHECKPOINT_FILE),
     ]
 
 

@@ -1,6 +1,8 @@
-"""Quantization-aware training (`quantkit qat`): BitCPM4's ternary QAT, and any other grid.
+"""Quantization-aware training (`quantkit qat`): BitCPM4's ternary QAT, and any other grid; and, with
+``qat.trains: scales``, distilled scales and biases over fixed codes (mlx-lm's DWQ, `quantkit qat dwq`).
 
-- ``fake_quant``: the grid in the forward pass, the straight-through gradient in the backward;
+- ``fake_quant``: the grid in the forward pass, the straight-through gradient in the backward, and the
+  table of what trains (``TRAINS``);
 - ``data``: training rows from the calibration sources, a fresh order each epoch;
 - ``teacher``: the FP model's top-k logits, cached once, and the distillation loss;
 - ``schedule``: the warmup-stable-decay learning rate;

@@ -1,18 +1,35 @@
-"""Fake quantization for training: the forward pass sees the grid's weights, the gradient reaches the
-latent float weights unchanged (the straight-through estimator of BitNet and BitCPM4).
+"""Fake quantization for training: the forward pass sees the grid's weights, and what trains is one of
+two things (``qat.trains``, the table ``TRAINS`` at the end):
 
-Any ``QuantConfig`` is a quantizer here: BitCPM4's absmean ternary grid, or the uniform int grid
-(symmetric int4 g128 for the EAGLE3 head). The grid's parameters come from ``quant.find_group_params``,
-the very function RTN rounds with, applied to every group at once (a group's rows are independent
-rows of that function), so a run with zero training steps writes RTN's codes and scales bit for bit.
+- ``weights``: latent float weights, rounded onto the grid in the forward pass, the gradient reaching
+  them unchanged (the straight-through estimator of BitNet and BitCPM4), ``FakeQuantLinear``;
+- ``scales``: the codes are fixed and each group's scale and float bias train (distilled scales and
+  biases, mlx-lm's DWQ), ``AffineLinear``.
+
+Any ``QuantConfig`` is a quantizer here: BitCPM4's absmean ternary grid, the uniform int grid
+(symmetric int4 g128 for the EAGLE3 head), or MLX's float-bias grid. The grid's parameters come from
+the very functions RTN rounds with, applied to every group at once (a group's rows are independent
+rows of those functions), so a run with zero training steps writes RTN's codes and scales bit for bit.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from quantkit.algorithms.rtn import rtn_quantize
-from quantkit.quant import QuantConfig, QuantizedTensor, fake_quantize, find_group_params
+from quantkit.quant import (
+    QuantConfig,
+    QuantizedTensor,
+    affine_params,
+    default_g_idx,
+    dequantize_codes,
+    fake_quantize,
+    find_group_params,
+    quantize_codes,
+    stored_affine_params,
+)
 
 
 @torch.no_grad()
@@ -28,8 +45,15 @@ def grid_weight(weight: Tensor, config: QuantConfig) -> Tensor:
     for columns, size in ((slice(0, whole), width), (slice(whole, k), k - whole)):
         if size:
             rows = w[:, columns].reshape(-1, size)
-            on_grid[:, columns] = fake_quantize(rows, find_group_params(rows, config), config.maxq).reshape(n, -1)
+            rounded = (_on_affine_grid(rows, config) if config.float_bias
+                       else fake_quantize(rows, find_group_params(rows, config), config.maxq))
+            on_grid[:, columns] = rounded.reshape(n, -1)
     return on_grid
+
+
+def _on_affine_grid(rows: Tensor, config: QuantConfig) -> Tensor:
+    exact = affine_params(rows, config)
+    return dequantize_codes(quantize_codes(rows, exact, config.maxq), stored_affine_params(exact, config))
 
 
 def quantized_record(weight: Tensor, config: QuantConfig) -> QuantizedTensor:
@@ -70,18 +94,28 @@ def straight_through(latent: Tensor, on_grid: Tensor) -> Tensor:
 
 class FakeQuantLinear(torch.nn.Linear):
     """A linear whose forward multiplies by its weight on the grid. The grid weight is computed once per
-    optimizer step (``refresh``), not once per micro-batch: the latent weight changes only at a step."""
+    optimizer step (``refresh``), not once per micro-batch: the latent weight changes only at a step.
+    A ``start`` record (an artifact's) sets the latent weight to one its grid rounds back to that record."""
 
-    def __init__(self, linear: torch.nn.Linear, config: QuantConfig):
+    def __init__(self, linear: torch.nn.Linear, config: QuantConfig, start: QuantizedTensor | None = None):
         super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None,
                          device=linear.weight.device, dtype=linear.weight.dtype)
         self.weight = linear.weight
         self.bias = linear.bias
         self.config = config
         self._on_grid: Tensor | None = None
+        if start is not None:
+            self.weight.data = latent_for(start).to(self.weight.device)
+
+    @staticmethod
+    def check_start(start: QuantConfig | None, config: QuantConfig) -> None:
+        """Any artifact can start: its weights are rounded onto ``config``'s grid."""
 
     def refresh(self) -> None:
         self._on_grid = grid_weight(self.weight, self.config)
+
+    def record(self) -> QuantizedTensor:
+        return quantized_record(self.weight, self.config)
 
     def forward(self, x: Tensor) -> Tensor:
         if self._on_grid is None:
@@ -89,12 +123,105 @@ class FakeQuantLinear(torch.nn.Linear):
         return torch.nn.functional.linear(x, straight_through(self.weight, self._on_grid), self.bias)
 
 
-def wrap_linears(model: torch.nn.Module, grids: dict[str, QuantConfig]) -> None:
-    """Replace each named ``nn.Linear`` of ``model`` by a FakeQuantLinear on its grid, sharing its parameters."""
+class AffineLinear(torch.nn.Module):
+    """A linear of fixed codes q whose weight is ``scales · q + biases`` per group of input channels, the
+    scales and biases [N, G] trainable float32 parameters: distilled scales and biases (mlx-lm's DWQ,
+    ``mlx_lm.quant.dwq``), on a float-bias grid (``QuantConfig.float_bias``).
+
+    The codes are the ``start`` record's (an artifact's), else the linear's weight rounded by RTN's rule
+    (``quantized_record``), so zero steps are RTN. The forward sees the scales and biases rounded to the
+    dtype the format stores them in (``config.scale_dtype``), the gradient reaching the float32 values as
+    if unrounded (the straight-through estimator): every step computes with the weights that would be
+    written, and the written record dequantizes to exactly the forward's weight."""
+
+    def __init__(self, linear: torch.nn.Linear, config: QuantConfig, start: QuantizedTensor | None = None):
+        super().__init__()
+        if not config.float_bias:
+            raise ValueError(f"training scales and biases needs a float-bias grid (format mlx), not {config}")
+        record = quantized_record(linear.weight, config) if start is None else start
+        codes, scales, biases = _affine_parts(record, config)
+        device = linear.weight.device
+        self.in_features, self.out_features, self.config = linear.in_features, linear.out_features, config
+        self.register_buffer("codes", codes.to(device))  # uint8 [N, K]
+        self.scales = torch.nn.Parameter(scales.T.contiguous().to(device))  # float32 [N, G]
+        self.biases = torch.nn.Parameter(biases.T.contiguous().to(device))
+        self.bias = linear.bias  # an additive output bias (attention_bias), frozen as it is
+
+    @staticmethod
+    def check_start(start: QuantConfig | None, config: QuantConfig) -> None:
+        """The codes stay: a starting artifact must be on ``config``'s grid (its bits and group size)."""
+        if start is not None and (start.bits, start.group_size) != (config.bits, config.group_size):
+            raise ValueError(f"--init: the artifact's grid ({start.bits} bits, group size {start.group_size}) is "
+                             f"not the recipe's ({config.bits} bits, group size {config.group_size}); training "
+                             "scales and biases keeps the codes, so it starts only from an artifact on its own grid")
+
+    def weight(self) -> Tensor:
+        """``scales · codes + biases`` in float32, the scales and biases as stored (straight-through)."""
+        n, k = self.codes.shape
+        stored = self.config.scale_dtype
+        scales = straight_through(self.scales, self.scales.detach().to(stored))
+        biases = straight_through(self.biases, self.biases.detach().to(stored))
+        codes = self.codes.view(n, scales.shape[1], -1).to(torch.float32)
+        return (codes * scales.unsqueeze(-1) + biases.unsqueeze(-1)).view(n, k)
+
+    def record(self) -> QuantizedTensor:
+        """The fixed codes with the trained scales and biases in the format's dtype."""
+        stored = self.config.scale_dtype
+        return QuantizedTensor(self.codes.cpu(), self.scales.detach().T.to(stored).cpu().contiguous(), None,
+                               default_g_idx(self.in_features, self.config.group_size), self.config,
+                               biases=self.biases.detach().T.to(stored).cpu().contiguous())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.nn.functional.linear(x, self.weight().to(x.dtype), self.bias)
+
+
+def _affine_parts(record: QuantizedTensor, config: QuantConfig) -> tuple[Tensor, Tensor, Tensor]:
+    """(codes uint8 [N, K], scales and biases float32 [G, N]) of ``record`` on ``config``'s grid. An
+    integer-zero record means the same weights with bias = −zero · scale (as ``quantkit export mlx``)."""
+    if (record.config.bits, record.config.group_size) != (config.bits, config.group_size):
+        raise ValueError(f"a start record on {record.config.bits} bits, group size {record.config.group_size} "
+                         f"is not on the grid of {config.bits} bits, group size {config.group_size}")
+    if not torch.equal(record.g_idx, default_g_idx(record.shape[1], config.group_size)):
+        raise ValueError("a start record with an act-order g_idx has no per-group scales to train")
+    scales = record.scales.to(torch.float32)
+    if record.biases is not None:
+        return record.codes, scales, record.biases.to(torch.float32)
+    return record.codes, scales, -record.zeros.to(torch.float32) * scales
+
+
+def wrap_linears(model: torch.nn.Module, grids: dict[str, QuantConfig], linear: type = FakeQuantLinear,
+                 starts: dict[str, QuantizedTensor] | None = None) -> None:
+    """Replace each named ``nn.Linear`` of ``model`` by ``linear`` (a FakeQuantLinear, sharing its parameters,
+    or an AffineLinear) on its grid, starting from ``starts[name]`` where given."""
     for name, config in grids.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, FakeQuantLinear(getattr(parent, child), config))
+        try:
+            setattr(parent, child, linear(getattr(parent, child), config, (starts or {}).get(name)))
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from e
+
+
+@dataclass(frozen=True)
+class Trains:
+    """One value of ``qat.trains``: the module every decoder linear becomes, ``linear(nn.Linear, grid, start
+    record or None)``; which of its parameters train; whether the RMSNorm gains train too; whether it needs
+    a float-bias grid; and the command that runs such recipes."""
+
+    linear: type
+    parameters: tuple[str, ...]
+    norms: bool
+    float_bias_only: bool
+    command: str
+
+
+TRAINS = {
+    # QAT (BitCPM4): latent weights through the straight-through estimator, and the norms
+    "weights": Trains(FakeQuantLinear, ("weight",), norms=True, float_bias_only=False, command="quantkit qat ternary"),
+    # DWQ (mlx-lm): codes fixed, each group's scale and float bias; nothing else
+    "scales": Trains(AffineLinear, ("scales", "biases"), norms=False, float_bias_only=True,
+                     command="quantkit qat dwq"),
+}
 
 
 def check_groups(config: QuantConfig, shapes: dict[str, tuple[int, int]]) -> None:

@@ -1,10 +1,13 @@
 """Quantization-aware training: the loop.
 
-Only what QAT needs is trained: the latent weights of the quantized linears (q/k/v/o/gate/up/down,
-seen through their grid by ``fake_quant``) and the RMSNorm gains; embeddings and the LM head stay
-frozen in high precision. AdamW keeps fp32 master weights; calibration-style forwards run in bf16
-where the CPU multiplies it in hardware. The loss mixes cross-entropy with distillation from the FP
-model's cached top-k logits (``teacher``). The learning rate follows ``schedule.wsd_learning_rate``.
+Only what QAT needs is trained, as the recipe's ``qat.trains`` says (``fake_quant.TRAINS``): with
+``weights``, the latent weights of the quantized linears (q/k/v/o/gate/up/down, seen through their grid
+by ``fake_quant``) and the RMSNorm gains; with ``scales`` (mlx-lm's DWQ), only each group's scale and
+float bias, the codes fixed. Embeddings and the LM head stay frozen, as the format stores them (in high
+precision, or rounded to nearest where the format quantizes them too). AdamW keeps fp32 master
+weights; calibration-style forwards run in bf16 where the CPU multiplies it in hardware. The loss
+mixes cross-entropy with distillation from the FP model's cached top-k logits (``teacher``). The
+learning rate follows ``schedule.wsd_learning_rate``.
 
 Everything a run needs to continue lives in ``<out>.partial``: its fingerprint, the last checkpoint
 (``state``) and the log. The same inputs, seed and thread count give the same losses and bytes, and
@@ -31,9 +34,9 @@ from quantkit.eval.ppl import perplexity
 from quantkit.formats import FORMATS
 from quantkit.loading import load_model
 from quantkit.models import MiniCPMConfig
-from quantkit.models.layers import layer_prefix
+from quantkit.models.layers import EMBEDDING, LM_HEAD, layer_prefix
 from quantkit.models.zoo import cache_root
-from quantkit.qat.fake_quant import FakeQuantLinear, check_groups, latent_for, wrap_linears
+from quantkit.qat.fake_quant import TRAINS, FakeQuantLinear, Trains, check_groups, wrap_linears
 from quantkit.qat.teacher import build_cache, cache_key
 from quantkit.quant import QuantConfig
 from quantkit.reader import ArtifactReader, linear_shapes
@@ -74,13 +77,15 @@ class QATReport:
 
 @dataclass
 class TrainedModel:
-    """What ``train`` hands the writer: the student with its latent weights, and the grid of each linear."""
+    """What ``train`` hands the writer: the student, whose wrapped linears give their records, the grid of
+    each linear and the run's grid."""
 
     model: torch.nn.Module
     grids: dict[str, QuantConfig]  # "model.layers.{i}.{linear}" -> grid
     report: QATReport
     fingerprint: str
     data: dict
+    qconfig: QuantConfig
 
 
 def run_fingerprint(model: str, init: str | None, recipe: Recipe, data: str, tokens: int) -> str:
@@ -89,28 +94,41 @@ def run_fingerprint(model: str, init: str | None, recipe: Recipe, data: str, tok
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
-def _student(source: Path, config: MiniCPMConfig, qconfig: QuantConfig, fmt):
-    """The FP (or initial) model with every decoder linear on its format's grid, and what trains. An
-    artifact's quantized linears start from weights that its grid rounds back to its own records."""
+def _student(source: Path, config: MiniCPMConfig, grids: dict[str, QuantConfig], trains: Trains,
+             outside: dict[str, torch.Tensor]):
+    """The FP (or initial) model with every decoder linear wrapped as ``trains`` says, its embedding and
+    LM head as the format stores them (``outside``), and the parameters that train. An artifact's
+    quantized linears start from its own records."""
     model = load_model(source, torch.float32)
     model.requires_grad_(False)
+    with torch.no_grad():
+        for name, tensor in outside.items():
+            model.get_parameter(name).copy_(tensor)
     artifact = ArtifactReader(source)
-    if artifact.format is not None:
+    starts = {} if artifact.format is None else {
+        name.removesuffix(".weight"): record
+        for index in range(config.num_hidden_layers) for name, record in artifact.layer(index)[1].items()}
+    wrap_linears(model, grids, trains.linear, starts)
+    trainable = {f"{name}.{param}": model.get_parameter(f"{name}.{param}")
+                 for name in grids for param in trains.parameters}
+    if trains.norms:
         for index in range(config.num_hidden_layers):
-            for name, record in artifact.layer(index)[1].items():
-                model.get_submodule(name.removesuffix(".weight")).weight.data = latent_for(record)
-    grids = {f"{layer_prefix(index)}{linear}": fmt.target(qconfig, linear, index, config.num_hidden_layers, shape)
-             for index in range(config.num_hidden_layers) for linear, shape in linear_shapes(config).items()}
-    wrap_linears(model, grids)
-    trainable = {f"{name}.weight": model.get_submodule(name).weight for name in grids}
-    for index in range(config.num_hidden_layers):
-        for norm in NORMS:
-            name = f"{layer_prefix(index)}{norm}"
-            trainable[f"{name}.weight"] = model.get_submodule(name).weight
-    trainable["model.norm.weight"] = model.model.norm.weight
+            for norm in NORMS:
+                name = f"{layer_prefix(index)}{norm}"
+                trainable[f"{name}.weight"] = model.get_submodule(name).weight
+        trainable["model.norm.weight"] = model.model.norm.weight
     for param in trainable.values():
         param.requires_grad_(True)
-    return model, grids, trainable
+    return model, trainable
+
+
+def outside_as_stored(reader: CheckpointReader, fmt, qconfig: QuantConfig) -> dict[str, torch.Tensor]:
+    """The embedding and LM head as float32 weights of what ``fmt`` stores, for a format that quantizes
+    them too (MLX); nothing for the others, which store them as they are."""
+    if fmt.write_outside is None:
+        return {}
+    stored = fmt.write_outside({name: reader.get(name) for name in (EMBEDDING, LM_HEAD) if name in reader}, qconfig)
+    return {name: tensor.to(torch.float32) for name, tensor in fmt.read_outside(stored, qconfig).items()}
 
 
 def _refresh(model: torch.nn.Module) -> None:
@@ -134,7 +152,7 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, tokens:
     staging = staging_dir(out_dir)
     if "qat" not in recipe.values:
         raise QATError(f"recipe {recipe.name} has no 'qat' section: it is a post-training recipe "
-                       "(`quantkit quantize`); QAT recipes are qat-ternary-g32 and qat-ternary-g256")
+                       "(`quantkit quantize`); QAT recipes are qat-ternary-g32, qat-ternary-g256 and mlx-dwq-w4g64")
     state.check_start(out_dir, staging, resume, CHECKPOINT_FILE, QATError)
     if device == "cuda" and not torch.cuda.is_available():
         raise QATError("--device cuda: this machine has no CUDA device (torch.cuda.is_available() is false)")
@@ -146,15 +164,21 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, tokens:
         raise QATError(f"--tokens {total_tokens} is less than one step of {settings['batch_tokens']} tokens")
 
     config = MiniCPMConfig.from_pretrained(model_dir)
-    qconfig = QuantConfig(**recipe["quant"])
-    fmt = FORMATS[recipe["format"]]
-    check_groups(qconfig, linear_shapes(config))
     reader = CheckpointReader(model_dir)
+    fmt = FORMATS[recipe["format"]]
+    qconfig = fmt.grid(recipe["quant"], reader.dtype(EMBEDDING))
+    trains = TRAINS[settings["trains"]]
+    check_groups(qconfig, linear_shapes(config))
     validate_checkpoint(reader, config, qconfig, fmt, desc_act=False, progress=progress)
+    outside = outside_as_stored(reader, fmt, qconfig)
     init_fingerprint = None
     if init is not None:
         if linear_shapes(MiniCPMConfig.from_pretrained(init)) != linear_shapes(config):
             raise QATError(f"--init {init} is not a variant of {model_dir}: its linears have other shapes")
+        try:
+            trains.linear.check_start(ArtifactReader(init).qconfig, qconfig)
+        except ValueError as e:
+            raise QATError(str(e)) from e
         init_fingerprint = CheckpointReader(init).fingerprint()
 
     from quantkit.checkpoint import load_tokenizer
@@ -179,7 +203,9 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, tokens:
         del teacher
         report.teacher_seconds = round(time.perf_counter() - started, 3)
 
-    model, grids, trainable = _student(Path(init) if init is not None else model_dir, config, qconfig, fmt)
+    grids = {f"{layer_prefix(index)}{linear}": fmt.target(qconfig, linear, index, config.num_hidden_layers, shape)
+             for index in range(config.num_hidden_layers) for linear, shape in linear_shapes(config).items()}
+    model, trainable = _student(Path(init) if init is not None else model_dir, config, grids, trains, outside)
     model.to(device)
     heldout = heldout.to(device)
     optimizer = torch.optim.AdamW(list(trainable.values()), lr=settings["learning_rate"],
@@ -256,4 +282,4 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, tokens:
     trained = (last - start_step) * settings["batch_tokens"]
     report.tokens_per_second = round(trained / report.train_seconds, 2) if report.train_seconds else 0.0
     report.peak_rss_mb = round(peak_rss_mb(), 1)
-    return TrainedModel(model, grids, report, fingerprint, data.described)
+    return TrainedModel(model, grids, report, fingerprint, data.described, qconfig)

@@ -2,6 +2,11 @@
 the GGUF exporter read it like any other), or a fake-quantized checkpoint; plus the training log and
 its curve.
 
+Each trained linear gives its own record (``record()`` of its ``fake_quant`` module): latent weights
+rounded onto the grid by RTN's rule, or, where only scales and biases trained, the fixed codes with
+them, never re-rounded. The embedding and LM head are written as the format writes them
+(``write_outside``: MLX rounds them to nearest too), as the student computed with them.
+
 The fake-quantized checkpoint is a plain MiniCPM checkpoint whose linears hold the grid values
 (t·s for ternary), as OpenBMB ships BitCPM4: transformers loads it with no quantization code. Each
 linear is stored in the first of the source dtype, float16 and float32 that holds it exactly (t·s
@@ -20,9 +25,7 @@ from quantkit.artifact import ArtifactWriter, staging_dir
 from quantkit.checkpoint import SINGLE_FILE, CheckpointReader
 from quantkit.formats import FORMATS
 from quantkit.models.layers import EMBEDDING, FINAL_NORM, LM_HEAD, layer_prefix
-from quantkit.qat.fake_quant import quantized_record
 from quantkit.qat.trainer import CHECKPOINT_FILE, LOG_FILE, RUN_FILE, TrainedModel
-from quantkit.quant import QuantConfig
 from quantkit.recipe import Recipe
 
 FAKE_QUANT = "fake-quant"
@@ -47,16 +50,13 @@ def _manifest(trained: TrainedModel, recipe: Recipe, fmt_name: str, model_finger
 
 
 def _layer_tensors(trained: TrainedModel, params: dict, reader: CheckpointReader, index: int) -> tuple[dict, dict]:
-    """Layer ``index``: its linears' records and its trained norms in the source dtype."""
+    """Layer ``index``: its linears' records and its other parameters (norms, any output biases) in the
+    source dtype."""
     prefix = layer_prefix(index)
-    tensors, records = {}, {}
-    for name, grid in trained.grids.items():
-        if not name.startswith(prefix):
-            continue
-        records[name.removeprefix(prefix)] = quantized_record(params[f"{name}.weight"], grid)
-    for name, param in params.items():
-        if name.startswith(prefix) and name.removesuffix(".weight") not in trained.grids:
-            tensors[name] = param.detach().to(reader.dtype(name))
+    records = {name.removeprefix(prefix): trained.model.get_submodule(name).record()
+               for name in trained.grids if name.startswith(prefix)}
+    tensors = {name: param.detach().to(reader.dtype(name)) for name, param in params.items()
+               if name.startswith(prefix) and (name.rpartition(".")[0] not in trained.grids or name.endswith(".bias"))}
     return tensors, records
 
 
@@ -91,8 +91,14 @@ def write_outputs(trained: TrainedModel, model_dir: Path, recipe: Recipe, out_di
     report = {**trained.report.to_dict(), "seconds": trained.report.teacher_seconds + trained.report.train_seconds}
     source_config = json.loads((model_dir / "config.json").read_text())
     source_config.pop("quantization_config", None)
+    qconfig = trained.qconfig
     outside = {n: reader.get(n) for n in (EMBEDDING, LM_HEAD) if n in reader}
     outside[FINAL_NORM] = trained.model.model.norm.weight.detach().to(reader.dtype(FINAL_NORM))
+    if fmt.write_outside is not None:
+        outside = fmt.write_outside(outside, qconfig)
+        if fake_quant:  # a plain checkpoint: the weights the format's rounded ones mean, exact
+            outside = {n: t.to(_exact_dtype(t.to(torch.float32), reader.dtype(n)))
+                       for n, t in fmt.read_outside(outside, qconfig).items()}
 
     writer = ArtifactWriter(staging, config.num_hidden_layers)
     params = dict(trained.model.named_parameters())
@@ -113,9 +119,9 @@ def write_outputs(trained: TrainedModel, model_dir: Path, recipe: Recipe, out_di
         writer.finish(model_dir, out_dir, source_config, None, manifest, report, weights_file=SINGLE_FILE,
                       manifest_file=FAKE_QUANT_MANIFEST)
     else:
-        qconfig = QuantConfig(**recipe["quant"])
         quantization_config = fmt.quantization_config(qconfig, quantizer=f"quantkit:{quantkit.__version__}")
-        writer.finish(model_dir, out_dir, {**source_config, "quantization_config": quantization_config},
-                      quantization_config, manifest, report, weights_file=fmt.weights_file)
+        configs = fmt.config_files({**source_config, "quantization_config": quantization_config})
+        writer.finish(model_dir, out_dir, configs.pop("config.json"), quantization_config, manifest, report,
+                      weights_file=fmt.weights_file, extra_configs=configs)
     for leftover in (CHECKPOINT_FILE, RUN_FILE):
         (out_dir / leftover).unlink(missing_ok=True)
