@@ -148,26 +148,43 @@ def _run_qat(model, revision, out, recipe, overrides, tokens, init, fake_quant, 
     _emit(as_json, report.to_dict(), text)
 
 
-@qat_group.command("ternary")
-@click.option("--model", default="default", show_default=True, help="Checkpoint directory, or 'default' (the teacher).")
-@revision_option("--model")
-@click.option("--out", required=True, type=click.Path(path_type=Path), help="Output directory (must not exist).")
-@click.option("--recipe", default="qat-ternary-g32", show_default=True,
-              help="QAT recipe: qat-ternary-g32, qat-ternary-g256, or a YAML file with a 'qat' section.")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="Override a recipe setting, e.g. --set qat.distill_weight=0 --set qat.learning_rate=1e-4.")
-@click.option("--tokens", type=click.IntRange(min=1), default=None, help="Training tokens (default: the recipe's).")
-@click.option("--init", "init", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Start from this artifact's weights (e.g. a gptq-ternary-g32 one) instead of the model's.")
+def _qat_options(name, recipe_default, recipe_help, set_example, init_help):
+    """The options every `quantkit qat` command takes; each command adds its own after these."""
+    options = [
+        qat_group.command(name),
+        click.option("--model", default="default", show_default=True,
+                     help="Checkpoint directory, or 'default' (the teacher)."),
+        revision_option("--model"),
+        click.option("--out", required=True, type=click.Path(path_type=Path), help="Output directory (must not exist)."),
+        click.option("--recipe", default=recipe_default, show_default=True, help=recipe_help),
+        click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                     help=f"Override a recipe setting, e.g. {set_example}."),
+        click.option("--tokens", type=click.IntRange(min=1), default=None,
+                     help="Training tokens (default: the recipe's)."),
+        click.option("--init", "init", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
+                     help=init_help),
+        click.option("--resume", is_flag=True, help="Continue an interrupted run from its last checkpoint."),
+        click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True),
+        click.option("--progress/--no-progress", default=True, show_default=True),
+        json_option,
+    ]
+
+    def decorate(command):
+        command = _friendly_errors(command)
+        for option in reversed(options):
+            command = option(command)
+        return command
+    return decorate
+
+
+@_qat_options("ternary", "qat-ternary-g32",
+              "QAT recipe: qat-ternary-g32, qat-ternary-g256, or a YAML file with a 'qat' section.",
+              "--set qat.distill_weight=0 --set qat.learning_rate=1e-4",
+              "Start from this artifact's weights (e.g. a gptq-ternary-g32 one) instead of the model's.")
 @click.option("--format", "out_format", type=click.Choice(["artifact", "fake-quant"]), default="artifact",
               show_default=True, help="artifact: the recipe's packed format (runtime, eval, GGUF export); "
                                       "fake-quant: a plain checkpoint whose linears hold t·s, as BitCPM4 ships.")
-@click.option("--resume", is_flag=True, help="Continue an interrupted run from its last checkpoint.")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--progress/--no-progress", default=True, show_default=True)
-@json_option
-@_friendly_errors
-def qat_ternary(model, revision, out, recipe, overrides, tokens, init, out_format, resume, device, progress, as_json):
+def qat_ternary(model, revision, out, recipe, overrides, tokens, init, resume, device, progress, as_json, out_format):
     """Train MODEL to ternary weights (BitCPM4): straight-through estimator, WSD schedule, distillation from
     MODEL itself; writes the ternary artifact, a loss/perplexity curve and a JSON log."""
     def refuse(loaded):
@@ -179,22 +196,10 @@ def qat_ternary(model, revision, out, recipe, overrides, tokens, init, out_forma
              progress, as_json, refuse)
 
 
-@qat_group.command("dwq")
-@click.option("--model", default="default", show_default=True, help="Checkpoint directory, or 'default' (the teacher).")
-@revision_option("--model")
-@click.option("--out", required=True, type=click.Path(path_type=Path), help="Output directory (must not exist).")
-@click.option("--recipe", default="mlx-dwq-w4g64", show_default=True,
-              help="DWQ recipe: mlx-dwq-w4g64, or a YAML file whose 'qat' section sets trains: scales.")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="Override a recipe setting, e.g. --set qat.learning_rate=3e-5 --set qat.top_k=64.")
-@click.option("--tokens", type=click.IntRange(min=1), default=None, help="Training tokens (default: the recipe's).")
-@click.option("--init", "init", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Keep this MLX artifact's codes (e.g. an mlx-s-p-gptq-w4g64 one) instead of RTN's.")
-@click.option("--resume", is_flag=True, help="Continue an interrupted run from its last checkpoint.")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--progress/--no-progress", default=True, show_default=True)
-@json_option
-@_friendly_errors
+@_qat_options("dwq", "mlx-dwq-w4g64",
+              "DWQ recipe: mlx-dwq-w4g64, or a YAML file whose 'qat' section sets trains: scales.",
+              "--set qat.learning_rate=3e-5 --set qat.top_k=64",
+              "Keep this MLX artifact's codes (e.g. an mlx-s-p-gptq-w4g64 one) instead of RTN's.")
 def qat_dwq(model, revision, out, recipe, overrides, tokens, init, resume, device, progress, as_json):
     """Distilled scales and biases (mlx-lm's DWQ): keep every decoder linear's codes (RTN's, or --init's) and
     train only each group's scale and bias toward MODEL's own output distribution; writes the MLX artifact,
@@ -776,16 +781,19 @@ def export_mlx(model, revision, out, dtype, as_json):
 @click.option("--n-samples", default=128, show_default=True, type=click.IntRange(min=1), help="Calibration sequences.")
 @click.option("--seq-len", default=512, show_default=True, type=click.IntRange(min=16), help="Tokens per sequence.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the sample draw.")
+@click.option("--prefix-tokens", default=0, show_default=True, type=click.IntRange(min=0),
+              help="P-GPTQ's cut: leave the first N positions of every sequence (the attention sink's massive "
+                   "activations) out of the sums; the MiniCPM4 report uses 4.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @json_option
 @_friendly_errors
-def imatrix(model, revision, out, calibration, n_samples, seq_len, seed, progress, as_json):
+def imatrix(model, revision, out, calibration, n_samples, seq_len, seed, prefix_tokens, progress, as_json):
     """Write llama.cpp's importance matrix (for `llama-quantize --imatrix`) from quantkit's calibration set."""
     from quantkit.gguf.imatrix import imatrix_for
     from quantkit.models.zoo import resolve_model
 
     report = imatrix_for(resolve_model(model, revision=revision), out, source=calibration, n_samples=n_samples,
-                         seq_len=seq_len, seed=seed, progress=progress).describe()
+                         seq_len=seq_len, seed=seed, prefix_tokens=prefix_tokens, progress=progress).describe()
     _emit(as_json, {"path": str(out), **report},
           format_table(["field", "value"], [["file", str(out)], *[[k, v] for k, v in report.items()]]))
 

@@ -216,3 +216,30 @@ def test_llama_cpp_quantizes_with_our_imatrix_as_quantkit_does(tiny_checkpoint, 
         assert np.array_equal(ours, data), (name, type_name)
         checked += TYPES[type_name].quantize_weighted is not None
     assert checked == len(imatrix.sums)
+
+
+def test_prefix_cut_leaves_the_first_positions_out(tiny_checkpoint, tiny_imatrix):
+    """With ``prefix_tokens`` the sums are P-GPTQ's prefix-free statistics (InputStats with the same
+    skip), the counts say how many tokens were summed, and a cut that leaves nothing is refused."""
+    from quantkit.gguf.names import gguf_name
+    from quantkit.loading import load_model
+    from quantkit.models.layers import layer_prefix
+    from quantkit.stats import InputStats
+
+    _, ids = tiny_imatrix
+    full = read_imatrix(tiny_imatrix[0])
+    cut = collect(tiny_checkpoint, ids, ["tests"], prefix_tokens=4)
+    model = load_model(tiny_checkpoint)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    stats = InputStats(q_proj.in_features, skip_prefix=4)
+    handle = q_proj.register_forward_pre_hook(lambda m, args: stats.add(args[0]))
+    with torch.no_grad():
+        model.model(ids)
+    handle.remove()
+    name = gguf_name(f"{layer_prefix(0)}self_attn.q_proj.weight")
+    assert cut.counts[name] == ids.shape[0] * (ids.shape[1] - 4) == stats.tokens
+    np.testing.assert_allclose(cut.importance(name), stats.hessian.diagonal().numpy() / 2, rtol=1e-4)
+    assert all(np.all(cut.sums[n] <= full.sums[n] * (1 + 1e-5)) for n in full.sums)  # a subset of the same squares
+    assert not np.allclose(cut.importance(name), full.importance(name), rtol=1e-2)
+    with pytest.raises(ValueError, match="prefix_tokens"):
+        collect(tiny_checkpoint, ids, ["tests"], prefix_tokens=ids.shape[1])

@@ -44,6 +44,8 @@ GPTQ_RECIPES = {
 TARGET_TYPES, TARGET_RATIO = ("q4_0", "q4_k_m"), 0.8
 # quantkit's imatrix against llama-imatrix's: the median tensor's largest relative difference
 IMATRIX_TOLERANCE = 0.05
+# The prefix-aware imatrix row: the MiniCPM4 report's P-GPTQ cut
+PREFIX_TOKENS = 4
 
 LLAMA_TOOLS = ("llama-imatrix", "llama-quantize")
 # CPU only, static (the binaries outlive any pip reinstall), no network code, only the two tools
@@ -257,13 +259,18 @@ def main(model, types, recipes, imatrix_types, use_llama_tools, max_tokens, wind
         calibration = out / "calibration.txt"
         calibration.write_text(calibration_text(model_dir, n_samples, seq_len))
         theirs_imatrix, ours_imatrix = out / "imatrix-llama.cpp.gguf", out / "imatrix-quantkit.gguf"
+        prefix_imatrix = out / f"imatrix-quantkit-prefix{PREFIX_TOKENS}.gguf"
         ours_imatrix.unlink(missing_ok=True)
+        prefix_imatrix.unlink(missing_ok=True)
         made = {theirs_imatrix: _run([str(bin_dir / "llama-imatrix"), "-m", str(f32), "-f", str(calibration), "-o",
                                       str(theirs_imatrix), "-c", str(seq_len), "-b", str(seq_len), "--chunks",
                                       str(n_samples), "-t", str(threads), "--no-ppl"], out / "llama-imatrix.log")}
         started = time.perf_counter()
         entries = len(imatrix_for(model_dir, ours_imatrix, n_samples=n_samples, seq_len=seq_len).sums)
         made[ours_imatrix] = time.perf_counter() - started
+        started = time.perf_counter()
+        imatrix_for(model_dir, prefix_imatrix, n_samples=n_samples, seq_len=seq_len, prefix_tokens=PREFIX_TOKENS)
+        made[prefix_imatrix] = time.perf_counter() - started
         agreement = compare_imatrices(theirs_imatrix, ours_imatrix)
         agrees = (agreement["same_names_and_counts"]
                   and agreement["median_max_relative_difference"] <= IMATRIX_TOLERANCE)
@@ -275,16 +282,17 @@ def main(model, types, recipes, imatrix_types, use_llama_tools, max_tokens, wind
                         f"{agreement['min_correlation']:.3f}: {'PASS' if agrees else 'FAIL'} "
                         f"(tolerance {IMATRIX_TOLERANCE:.0%}; llama-imatrix re-tokenizes the text)")
         for file_type in wanted:
-            for imatrix, by in ((theirs_imatrix, "llama-imatrix"), (ours_imatrix, "quantkit imatrix")):
+            for imatrix, by in ((theirs_imatrix, "llama-imatrix"), (ours_imatrix, "quantkit imatrix"),
+                                (prefix_imatrix, f"quantkit imatrix --prefix-tokens {PREFIX_TOKENS}")):
                 path = out / f"{file_type}-{imatrix.stem}.gguf"
                 log = out / f"{path.stem}.log"
                 seconds = _run([str(bin_dir / "llama-quantize"), "--imatrix", str(imatrix), str(f32), str(path),
                                 file_type.upper(), str(threads)], log)
-                if imatrix == ours_imatrix:
+                if imatrix != theirs_imatrix:
                     check_loaded(log.read_text(), entries, (out / f"{file_type}-{theirs_imatrix.stem}.log").read_text())
                 rows.append(score(path, f"llama.cpp quantize --imatrix ({by}; seconds include it)",
                                   made[imatrix] + seconds, ""))
-            anchors[file_type] = rows[-2].mean_kl
+            anchors[file_type] = rows[-3].mean_kl
 
     for name in [r.strip() for r in recipes.split(",") if r.strip()]:
         recipe, file_type, settings = GPTQ_RECIPES[name]
@@ -299,7 +307,8 @@ def main(model, types, recipes, imatrix_types, use_llama_tools, max_tokens, wind
         best[file_type] = min(best.get(file_type, float("inf")), rows[-1].mean_kl)
     reference.close()
     targets = [f"target {t}: quantkit's best KL {best[t]:.4f} <= {TARGET_RATIO} x llama.cpp+imatrix {anchors[t]:.4f}: "
-               f"{'PASS' if best[t] <= TARGET_RATIO * anchors[t] else 'FAIL'}" for t in TARGET_TYPES if t in anchors]
+               f"{'PASS' if best[t] <= TARGET_RATIO * anchors[t] else 'FAIL'}"
+               for t in TARGET_TYPES if t in anchors and t in best]
 
     table = format_table(["file", "made by", "bits/weight", "MB", "ppl", "mean KL", "top-1", "seconds",
                           "same tensors"],

@@ -9,6 +9,10 @@ Key and tensor names, dtypes and order follow llama.cpp's ``IMatrixCollector::sa
 (tools/imatrix/imatrix.cpp) and its loader (common/imatrix-loader.cpp), which requires the three
 ``imatrix.*`` keys and F32 sums and counts. Like ``llama-imatrix`` without ``--process-output``, the
 output matrix is left out (and the token embedding, which is a lookup, not a product).
+
+``prefix_tokens`` is P-GPTQ's cut (MiniCPM4 report, §4.1.2) for llama.cpp users: the first positions of
+every sequence carry the attention sink's massive activations, so they are left out of the sums, as
+P-GPTQ leaves them out of H. ``llama-imatrix`` has no such option; the counts record what was summed.
 """
 from __future__ import annotations
 
@@ -47,14 +51,18 @@ class Imatrix:
                 "chunk_size": self.chunk_size, "tokens": max(self.counts.values(), default=0)}
 
 
-def collect(model_dir: str | Path, input_ids: torch.Tensor, datasets: list[str], *, batch_size: int = 8,
-            dtype: torch.dtype = torch.float32, progress: bool = False) -> Imatrix:
+def collect(model_dir: str | Path, input_ids: torch.Tensor, datasets: list[str], *, prefix_tokens: int = 0,
+            batch_size: int = 8, dtype: torch.dtype = torch.float32, progress: bool = False) -> Imatrix:
     """Σ x² of every decoder linear's inputs over the calibration rows ``input_ids`` [n, seq_len], run
-    through the model as it is (an unquantized checkpoint, as for ``llama-imatrix``, or an artifact).
+    through the model as it is (an unquantized checkpoint, as for ``llama-imatrix``, or an artifact),
+    leaving out the first ``prefix_tokens`` positions of every row.
 
     The whole model is loaded at ``dtype``; the sums accumulate in float64 (llama.cpp's in float32)."""
     from quantkit.loading import load_model
 
+    if not 0 <= prefix_tokens < input_ids.shape[1]:
+        raise ValueError(f"prefix_tokens must be in [0, {input_ids.shape[1]}) for sequences of "
+                         f"{input_ids.shape[1]} tokens, got {prefix_tokens}")
     model = load_model(model_dir, dtype)
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
@@ -64,7 +72,7 @@ def collect(model_dir: str | Path, input_ids: torch.Tensor, datasets: list[str],
             name = gguf_name(f"{layer_prefix(index)}{linear}.weight")
 
             def accumulate(_module, args, name=name):
-                x = args[0].reshape(-1, args[0].shape[-1]).double()
+                x = args[0][:, prefix_tokens:].reshape(-1, args[0].shape[-1]).double()
                 sums[name] = sums.get(name, 0) + (x * x).sum(0)
                 counts[name] = counts.get(name, 0) + x.shape[0]
 
@@ -82,8 +90,8 @@ def collect(model_dir: str | Path, input_ids: torch.Tensor, datasets: list[str],
 
 
 def imatrix_for(model_dir: str | Path, out: str | Path, *, source: str = "default", n_samples: int = 128,
-                seq_len: int = 512, seed: int = 0, chat: bool = False, batch_size: int = 8,
-                progress: bool = False) -> Imatrix:
+                seq_len: int = 512, seed: int = 0, chat: bool = False, prefix_tokens: int = 0,
+                batch_size: int = 8, progress: bool = False) -> Imatrix:
     """Write ``out`` from the calibration rows a recipe with these ``calibration`` settings uses (the
     recipes' defaults unless told), so llama-quantize weighs channels as quantkit's GPTQ does."""
     from quantkit import calib
@@ -94,8 +102,10 @@ def imatrix_for(model_dir: str | Path, out: str | Path, *, source: str = "defaul
         raise FileExistsError(f"{out} already exists; choose another --out or remove it")
     rows = calib.calibration_set(load_tokenizer(model_dir), source=source, n_samples=n_samples,
                                  seq_len=seq_len, seed=seed, chat=chat)
-    dataset = f"quantkit calibration {source} (seed {seed}, fingerprint {rows.fingerprint[:12]})"
-    imatrix = collect(model_dir, rows.input_ids, [dataset], batch_size=batch_size, progress=progress)
+    cut = f", first {prefix_tokens} positions left out" if prefix_tokens else ""
+    dataset = f"quantkit calibration {source} (seed {seed}, fingerprint {rows.fingerprint[:12]}{cut})"
+    imatrix = collect(model_dir, rows.input_ids, [dataset], prefix_tokens=prefix_tokens, batch_size=batch_size,
+                      progress=progress)
     write_imatrix(imatrix, out)
     return imatrix
 
