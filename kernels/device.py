@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 
 DEVICES = ("cpu", "cuda")
+# What a --device option accepts: a device, or "auto" (a supported CUDA GPU when one is visible, else the CPU)
+DEVICE_CHOICES = ("auto", *DEVICES)
 MIN_CUDA_CAPABILITY = (8, 0)
 
 
@@ -25,3 +27,13 @@ def check_device(device: str) -> None:
             raise RuntimeError("--device cuda: no CUDA device is visible to PyTorch (this build: "
                                f"torch {torch.__version__}); use --device cpu")
         require_capability(torch.cuda.get_device_capability(), torch.cuda.get_device_name())
+
+
+def resolve_device(device: str) -> str:
+    """The device a --device value names, checked: "auto" is the CUDA GPU when PyTorch sees one of compute
+    capability 8.0 or newer, and the CPU otherwise."""
+    if device == "auto":
+        usable = torch.cuda.is_available() and tuple(torch.cuda.get_device_capability()) >= MIN_CUDA_CAPABILITY
+        device = "cuda" if usable else "cpu"
+    check_device(device)
+    return device

@@ -219,12 +219,12 @@ def load_engine(model_dir: str | Path, *, sparse: str = "auto", sparse_overrides
     """An engine for any checkpoint quantkit reads: unquantized, or an artifact it wrote; with ``draft``
     (``load_drafter``) it decodes speculatively, ``draft_tokens`` drafts a round or, greedy, a
     ``draft_tree``; an EAGLE-3 head attends the last ``draft_window`` positions (all when None)."""
-    from quantkit.kernels.device import check_device
+    from quantkit.kernels.device import resolve_device
     from quantkit.kernels.load import load_runtime_model
 
     from quantkit.checkpoint import load_tokenizer
 
-    check_device(device)
+    device = resolve_device(device)
     model_dir = Path(model_dir)
     model = load_runtime_model(model_dir, dtype, "triton" if device == "cuda" else linear_backend, device, lm_head)
     sparse_config = sparse_config_for(sparse, model.config.sparse_attention, sparse_overrides)

@@ -59,6 +59,10 @@ def _emit(as_json: bool, payload: dict, text: str) -> None:
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table.")
+# Choices as kernels/device.py's DEVICE_CHOICES (not imported here: it imports torch, and --help must stay fast)
+device_option = click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+                             help="Where the work runs: auto is a CUDA GPU of compute capability 8.0 or newer when "
+                                  "PyTorch sees one, else the CPU (the same torch code on either).")
 sparse_option = click.option(
     "--sparse", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
     help="InfLLM v2 sparse attention: follow the checkpoint's sparse_config (auto), force it (on), or dense "
@@ -95,10 +99,11 @@ def main():
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a recipe setting, e.g. --set quant.bits=3 --set calibration.n_samples=32.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its last finished layer.")
+@device_option
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @json_option
 @_friendly_errors
-def quantize(recipe, model, revision, out, overrides, resume, progress, as_json):
+def quantize(recipe, model, revision, out, overrides, resume, device, progress, as_json):
     """Quantize a model layer by layer and write the recipe's checkpoint format."""
     from quantkit.engine import quantize as run
     from quantkit.models.zoo import resolve_model
@@ -106,13 +111,13 @@ def quantize(recipe, model, revision, out, overrides, resume, progress, as_json)
 
     settings = dict(parse_override(text) for text in overrides)
     report = run(resolve_model(model, revision=revision), load_recipe(recipe, settings), out, resume=resume,
-                 progress=progress)
+                 device=device, progress=progress)
     rows = []
     for layer in report.layers:
         worst = max(layer.errors, key=layer.errors.get)
         rows.append([layer.index, layer.seconds, layer.errors[worst], worst])
     text = format_table(["layer", "seconds", "max rel. error", "worst linear"], rows)
-    text += (f"\n\nwrote {out} in {report.seconds:.1f} s, peak RSS {report.peak_rss_mb:.0f} MB"
+    text += (f"\n\nwrote {out} in {report.seconds:.1f} s on {report.device}, peak RSS {report.peak_rss_mb:.0f} MB"
              + (f" (resumed at layer {report.resumed_from_layer})" if report.resumed_from_layer else ""))
     _emit(as_json, report.to_dict(), text)
 
@@ -165,7 +170,7 @@ def _qat_options(name, recipe_default, recipe_help, set_example, init_help):
         click.option("--init", "init", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
                      help=init_help),
         click.option("--resume", is_flag=True, help="Continue an interrupted run from its last checkpoint."),
-        click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True),
+        device_option,
         click.option("--progress/--no-progress", default=True, show_default=True),
         json_option,
     ]
@@ -583,7 +588,7 @@ def _runtime_options(fn):
         revision_option("--model"),
         sparse_option,
         sparse_config_option,
-        click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True),
+        device_option,
         click.option("--max-new-tokens", default=256, show_default=True, type=int),
         click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy."),
         click.option("--top-p", default=1.0, show_default=True, type=float),

@@ -6,6 +6,10 @@ the groups already quantized), hand each linear and its input statistics to the 
 algorithm, write the layer's shard, and pass the quantized layer's outputs on. Peak memory is one
 layer plus the activations, whatever the depth. Finished layers survive an interruption; a resumed
 run recomputes the activations through them and continues, producing identical bytes.
+
+A layer's work (its weights, the activations, the statistics and the solves) runs on the chosen
+device, a CUDA GPU or the CPU, with the same torch code; the checkpoint reader and the shard writer
+stay on the host, so only one layer's weights and the activations ever occupy the device.
 """
 from __future__ import annotations
 
@@ -64,6 +68,7 @@ class RunReport:
     out_dir: str
     recipe: str
     layers: list[LayerReport] = field(default_factory=list)
+    device: str = "cpu"
     seconds: float = 0.0
     peak_rss_mb: float = 0.0
     resumed_from_layer: int = 0
@@ -112,7 +117,7 @@ class LayerRunner:
         for start, batch in self._batches(hidden):
             mixed = attention.mix(self.layer.input_layernorm(batch), self.position_embeddings)
             if self.mixed is None:
-                self.mixed = torch.empty(hidden.shape[0], *mixed.shape[1:], dtype=mixed.dtype)
+                self.mixed = torch.empty(hidden.shape[0], *mixed.shape[1:], dtype=mixed.dtype, device=mixed.device)
             self.mixed[start:start + batch.shape[0]] = mixed
 
     @torch.no_grad()
@@ -131,7 +136,7 @@ class LayerRunner:
         stats, handles = {}, []
         for name in linear_names:
             linear = self.layer.get_submodule(name)
-            stats[name] = InputStats(linear.in_features, skip_prefix[name])
+            stats[name] = InputStats(linear.in_features, skip_prefix[name], device=linear.weight.device)
 
             def capture(_module, args, name=name):
                 stats[name].add(args[0])
@@ -151,11 +156,12 @@ class LayerRunner:
         return stats
 
 
-def _build_layer(config: MiniCPMConfig, index: int, tensors: dict[str, torch.Tensor], dtype) -> torch.nn.Module:
+def _build_layer(config: MiniCPMConfig, index: int, tensors: dict[str, torch.Tensor], dtype,
+                 device: torch.device) -> torch.nn.Module:
     with torch.device("meta"):
         layer = MiniCPMDecoderLayer(config, index)
     prefix = layer_prefix(index)
-    state = {name[len(prefix):]: t.to(dtype) for name, t in tensors.items()}
+    state = {name[len(prefix):]: t.to(device, dtype) for name, t in tensors.items()}
     missing = set(layer.state_dict()) - set(state)
     if missing:
         raise EngineError(f"layer {index}: checkpoint lacks {sorted(prefix + m for m in missing)}")
@@ -203,14 +209,18 @@ def compute_dtype(name: str) -> torch.dtype:
 
 
 def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resume: bool = False,
-             progress: bool = True, stop_after_layers: int | None = None) -> RunReport:
-    """Quantize ``model_dir`` with ``recipe`` into ``out_dir``.
+             progress: bool = True, device: str = "auto", stop_after_layers: int | None = None) -> RunReport:
+    """Quantize ``model_dir`` with ``recipe`` into ``out_dir``, each layer's work on ``device`` (cpu, cuda,
+    or auto: ``resolve_device``).
 
     ``stop_after_layers`` ends the run after that many layers without finishing the artifact
     (what an interruption leaves behind); tests use it to prove resumption.
     """
+    from quantkit.kernels.device import resolve_device
+
     started = time.perf_counter()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
+    device = torch.device(resolve_device(device))
     if "qat" in recipe.values:
         from quantkit.qat.fake_quant import TRAINS
 
@@ -256,10 +266,10 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
         writer.write_progress(fingerprint, layer_errors)
     done = len(layer_errors)
 
-    report = RunReport(out_dir=str(out_dir), recipe=recipe.name, resumed_from_layer=done)
+    report = RunReport(out_dir=str(out_dir), recipe=recipe.name, device=device.type, resumed_from_layer=done)
     with torch.no_grad():
-        hidden = (reader.get(EMBEDDING).to(dtype)[calibration.input_ids] * config.scale_emb)
-        positions = torch.arange(hidden.shape[1]).unsqueeze(0)
+        hidden = (reader.get(EMBEDDING).to(dtype)[calibration.input_ids] * config.scale_emb).to(device)
+        positions = torch.arange(hidden.shape[1], device=device).unsqueeze(0)
         position_embeddings = MiniCPMRotaryEmbedding(config)(hidden, positions)
 
     layers = range(config.num_hidden_layers if stop_after_layers is None else stop_after_layers)
@@ -267,10 +277,10 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
     for index in bar:
         layer_started = time.perf_counter()
         if index < done:  # finished before the interruption: replay it from its shard
-            layer = _build_layer(config, index, _replayed(writer, index, config, qconfig, fmt), dtype)
+            layer = _build_layer(config, index, _replayed(writer, index, config, qconfig, fmt), dtype, device)
             hidden = LayerRunner(layer, position_embeddings, cal["batch_size"]).forward(hidden)
             continue
-        job = _LayerJob(config, index, recipe, qconfig, dtype, position_embeddings)
+        job = _LayerJob(config, index, recipe, qconfig, dtype, device, position_embeddings)
         shard, errors, alphas, hidden = job.run(_layer_tensors(reader, index), hidden, fmt)
         writer.write_shard(index, shard)
         layer_errors.append({"layer": index, "errors": errors, "smoothing_alpha": alphas})
@@ -310,8 +320,9 @@ class _LayerJob:
     """Quantize one decoder layer: optional smoothing, then the sequential groups in order."""
 
     def __init__(self, config: MiniCPMConfig, index: int, recipe: Recipe, qconfig: QuantConfig, dtype,
-                 position_embeddings):
+                 device: torch.device, position_embeddings):
         self.config, self.index, self.recipe, self.qconfig, self.dtype = config, index, recipe, qconfig, dtype
+        self.device = device
         self.prefix = layer_prefix(index)
         self.position_embeddings = position_embeddings
         self.skip_prefix = {name: recipe["prefix_tokens"] if name in recipe["prefix_linears"] else 0
@@ -325,7 +336,7 @@ class _LayerJob:
         return stats
 
     def _runner(self, source: dict) -> LayerRunner:
-        layer = _build_layer(self.config, self.index, source, self.dtype)
+        layer = _build_layer(self.config, self.index, source, self.dtype, self.device)
         return LayerRunner(layer, self.position_embeddings, self.recipe["calibration"]["batch_size"])
 
     def smooth(self, source: dict, hidden: torch.Tensor) -> tuple[dict, dict[str, float]]:
@@ -333,11 +344,11 @@ class _LayerJob:
         groups = scaling_groups_for(self.config.num_attention_heads, self.config.num_key_value_heads)
         stats = self._stats(self._runner(source), hidden, tuple(g.linears[0] for g in groups))
         started = time.perf_counter()
-        layer = _build_layer(self.config, self.index, source, torch.float32)
+        layer = _build_layer(self.config, self.index, source, torch.float32, self.device)
         searches = smooth_layer(layer, stats, self.qconfig, self.config.num_attention_heads,
                                 self.config.num_key_value_heads, self.recipe["smooth"]["grid"])
         self.solve_seconds += time.perf_counter() - started
-        smoothed = {self.prefix + name: t.to(source[self.prefix + name].dtype)
+        smoothed = {self.prefix + name: t.to("cpu", source[self.prefix + name].dtype)
                     for name, t in layer.state_dict().items()}
         return smoothed, {name: search.alpha for name, search in searches.items()}
 
@@ -351,12 +362,12 @@ class _LayerJob:
         for group in SEQUENTIAL_GROUPS:
             stats = self._stats(runner, hidden, (group[0],))[group[0]]
             for name in group:
-                weight = source[f"{self.prefix}{name}.weight"].float()
+                weight = source[f"{self.prefix}{name}.weight"].to(self.device, torch.float32)
                 target = fmt.target(self.qconfig, name, self.index, self.config.num_hidden_layers, tuple(weight.shape))
                 started = time.perf_counter()
                 records[name] = algorithm(weight, stats, target, self.recipe.values)
                 self.solve_seconds += time.perf_counter() - started
-                approx = records[name].dequantize(torch.float32)
+                approx = records[name].dequantize(torch.float32).to(self.device)  # GGUF blocks decode on the host
                 errors[name] = fast_relative_error(weight, approx, stats.hessian)
                 runner.layer.get_submodule(name).weight.data = approx.to(self.dtype)
             if group == ATTENTION_PROJECTIONS:
@@ -364,7 +375,7 @@ class _LayerJob:
                 runner.fix_attention(hidden)
                 self.stats_seconds += time.perf_counter() - started
         shard = {n: t for n, t in source.items() if not _is_linear_weight(n, self.index)}
-        shard.update(fmt.write_layer(records, self.prefix))
+        shard.update({n: t.cpu() for n, t in fmt.write_layer(records, self.prefix).items()})
         started = time.perf_counter()
         hidden = runner.forward(hidden)
         self.stats_seconds += time.perf_counter() - started

@@ -82,13 +82,13 @@ class QuantConfig:
         return 1 if self.group_size == -1 else math.ceil(in_features / self.group_size)
 
 
-def default_g_idx(in_features: int, group_size: int) -> Tensor:
+def default_g_idx(in_features: int, group_size: int, device: torch.device | str = "cpu") -> Tensor:
     """Group of each input channel without act-order: ``k // group_size`` (all 0 for group_size -1)."""
     if in_features < 1:
         raise ValueError(f"in_features must be positive, got {in_features}")
     if group_size == -1:
-        return torch.zeros(in_features, dtype=torch.int32)
-    return torch.div(torch.arange(in_features, dtype=torch.int32), group_size, rounding_mode="floor")
+        return torch.zeros(in_features, dtype=torch.int32, device=device)
+    return torch.div(torch.arange(in_features, dtype=torch.int32, device=device), group_size, rounding_mode="floor")
 
 
 def group_slices(in_features: int, group_size: int) -> list[slice]:
@@ -242,8 +242,8 @@ def search_group_params(weights: Tensor, config: QuantConfig, hessian: Tensor | 
     def best_of(steps: Tensor) -> Tensor:
         return steps.gather(0, _clip_errors(w, extremes, steps, config, hessian).argmin(dim=0, keepdim=True))
 
-    best_step = best_of(torch.arange(0, CLIP_STEPS, CLIP_COARSE).unsqueeze(1).expand(-1, rows))  # [1, rows]
-    offsets = torch.tensor([d for d in range(1 - CLIP_COARSE, CLIP_COARSE) if d]).unsqueeze(1)
+    best_step = best_of(torch.arange(0, CLIP_STEPS, CLIP_COARSE, device=w.device).unsqueeze(1).expand(-1, rows))
+    offsets = torch.tensor([d for d in range(1 - CLIP_COARSE, CLIP_COARSE) if d], device=w.device).unsqueeze(1)
     best_step = best_of(torch.cat([best_step, (best_step + offsets).clamp(0, CLIP_STEPS - 1)])).squeeze(0)
     return find_group_params(_shrink(best_step).unsqueeze(1) * extremes, config)
 

@@ -13,9 +13,9 @@ import torch
 class InputStats:
     """Accumulates H = 2/n Σ xᵀx and the per-channel mean |x| (AWQ's activation scale) in float32."""
 
-    def __init__(self, features: int, skip_prefix: int = 0):
-        self.hessian = torch.zeros(features, features, dtype=torch.float32)
-        self.abs_mean = torch.zeros(features, dtype=torch.float32)
+    def __init__(self, features: int, skip_prefix: int = 0, device: torch.device | str = "cpu"):
+        self.hessian = torch.zeros(features, features, dtype=torch.float32, device=device)
+        self.abs_mean = torch.zeros(features, dtype=torch.float32, device=device)
         self.tokens = 0
         self.skip_prefix = skip_prefix
 

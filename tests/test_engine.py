@@ -185,3 +185,68 @@ def test_reused_attention_gives_the_same_statistics_and_outputs(tiny):
         got = reusing.input_stats(hidden, (name,), skip_prefix={name: 4})[name]
         assert torch.equal(got.hessian, expected.hessian) and torch.equal(got.abs_mean, expected.abs_mean)
     assert torch.equal(reusing.forward(hidden), recomputing.forward(hidden))
+
+
+# Factories that place a tensor on the default device unless given one; torch.from_numpy is not
+# overridable, so the NumPy paths are caught by their .numpy() calls instead.
+_FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.tensor, torch.eye,
+              torch.linspace, torch.rand, torch.randn, torch.randint, torch.randperm, torch.as_tensor}
+
+
+class _DeviceAudit(torch.overrides.TorchFunctionMode):
+    """Records quantkit lines that create a tensor without naming its device, or turn one into NumPy
+    without .cpu(): on a CUDA run the first lands on the CPU beside GPU operands, the second raises."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        import traceback
+
+        kwargs = kwargs or {}
+        to_numpy = func is torch.Tensor.numpy
+        if to_numpy or (func in _FACTORIES and kwargs.get("device") is None):
+            ours = [f for f in traceback.extract_stack()[:-1] if "/quantkit/" in f.filename or "/kernels/" in f.filename]
+            if ours and not (to_numpy and ".cpu()" in (ours[-1].line or "")):
+                self.found.add(f"{Path(ours[-1].filename).name}:{ours[-1].lineno} {func.__name__}: {ours[-1].line}")
+        return func(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def one_layer(tiny_checkpoint_factory) -> Path:
+    """Every format can pack it (as conftest's marlin_legal), one layer: the audit slows every torch call."""
+    return tiny_checkpoint_factory(num_hidden_layers=1, num_key_value_heads=4, seed=5)
+
+
+# One recipe per code path: GPTQ on the integer grid and the GPTQ packing; smoothing, the prefix cut and
+# Marlin's packing; the clip search, the float bias and MLX's packing; GGUF blocks; RTN; ternary.
+@pytest.mark.parametrize("recipe_name", ["gptq-w4g128", "marlin", "mlx-s-p-gptq-w4g64", "gguf-q4_k_m",
+                                         "rtn-w4g128", "gptq-ternary-g32"])
+def test_a_layers_work_names_its_device_everywhere(one_layer, recipe_name, tmp_path, monkeypatch):
+    """--device cuda cannot run here, so this proves the property it needs: within a layer's work
+    (statistics, smoothing, every algorithm and grid, packing) every tensor is created on the device of
+    the data it works on, and nothing reaches NumPy except through .cpu()."""
+    from quantkit import engine
+
+    audit, run = _DeviceAudit(), engine._LayerJob.run
+
+    def audited(self, *args, **kwargs):
+        with audit:
+            return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine._LayerJob, "run", audited)
+    recipe = load_recipe(recipe_name, {"calibration.n_samples": 4, "calibration.seq_len": 32, "smooth.grid": 2})
+    report = quantize(one_layer, recipe, tmp_path / "out", progress=False, device="cpu")
+    assert report.device == "cpu" and len(report.layers) == 1
+    assert not audit.found, "\n".join(sorted(audit.found))
+
+
+def test_device_auto_is_the_cpu_without_a_gpu_and_cuda_is_refused(tiny, recipe, tmp_path, monkeypatch):
+    from quantkit.kernels.device import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu"
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        quantize(tiny, recipe, tmp_path / "out", progress=False, device="cuda")
+    assert not (tmp_path / "out").exists()

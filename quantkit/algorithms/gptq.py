@@ -117,7 +117,7 @@ def gptq_solve(
     elif group_aware:
         order = _group_aware_order(importance, _group_width(config))
     else:
-        order = torch.arange(k)
+        order = torch.arange(k, device=w.device)
     if isinstance(config, QuantConfig):
         grid = _Grid(w, order, config, up_front=static_groups or config.group_size == -1,
                      groups_follow_columns=not desc_act, clip_search=clip_search)
@@ -128,20 +128,21 @@ def gptq_solve(
     work = w[:, order].T.contiguous()  # [K, N]: one row per input channel, in processing order
     del w
     residual = work.clone()  # row j: the original w[j] until column j is done, then w[j] - q[j]
-    codes = torch.empty(k, n, dtype=torch.uint8)
+    codes = torch.empty(k, n, dtype=torch.uint8, device=work.device)
     for start in range(0, k, block_size):
         stop = min(start + block_size, k)
         block = work[start:stop]  # a view: updates land in ``work``
-        u_block = torch.linalg.solve_triangular(factor[start:stop, start:stop], torch.eye(stop - start), upper=True)
+        u_block = torch.linalg.solve_triangular(factor[start:stop, start:stop], torch.eye(stop - start, device=factor.device),
+                                                  upper=True)
         if start:
             block.addmm_(u_block.T, factor[:start, start:stop].T @ residual[:start])
         with _threads(1):
             codes[start:stop] = _quantize_block(block, u_block, start, grid)
         residual[start:stop] -= block
 
-    weight_hat = torch.empty(n, k, dtype=torch.float32)
+    weight_hat = torch.empty(n, k, dtype=torch.float32, device=work.device)
     weight_hat[:, order] = work.T
-    original_codes = torch.empty(n, k, dtype=torch.uint8)
+    original_codes = torch.empty(n, k, dtype=torch.uint8, device=codes.device)
     original_codes[:, order] = codes.T
     return GPTQSolution(grid.record(original_codes), weight_hat, used_damp)
 
@@ -157,7 +158,7 @@ def _group_aware_order(importance: Tensor, group_size: int) -> Tensor:
     full = k // group_size * group_size
     by_group = importance[:full].view(-1, group_size)
     within = torch.argsort(by_group, dim=1, descending=True, stable=True)
-    within += torch.arange(0, full, group_size).unsqueeze(1)
+    within += torch.arange(0, full, group_size, device=importance.device).unsqueeze(1)
     groups = torch.argsort(by_group.amax(dim=1), descending=True, stable=True)
     tail = full + torch.argsort(importance[full:], descending=True, stable=True)
     return torch.cat([within[groups].reshape(-1), tail])
@@ -175,10 +176,10 @@ class _Grid:
         k = w.shape[1]
         self.find = search_group_params if clip_search else find_group_params
         self.threads = torch.get_num_threads()
-        natural_groups = default_g_idx(k, config.group_size).long()
+        natural_groups = default_g_idx(k, config.group_size, device=w.device).long()
         self.config = config
         self.order = order
-        self.scales = torch.empty(config.num_groups(k), w.shape[0], dtype=torch.float32)
+        self.scales = torch.empty(config.num_groups(k), w.shape[0], dtype=torch.float32, device=w.device)
         self.zeros = torch.empty_like(self.scales)
         self.biases = torch.empty_like(self.scales) if config.float_bias else None
         self.group_starts: set[int] = set()
@@ -212,7 +213,7 @@ class _Grid:
 
     def record(self, codes: Tensor) -> QuantizedTensor:
         """The record of the solver's ``codes`` [N, K] (natural column order) on this grid."""
-        g_idx = torch.empty(codes.shape[1], dtype=torch.int32)
+        g_idx = torch.empty(codes.shape[1], dtype=torch.int32, device=codes.device)
         g_idx[self.order] = self.position_group.to(torch.int32)
         dtype = self.config.scale_dtype  # exact: the parameters were found on the stored grid
         scales = self.scales.to(dtype)
@@ -242,7 +243,7 @@ def _quantize_block(block: Tensor, u_block: Tensor, start: int, grid: _Grid | Bl
     size, so a group's rows have every earlier error applied when its parameters are found.
     """
     width = block.shape[0]
-    codes = torch.empty(block.shape, dtype=torch.uint8)
+    codes = torch.empty(block.shape, dtype=torch.uint8, device=block.device)
     scaled_errors = torch.empty_like(block)
     for sub_start in range(0, width, SUB_BLOCK):
         sub_stop = min(sub_start + SUB_BLOCK, width)

@@ -33,15 +33,16 @@ def quantize_groups(weight: Tensor, config: QuantConfig, choose_grid: GridChoose
     n, k = weight.shape
     w = weight.to(torch.float32)
     slices = group_slices(k, config.group_size)
-    codes = torch.empty(n, k, dtype=torch.uint8)
-    scales = torch.empty(len(slices), n, dtype=config.scale_dtype)
-    offsets = torch.empty(len(slices), n, dtype=config.scale_dtype if config.float_bias else torch.uint8)
+    codes = torch.empty(n, k, dtype=torch.uint8, device=w.device)
+    scales = torch.empty(len(slices), n, dtype=config.scale_dtype, device=w.device)
+    offsets = torch.empty(len(slices), n, dtype=config.scale_dtype if config.float_bias else torch.uint8,
+                          device=w.device)
     for group, columns in enumerate(slices):
         params = choose_grid(w, columns)
         codes[:, columns] = quantize_codes(w[:, columns], params, config.maxq).to(torch.uint8)
         scales[group] = params.scale.to(config.scale_dtype)
         offsets[group] = params.bias if config.float_bias else params.zero
-    g_idx = default_g_idx(k, config.group_size)
+    g_idx = default_g_idx(k, config.group_size, device=w.device)
     if config.float_bias:
         return QuantizedTensor(codes, scales, None, g_idx, config, biases=offsets)
     return QuantizedTensor(codes, scales, offsets, g_idx, config)

@@ -70,7 +70,7 @@ def _quantization_error(weights: list[Tensor], scale: Tensor, hessian: Tensor, c
     total = 0.0
     for weight in weights:
         slice_rows = max(1, _SLICE_ELEMENTS // weight.shape[1])
-        delta = torch.empty(weight.shape, dtype=torch.bfloat16)
+        delta = torch.empty(weight.shape, dtype=torch.bfloat16, device=weight.device)
         for rows, out in zip(weight.split(slice_rows), delta.split(slice_rows)):
             out.copy_(round_to_nearest(rows * scale, config).div_(scale).sub_(rows))
         total += hessian_norm(delta, hessian)

@@ -59,7 +59,7 @@ def pack_rows(values: Tensor, bits: int) -> Tensor:
     if rows % per_run:
         raise ValueError(f"cannot pack {rows} rows at {bits} bits: need a multiple of {per_run}")
     v = (values.to(torch.int64) & (2**bits - 1)).reshape(rows // per_run, per_run, cols)
-    words = torch.zeros(rows // per_run, words_per_run, cols, dtype=torch.int64)
+    words = torch.zeros(rows // per_run, words_per_run, cols, dtype=torch.int64, device=values.device)
     for j in range(per_run):
         word, shift = divmod(bits * j, 32)
         words[:, word] |= (v[:, j] << shift) & _WORD_MASK

@@ -68,7 +68,7 @@ def pack_codes(codes: Tensor, bits: int) -> Tensor:
     rows, k = codes.shape
     if (k * bits) % WORD_BITS:
         raise ValueError(f"cannot pack {k} codes of {bits} bits into whole 32-bit words")
-    fields = np.unpackbits(codes.numpy()[..., None], axis=-1, count=bits, bitorder="little")  # [R, K, bits]
+    fields = np.unpackbits(codes.cpu().numpy()[..., None], axis=-1, count=bits, bitorder="little")  # [R, K, bits]
     stream = np.packbits(fields.reshape(rows, k * bits), axis=-1, bitorder="little")
     return torch.from_numpy(stream.view("<u4").astype(np.uint32))
 

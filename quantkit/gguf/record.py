@@ -39,10 +39,10 @@ class GGUFTensor:
         """llama.cpp's own quantizer for the type: the round-to-nearest baseline."""
         w = weight.detach().to(torch.float32)
         require_finite(w)
-        data = tensor_type.quantize(np.ascontiguousarray(w.numpy()))
+        data = tensor_type.quantize(np.ascontiguousarray(w.cpu().numpy()))
         return cls(tensor_type.name, torch.from_numpy(data), tuple(w.shape))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The weight [N, K] llama.cpp computes with."""
-        values = TYPES[self.type_name].dequantize(self.data.numpy(), self.shape[1])
+        values = TYPES[self.type_name].dequantize(self.data.cpu().numpy(), self.shape[1])
         return torch.from_numpy(values).to(dtype)

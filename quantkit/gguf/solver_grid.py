@@ -38,10 +38,11 @@ class BlockGrid:
         self.shape = shape
         self.order = order
         self.blocks = np.zeros((n, k // self.width, tensor_type.block_bytes), dtype=np.uint8)
-        self.scale = torch.zeros(k // self.codec.sub_block, n)  # per sub-block of input channels, per row
+        # per sub-block of input channels, per row; on the solve's device (the block codecs run on the host)
+        self.scale = torch.zeros(k // self.codec.sub_block, n, device=weight.device)
         self.offset = torch.zeros_like(self.scale)
-        self.importance = None if importance is None else importance.to(torch.float32).numpy()
-        self.row_sigma2 = None if importance is None else row_sigma2(weight.numpy())
+        self.importance = None if importance is None else importance.to(torch.float32).cpu().numpy()
+        self.row_sigma2 = None if importance is None else row_sigma2(weight.cpu().numpy())
 
     def round(self, position: int, rows: Tensor) -> tuple[Tensor, Tensor]:
         """(codes, fake-quantized values) of the column at ``position``; ``rows`` [>= block, N] start at it."""
@@ -59,18 +60,18 @@ class BlockGrid:
         block = int(columns.min()) // self.width
         natural = rows[:self.width][torch.argsort(columns)]  # the block's columns in file order, [width, N]
         channels = slice(block * self.width, (block + 1) * self.width)
-        data = self.type.quantize_with(np.ascontiguousarray(natural.T.numpy()),
+        data = self.type.quantize_with(np.ascontiguousarray(natural.T.cpu().numpy()),
                                        None if self.importance is None else self.importance[channels],
                                        self.row_sigma2)
         self.blocks[:, block] = data
         scale, offset = self.codec.grid(data)
         subs = slice(block * scale.shape[1], (block + 1) * scale.shape[1])
-        self.scale[subs] = torch.from_numpy(scale.T)
-        self.offset[subs] = torch.from_numpy(offset.T)
+        self.scale[subs] = torch.from_numpy(scale.T).to(self.scale.device)
+        self.offset[subs] = torch.from_numpy(offset.T).to(self.offset.device)
 
     def record(self, codes: Tensor) -> GGUFTensor:
         """The blocks with the solver's ``codes`` [N, K] (natural column order) in place of the quantizer's."""
         n, k = self.shape
         blocks = self.codec.with_codes(self.blocks.reshape(-1, self.type.block_bytes),
-                                       codes.numpy().reshape(-1, self.width))
+                                       codes.cpu().numpy().reshape(-1, self.width))
         return GGUFTensor(self.type.name, torch.from_numpy(np.ascontiguousarray(blocks.reshape(n, -1))), (n, k))

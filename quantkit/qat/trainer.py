@@ -32,6 +32,7 @@ from quantkit.checkpoint import CheckpointReader
 from quantkit.engine import compute_dtype, peak_rss_mb, validate_checkpoint
 from quantkit.eval.ppl import perplexity
 from quantkit.formats import FORMATS
+from quantkit.kernels.device import resolve_device
 from quantkit.loading import load_model
 from quantkit.models import MiniCPMConfig
 from quantkit.models.layers import EMBEDDING, LM_HEAD, layer_prefix
@@ -143,7 +144,7 @@ def _heldout_perplexity(model, tokens: torch.Tensor, window: int) -> float:
 
 
 def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, tokens: int | None = None,
-          init: str | Path | None = None, resume: bool = False, device: str = "cpu", progress: bool = True,
+          init: str | Path | None = None, resume: bool = False, device: str = "auto", progress: bool = True,
           stop_after_steps: int | None = None) -> TrainedModel:
     """Train ``model_dir`` (or the artifact ``init``, e.g. a GPTQ ternary one, as the starting weights)
     toward ``recipe``'s grid. ``stop_after_steps`` ends the run early, leaving its checkpoint as an
@@ -154,8 +155,7 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, tokens:
         raise QATError(f"recipe {recipe.name} has no 'qat' section: it is a post-training recipe "
                        "(`quantkit quantize`); QAT recipes are qat-ternary-g32, qat-ternary-g256 and mlx-dwq-w4g64")
     state.check_start(out_dir, staging, resume, CHECKPOINT_FILE, QATError)
-    if device == "cuda" and not torch.cuda.is_available():
-        raise QATError("--device cuda: this machine has no CUDA device (torch.cuda.is_available() is false)")
+    device = resolve_device(device)
     settings = recipe["qat"]
     total_tokens = tokens or settings["tokens"]
     rows_per_step = settings["batch_tokens"] // settings["seq_len"]
