@@ -207,7 +207,8 @@ class _DeviceAudit(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         to_numpy = func is torch.Tensor.numpy
         if to_numpy or (func in _FACTORIES and kwargs.get("device") is None):
-            ours = [f for f in traceback.extract_stack()[:-1] if "/quantkit/" in f.filename or "/kernels/" in f.filename]
+            ours = [f for f in traceback.extract_stack()[:-1]
+                    if "/quantkit/" in f.filename or "/kernels/" in f.filename]
             if ours and not (to_numpy and ".cpu()" in (ours[-1].line or "")):
                 self.found.add(f"{Path(ours[-1].filename).name}:{ours[-1].lineno} {func.__name__}: {ours[-1].line}")
         return func(*args, **kwargs)

@@ -132,8 +132,8 @@ def gptq_solve(
     for start in range(0, k, block_size):
         stop = min(start + block_size, k)
         block = work[start:stop]  # a view: updates land in ``work``
-        u_block = torch.linalg.solve_triangular(factor[start:stop, start:stop], torch.eye(stop - start, device=factor.device),
-                                                  upper=True)
+        identity = torch.eye(stop - start, device=factor.device)
+        u_block = torch.linalg.solve_triangular(factor[start:stop, start:stop], identity, upper=True)
         if start:
             block.addmm_(u_block.T, factor[:start, start:stop].T @ residual[:start])
         with _threads(1):
