@@ -1,8 +1,10 @@
 """The layer-wise engine on tiny random MiniCPM checkpoints: artifacts, determinism, resume, bad input."""
+import importlib
 import json
 from pathlib import Path
 
 import pytest
+import quantkit.kernels
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -193,6 +195,10 @@ _FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, to
               torch.linspace, torch.rand, torch.randn, torch.randint, torch.randperm, torch.as_tensor}
 
 
+_PACKAGE_DIRS = tuple(str(Path(importlib.import_module(name).__file__).parent) + "/"
+                      for name in ("quantkit", "quantkit.kernels"))
+
+
 class _DeviceAudit(torch.overrides.TorchFunctionMode):
     """Records quantkit lines that create a tensor without naming its device, or turn one into NumPy
     without .cpu(): on a CUDA run the first lands on the CPU beside GPU operands, the second raises."""
@@ -207,8 +213,7 @@ class _DeviceAudit(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         to_numpy = func is torch.Tensor.numpy
         if to_numpy or (func in _FACTORIES and kwargs.get("device") is None):
-            ours = [f for f in traceback.extract_stack()[:-1]
-                    if "/quantkit/" in f.filename or "/kernels/" in f.filename]
+            ours = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(_PACKAGE_DIRS)]
             if ours and not (to_numpy and ".cpu()" in (ours[-1].line or "")):
                 self.found.add(f"{Path(ours[-1].filename).name}:{ours[-1].lineno} {func.__name__}: {ours[-1].line}")
         return func(*args, **kwargs)
