@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import pytest
-import quantkit.kernels
 import torch
 from safetensors.torch import load_file, save_file
 
