@@ -237,7 +237,7 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
     reader = CheckpointReader(model_dir)
     config = MiniCPMConfig.from_pretrained(model_dir)
     fmt = FORMATS[recipe["format"]]
-    qconfig = fmt.grid(recipe["quant"], reader.dtype(EMBEDDING))
+    qconfig = fmt.resolve(fmt.grid(recipe["quant"], reader.dtype(EMBEDDING)), recipe.values, config.num_hidden_layers)
     validate_checkpoint(reader, config, qconfig, fmt, recipe["gptq"]["desc_act"], progress)
     dtype = compute_dtype(recipe["compute_dtype"])
 

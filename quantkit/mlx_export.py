@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -114,7 +114,7 @@ def export_mlx(model_dir: str | Path, out: str | Path, dtype: str = "float32") -
     weight_map |= _save(staging, total - 1, total, reader.other_tensors())
     atomic.write_json(staging / INDEX_FILE, {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))})
 
-    grid = replace(reader.qconfig, sym=False, ternary=False, min_zero=0, float_bias=True, scale_dtype=chosen)
+    grid = mlx.MLXGrid(reader.qconfig.bits, reader.qconfig.group_size, sym=False, float_bias=True, scale_dtype=chosen)
     source = json.loads((model_dir / "config.json").read_text())
     source.pop("configuration_files", None)
     for name, content in mlx.config_files({**source, "quantization_config": mlx.quantization_config(grid)}).items():

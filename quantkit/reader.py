@@ -54,8 +54,11 @@ def layer_records(tensors: dict, index: int, config: MiniCPMConfig, qconfig: Qua
                   fmt: Format) -> tuple[dict, dict[str, QuantizedTensor]]:
     """Layer ``index``'s unquantized tensors, and its linears' records keyed by weight name."""
     prefix = layer_prefix(index)
-    records = fmt.read_layer(tensors, prefix, qconfig, linear_shapes(config))
-    plain = {n: t for n, t in tensors.items() if n.startswith(prefix) and not fmt.stores(n)}
+    shapes = linear_shapes(config)
+    records = fmt.read_layer(tensors, prefix, qconfig, shapes)
+    # a linear the checkpoint leaves unquantized (an MLX entry `false`) has no record: its weight stays plain
+    unquantized = {f"{prefix}{linear}.weight" for linear in shapes if linear not in records}
+    plain = {n: t for n, t in tensors.items() if n.startswith(prefix) and (n in unquantized or not fmt.stores(n))}
     return plain, {f"{prefix}{name}.weight": qt for name, qt in records.items()}
 
 

@@ -21,6 +21,7 @@ import yaml
 
 from quantkit.algorithms import ALGORITHMS, SOLVES_BLOCK_TYPES
 from quantkit.formats import FORMATS
+from quantkit.formats.mlx import MIXES
 from quantkit.models.layers import LINEARS, SEQUENTIAL_GROUPS
 from quantkit.qat.fake_quant import TRAINS
 from quantkit.quant import FLOAT_BIAS_BITS
@@ -120,6 +121,12 @@ SCHEMA: dict[str, Any] = {
         "batch_size": Field(int, default=8, check=_positive, rule="> 0",
                             help="samples per forward batch (memory, not results)"),
     },
+    # MLX's mixed precision: present only in recipes that state it, so the others' fingerprints do not change
+    "mlx": Section({
+        "mixed": Field(str, required=True, choices=tuple(MIXES),
+                       help="mlx-lm's mixed predicate (`mlx_lm.convert --quant-predicate NAME`): quant.bits for "
+                            "most modules, more for the LM head and some layers' v_proj and down_proj (format mlx)"),
+    }, optional=True),
     # Quantization-aware training (`quantkit qat`): BitCPM4's recipe shape (re-warmup, WSD schedule,
     # distillation from the FP model). docs/qat.md says which values were measured.
     "qat": Section({
@@ -302,7 +309,23 @@ def load_recipe(name_or_path: str | Path, overrides: dict[str, Any] | None = Non
                           f"quantizer chooses: set {' and '.join(f'gptq.{key}: false' for key in own_grid)}")
     if "qat" in values:
         _check_qat(values, config, path)
+    if "mlx" in values:
+        _check_mixed(values, path)
     return Recipe(values, str(path))
+
+
+def _check_mixed(values: dict, path: Path) -> None:
+    mix = values["mlx"]["mixed"]
+    low = MIXES[mix][0]
+    rules = (
+        (values["format"] == "mlx", f"is a per-module grid of format mlx, not of format '{values['format']}'"),
+        ("qat" not in values, "is applied by `quantkit quantize` (RTN, GPTQ, AWQ), not yet by QAT or DWQ training"),
+        (values["quant"]["bits"] == low, f"gives most modules {low} bits: set quant.bits: {low} (the grid of "
+                                         "every other module, and the defaults of the config it writes)"),
+    )
+    for holds, why in rules:
+        if not holds:
+            raise RecipeError(f"{path}: 'mlx.mixed' = {mix!r} {why}")
 
 
 def _check_qat(values: dict, config, path: Path) -> None:

@@ -112,6 +112,120 @@ def test_rtn_recipe_writes_mlx_lm_converts_files(dtype, bits, group_size, mlx_ch
     assert converted.format.name == "mlx" and converted.qconfig.bits == bits
 
 
+@pytest.fixture(scope="module")
+def eight_layers(tiny_checkpoint_factory):
+    """Eight layers: the mixed predicates' first and last eighth and every third layer between all differ."""
+    return tiny_checkpoint_factory(same_rope_factors=True, seed=3, num_hidden_layers=8)
+
+
+@pytest.fixture(scope="module")
+def mixed_artifact(eight_layers, tmp_path_factory):
+    return _quantized(eight_layers, "mlx-rtn-mixed-4-6", tmp_path_factory, "mixed")
+
+
+def test_mixed_rtn_recipe_writes_mlx_lm_converts_files(eight_layers, mixed_artifact, tmp_path):
+    from mlx_lm.convert import convert
+
+    convert(str(eight_layers), str(tmp_path / "mlx-lm"), quantize=True, q_bits=4, q_group_size=64,
+            quant_predicate="mixed_4_6")
+    theirs, ours = _safetensors(tmp_path / "mlx-lm"), _safetensors(mixed_artifact)
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in theirs.items():
+        assert ours[name].dtype == tensor.dtype and ours[name].shape == tensor.shape, name
+        assert ours[name].view(torch.uint8).numpy().tobytes() == tensor.view(torch.uint8).numpy().tobytes(), name
+    expected = json.loads((tmp_path / "mlx-lm" / "config.json").read_text())["quantization"]
+    config = json.loads((mixed_artifact / "config.json").read_text())
+    assert config["quantization"] == config["quantization_config"] == expected
+    six = sorted(path for path, entry in expected.items() if isinstance(entry, dict) and entry["bits"] == 6)
+    # layers 0 and 7 (first and last eighth), 3 and 6 (every third between): v_proj and down_proj
+    assert six == ["lm_head", *(f"model.layers.{i}.{linear}" for i in (0, 3, 6, 7)
+                               for linear in ("mlp.down_proj", "self_attn.v_proj"))]
+    assert ours["model.layers.3.mlp.down_proj.weight"].shape[1] == 512 * 6 // 32  # K = 512 codes of 6 bits
+
+
+def test_mlx_lm_load_matches_quantkit_on_a_mixed_artifact(mixed_artifact):
+    from mlx_lm import load
+
+    with torch.no_grad():
+        expected = load_model(mixed_artifact)(torch.tensor([PROMPT_IDS])).logits[0].double().numpy()
+    model, _ = load(str(mixed_artifact))
+    assert model.model.layers[3].mlp.down_proj.bits == 6 and model.model.layers[4].mlp.down_proj.bits == 4
+    logits = np.array(model(mx.array([PROMPT_IDS]))[0].astype(mx.float32)).astype(np.float64)
+    assert np.abs(logits - expected).max() <= LOGIT_TOLERANCE
+
+
+def test_mixed_gptq_solves_each_linear_on_its_own_grid(eight_layers, tmp_path):
+    """One solver, one grid per linear: layer 0's 4-bit q_proj is the uniform W4 run's, its 6-bit v_proj
+    GPTQ's on 6 bits (far below the W4 run's error), and the 6-bit linears are exactly the predicate's."""
+    runs = {}
+    for recipe in ("mlx-s-p-gptq-mixed-4-6", "mlx-s-p-gptq-w4g64"):
+        quantize(eight_layers, small_recipe(recipe, tmp_path), tmp_path / recipe, progress=False)
+        runs[recipe] = ArtifactReader(tmp_path / recipe)
+    mixed, uniform = runs["mlx-s-p-gptq-mixed-4-6"], runs["mlx-s-p-gptq-w4g64"]
+    records = {name: record for i in range(mixed.num_layers) for name, record in mixed.layer(i)[1].items()}
+    six = sorted(name for name, record in records.items() if record.config.bits == 6)
+    assert six == [f"model.layers.{i}.{linear}.weight" for i in (0, 3, 6, 7)
+                   for linear in ("mlp.down_proj", "self_attn.v_proj")]
+    assert all(record.config.bits == 4 for name, record in records.items() if name not in six)
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(records[q_proj].codes, uniform.layer(0)[1][q_proj].codes)
+
+    def errors(recipe):
+        return json.loads((tmp_path / recipe / "quantkit.json").read_text())["layer_errors"][0]["errors"]
+
+    assert errors("mlx-s-p-gptq-mixed-4-6")["self_attn.v_proj"] < errors("mlx-s-p-gptq-w4g64")["self_attn.v_proj"] / 4
+
+
+def test_reader_round_trips_per_module_overrides():
+    from quantkit.formats.mlx import parse_quantization_config, quantization_config
+
+    written = {"group_size": 64, "bits": 4, "mode": "affine", "model.layers.0.mlp.down_proj":
+               {"group_size": 32, "bits": 6, "mode": "affine"}, "model.layers.1.self_attn.v_proj": False}
+    grid = parse_quantization_config(written)
+    down = grid.module("model.layers.0.mlp.down_proj")
+    assert (down.bits, down.group_size) == (6, 32) and grid.module("model.layers.1.self_attn.v_proj") is None
+    assert grid.module("model.layers.1.mlp.down_proj").bits == 4
+    assert quantization_config(grid) == written
+    assert parse_quantization_config({**written, "lm_head": True}).module("lm_head").bits == 4  # mlx-lm's "defaults"
+
+
+def test_reader_keeps_a_linear_left_unquantized(mixed_artifact, tmp_path):
+    """An entry `false`, as mlx-lm writes for a module it did not quantize: the float weight is read as stored."""
+    from safetensors.torch import save_file
+
+    copy = tmp_path / "copy"
+    shutil.copytree(mixed_artifact, copy)
+    module, weight = "model.layers.2.mlp.down_proj", torch.randn(256, 512, generator=torch.Generator().manual_seed(1))
+    for path in copy.glob("model*.safetensors"):
+        tensors = load_file(str(path))
+        if f"{module}.scales" in tensors:
+            del tensors[f"{module}.scales"], tensors[f"{module}.biases"]
+            tensors[f"{module}.weight"] = weight
+            save_file(tensors, str(path), metadata={"format": "mlx"})
+    for name in ("config.json", "config.5.0.0.json"):  # transformers >= 5 reads the second
+        config = json.loads((copy / name).read_text())
+        config["quantization"][module] = config["quantization_config"][module] = False
+        (copy / name).write_text(json.dumps(config))
+    plain, records = ArtifactReader(copy).layer(2)
+    assert f"{module}.weight" not in records and len(records) == 6
+    assert torch.equal(plain[f"{module}.weight"], weight)
+    assert torch.equal(ArtifactReader(copy).dequantized_layer(2)[f"{module}.weight"], weight)
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"group_size": 64, "bits": 7}, r"entry for module 'model.layers.0.mlp.down_proj': bits 7 not in"),
+    ({"bits": 6}, r"entry for module 'model.layers.0.mlp.down_proj': group_size None not in"),
+    ({"group_size": 64, "bits": 6, "mode": "mxfp4"}, r"'model.layers.0.mlp.down_proj': mode 'mxfp4'"),
+    ({"group_size": 64, "bits": 6, "scale": 1}, r"'model.layers.0.mlp.down_proj': keys \['scale'\]"),
+    (6, r"entry for module 'model.layers.0.mlp.down_proj' must be a dict"),
+])
+def test_reader_refuses_a_malformed_override_naming_the_module(entry, message):
+    from quantkit.formats.mlx import parse_quantization_config
+
+    with pytest.raises(ValueError, match=message):
+        parse_quantization_config({"group_size": 64, "bits": 4, "model.layers.0.mlp.down_proj": entry})
+
+
 def test_transformers_config_only_where_rope_theta_is_the_default():
     from quantkit.formats.mlx import config_files
 

@@ -22,6 +22,8 @@ FINGERPRINTS = {
     "gptq-w4g128": "d4251035ec3396c5da54e881d005c72c99abf4510ff9c45cfe3792b05506cd1f",
     "marlin": "c29502c09ca4a6be3edc0a4e59dab211fc189ab6f2dcb7da087ffb20a438671c",
     "mlx-dwq-w4g64": "a01b75c2fca233a6a6b61e345d9a2ccea0571406a22b810e20cc9dfeafa80235",
+    "mlx-rtn-mixed-4-6": "ef669faf20da3a133c6cca8355027e7f63e3cf4e72472a76edfccf7451725404",
+    "mlx-s-p-gptq-mixed-4-6": "29b1fabe1ffbcc679d892b9dfa75e3e9f3aec9d3f361973140853a34ec6b178a",
     "mlx-s-p-gptq-w4g64": "6eccba0556e1e3c03450af37ca7a7e6a922df1129763681d63906f80863845a6",
     "mlx-rtn-w4g64": "62fd3d2fd922bc8bc28b3cb2a6a60228f04184209d11aef30a4bc1925bc60165",
     "p-gptq-w4g128": "465013af18af503be36c5d035357772556f7bee573e1e2db8f19a680b79e7284",
@@ -93,3 +95,15 @@ def test_docs_table_is_the_schema():
 def test_docs_has_a_section_per_builtin_recipe():
     text = DOCS.read_text()
     assert all(f"### `{name}`" in text for name in builtin_names())
+
+
+def test_mlx_mixed_needs_format_mlx_and_its_lower_width():
+    assert load_recipe("mlx-rtn-w4g64", {"mlx.mixed": "mixed_3_6", "quant.bits": 3})["mlx"] == {"mixed": "mixed_3_6"}
+    with pytest.raises(RecipeError, match="set quant.bits: 2"):
+        load_recipe("mlx-rtn-w4g64", {"mlx.mixed": "mixed_2_6"})
+    with pytest.raises(RecipeError, match="not of format 'gptq'"):
+        load_recipe("gptq-w4g128", {"mlx.mixed": "mixed_4_6"})
+    with pytest.raises(RecipeError, match="is not one of"):
+        load_recipe("mlx-rtn-w4g64", {"mlx.mixed": "mixed_4_8"})
+    with pytest.raises(RecipeError, match="not yet by QAT or DWQ"):
+        load_recipe("mlx-dwq-w4g64", {"mlx.mixed": "mixed_4_6"})

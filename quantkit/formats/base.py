@@ -22,6 +22,10 @@ def _uniform_grid(quant: Mapping[str, Any], model_dtype: torch.dtype) -> QuantCo
     return QuantConfig(**quant)
 
 
+def _same_grid(config: QuantConfig, recipe: Mapping[str, Any], layers: int) -> QuantConfig:
+    return config
+
+
 def _only_config_json(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {"config.json": config}
 
@@ -44,6 +48,9 @@ class Format:
     block_types: bool = False  # linears are solved on GGUF block types, not on the recipe's uniform grid
     # (recipe's quant section, the checkpoint's float dtype) -> the grid of the whole run
     grid: Callable[[Mapping[str, Any], torch.dtype], QuantConfig] = _uniform_grid
+    # (run grid, recipe values, decoder layers) -> the run grid with every module's own grid, for formats
+    # that store modules on different grids (MLX's mixed precision); ``target`` then reads it per linear
+    resolve: Callable[[QuantConfig, Mapping[str, Any], int], QuantConfig] = _same_grid
     # the embedding, final norm and LM head as stored, for formats that quantize some of them too:
     # (tensors, grid) -> what is written, and (stored tensors, grid) -> the float tensors they mean
     write_outside: Callable[[Mapping[str, Tensor], QuantConfig], dict[str, Tensor]] | None = None

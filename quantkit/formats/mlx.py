@@ -11,10 +11,15 @@ The grid is quantkit's float-bias grid (``QuantConfig.float_bias``). As mlx-lm's
 embedding and the LM head are quantized too (round to nearest on the same grid) wherever their width
 is a whole number of groups. ``config.json`` carries ``"quantization": {"group_size", "bits", "mode"}``
 (and the same dict as ``quantization_config``, as mlx-lm writes it).
+
+Mixed precision (``MLXGrid.modules``): the same dict may also hold one entry per module path, that
+module's own ``{"group_size", "bits", "mode"}`` or ``false`` (left unquantized), which mlx-lm's loader
+obeys before the defaults. A recipe's ``mlx.mixed`` names one of mlx-lm's mixed predicates
+(``MIXES``), resolved per module by ``resolve``.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
 import numpy as np
@@ -24,7 +29,7 @@ from torch import Tensor
 from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.formats.base import Format, per_linear
 from quantkit.formats.gptq import fetch_packed, tensor_key
-from quantkit.models.layers import EMBEDDING, LINEARS, LM_HEAD
+from quantkit.models.layers import DOWN, EMBEDDING, LINEARS, LM_HEAD, V, layer_prefix
 from quantkit.quant import FLOAT_BIAS_BITS, QuantConfig, QuantizedTensor, default_g_idx
 
 GROUP_SIZES = (32, 64, 128)
@@ -36,6 +41,31 @@ QUANTIZED_OUTSIDE = (EMBEDDING, LM_HEAD)
 # transformers >= 5.0 reads this file instead of config.json (its ``configuration_files`` mechanism)
 TRANSFORMERS_CONFIG = "config.5.0.0.json"
 DEFAULT_ROPE_THETA = 10000.0  # MiniCPM's own default (quantkit.models.configuration_minicpm)
+GRID_KEYS = ("group_size", "bits", "mode")  # the defaults of a quantization dict; every other key is a module
+
+# mlx-lm's mixed predicates (`mlx_lm.convert --quant-predicate NAME`, mlx_lm/convert.py):
+# name -> (bits of most modules, bits of the modules that get more)
+MIXES = {"mixed_2_6": (2, 6), "mixed_3_4": (3, 4), "mixed_3_6": (3, 6), "mixed_4_6": (4, 6)}
+# The decoder linears that get more bits in the layers that do (mlx-lm matches "v_proj" and
+# "down_proj" in the module path, as llama.cpp's Q4_K_M favours attn_v and ffn_down)
+MORE_BITS_LINEARS = (V, DOWN)
+# Outside the decoder layers, what the mixed predicates give the LM head (more bits) and the embedding
+MORE_BITS_OUTSIDE = {LM_HEAD.removesuffix(".weight"): True, EMBEDDING.removesuffix(".weight"): False}
+
+
+@dataclass(frozen=True)
+class MLXGrid(QuantConfig):
+    """The grid of an MLX checkpoint: the defaults, and ``modules``, the per-module entries of its
+    quantization dict as (module path, its grid or None for a module left unquantized)."""
+
+    modules: tuple[tuple[str, QuantConfig | None], ...] = ()
+
+    def default(self) -> QuantConfig:
+        return QuantConfig(**{f.name: getattr(self, f.name) for f in fields(QuantConfig)})
+
+    def module(self, path: str) -> QuantConfig | None:
+        """The grid module ``path`` is stored on (None: not quantized)."""
+        return dict(self.modules).get(path, self.default())
 
 
 def check_mlx(config: QuantConfig, in_features: int, out_features: int, desc_act: bool = False,
@@ -60,7 +90,36 @@ def mlx_grid(quant: Mapping[str, Any], model_dtype: torch.dtype) -> QuantConfig:
     if quant.get("sym", True) or quant.get("ternary", False):
         raise ValueError("format mlx stores an affine grid (scale and float bias per group): set quant.sym: false "
                          "(and no quant.ternary)")
-    return QuantConfig(**quant, float_bias=True, scale_dtype=model_dtype)
+    return MLXGrid(**quant, float_bias=True, scale_dtype=model_dtype)
+
+
+def gets_more_bits(layer: int, layers: int) -> bool:
+    """Whether the mixed predicates give decoder layer ``layer`` (of ``layers``) more bits: the first
+    and last eighth of the layers, and every third layer in between (mlx_lm/convert.py)."""
+    eighth = layers // 8
+    return layer < eighth or layer >= 7 * layers // 8 or (layer - eighth) % 3 == 2
+
+
+def mixed_modules(layers: int) -> dict[str, bool]:
+    """Every module a mixed predicate quantizes -> whether it gets the more bits."""
+    decoder = {layer_prefix(index) + linear: linear in MORE_BITS_LINEARS and gets_more_bits(index, layers)
+               for index in range(layers) for linear in LINEARS}
+    return MORE_BITS_OUTSIDE | decoder
+
+
+def resolve(config: MLXGrid, recipe: Mapping[str, Any], layers: int) -> MLXGrid:
+    """``config`` with the grid of each module of a ``layers``-layer model, as the recipe's mixed
+    predicate (``mlx.mixed``) chooses them; unchanged without one."""
+    if "mlx" not in recipe:
+        return config
+    low, high = MIXES[recipe["mlx"]["mixed"]]
+    grids = {more: replace(config.default(), bits=high if more else low) for more in (False, True)}
+    return replace(config, modules=tuple((path, grids[more]) for path, more in mixed_modules(layers).items()))
+
+
+def target(config: MLXGrid, linear: str, layer: int, layers: int, shape: tuple[int, int]) -> QuantConfig | None:
+    """The grid the solver rounds this decoder linear to: its own entry, else the defaults."""
+    return config.module(layer_prefix(layer) + linear)
 
 
 def pack_codes(codes: Tensor, bits: int) -> Tensor:
@@ -119,7 +178,16 @@ def read_mlx_tensors(tensors: Mapping[str, Tensor], prefix: str, config: QuantCo
                            default_g_idx(k, config.group_size), grid, biases=biases.T.contiguous())
 
 
-def write_outside(tensors: Mapping[str, Tensor], config: QuantConfig) -> dict[str, Tensor]:
+def read_mlx_layer(tensors: Mapping[str, Tensor], prefix: str, config: MLXGrid,
+                   shapes: Mapping[str, tuple[int, int]]) -> dict[str, QuantizedTensor]:
+    """Each quantized linear of a layer on its own grid; a linear left unquantized has no record (its
+    float ``weight`` stays among the layer's plain tensors)."""
+    grids = {linear: config.module(prefix + linear) for linear in shapes}
+    return {linear: read_mlx_tensors(tensors, prefix + linear, grid, shapes[linear])
+            for linear, grid in grids.items() if grid is not None}
+
+
+def write_outside(tensors: Mapping[str, Tensor], config: MLXGrid) -> dict[str, Tensor]:
     """The embedding and LM head quantized as ``mlx_lm.convert`` does (round to nearest, each in its own
     dtype) where their width is a whole number of groups; everything else as it is."""
     if LM_HEAD not in tensors:
@@ -133,38 +201,68 @@ def write_outside(tensors: Mapping[str, Tensor], config: QuantConfig) -> dict[st
             continue
         module = name.removesuffix(".weight")
         del out[name]
-        out |= mlx_tensors(rtn_quantize(weight, replace(config, scale_dtype=weight.dtype)), module)
+        out |= mlx_tensors(rtn_quantize(weight, replace(config.module(module), scale_dtype=weight.dtype)), module)
     return out
 
 
-def read_outside(tensors: Mapping[str, Tensor], config: QuantConfig) -> dict[str, Tensor]:
+def read_outside(tensors: Mapping[str, Tensor], config: MLXGrid) -> dict[str, Tensor]:
     """Inverse of ``write_outside`` up to quantization: quantized modules come back as float32 weights."""
     out = {}
     for name, tensor in tensors.items():
         module = name.removesuffix(".weight")
         if name.endswith(".weight") and tensor_key(module, "scales") in tensors:
+            grid = config.module(module)
+            if grid is None:
+                raise ValueError(f"MLX module {module!r} stores scales, but its quantization entry is false")
             n, groups = tensors[tensor_key(module, "scales")].shape
-            record = read_mlx_tensors(tensors, module, config, (n, groups * config.group_size))
+            record = read_mlx_tensors(tensors, module, grid, (n, groups * grid.group_size))
             out[name] = record.dequantize(torch.float32)
         elif not name.endswith((".scales", ".biases")):
             out[name] = tensor
     return out
 
 
-def quantization_config(config: QuantConfig, **_settings: Any) -> dict[str, Any]:
-    """mlx-lm's ``quantization`` dict; the solver's settings (desc_act, damping, ...) have no place in it."""
-    return {"group_size": config.group_size, "bits": config.bits, "mode": MODE}
+def _entry(grid: QuantConfig | None) -> dict[str, Any] | bool:
+    return False if grid is None else {"group_size": grid.group_size, "bits": grid.bits, "mode": MODE}
 
 
-def parse_quantization_config(d: Mapping[str, Any]) -> QuantConfig:
-    """The grid of an MLX ``quantization`` dict; each record takes its scales' dtype from the tensors."""
-    if d.get("mode", MODE) != MODE:
-        raise ValueError(f"MLX quantization mode {d['mode']!r} is not supported; only {MODE!r} is")
-    overrides = sorted(key for key, value in d.items() if isinstance(value, dict))
-    if overrides:
-        raise ValueError(f"per-module MLX quantization overrides ({', '.join(overrides)}) are not supported")
+def quantization_config(config: MLXGrid, **_settings: Any) -> dict[str, Any]:
+    """mlx-lm's ``quantization`` dict, with an entry per module where modules differ; the solver's
+    settings (desc_act, damping, ...) have no place in it."""
+    return _entry(config) | {path: _entry(grid) for path, grid in config.modules}
+
+
+def _parse_grid(d: Mapping[str, Any], where: str) -> QuantConfig:
+    """The grid of one ``{"group_size", "bits"[, "mode"]}`` dict (``where`` names it in errors)."""
+    unknown = sorted(set(d) - set(GRID_KEYS))
+    mode = d.get("mode", MODE)
+    problems = ((f"keys {unknown} (allowed: {list(GRID_KEYS)})", bool(unknown)),
+                (f"mode {mode!r}: only {MODE!r} is supported", mode != MODE),
+                (f"bits {d.get('bits')!r} not in {FLOAT_BIAS_BITS}", d.get("bits") not in FLOAT_BIAS_BITS),
+                (f"group_size {d.get('group_size')!r} not in {GROUP_SIZES}", d.get("group_size") not in GROUP_SIZES))
+    broken = [problem for problem, found in problems if found]
+    if broken:
+        raise ValueError(f"MLX quantization {where}: " + "; ".join(broken))
     return QuantConfig(bits=d["bits"], group_size=d["group_size"], sym=False, float_bias=True,
                        scale_dtype=torch.float32)
+
+
+def _parse_module(path: str, value: Any, default: QuantConfig) -> QuantConfig | None:
+    """A per-module entry as mlx-lm's loader takes it: a grid, false (unquantized) or true (the defaults)."""
+    if isinstance(value, bool):
+        return default if value else None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"MLX quantization entry for module {path!r} must be a dict of group_size and bits, "
+                         f"or false, got {value!r}")
+    return _parse_grid(value, f"entry for module {path!r}")
+
+
+def parse_quantization_config(d: Mapping[str, Any]) -> MLXGrid:
+    """The grids of an MLX ``quantization`` dict; each record takes its scales' dtype from the tensors."""
+    default = _parse_grid({key: d[key] for key in GRID_KEYS if key in d}, "defaults")
+    modules = tuple((path, _parse_module(path, value, default)) for path, value in d.items() if path not in GRID_KEYS)
+    return MLXGrid(default.bits, default.group_size, sym=False, float_bias=True, scale_dtype=torch.float32,
+                   modules=modules)
 
 
 def config_files(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -188,8 +286,9 @@ def config_files(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 FORMATS = (Format("mlx", "MLX affine (mlx-lm): uint32 codes, scales and float biases in the model dtype; "
                   "embedding and LM head quantized too", check_mlx,
-                  *per_linear(mlx_tensors, read_mlx_tensors), quantization_config, parse_quantization_config,
+                  per_linear(mlx_tensors, read_mlx_tensors)[0], read_mlx_layer, quantization_config,
+                  parse_quantization_config,
                   suffixes=(*(f"{linear}.weight" for linear in LINEARS), "scales", "biases"),
                   reads=((None, None),),  # mlx-lm's quantization dict has no quant_method
-                  grid=mlx_grid, write_outside=write_outside, read_outside=read_outside,
-                  config_files=config_files),)
+                  target=target, grid=mlx_grid, resolve=resolve, write_outside=write_outside,
+                  read_outside=read_outside, config_files=config_files),)
