@@ -215,7 +215,8 @@ class Launcher:
 # ---------------------------------------------------------------------------------------------------
 # Outputs: what lies under a name, compared byte for byte
 
-IGNORED = {"quantize_report.json"}  # timings and memory: the one file that differs between runs by design
+# a run's timings, memory and resume point: the files that differ between runs by design
+IGNORED = {"quantize_report.json", "draft_report.json"}
 
 
 def snapshot(path: Path) -> dict[str, bytes]:

@@ -88,7 +88,8 @@ def test_the_trained_head_is_official_layout_and_drafts_in_the_runtime(trained, 
     from quantkit.kernels.generate import load_engine
 
     out, _ = trained
-    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "draft_train.json"}
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "draft_train.json",
+                                               "draft_report.json"}
     plain = load_engine(target_dir, dtype=torch.float32).generate([5, 17, 99, 3], max_new_tokens=16)
     speculative = load_engine(target_dir, dtype=torch.float32, draft=out).generate([5, 17, 99, 3], max_new_tokens=16)
     assert speculative.tokens == plain.tokens and speculative.acceptance["rounds"] > 0
@@ -120,14 +121,12 @@ def test_bad_settings_are_refused_before_any_work(target_dir, training_text, tmp
     assert not (tmp_path / "head.partial").exists()
 
 
-def test_an_existing_output_or_a_missing_checkpoint_is_refused(target_dir, training_text, tmp_path, trained):
+def test_an_existing_output_is_refused(target_dir, training_text, trained):
     from quantkit.draft.settings import DraftTrainingError
     from quantkit.draft.trainer import train_head
 
     with pytest.raises(DraftTrainingError, match="already exists"):
         train_head(target_dir, trained[0], settings(training_text), progress=False)
-    with pytest.raises(DraftTrainingError, match="no checkpoint"):
-        train_head(target_dir, tmp_path / "fresh", settings(training_text), progress=False, resume=True)
 
 
 def test_cli_draft_train(target_dir, training_text, tmp_path):

@@ -206,8 +206,6 @@ def test_empty_data_and_existing_output_are_refused(model, training_text, tmp_pa
     (tmp_path / "taken").mkdir()
     with pytest.raises(QATError, match="already exists"):
         train(model, recipe(training_text), tmp_path / "taken", progress=False)
-    with pytest.raises(QATError, match="no checkpoint"):
-        train(model, recipe(training_text), tmp_path / "fresh", resume=True, progress=False)
     assert not staging_dir(tmp_path / "out").exists()
 
 
@@ -253,3 +251,21 @@ def test_teacher_cache_grows_with_a_longer_run(tmp_path, monkeypatch):
     assert len(calls) == 6 + 4 + 2  # the first chunk reused, the 2-row one redone with 4 rows, one new
     for row in order[:10]:
         assert torch.equal(long.batch([row])["ids"][0], fake_teacher(rows[row][None]).logits[0].topk(3).indices)
+
+
+def test_resume_continues_from_a_checkpoint_and_starts_over_without_one(tmp_path):
+    """A run killed before its first checkpoint leaves a staging folder with none: --resume starts it over
+    (as `quantize --resume` does before its first layer), instead of refusing what a user cannot fix."""
+    from quantkit.training import state
+
+    out, staging = tmp_path / "out", staging_dir(tmp_path / "out")
+    assert state.check_start(out, staging, resume=True, checkpoint_file=CHECKPOINT_FILE) is False  # nothing there
+    staging.mkdir()
+    with pytest.raises(RuntimeError, match="interrupted run: pass --resume"):
+        state.check_start(out, staging, resume=False, checkpoint_file=CHECKPOINT_FILE)
+    assert state.check_start(out, staging, resume=True, checkpoint_file=CHECKPOINT_FILE) is False  # killed early
+    (staging / CHECKPOINT_FILE).write_bytes(b"")
+    assert state.check_start(out, staging, resume=True, checkpoint_file=CHECKPOINT_FILE) is True
+    out.mkdir()
+    with pytest.raises(RuntimeError, match="already exists"):
+        state.check_start(out, staging, resume=True, checkpoint_file=CHECKPOINT_FILE)

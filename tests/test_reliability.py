@@ -83,7 +83,7 @@ def _gguf(model, out, extra=()):
 
 
 def _qat(model, out, extra=()):
-    text, cache = extra
+    text, cache, _ = extra
     sets = {"qat.seq_len": 64, "qat.batch_tokens": 128, "qat.eval_interval": 4, "qat.eval_tokens": 128,
             "qat.checkpoint_interval": 2, "qat.data": text, "qat.top_k": 8, "qat.learning_rate": 1e-3}
     return ["qat", "ternary", "--model", model, "--out", out, "--tokens", "1024", "--no-progress",
@@ -91,8 +91,8 @@ def _qat(model, out, extra=()):
 
 
 def _draft(model, out, extra=()):
-    text, cache = extra
-    return ["draft", "train", "--target", model, "--out", out, "--tokens", "1280", "--seq-len", "64",
+    text, cache, target = extra  # a head reads the states entering layers 2, L/2 and L-3: L = 4, not 2
+    return ["draft", "train", "--target", target, "--out", out, "--tokens", "1280", "--seq-len", "64",
             "--batch-rows", "2", "--ttt-steps", "2", "--draft-vocab", "128", "--data", text, "--no-progress"]
 
 
@@ -152,8 +152,8 @@ def _reference(command, launcher, model, outputs, extra) -> tuple[dict, float]:
 
 
 @pytest.fixture(scope="module")
-def training_extra(training_text, tmp_path_factory):
-    return str(training_text), str(tmp_path_factory.mktemp("cache"))
+def training_extra(training_text, tmp_path_factory, tiny_checkpoint_factory):
+    return str(training_text), str(tmp_path_factory.mktemp("cache")), str(tiny_checkpoint_factory(num_hidden_layers=4))
 
 
 def _killed_commands() -> list[str]:

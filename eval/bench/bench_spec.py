@@ -188,7 +188,8 @@ def main(model, out, head_tokens, realign_tokens, qat_artifact, k, tree, tempera
         *[f"{verdict[tau_of('FP', name) >= 0.97 * fp_tau]}  the {name} keeps >= 0.97x the FP head's tau: "
           f"{tau_of('FP', name):.3f} vs {fp_tau:.3f}" for name in ("GPTQ W4 head", "QAT W4 head")],
     ]
-    trained = json.loads((head / "draft_train.json").read_text())
+    trained = {**json.loads((head / "draft_train.json").read_text()),
+               **json.loads((head / "draft_report.json").read_text())}
     notes = "\n".join([
         f"llama.cpp Q4_0 plain decode: {llama_decode:.1f} tok/s", "", speed_table, "",
         f"FP head: draft vocabulary {trained['draft_vocab']} tokens covering {100 * trained['heldout_coverage']:.1f} "

@@ -50,7 +50,8 @@ from quantkit.training.schedule import wsd_learning_rate
 
 RUN_FILE = "draft_run.json"
 CHECKPOINT_FILE = "draft_checkpoint.safetensors"
-LOG_FILE = "draft_train.json"
+LOG_FILE = "draft_train.json"  # what was trained: the same bytes for the same inputs, resumed or not
+REPORT_FILE = "draft_report.json"  # how this run went: timings, memory, where it resumed
 HELDOUT = "austen"
 W4_GRID = QuantConfig(bits=4, group_size=128, sym=True)  # the MiniCPM4 report's QAT head: W4A16 g128 (Marlin)
 
@@ -146,7 +147,7 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
 
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     staging = staging_dir(out_dir)
-    state.check_start(out_dir, staging, resume, CHECKPOINT_FILE, DraftTrainingError)
+    continuing = state.check_start(out_dir, staging, resume, CHECKPOINT_FILE, DraftTrainingError)
     target = load_model(target_dir, torch.float32)
     target.requires_grad_(False)
     settings.check(target.config.vocab_size)
@@ -155,7 +156,7 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
     target_fingerprint = CheckpointReader(target_dir).fingerprint()
     init_fingerprint = None if init is None else CheckpointReader(init).fingerprint()
     fingerprint = _fingerprint(target_fingerprint, data.fingerprint, settings, init_fingerprint)
-    state.record_run(staging, RUN_FILE, fingerprint, resume, DraftTrainingError)
+    state.record_run(staging, RUN_FILE, fingerprint, continuing, DraftTrainingError)
 
     head = (initial_head(target, settings, torch.bincount(data.rows.flatten(), minlength=target.config.vocab_size))
             if init is None else _starting_head(Path(init), target, settings))
@@ -184,7 +185,7 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
     optimizer = torch.optim.AdamW(list(trainable.values()), lr=settings.learning_rate, betas=settings.betas,
                                   weight_decay=settings.weight_decay)
     start_step = 0
-    if resume:
+    if continuing:
         loop = state.load(staging / CHECKPOINT_FILE, trainable, optimizer)
         start_step, report.log = loop["step"], loop["log"]
         report.resumed_from_step = start_step
@@ -245,7 +246,10 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
                    for group in HEAD_LINEAR_GROUPS for name in group}
         save_quantized_head(head, records, settings.w4, staging)
     atomic.write_json(staging / LOG_FILE, {"settings": asdict(settings), "target": str(target_dir),
-                                           "data": data.described, **report.to_dict()})
+                                           "data": data.described, "steps": report.steps, "tokens": report.tokens,
+                                           "draft_vocab": report.draft_vocab,
+                                           "heldout_coverage": report.heldout_coverage, "log": report.log})
+    atomic.write_json(staging / REPORT_FILE, report.to_dict())
     for leftover in (CHECKPOINT_FILE, RUN_FILE):
         (staging / leftover).unlink()
     atomic.publish_dir(staging, out_dir)

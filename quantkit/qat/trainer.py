@@ -154,7 +154,7 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, tokens:
     if "qat" not in recipe.values:
         raise QATError(f"recipe {recipe.name} has no 'qat' section: it is a post-training recipe "
                        "(`quantkit quantize`); QAT recipes are qat-ternary-g32, qat-ternary-g256 and mlx-dwq-w4g64")
-    state.check_start(out_dir, staging, resume, CHECKPOINT_FILE, QATError)
+    continuing = state.check_start(out_dir, staging, resume, CHECKPOINT_FILE, QATError)
     device = resolve_device(device)
     settings = recipe["qat"]
     total_tokens = tokens or settings["tokens"]
@@ -188,7 +188,7 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, tokens:
     heldout = calib.heldout_tokens(tokenizer, HELDOUT, max_tokens=settings["eval_tokens"])
     model_fingerprint = reader.fingerprint()
     fingerprint = run_fingerprint(model_fingerprint, init_fingerprint, recipe, data.fingerprint, total_tokens)
-    state.record_run(staging, RUN_FILE, fingerprint, resume, QATError)
+    state.record_run(staging, RUN_FILE, fingerprint, continuing, QATError)
 
     report = QATReport(out_dir=str(out_dir), recipe=recipe.name)
     cache = None
@@ -212,7 +212,7 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, tokens:
                                   betas=tuple(settings["betas"]), eps=settings["eps"],
                                   weight_decay=settings["weight_decay"])
     start_step = 0
-    if resume:
+    if continuing:
         loop = state.load(staging / CHECKPOINT_FILE, trainable, optimizer)
         start_step, report.log = loop["step"], loop["log"]
         report.resumed_from_step = start_step

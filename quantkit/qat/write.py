@@ -114,6 +114,8 @@ def write_outputs(trained: TrainedModel, model_dir: Path, recipe: Recipe, out_di
         writer.write_shard(index, tensors)
     writer.write_shard(config.num_hidden_layers, outside)
     writer.write_progress(trained.fingerprint, [])
+    for leftover in (CHECKPOINT_FILE, RUN_FILE):  # before the manifest lists the files, and before publishing
+        (staging / leftover).unlink(missing_ok=True)
     manifest = _manifest(trained, recipe, FAKE_QUANT if fake_quant else fmt.name, reader.fingerprint(), init)
     if fake_quant:
         writer.finish(model_dir, out_dir, source_config, None, manifest, report, weights_file=SINGLE_FILE,
@@ -123,5 +125,3 @@ def write_outputs(trained: TrainedModel, model_dir: Path, recipe: Recipe, out_di
         configs = fmt.config_files({**source_config, "quantization_config": quantization_config})
         writer.finish(model_dir, out_dir, configs.pop("config.json"), quantization_config, manifest, report,
                       weights_file=fmt.weights_file, extra_configs=configs)
-    for leftover in (CHECKPOINT_FILE, RUN_FILE):
-        (out_dir / leftover).unlink(missing_ok=True)

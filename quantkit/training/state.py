@@ -16,22 +16,23 @@ from quantkit import atomic
 
 
 def check_start(out_dir: Path, staging: Path, resume: bool, checkpoint_file: str,
-                error: type[Exception] = RuntimeError) -> None:
-    """Refuse, before any work, a run whose output exists, a ``--resume`` with no checkpoint in
-    ``staging`` (``<out>.partial``), and a fresh start over an interrupted run's staging."""
+                error: type[Exception] = RuntimeError) -> bool:
+    """Refuse, before any work, a run whose output exists and a fresh start over an interrupted run's
+    staging (``<out>.partial``); return whether the run continues from a checkpoint there. A ``--resume``
+    with no checkpoint yet (a run stopped before its first one) starts over, as `quantize --resume` does
+    before its first layer."""
     if out_dir.exists():
         raise error(f"output directory {out_dir} already exists; choose another --out or remove it")
-    if resume and not (staging / checkpoint_file).is_file():
-        raise error(f"--resume: {staging} holds no checkpoint to continue from")
     if staging.exists() and not resume:
         raise error(f"{staging} holds an interrupted run: pass --resume to continue it, or remove it")
+    return resume and (staging / checkpoint_file).is_file()
 
 
-def record_run(staging: Path, run_file: str, fingerprint: str, resume: bool,
+def record_run(staging: Path, run_file: str, fingerprint: str, continuing: bool,
                error: type[Exception] = RuntimeError) -> None:
-    """Tie ``staging`` to the run's inputs (``fingerprint``): a resumed run must have the same ones."""
+    """Tie ``staging`` to the run's inputs (``fingerprint``): a continued run must have the same ones."""
     path = staging / run_file
-    if resume and json.loads(path.read_text())["fingerprint"] != fingerprint:
+    if continuing and json.loads(path.read_text())["fingerprint"] != fingerprint:
         raise error(f"{staging} was started with other inputs (model, recipe or settings, data or tokens); "
                     "remove it to start over")
     staging.mkdir(parents=True, exist_ok=True)
