@@ -175,7 +175,7 @@ def test_reused_attention_gives_the_same_statistics_and_outputs(tiny):
     from quantkit.models.layers import DOWN, GATE, O_PROJ
 
     config = MiniCPMConfig.from_pretrained(tiny)
-    layer = _build_layer(config, 1, _layer_tensors(CheckpointReader(tiny), 1), torch.bfloat16)
+    layer = _build_layer(config, 1, _layer_tensors(CheckpointReader(tiny), 1), torch.bfloat16, torch.device("cpu"))
     hidden = torch.randn(5, 24, config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
     position_embeddings = MiniCPMRotaryEmbedding(config)(hidden, torch.arange(24)[None])
     recomputing, reusing = (LayerRunner(layer, position_embeddings, batch_size=2) for _ in range(2))

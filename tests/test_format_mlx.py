@@ -159,7 +159,7 @@ def test_mixed_gptq_solves_each_linear_on_its_own_grid(eight_layers, tmp_path):
     GPTQ's on 6 bits (far below the W4 run's error), and the 6-bit linears are exactly the predicate's."""
     runs = {}
     for recipe in ("mlx-s-p-gptq-mixed-4-6", "mlx-s-p-gptq-w4g64"):
-        quantize(eight_layers, small_recipe(recipe, tmp_path), tmp_path / recipe, progress=False)
+        quantize(eight_layers, small_recipe(recipe, tmp_path, smooth={"grid": 2}), tmp_path / recipe, progress=False)
         runs[recipe] = ArtifactReader(tmp_path / recipe)
     mixed, uniform = runs["mlx-s-p-gptq-mixed-4-6"], runs["mlx-s-p-gptq-w4g64"]
     records = {name: record for i in range(mixed.num_layers) for name, record in mixed.layer(i)[1].items()}
