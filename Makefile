@@ -25,7 +25,7 @@ LLMC_BIN := $(LLMC_VENV)/bin
 LLMC_INSTALLED := $(LLMC_VENV)/.installed
 LLMCOMPRESSOR ?= llmcompressor==0.14.0.1
 
-.PHONY: install demo demo-marlin publish-demo test test-fast lint default-model bench-gptq bench-awq bench-gguf llama-tools bench-mlx bench-scale bench-runtime bench-qat bench-spec eval-sparse test-reliability interop interop-peer clean help \
+.PHONY: install demo demo-marlin publish-demo test test-fast lint default-model bench-gptq bench-awq bench-gguf bench-gguf-speed llama-tools bench-mlx bench-scale bench-runtime bench-qat bench-spec eval-sparse test-reliability interop interop-peer clean help \
 	eval-ppl eval-kld eval-report eval-niah eval-tasks eval-accept
 
 help:
@@ -40,6 +40,7 @@ help:
 	@echo "make bench-gptq  RTN / GPTQ / P-GPTQ / S-P-GPTQ / GPTQModel at W4 and W3 g128 on the default model, one table"
 	@echo "make bench-awq   AWQ / RTN / GPTQ / S-P-GPTQ at W4 and W3 g128, then AWQ vs llm-compressor at W4 g64"
 	@echo "make bench-gguf  every GGUF type exported by quantkit and by llama.cpp's quantizer, plus GPTQ on the Q4_0 and Q4_K_M grids, scored in llama.cpp"
+	@echo "make bench-gguf-speed  quantkit export gguf vs llama.cpp's quantizer, time per type on the default model and an 8B-shaped slice (target <= 1.5x)"
 	@echo "make llama-tools  build llama.cpp's llama-imatrix and llama-quantize once (bench-gguf's imatrix anchor; ~10 min)"
 	@echo "make bench-mlx   mlx_lm.convert, mlx-lm's GPTQ/AWQ/DWQ, quantkit's MLX recipes and DWQ at W4 g64, scored by mlx-lm (BENCH_MLX_ARGS='--reuse')"
 	@echo "make bench-runtime  quantkit's runtime (W4) vs transformers fp32/bf16 and llama.cpp Q4_0, decode and prefill; InfLLM v2 vs dense attention"
@@ -125,6 +126,12 @@ bench-awq: $(INSTALLED) $(LLMC_INSTALLED)
 
 bench-gguf: $(TEST_INSTALLED)
 	$(BIN)/python -m quantkit.eval.bench.bench_gguf --out $(OUT)/bench-gguf
+
+# The slice's checkpoint (1.6 GB) is written once under $(OUT)/bench-gguf-speed; BENCH_GGUF_SPEED_ARGS='--layers 32'
+# times the full 8B export instead (16 GB of shards).
+bench-gguf-speed: $(TEST_INSTALLED)
+	$(BIN)/python -m quantkit.eval.bench.bench_gguf_speed --out $(OUT)/bench-gguf-speed \
+		--json $(OUT)/bench-gguf-speed/speed.json $(BENCH_GGUF_SPEED_ARGS)
 
 # llama.cpp's llama-imatrix and llama-quantize (bench-gguf's imatrix anchor), built once from the llama.cpp
 # that llama-cpp-python vendors into ~/.cache/quantkit/llama.cpp-<version>/bin; bench-gguf builds them if absent.

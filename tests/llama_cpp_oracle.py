@@ -2,20 +2,16 @@
 ships), as the reference the GGUF block quantizers must match byte for byte."""
 from __future__ import annotations
 
-import ctypes
-from pathlib import Path
-
 import numpy as np
+
+from quantkit.gguf.native import load_libggml
 
 
 def _libggml():
-    import llama_cpp
-    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
-    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
-    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    lib.ggml_row_size.restype = ctypes.c_size_t
-    lib.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
+    """The library quantkit's fast path loads (only the loading is shared: the call below is this
+    oracle's own, one ggml_quantize_chunk over all rows)."""
+    lib = load_libggml()
+    assert lib is not None, "llama-cpp-python's libggml-base did not load"
     return lib
 
 

@@ -195,6 +195,32 @@ def test_llama_cpp_quantizer_agrees_on_whole_k_blocks(tiny_checkpoint_factory, t
         assert (types["blk.0.attn_v.weight"], types["blk.1.attn_v.weight"]) == ("Q4_K", "Q6_K")
 
 
+@pytest.mark.parametrize("file_type", ["q4_k_m", "q4_1", "bf16"])
+def test_export_without_libggml_writes_the_same_file(tiny_checkpoint, tmp_path, monkeypatch, file_type):
+    """The NumPy codecs, where llama-cpp-python's libggml is absent, write the fast path's file byte for byte."""
+    from quantkit.gguf import native
+
+    export_gguf(tiny_checkpoint, tmp_path / "fast.gguf", file_type, progress=False)
+    monkeypatch.setattr(native, "load_libggml", lambda: None)
+    export_gguf(tiny_checkpoint, tmp_path / "numpy.gguf", file_type, progress=False)
+    assert (tmp_path / "fast.gguf").read_bytes() == (tmp_path / "numpy.gguf").read_bytes()
+
+
+@pytest.mark.parametrize("value", [["a", "bé", "", "Ġthe"], [1, -3, 7], [0.5, -2.25], [True, False], ["x", 1]],
+                         ids=["strings", "ints", "floats", "bools", "mixed"])
+def test_metadata_arrays_pack_as_gguf_py_packs_them(value):
+    import gguf
+
+    from quantkit.gguf.export import _Writer
+
+    def packed(writer):
+        try:
+            return writer._pack_val(value, gguf.GGUFValueType.ARRAY, add_vtype=True)
+        except ValueError as e:
+            return str(e)
+    assert packed(_Writer(None, "minicpm")) == packed(gguf.GGUFWriter(None, "minicpm"))
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_tiny_longrope_model_matches_llama_cpp(tiny_checkpoint_factory, tmp_path, tied):
     """LongRoPE factors and attention factor, GQA, tied embeddings and sparse_config survive export."""

@@ -1,10 +1,15 @@
 """GGUF block quantizers (F32/F16/BF16, Q8_0/Q4_0/Q4_1, Q6_K): bytes identical to llama.cpp's own
-quantizer on the same float32 input, dequantizers equal to gguf-py's, partial blocks refused."""
+quantizer on the same float32 input, dequantizers equal to gguf-py's, partial blocks refused; the
+fast path (ggml's quantizer through quantkit.gguf.native) writes the NumPy codecs' bytes, and the
+codecs run where the library is absent."""
 import numpy as np
 import pytest
+import torch
 from gguf.quants import dequantize as gguf_dequantize
+from test_gguf_imatrix import _importance
 
-from quantkit.gguf.types import TYPES
+from quantkit.gguf import native
+from quantkit.gguf.types import TYPES, TensorType
 
 from llama_cpp_oracle import ggml_quantize
 
@@ -46,3 +51,55 @@ def test_rows_must_be_whole_blocks(name):
     with pytest.raises(ValueError, match="whole blocks of 32"):
         TYPES[name].quantize(np.zeros((2, 48), dtype=np.float32))
     assert not TYPES[name].fits(48) and TYPES[name].fits(576)
+
+
+FAST = [name for name, t in TYPES.items() if t.ggml_quantizes]
+
+
+def _awkward_rows(seed=0) -> np.ndarray:
+    """``_weights`` plus single outliers and rows of values near float32's smallest normals; an odd
+    row count, so that the rows split unevenly across threads."""
+    x = _weights(rows=67, seed=seed)
+    x[7, 100] = 3e4
+    x[8, 300] = -2e4
+    x[9] = np.random.default_rng(seed).standard_normal(512).astype(np.float32) * 1e-30
+    return x
+
+
+def _forbid_numpy(monkeypatch) -> None:
+    """Any NumPy codec call fails from here on, so what passes ran in ggml; rows split three ways."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the NumPy codec ran")
+    monkeypatch.setattr(TensorType, "quantize_with", refuse)
+    monkeypatch.setattr(native, "MIN_WEIGHTS_PER_THREAD", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "imatrix"])
+@pytest.mark.parametrize("name", FAST)
+def test_fast_path_writes_the_numpy_codecs_bytes(name, weighted, monkeypatch):
+    tensor_type = TYPES[name]
+    x, imp = _awkward_rows(), _importance(0) if weighted else None
+    expected = tensor_type.quantize_with(x, imp)
+    _forbid_numpy(monkeypatch)
+    assert native.load_libggml() is not None
+    np.testing.assert_array_equal(tensor_type.quantize_fast(x, imp), expected)
+    np.testing.assert_array_equal(tensor_type.quantize_fast(x[3], imp), expected[3])  # one row, [K]
+
+
+def test_fast_path_refuses_what_ggml_would_abort_on():
+    with pytest.raises(ValueError, match="whole blocks of 256"):
+        TYPES["q4_k"].quantize_fast(np.zeros((2, 288), dtype=np.float32))
+    with pytest.raises(ValueError, match="importance has shape"):
+        TYPES["q4_0"].quantize_fast(np.zeros((2, 64), dtype=np.float32), np.ones(63, dtype=np.float32))
+
+
+@pytest.mark.parametrize("name", ["q4_k", "q4_0", "bf16"])
+def test_without_the_library_the_numpy_codecs_run(name, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("ggml ran")
+    monkeypatch.setattr(native, "load_libggml", lambda: None)
+    monkeypatch.setattr(native, "quantize", refuse)
+    x, imp = _awkward_rows(1), _importance(1)
+    np.testing.assert_array_equal(TYPES[name].quantize_fast(x, imp), TYPES[name].quantize_with(x, imp))
+    np.testing.assert_array_equal(TYPES[name].quantize_fast(x), TYPES[name].quantize(x))

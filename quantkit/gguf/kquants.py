@@ -30,13 +30,17 @@ def _whole_blocks(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def importance_like(importance: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """An importance vector (one float per input channel, llama.cpp's imatrix row) broadcast to x [..., K]."""
+def importance_vector(importance: np.ndarray, k: int) -> np.ndarray:
+    """An importance vector (one float per input channel, llama.cpp's imatrix row) as float32 [k]."""
     importance = np.asarray(importance, dtype=_F32)
-    if importance.shape != x.shape[-1:]:
-        raise ValueError(f"importance has shape {importance.shape}; rows of {x.shape[-1]} values need "
-                         f"({x.shape[-1]},)")
-    return np.broadcast_to(importance, x.shape)
+    if importance.shape != (k,):
+        raise ValueError(f"importance has shape {importance.shape}; rows of {k} values need ({k},)")
+    return importance
+
+
+def importance_like(importance: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The importance vector broadcast to x [..., K]."""
+    return np.broadcast_to(importance_vector(importance, x.shape[-1]), x.shape)
 
 
 def _nearest_int(v: np.ndarray) -> np.ndarray:

@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 from gguf import GGMLQuantizationType as GGML
 
-from quantkit.gguf import kquants, legacy, ternary
+from quantkit.gguf import kquants, legacy, native, ternary
 from quantkit.gguf.codec import Codec
 
 
@@ -28,6 +28,17 @@ class TensorType:
     # ggml's importance-matrix path: (x, importance [K], the rows' σ² or None) -> bytes; None where ggml
     # ignores the imatrix (Q8_0, the ternary and float types)
     quantize_weighted: Callable[[np.ndarray, np.ndarray, np.ndarray | None], np.ndarray] | None = None
+    # ggml_quantize_chunk writes this type's bytes as quantize/quantize_with do (tests/test_gguf_types.py),
+    # faster: quantize_fast runs it wherever llama-cpp-python's libggml loads
+    ggml_quantizes: bool = False
+
+    def quantize_fast(self, x: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
+        """``quantize_with(x, importance)``'s bytes for whole rows x, by ggml's own quantizer where this
+        type has it and the library loads (native.py), else by the NumPy codec."""
+        lib = native.load_libggml() if self.ggml_quantizes else None
+        if lib is None:
+            return self.quantize_with(x, importance)
+        return native.quantize(lib, self.ggml, self.block_size, x, importance)
 
     def quantize_with(self, x: np.ndarray, importance: np.ndarray | None = None,
                       row_sigma2: np.ndarray | None = None) -> np.ndarray:
@@ -63,29 +74,33 @@ def _from_bf16(data: np.ndarray, k: int) -> np.ndarray:
     return (halves << 16).view(np.float32)
 
 
-def _float_type(name: str, ggml: GGML, dtype: str) -> TensorType:
+def _float_type(name: str, ggml: GGML, dtype: str, ggml_quantizes: bool) -> TensorType:
     size = np.dtype(dtype).itemsize
     return TensorType(
         name, ggml, 1, size,
         lambda x: _as_bytes(np.ascontiguousarray(np.asarray(x, dtype=np.float32).astype(dtype))),
         lambda data, k: data.reshape(*data.shape[:-1], k * size).copy().view(dtype).astype(np.float32),
+        ggml_quantizes=ggml_quantizes,
     )
 
 
 TYPES: dict[str, TensorType] = {
-    "f32": _float_type("f32", GGML.F32, "<f4"),
-    "f16": _float_type("f16", GGML.F16, "<f2"),
-    "bf16": TensorType("bf16", GGML.BF16, 1, 2, _to_bf16, _from_bf16),
+    # F32 is a copy either way; ggml's F16 conversion is as fast as NumPy's, its BF16 one ~50x faster
+    "f32": _float_type("f32", GGML.F32, "<f4", ggml_quantizes=False),
+    "f16": _float_type("f16", GGML.F16, "<f2", ggml_quantizes=True),
+    "bf16": TensorType("bf16", GGML.BF16, 1, 2, _to_bf16, _from_bf16, ggml_quantizes=True),
     **{name: TensorType(name, GGML[name.upper()], legacy.BLOCK, layout.block_bytes, legacy.QUANTIZERS[name],
                         lambda data, k, name=name: legacy.dequantize(data, k, name), legacy.CODECS[name],
-                        legacy.WEIGHTED_QUANTIZERS.get(name))
+                        legacy.WEIGHTED_QUANTIZERS.get(name), ggml_quantizes=True)
        for name, layout in legacy.LAYOUTS.items()},
     "q4_k": TensorType("q4_k", GGML.Q4_K, 256, 144, kquants.quantize_q4_k, kquants.dequantize_q4_k,
-                       kquants.CODECS["q4_k"], kquants.quantize_q4_k),
+                       kquants.CODECS["q4_k"], kquants.quantize_q4_k, ggml_quantizes=True),
     "q5_k": TensorType("q5_k", GGML.Q5_K, 256, 176, kquants.quantize_q5_k, kquants.dequantize_q5_k,
-                       kquants.CODECS["q5_k"], kquants.quantize_q5_k),
+                       kquants.CODECS["q5_k"], kquants.quantize_q5_k, ggml_quantizes=True),
     "q6_k": TensorType("q6_k", GGML.Q6_K, 256, 210, kquants.quantize_q6_k, kquants.dequantize_q6_k,
-                       kquants.CODECS["q6_k"], kquants.quantize_q6_k),
-    "tq2_0": TensorType("tq2_0", GGML.TQ2_0, 256, 66, ternary.quantize_tq2_0, ternary.dequantize_tq2_0),
-    "tq1_0": TensorType("tq1_0", GGML.TQ1_0, 256, 54, ternary.quantize_tq1_0, ternary.dequantize_tq1_0),
+                       kquants.CODECS["q6_k"], kquants.quantize_q6_k, ggml_quantizes=True),
+    "tq2_0": TensorType("tq2_0", GGML.TQ2_0, 256, 66, ternary.quantize_tq2_0, ternary.dequantize_tq2_0,
+                        ggml_quantizes=True),
+    "tq1_0": TensorType("tq1_0", GGML.TQ1_0, 256, 54, ternary.quantize_tq1_0, ternary.dequantize_tq1_0,
+                        ggml_quantizes=True),
 }

@@ -1,0 +1,144 @@
+"""`make bench-gguf-speed`: how long ``quantkit export gguf`` takes against llama.cpp's own quantizer.
+
+For each type, quantkit exports the checkpoint and llama.cpp's ``llama_model_quantize`` quantizes
+quantkit's F32 export of it, both in this process with the same threads, median of repeats after a
+warm-up (on the slice one call each); the ratio's target is 1.5 and the files' tensors must be
+identical. Models: the default model and an 8B-shaped slice, MiniCPM4.1-8B's shapes (73,448 × 4,096
+embedding and output, hidden 4,096, intermediate 16,384, 32 query / 2 key-value heads of 128) with
+``--layers`` decoder layers of random weights, written once as ``make bench-scale`` writes the whole
+model. The slice's Q4_K_M export is also run as a command under ``/usr/bin/time -v`` for its wall
+time and peak memory (``--layers 32`` makes that the full 8B export).
+
+    python -m quantkit.eval.bench.bench_gguf_speed --out out/bench-gguf-speed
+"""
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import click
+from quantkit.eval.bench.bench_gguf import tensor_digest
+from quantkit.eval.bench.common import machine, median_seconds, report, timed, timing_options
+
+from quantkit.table import format_table
+
+TARGET_RATIO = 1.5
+DEFAULT_TYPES = "q8_0,q6_k,q5_k_m,q4_k_m,q4_k_s,q4_1,q4_0"
+# Each call on the slice quantizes its 0.8 B weights (a minute or more on 2 cores): fewer types there
+SLICE_TYPES = "q8_0,q4_k_m,q4_0"
+MEMORY_TYPE = "q4_k_m"  # the slice's export run as a command, for wall time and peak RSS
+
+
+def eight_b_slice(folder: Path, layers: int) -> Path:
+    """MiniCPM4.1-8B's shapes with ``layers`` decoder layers, random weights, written once."""
+    from quantkit.models.fixtures import minicpm41_8b_config, write_sharded_checkpoint
+
+    if (folder / "config.json").is_file():
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)
+    config = minicpm41_8b_config()
+    config.num_hidden_layers = layers
+    return write_sharded_checkpoint(folder, config, progress=True)
+
+
+def _seconds(run: Callable[[], object], repeats: int) -> float:
+    """Median of ``repeats`` calls after a warm-up, or with ``repeats`` 0 one call: the slice's calls take
+    minutes, and the default model's runs before them have already paid the imports."""
+    if repeats:
+        return median_seconds(run, repeats)
+    started = time.perf_counter()
+    run()
+    return time.perf_counter() - started
+
+
+def compare(label: str, model_dir: Path, types: list[str], work: Path, repeats: int, threads: int) -> list[dict]:
+    """One row per type: quantkit's export and llama.cpp's quantize of the F32 export, in seconds."""
+    from quantkit.eval.llamacpp import llama_quantize
+
+    from quantkit.gguf.export import export_gguf
+    from quantkit.gguf.mixes import FILE_TYPES
+
+    f32 = work / f"{label}-f32.gguf"
+    f32.unlink(missing_ok=True)
+    export_gguf(model_dir, f32, "f32", progress=False)
+    ours, theirs = work / f"{label}.gguf", work / f"{label}-llama.cpp.gguf"
+
+    def export(file_type: str) -> None:
+        ours.unlink(missing_ok=True)
+        export_gguf(model_dir, ours, file_type, progress=False)
+
+    def quantize(file_type: str) -> None:
+        theirs.unlink(missing_ok=True)
+        llama_quantize(f32, theirs, FILE_TYPES[file_type], threads)
+
+    rows = []
+    for file_type in types:
+        quantkit_s = _seconds(lambda: export(file_type), repeats)
+        llama_s = _seconds(lambda: quantize(file_type), repeats)
+        same = tensor_digest(ours) == tensor_digest(theirs)
+        rows.append({"model": label, "type": file_type, "quantkit_s": round(quantkit_s, 2),
+                     "llama_cpp_s": round(llama_s, 2), "ratio": round(quantkit_s / llama_s, 2),
+                     "target_met": quantkit_s / llama_s <= TARGET_RATIO, "identical": same})
+        click.echo(f"[{label} {file_type}] {quantkit_s:.2f} s vs {llama_s:.2f} s, identical: {same}", err=True)
+    for path in (f32, ours, theirs):
+        path.unlink(missing_ok=True)
+    return rows
+
+
+def export_memory(model_dir: Path, work: Path) -> dict:
+    """``quantkit export gguf --type q4_k_m`` of ``model_dir`` as its own process: wall s, peak RSS MB."""
+    out = work / f"memory-{MEMORY_TYPE}.gguf"
+    out.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "quantkit.cli", "export", "gguf", "--model", str(model_dir), "--type",
+               MEMORY_TYPE, "--out", str(out), "--no-progress"]
+    seconds, rss = timed(command, work / "export-memory.log")
+    out.unlink()
+    return {"type": MEMORY_TYPE, "wall_s": round(seconds, 1), "peak_rss_mb": round(rss)}
+
+
+@click.command()
+@click.option("--model", default="default", show_default=True)
+@click.option("--types", default=DEFAULT_TYPES, show_default=True, help="Comma-separated GGUF types.")
+@click.option("--slice-types", default=SLICE_TYPES, show_default=True,
+              help="Types for the 8B-shaped slice (empty: no slice).")
+@click.option("--layers", default=1, show_default=True, help="Decoder layers of the 8B-shaped checkpoint.")
+@click.option("--slice-repeats", default=0, show_default=True,
+              help="Timed calls per type on the slice (0: one call, no warm-up).")
+@click.option("--out", default="out/bench-gguf-speed", show_default=True, type=click.Path(path_type=Path))
+@timing_options(repeats=3)
+def main(model, types, slice_types, layers, slice_repeats, out, repeats, threads, json_path):
+    """Time both quantizers per type on the default model and the 8B-shaped slice, print one table."""
+    import torch
+
+    from quantkit.gguf import native
+    from quantkit.models.zoo import resolve_model
+
+    torch.set_num_threads(threads)  # quantkit's fast path splits rows across torch's thread count
+    out.mkdir(parents=True, exist_ok=True)
+    wanted = [t.strip() for t in types.split(",") if t.strip()]
+    rows = compare("default", resolve_model(model), wanted, out, repeats, threads)
+    memory = None
+    slice_wanted = [t.strip() for t in slice_types.split(",") if t.strip()]
+    if slice_wanted:
+        checkpoint = eight_b_slice(out / f"minicpm41-8b-{layers}-layer", layers)
+        rows += compare(f"8b-{layers}-layer", checkpoint, slice_wanted, out, slice_repeats, threads)
+        memory = export_memory(checkpoint, out)
+    implementation = "ggml_quantize_chunk" if native.load_libggml() is not None else "NumPy codecs (no libggml)"
+    setup = (f"{machine()}; quantkit export (quantizer: {implementation}) vs llama_model_quantize of its F32 "
+             f"export, both {threads} threads, in-process; median of {repeats} after a warm-up "
+             f"(slice: {slice_repeats or 'one call'}); target ratio <= {TARGET_RATIO}")
+    headers = ["model", "type", "quantkit s", "llama.cpp s", "ratio", f"<= {TARGET_RATIO}", "identical"]
+    table = format_table(headers, [[r["model"], r["type"], r["quantkit_s"], r["llama_cpp_s"], r["ratio"],
+                                    "yes" if r["target_met"] else "NO", "yes" if r["identical"] else "NO"]
+                                   for r in rows])
+    notes = "" if memory is None else (f"`quantkit export gguf --type {MEMORY_TYPE}` of the 8B-shaped "
+                                       f"{layers}-layer checkpoint as a command: {memory['wall_s']} s wall, "
+                                       f"peak RSS {memory['peak_rss_mb']} MB (/usr/bin/time -v)")
+    report(setup, table, rows, json_path=json_path, notes=notes, extra={"export_memory": memory})
+
+
+if __name__ == "__main__":
+    main()
