@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import resource
 import time
 from dataclasses import asdict, dataclass, field
@@ -194,6 +195,47 @@ def validate_checkpoint(reader: CheckpointReader, config: MiniCPMConfig, qconfig
             raise EngineError(f"tensor '{name}' in {reader.directory} contains NaN or Inf values")
 
 
+# What the estimate leaves out (the interpreter, torch, the tokenizer, allocator slack) is covered by this
+# factor rather than itemised.
+MEMORY_MARGIN = 1.25
+
+
+def calibration_memory(config: MiniCPMConfig, n_samples: int, seq_len: int, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes a run holds at its peak, by what holds them: the activations (the layer's input and output
+    and o_proj's input, kept so later groups skip the attention), one layer's weights (at the compute
+    dtype, a float32 copy for smoothing and the solve, and the solver's work matrices) and the largest
+    Hessian (float32, and its factor)."""
+    shapes = {name: shape for name, shape in weight_shapes(config).items() if name.startswith(layer_prefix(0))}
+    layer_parameters = sum(math.prod(shape) for shape in shapes.values())
+    widest = max(shape[1] for name, shape in shapes.items() if len(shape) == 2)
+    largest = max(math.prod(shape) for shape in shapes.values())
+    tokens = n_samples * seq_len
+    attention_width = config.num_attention_heads * (config.hidden_size // config.num_attention_heads)
+    return {
+        "activations": tokens * (2 * config.hidden_size + attention_width) * dtype.itemsize,
+        "layer weights": layer_parameters * (dtype.itemsize + 4) + 4 * largest * 4,
+        "Hessian": 2 * widest * widest * 4,
+    }
+
+
+def check_memory(config: MiniCPMConfig, n_samples: int, seq_len: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse before any work a run whose calibration cannot fit where it runs, with the estimate and the limit."""
+    from quantkit.memory import device_available_bytes
+
+    parts = calibration_memory(config, n_samples, seq_len, dtype)
+    needed = int(MEMORY_MARGIN * sum(parts.values()))
+    available = device_available_bytes(device)
+    if available is None or needed <= available[0]:
+        return
+    gib = 2 ** 30
+    itemised = ", ".join(f"{name} {size / gib:.2f} GiB" for name, size in parts.items())
+    raise EngineError(
+        f"calibration does not fit: {n_samples} x {seq_len} tokens at hidden size {config.hidden_size} in "
+        f"{str(dtype).removeprefix('torch.')} need about {needed / gib:.2f} GiB on {device.type} ({itemised}, plus "
+        f"{MEMORY_MARGIN - 1:.0%}), and {available[1]} leaves {max(available[0], 0) / gib:.2f} GiB. Lower "
+        "calibration.n_samples or calibration.seq_len (--set calibration.n_samples=N), or free memory")
+
+
 def run_fingerprint(model: str, recipe: Recipe, calibration: str, dtype: torch.dtype) -> str:
     payload = json.dumps({"model": model, "recipe": recipe.fingerprint(), "calibration": calibration,
                           "compute_dtype": str(dtype), "quantkit": quantkit.__version__}, sort_keys=True)
@@ -240,6 +282,7 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
     qconfig = fmt.resolve(fmt.grid(recipe["quant"], reader.dtype(EMBEDDING)), recipe.values, config.num_hidden_layers)
     validate_checkpoint(reader, config, qconfig, fmt, recipe["gptq"]["desc_act"], progress)
     dtype = compute_dtype(recipe["compute_dtype"])
+    check_memory(config, recipe["calibration"]["n_samples"], recipe["calibration"]["seq_len"], dtype, device)
 
     from quantkit.checkpoint import load_tokenizer
 

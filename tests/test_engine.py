@@ -255,3 +255,18 @@ def test_device_auto_is_the_cpu_without_a_gpu_and_cuda_is_refused(tiny, recipe, 
     with pytest.raises(RuntimeError, match="no CUDA device"):
         quantize(tiny, recipe, tmp_path / "out", progress=False, device="cuda")
     assert not (tmp_path / "out").exists()
+
+
+def test_calibration_that_cannot_fit_is_refused_up_front_with_estimate_and_limit(tiny, recipe, tmp_path,
+                                                                                monkeypatch):
+    import quantkit.memory
+    from quantkit.engine import calibration_memory
+
+    parts = calibration_memory(MiniCPMConfig.from_pretrained(tiny), 4, 64, torch.float32)
+    hidden = MiniCPMConfig.from_pretrained(tiny).hidden_size
+    assert parts["activations"] == 4 * 64 * 3 * hidden * 4  # input, output and o_proj's input, float32
+    monkeypatch.setattr(quantkit.memory, "available_bytes", lambda: (2**20, "a test's limit"))
+    with pytest.raises(EngineError, match=r"calibration does not fit: 4 x 64 tokens .* need about [\d.]+ GiB on cpu "
+                                          r"\(activations .*a test's limit leaves 0.00 GiB"):
+        quantize(tiny, recipe, tmp_path / "out", progress=False, device="cpu")
+    assert not (tmp_path / "out").exists() and not staging_dir(tmp_path / "out").exists()

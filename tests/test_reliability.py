@@ -8,6 +8,7 @@
 * write errors: RLIMIT_FSIZE at several sizes: one clear error naming the file, nothing under the final
   name, the same bytes on a rerun without the limit.
 * two runs, one output: the second is refused while the first writes; a killed run's lock is taken over.
+* memory: a calibration that cannot fit is refused before any work, with the estimate and the limit.
 * hostile input: safetensors headers, checkpoint directories, recipes and `--set` (hypothesis), GGUF and
   tokenizer files, runtime arguments: every case is one clear error, never a traceback.
 
@@ -100,10 +101,10 @@ def _draft(model, out, extra=()):
 COMMANDS = {
     "quantize rtn-w4g128": (_quantize("rtn-w4g128"), False, "--resume", 2, 16),
     "quantize gptq-w4g128": (_quantize("gptq-w4g128"), False, "--resume", 2, 16),
-    "export gguf q4_k_m": (_gguf, True, None, 2, 16),
-    "qat ternary": (_qat, False, "--resume", 0, 4),
-    "draft train": (_draft, False, "--resume", 0, 4),
-}
+    "export gguf q4_k_m": (_gguf, True, None, 2, 17),
+    "qat ternary": (_qat, False, "--resume", 0, 19),
+    "draft train": (_draft, False, "--resume", 0, 19),
+}  # with the chosen moments, at least 20 kills per command in the full run
 
 
 def _staging(final: Path) -> Path:
@@ -290,6 +291,35 @@ def test_a_killed_runs_lock_is_stale_and_taken_over(command, launcher, model, ou
         if rerun.code != 0 or snapshot(final) != reference:
             problems.append(f"attempt {attempt}: rerun over a stale lock failed: {rerun.stderr[-1000:]}")
     assert not problems, "\n".join(problems)
+
+
+# calibration rows x tokens far beyond any machine's memory (a tiny model's activations alone: ~1 TB)
+OVERSIZED_CALIBRATION = [("calibration.n_samples", 100_000), ("calibration.seq_len", 4096)]
+
+
+def test_a_calibration_that_cannot_fit_is_refused_before_any_work(launcher, model, outputs, tally, training_extra):
+    """Refused up front with the estimate and the binding limit, in far less time than tokenizing it would
+    take, nothing under the final name; the same run with a calibration that fits then completes."""
+    launcher.env = {}
+    reference, _ = _reference("quantize gptq-w4g128", launcher, model, outputs, training_extra)
+    row = tally.row("quantize", "calibration beyond memory")
+    final = _output(outputs, "quantize gptq-w4g128", "oversized")
+    sets = [arg for key, value in OVERSIZED_CALIBRATION for arg in ("--set", f"{key}={value}")]
+    row.cases += 1
+    started = time.monotonic()
+    outcome = launcher.run(["quantize", "--recipe", "gptq-w4g128", "--model", model, "--out", final, "--no-progress",
+                            *sets])
+    seconds = time.monotonic() - started
+    row.tracebacks += outcome.traceback
+    refused = outcome.clear_error and "does not fit" in outcome.stderr and "GiB" in outcome.stderr
+    row.clear_errors += refused
+    row.partial_outputs += final.exists() or _staging(final).exists()
+    assert refused, outcome.stderr[-2000:]
+    assert seconds < 30 and not final.exists() and not _staging(final).exists()
+    rerun = launcher.run(_quantize("gptq-w4g128")(model, final))
+    row.resumes += 1
+    row.identical += rerun.code == 0 and snapshot(final) == reference
+    assert rerun.code == 0 and snapshot(final) == reference, rerun.stderr[-1000:]
 
 
 def test_the_lock_excludes_another_process_and_not_its_own(tmp_path):
