@@ -42,6 +42,11 @@ def cases(reduced: int, full: int) -> int:
 # ---------------------------------------------------------------------------------------------------
 # Starting runs
 
+def _text(path: Path) -> str:
+    """A run's captured output; none when it was killed before the forked child opened the file."""
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
 @dataclass
 class Outcome:
     code: int  # exit code, or -signal
@@ -151,7 +156,7 @@ class Proc:
                 self.code = self._popen.wait(timeout)
             else:
                 self.code = self.launcher._ask({"op": "wait", "pid": self.pid})["code"]
-        return Outcome(self.code, self._stdout.read_text(errors="replace"), self._stderr.read_text(errors="replace"))
+        return Outcome(self.code, _text(self._stdout), _text(self._stderr))
 
     def kill(self) -> None:
         if self.poll() is None:
