@@ -653,7 +653,10 @@ def test_corrupt_gguf_files_are_one_clear_error(launcher, model, outputs, tmp_pa
              "truncated data": good[:len(good) // 2], "random bytes": os.urandom(4096),
              "version 99": good[:4] + struct.pack("<I", 99) + good[8:],
              "tensor count huge": good[:8] + struct.pack("<Q", 1 << 60) + good[16:]}
+    from quantkit.models.gguf_convert import convert_gguf
+
     row = tally.row("publish --dry-run (GGUF check)", "corrupt GGUF")
+    conversion = tally.row("GGUF conversion (default model, Hub GGUF files)", "corrupt GGUF")
     problems = []
     for name, data in files.items():
         path = tmp_path / f"{name.replace(' ', '-')}.gguf"
@@ -664,7 +667,19 @@ def test_corrupt_gguf_files_are_one_clear_error(launcher, model, outputs, tmp_pa
         row.clear_errors += outcome.clear_error
         if not outcome.clear_error:
             problems.append(f"{name}: exit {outcome.code}: {outcome.stderr[-1500:]}")
+        conversion.cases += 1  # the converter every GGUF model goes through, called as `resolve_model` calls it
+        out = tmp_path / f"converted-{path.stem}"
+        try:
+            convert_gguf(path, out, progress=False)
+            problems.append(f"{name}: converted without an error")
+        except ValueError as error:
+            conversion.clear_errors += str(path) in str(error) and "\n" not in str(error)
+        except Exception as error:  # what reaches the user as a traceback
+            conversion.tracebacks += 1
+            problems.append(f"{name}: conversion raised {type(error).__name__}: {error}")
+        conversion.partial_outputs += out.exists()
     assert not problems, "\n\n".join(problems)
+    assert conversion.clear_errors == conversion.cases and not conversion.partial_outputs
 
 
 RUNTIME_CASES = {
@@ -679,15 +694,18 @@ RUNTIME_CASES = {
     "max_new_tokens 0": ["--prompt", "Hi", "--max-new-tokens", "0"],
     "prefill_chunk 0": ["--prompt", "Hi", "--prefill-chunk", "0"],
     "bad sparse config": ["--prompt", "Hi", "--sparse-config", "{not json"],
+    "draft of another vocabulary": ["--prompt", "Hi", "--draft", "<other-vocabulary>"],
 }
 
 
 @pytest.mark.parametrize("case", list(RUNTIME_CASES))
-def test_generate_refuses_bad_arguments_with_one_clear_error(case, launcher, model, tally):
+def test_generate_refuses_bad_arguments_with_one_clear_error(case, launcher, model, tally, tiny_checkpoint_factory):
     launcher.env = {}
     row = tally.row("generate", "bad prompt / sampling argument")
     row.cases += 1
-    outcome = launcher.run(["generate", "--model", model, "--max-new-tokens", "2", *RUNTIME_CASES[case]])
+    other = str(tiny_checkpoint_factory(vocab_size=1024))  # a draft model of another vocabulary than the target
+    arguments = [other if argument == "<other-vocabulary>" else argument for argument in RUNTIME_CASES[case]]
+    outcome = launcher.run(["generate", "--model", model, "--max-new-tokens", "2", *arguments])
     row.tracebacks += outcome.traceback
     row.clear_errors += outcome.clear_error
     allowed_to_run = case.startswith("empty prompt") and outcome.code == 0

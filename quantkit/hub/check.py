@@ -179,15 +179,12 @@ def gguf_file_name(repo_name: str, file_type: str) -> str:
 
 def check_gguf(path: str | Path, repo_name: str) -> CheckedGGUF:
     """A GGUF file llama.cpp's reader parses, with a tokenizer and a chat template, named for ``repo_name``."""
-    from gguf import GGUFReader
+    from quantkit.gguf.reader import open_gguf
 
     path = Path(path)
     if not path.is_file():
         raise ArtifactCheckError(f"GGUF file not found: {path}")
-    try:
-        reader = GGUFReader(path)
-    except Exception as error:  # gguf-py meets a malformed file with whatever its parsing hits: IndexError, ...
-        raise ArtifactCheckError(f"{path} is not a readable GGUF file ({type(error).__name__}: {error})") from error
+    reader = open_gguf(path, ArtifactCheckError)
     fields = reader.fields
 
     def value(key: str):

@@ -28,7 +28,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Mapping
 
-import gguf
 import numpy as np
 import torch
 from gguf.quants import dequantize
@@ -39,6 +38,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFas
 from quantkit.atomic import publish_dir, save_safetensors, write_json
 from quantkit.checkpoint import sha256_file
 from quantkit.gguf.names import LAYER_TENSOR_NAME, LAYER_TENSORS, minicpm_name, unpermute_rows
+from quantkit.gguf.reader import open_gguf
 from quantkit.models.configuration_minicpm import MiniCPMConfig
 from quantkit.models.layers import DOWN, EMBEDDING, LM_HEAD, O_PROJ, K, Q, layer_prefix
 from quantkit.models.minicpm import MiniCPMRotaryEmbedding
@@ -372,7 +372,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *,
         raise FileNotFoundError(f"GGUF file {gguf_path} does not exist")
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists; refusing to overwrite it")
-    reader = gguf.GGUFReader(gguf_path)
+    reader = open_gguf(gguf_path)
     hparams = read_hparams(reader)
     token_ids = _token_ids(reader)
 
