@@ -247,6 +247,9 @@ def draft_group():
               show_default=True, help="Which target states the head reads (docs/speculative.md).")
 @click.option("--data", default=DRAFT_DEFAULTS.data, show_default=True,
               help="Training text: a calibration source name (docs/data.md) or a local text file.")
+@click.option("--own-text-after", default=DRAFT_DEFAULTS.own_text_after, show_default=True,
+              type=click.IntRange(min=0), help="Train on TARGET's own text: each row keeps this many tokens of "
+              "--data and TARGET continues it greedily (0: the text as it is).")
 @click.option("--init", "init", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Continue from this head (re-alignment: an FP target's head trained on for a quantized TARGET).")
 @click.option("--w4", type=click.Choice(["gptq", "marlin", "cpmcu"]), default=None,
@@ -257,7 +260,7 @@ def draft_group():
 @json_option
 @_friendly_errors
 def draft_train(target, revision, out, tokens, draft_vocab, ttt_steps, learning_rate, seq_len, batch_rows, aux_states,
-                data, init, w4, seed, resume, progress, as_json):
+                data, own_text_after, init, w4, seed, resume, progress, as_json):
     """Train an EAGLE-3 head for TARGET (training-time test, FR-Spec vocabulary, distilled from TARGET's
     own distribution); writes the head in the official layout and a JSON log."""
     from dataclasses import replace
@@ -267,7 +270,7 @@ def draft_train(target, revision, out, tokens, draft_vocab, ttt_steps, learning_
 
     settings = replace(DRAFT_DEFAULTS, tokens=tokens, draft_vocab=draft_vocab, ttt_steps=ttt_steps,
                        learning_rate=learning_rate, seq_len=seq_len, batch_rows=batch_rows, aux_states=aux_states,
-                       data=data, w4=w4, seed=seed)
+                       data=data, own_text_after=own_text_after, w4=w4, seed=seed)
     report = train_head(resolve_model(target, revision=revision), out, settings, init=init, resume=resume,
                         progress=progress)
     measured = [e for e in report.log if "heldout_loss" in e]

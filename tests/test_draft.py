@@ -106,7 +106,47 @@ def test_resume_ends_with_the_weights_of_an_uninterrupted_run(trained, target_di
     assert (out / "model.safetensors").read_bytes() == (trained[0] / "model.safetensors").read_bytes()
 
 
+def test_greedy_continuation_is_the_targets_argmax_at_every_written_position(target_dir):
+    """Rows decoded together through one cache write what a teacher-forced forward calls the argmax (float64:
+    no near-tie can flip between the cached and the full computation)."""
+    from quantkit.training.own_text import greedy_continuation
+
+    model = MiniCPMForCausalLM.from_pretrained(target_dir, dtype=torch.float64).eval()
+    prompts = torch.randint(0, model.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(0))
+    rows = greedy_continuation(model, prompts, 24)
+    assert rows.shape == (3, 24) and torch.equal(rows[:, :5], prompts)
+    with torch.no_grad():
+        argmax = model(input_ids=rows, use_cache=False).logits.argmax(-1)
+    assert torch.equal(rows[:, 5:], argmax[:, 4:-1])
+
+
+def test_own_text_rows_keep_their_prompt_and_train_a_head(target_dir, training_text, tmp_path):
+    """--own-text-after: every visited row is its text's first tokens and the target's greedy continuation;
+    a run on them is the same bytes again when it reads the cached continuations."""
+    import json
+
+    from quantkit.checkpoint import load_tokenizer
+    from quantkit.draft.trainer import train_head
+    from quantkit.training.data import training_data
+    from quantkit.training.own_text import greedy_continuation, own_text
+
+    text = training_data(load_tokenizer(target_dir), str(training_text), 64, 0)
+    model = MiniCPMForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    written = own_text(model, "tiny", text, 16, [3, 1], tmp_path / "cache", progress=False)
+    assert torch.equal(written.rows[[3, 1]], greedy_continuation(model, text.rows[[3, 1], :16], 64))
+    assert torch.equal(written.rows[0], text.rows[0]) and not torch.equal(written.rows[1], text.rows[1])
+    assert written.fingerprint != text.fingerprint
+
+    changes = dict(tokens=64 * 2 * 10, own_text_after=16, eval_interval=10, checkpoint_interval=10)
+    first = train_head(target_dir, tmp_path / "a", settings(training_text, **changes), progress=False)
+    again = train_head(target_dir, tmp_path / "b", settings(training_text, **changes), progress=False)
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert first.steps == again.steps == 10
+    assert json.loads((tmp_path / "a" / "draft_train.json").read_text())["data"]["own_text_after"] == 16
+
+
 @pytest.mark.parametrize("changes, message", [
+    ({"own_text_after": 64}, "own_text_after must be in 0..63"),
     ({"draft_vocab": 10_000}, "draft_vocab must be in 1..384"),
     ({"tokens": 10}, "less than one step"),
     ({"learning_rate": 0.0}, "learning_rate must be > 0"),

@@ -38,5 +38,5 @@ def row_features(target, head: Eagle3Head, tokens: Tensor, top_k: int) -> dict[s
 @torch.no_grad()
 def build_features(target, head: Eagle3Head, rows: Tensor, visited: list[int], top_k: int, directory: Path,
                    progress: bool = True) -> rowcache.RowCache:
-    return rowcache.build(lambda tokens: row_features(target, head, tokens, top_k), rows, visited, directory,
-                          "target features", progress)
+    compute = rowcache.row_by_row(lambda tokens: row_features(target, head, tokens, top_k))
+    return rowcache.build(compute, rows, visited, directory, "target features", progress)

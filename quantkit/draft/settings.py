@@ -26,6 +26,7 @@ class DraftSettings:
     top_k: int = 32  # the target's distribution kept per position, over the draft vocabulary
     aux_states: str = "cpmcu"
     data: str = "default"
+    own_text_after: int = 0  # > 0: rows keep this many tokens of text, the target writes the rest (greedy)
     seed: int = 0
     w4: str | None = None  # QAT the head's linears to W4 g128 (symmetric) and write them in this layout
     eval_interval: int = 25
@@ -47,6 +48,9 @@ class DraftSettings:
             problems.append(f"draft_vocab must be in 1..{vocab_size} (the target's vocabulary), got {self.draft_vocab}")
         if self.w4 not in (None, "gptq", "marlin", "cpmcu"):
             problems.append(f"w4 must be gptq, marlin or cpmcu (the layout of the W4 head), got {self.w4!r}")
+        if not 0 <= self.own_text_after < self.seq_len:
+            problems.append(f"own_text_after must be in 0..{self.seq_len - 1} (below seq_len), "
+                            f"got {self.own_text_after}")
         if self.tokens < self.batch_rows * self.seq_len:
             problems.append(f"tokens {self.tokens} is less than one step of {self.batch_rows} x {self.seq_len}")
         if problems:

@@ -46,6 +46,7 @@ from quantkit.quant import QuantConfig
 from quantkit.training import state
 from quantkit.training.data import training_data
 from quantkit.training.distill import distillation_loss
+from quantkit.training.own_text import own_text
 from quantkit.training.schedule import wsd_learning_rate
 
 RUN_FILE = "draft_run.json"
@@ -157,6 +158,11 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
     init_fingerprint = None if init is None else CheckpointReader(init).fingerprint()
     fingerprint = _fingerprint(target_fingerprint, data.fingerprint, settings, init_fingerprint)
     state.record_run(staging, RUN_FILE, fingerprint, continuing, DraftTrainingError)
+    total_steps = settings.tokens // (settings.batch_rows * settings.seq_len)
+    visited = list(dict.fromkeys(data.row_ids(0, total_steps * settings.batch_rows)))
+    if settings.own_text_after:
+        data = own_text(target, target_fingerprint, data, settings.own_text_after, visited,
+                        cache_root() / "draft-own-text", progress)
 
     head = (initial_head(target, settings, torch.bincount(data.rows.flatten(), minlength=target.config.vocab_size))
             if init is None else _starting_head(Path(init), target, settings))
@@ -165,8 +171,6 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
     report.heldout_coverage = float(head.t2d[heldout].float().mean())
     heldout_rows = heldout[:heldout.numel() // settings.seq_len * settings.seq_len].view(-1, settings.seq_len)
     started = time.perf_counter()
-    total_steps = settings.tokens // (settings.batch_rows * settings.seq_len)
-    visited = list(dict.fromkeys(data.row_ids(0, total_steps * settings.batch_rows)))
     key = features_key(target_fingerprint, data.fingerprint, head, settings.top_k)
     features = build_features(target, head, data.rows, visited, settings.top_k,
                               cache_root() / "draft-features" / key, progress)

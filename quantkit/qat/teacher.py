@@ -29,4 +29,4 @@ def build_cache(teacher, rows: Tensor, visited: list[int], top_k: int, directory
         values, indices = teacher(tokens[None]).logits[0].float().topk(top_k, dim=-1)
         return {"ids": indices.to(torch.int32), "logits": values}
 
-    return rowcache.build(top_logits, rows, visited, directory, "teacher top-k", progress)
+    return rowcache.build(rowcache.row_by_row(top_logits), rows, visited, directory, "teacher top-k", progress)

@@ -1,10 +1,11 @@
 """Per-row tensors a frozen model computes once, cached on disk for the training loop to read back.
 
-A trainer lists the rows it will visit, in visit order; ``build`` computes ``compute(row tokens)``
-(a dict of tensors) for each, writes them in chunks of ``CHUNK_ROWS`` rows (an interrupted pass
-resumes at its last chunk), and returns them stacked. Visit orders of runs on the same data share
-their prefix, so a longer run reuses a shorter one's chunks; a shorter run's last, partial chunk is
-computed again.
+A trainer lists the rows it will visit, in visit order; ``build`` computes ``compute(chunk tokens)``
+(a dict of tensors, one entry per row) for chunks of ``CHUNK_ROWS`` rows, writes each chunk to its
+own file (an interrupted pass resumes at its last chunk), and returns them stacked; ``row_by_row``
+makes a chunk function of a per-row one, whose numbers then cannot depend on the chunk. Visit
+orders of runs on the same data share their prefix, so a longer run reuses a shorter one's chunks;
+a shorter run's last, partial chunk is computed again.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ class RowCache:
 @torch.no_grad()
 def build(compute: Callable[[Tensor], dict[str, Tensor]], rows: Tensor, visited: list[int], directory: Path,
           description: str, progress: bool = True) -> RowCache:
-    """``compute(rows[row])`` for every row id in ``visited`` (visit order), cached in ``directory``."""
+    """``compute(rows[chunk])`` for the row ids in ``visited`` (visit order), chunk by chunk, cached in
+    ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
     chunks = range(0, len(visited), CHUNK_ROWS)
     for start in tqdm(chunks, desc=description, unit="chunk", disable=not progress):
@@ -44,11 +46,19 @@ def build(compute: Callable[[Tensor], dict[str, Tensor]], rows: Tensor, visited:
         wanted = visited[start:start + CHUNK_ROWS]
         if path.is_file() and _rows_in(path) == len(wanted):
             continue
-        computed = [compute(rows[row]) for row in wanted]
-        atomic.save_safetensors(path, {name: torch.stack([c[name].cpu() for c in computed]) for name in computed[0]})
+        atomic.save_safetensors(path, {name: tensor.cpu() for name, tensor in compute(rows[wanted]).items()})
     parts = [load_file(str(directory / f"rows-{start:06d}.safetensors")) for start in chunks]
     return RowCache({row: at for at, row in enumerate(visited)},
                     {name: torch.cat([part[name] for part in parts]) for name in parts[0]})
+
+
+def row_by_row(compute: Callable[[Tensor], dict[str, Tensor]]) -> Callable[[Tensor], dict[str, Tensor]]:
+    """A chunk function that runs ``compute`` on each row [T] alone and stacks the results."""
+    def chunk(tokens: Tensor) -> dict[str, Tensor]:
+        computed = [compute(row) for row in tokens]
+        return {name: torch.stack([c[name] for c in computed]) for name in computed[0]}
+
+    return chunk
 
 
 def _rows_in(path: Path) -> int:
