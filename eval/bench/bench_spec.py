@@ -47,9 +47,12 @@ class Pairing:
     rounds: int
 
 
-def _draft_command(target: Path, out: Path, tokens: int, init: Path | None = None, *options: str) -> list[str]:
+def _draft_command(target: Path, out: Path, tokens: int, text: tuple[str, ...], init: Path | None = None,
+                   *options: str) -> list[str]:
+    """``quantkit draft train`` of a head for ``target`` on ``text`` (its --data and --own-text-after options):
+    each target, quantized ones included, writes its own text for its head."""
     command = [sys.executable, "-m", "quantkit.cli", "draft", "train", "--target", str(target), "--out", str(out),
-               "--tokens", str(tokens), "--no-progress", *options]
+               "--tokens", str(tokens), *text, "--no-progress", *options]
     return command + (["--init", str(init)] if init is not None else [])
 
 
@@ -73,6 +76,11 @@ def decode_rates(engine, prompt: list[int], new_tokens: int, repeats: int) -> tu
 @click.option("--out", default="out/bench-spec", show_default=True, type=click.Path(path_type=Path))
 @click.option("--head-tokens", default=262_144, show_default=True, help="Training tokens of the FP head.")
 @click.option("--realign-tokens", default=65_536, show_default=True, help="Training tokens of each re-alignment.")
+@click.option("--head-data", default="default", show_default=True,
+              help="Training text of every head (`draft train --data`).")
+@click.option("--own-text-after", default=0, show_default=True,
+              help="`draft train --own-text-after` of every head: each target writes its own head's text after "
+                   "this many tokens of it (0: the text itself).")
 @click.option("--qat-artifact", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="A ternary QAT artifact of --model to add as a target (e.g. out/bench-qat/qat-distill).")
 @click.option("--k", default=3, show_default=True, help="Draft tokens a round.")
@@ -86,8 +94,8 @@ def decode_rates(engine, prompt: list[int], new_tokens: int, repeats: int) -> tu
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--threads", default=2, show_default=True)
 @click.option("--reuse", is_flag=True, help="Reuse the heads and targets an earlier run left in --out.")
-def main(model, out, head_tokens, realign_tokens, qat_artifact, k, tree, temperature, prompts, prompt_tokens,
-         max_new_tokens, speed_prompt_tokens, speed_new_tokens, repeats, threads, reuse):
+def main(model, out, head_tokens, realign_tokens, head_data, own_text_after, qat_artifact, k, tree, temperature,
+         prompts, prompt_tokens, max_new_tokens, speed_prompt_tokens, speed_new_tokens, repeats, threads, reuse):
     """EAGLE-3 heads: τ over targets × heads, and decode speed with and without the head."""
     import tempfile
 
@@ -114,13 +122,14 @@ def main(model, out, head_tokens, realign_tokens, qat_artifact, k, tree, tempera
                          "seconds": record["seconds"], "reused": record["reused"]})
         return out / variant.key
 
-    head = made(Variant("head-fp", "FP head", _draft_command(model_dir, out / "head-fp", head_tokens),
+    text = ("--data", head_data, "--own-text-after", str(own_text_after))
+    head = made(Variant("head-fp", "FP head", _draft_command(model_dir, out / "head-fp", head_tokens, text),
                         CHECKPOINT_FILE))
     w4_head = made(Variant("head-gptq-w4g128", "GPTQ W4 head", [
         sys.executable, "-m", "quantkit.cli", "draft", "quantize", "--head", str(head), "--target", str(model_dir),
         "--recipe", "gptq-w4g128", "--out", str(out / "head-gptq-w4g128"), "--no-progress"]))
     qat_head = made(Variant("head-qat-w4", "QAT W4 head", _draft_command(model_dir, out / "head-qat-w4",
-                                                                         realign_tokens, head, "--w4", "gptq"),
+                                                                         realign_tokens, text, head, "--w4", "gptq"),
                             CHECKPOINT_FILE))
     targets = {"FP": model_dir}
     for key, recipe, settings, label in QUANTIZED_TARGETS:
@@ -131,7 +140,8 @@ def main(model, out, head_tokens, realign_tokens, qat_artifact, k, tree, tempera
     for label, target in list(targets.items())[1:]:
         key = f"head-realigned-{target.name}"
         realigned[label] = made(Variant(key, f"head re-aligned to {label}",
-                                        _draft_command(target, out / key, realign_tokens, head), CHECKPOINT_FILE))
+                                        _draft_command(target, out / key, realign_tokens, text, head),
+                                        CHECKPOINT_FILE))
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     heldout = calib.heldout_tokens(tokenizer, max_tokens=prompts * prompt_tokens + speed_prompt_tokens)
