@@ -28,6 +28,10 @@ class ChatSession:
             if cached != new:
                 break
             reused += 1
+        if self.engine.drafter is not None:
+            # a draft head's entry at a position read the token after it, which may be what changed: the
+            # target recomputes the last kept position's states for the draft to observe again
+            reused = max(reused - 1, 0)
         self.cache.crop(reused)
         stream, answer = TextStream(self.engine.tokenizer), []
         for token in self.engine.tokens(prompt[reused:], cache=self.cache, **generation):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from quantkit.kernels.infllm import causal_attention_of_last_positions
 from quantkit.kernels.kv_cache import KVCache
+from quantkit.kernels.linear.prepacked import prepacked
 from quantkit.kernels.model import DecoderRunner, RuntimeLayer, rms_norm, rope_tables
 from quantkit.kernels.sampling import Sampler
 from quantkit.kernels.speculative import DraftTree, TreeShape, draft_children, grow_tree, tree_attention_mask
@@ -40,6 +41,7 @@ class Eagle3Drafter(DecoderRunner):
         self._embedding, self._scale_emb = embedding, head.target.scale_emb
         midlayer = head.midlayer
         self._layer = RuntimeLayer.of(midlayer)
+        self._fc, self._lm_head = prepacked(head.fc), prepacked(head.lm_head)
         self._final_norm = head.norm.weight.float()
         self._embedding_norm = midlayer.input_layernorm.weight.float()
         self._hidden_norm = midlayer.hidden_norm.weight.float()
@@ -47,20 +49,25 @@ class Eagle3Drafter(DecoderRunner):
         if window is not None and window < 1:
             raise ValueError(f"the draft's window must be >= 1 position, got {window}")
         self.window = window
-        self.reset()
+        self.crop(0)
 
-    def reset(self) -> None:
-        """Forget the sequence (a new prompt)."""
-        config = self.head.config
-        self._cache = KVCache(1, config.num_key_value_heads, config.head_dim, self.kv_dtype, self._device)
-        self._observed = 0
+    def crop(self, length: int) -> None:
+        """``Drafter.crop``. The entry at position p read the token at p + 1, so a caller continuing a
+        sequence keeps only positions whose next token is unchanged (``ChatSession``)."""
+        if length == 0:
+            config = self.head.config
+            self._cache = KVCache(1, config.num_key_value_heads, config.head_dim, self.kv_dtype, self._device)
+        elif length > self._observed:
+            raise ValueError(f"the draft head has observed {self._observed} positions, not {length}")
+        self._cache.crop(length)
+        self._observed = length
         self._last: torch.Tensor | None = None  # the head's output at the last observed position [1, H]
 
     @torch.inference_mode()
     def observe(self, tokens: torch.Tensor, states: dict[int, torch.Tensor], next_tokens: torch.Tensor) -> None:
         """Verified context (``Drafter.observe``); the head reads the states and the next tokens."""
         self._cache.crop(self._observed)
-        hidden = self.head.project(self.head.aux_from_states(states).to(self.dtype)).float()
+        hidden = self._fc(self.head.aux_from_states(states).to(self.dtype)).float()  # the head's ``project``
         hidden = self._step(hidden, next_tokens, verified=self._cache.length + len(next_tokens))
         self._observed, self._last = self._cache.length, hidden[-1:]
 
@@ -124,7 +131,7 @@ class Eagle3Drafter(DecoderRunner):
         return mask & ~(old & (slots[None, :] <= positions[:, None] - self.window))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head.lm_head(rms_norm(hidden, self._final_norm, self.eps, self.dtype)).float()
+        return self._lm_head(rms_norm(hidden, self._final_norm, self.eps, self.dtype)).float()
 
     def _step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor | None = None,
               mask: torch.Tensor | None = None, verified: int | None = None) -> torch.Tensor:
@@ -140,6 +147,7 @@ class Eagle3Drafter(DecoderRunner):
         embeds = self._embedding(tokens).float() * self._scale_emb
         both = torch.cat([rms_norm(embeds, self._embedding_norm, self.eps, self.dtype),
                           rms_norm(hidden, self._hidden_norm, self.eps, self.dtype)], dim=-1)
-        hidden = self.layer_from_input(0, self._layer, both, hidden, cos, signed_sin, self._cache, mask)
+        bias = self.attention_bias(mask, tokens.shape[0], self._cache)
+        hidden = self.layer_from_input(0, self._layer, both, hidden, cos, signed_sin, self._cache, bias)
         self._cache.advance(tokens.shape[0])
         return hidden

@@ -67,6 +67,10 @@ class KVCache:
             if old is not None:
                 store[layer][:, :self.length] = old[:, :self.length]
 
+    @property
+    def device(self) -> torch.device | str:
+        return self._device
+
     def advance(self, count: int) -> None:
         self.length += count
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from quantkit.kernels import cpu_ops
 from quantkit.kernels.kv_cache import KVCache
+from quantkit.kernels.linear.prepacked import prepacked
 from torch import nn
 
 from quantkit.models.minicpm import MiniCPMForCausalLM
@@ -24,6 +25,11 @@ from quantkit.models.minicpm import MiniCPMForCausalLM
 # (`python -m quantkit.eval.bench.bench_decode_attention`): ~350 keys for the default model's group of 3,
 # 64 keys for MiniCPM4.1-8B's group of 16 (SDPA is 4-5x faster there from 512 keys on).
 FUSED_ATTENTION_MAX_SCORES = 1024
+
+# Rows after a cache up to which dense causal attention takes one bias made per forward (a speculative
+# round's verification); longer chunks keep the attention's own masking, since the bias, repeated for
+# each query head of a KV head, grows with rows x keys x group.
+BIAS_MAX_ROWS = 64
 
 # (q [Hq, T, d], keys [Hkv, S, d], values [Hkv, S, d], layer index, cache) -> [Hq, T, d]; an attention
 # with ``scores_pre_rope`` also takes ``query_pre_rope=`` and reads pre-RoPE keys from the cache.
@@ -50,10 +56,13 @@ def rope_tables(rotary: nn.Module, positions: torch.Tensor) -> tuple[torch.Tenso
 
 
 def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     mask: torch.Tensor) -> torch.Tensor:
-    """q [Hq, T, d], k/v [Hkv, S, d], mask [T, S] bool (True: attend) -> [Hq, T, d]."""
-    return F.scaled_dot_product_attention(query[None], keys[None], values[None], attn_mask=mask,
-                                          enable_gqa=query.shape[0] != keys.shape[0])[0]
+                     bias: torch.Tensor) -> torch.Tensor:
+    """q [Hq, T, d], k/v [Hkv, S, d], an additive bias [Hq/Hkv·T, S] (``DecoderRunner.attention_bias``)
+    -> [Hq, T, d]. Each KV head's query heads are the rows of one problem, as in a decode step: SDPA's
+    enable_gqa expands K and V instead, ~2x slower for a few rows (bit-identical)."""
+    (q_heads, length, head_dim), kv_heads = query.shape, keys.shape[0]
+    folded = query.reshape(1, kv_heads, q_heads // kv_heads * length, head_dim)
+    return F.scaled_dot_product_attention(folded, keys[None], values[None], attn_mask=bias).view(query.shape)
 
 
 def fuse_linears(modules: list[nn.Module]) -> nn.Module | None:
@@ -100,20 +109,35 @@ class DecoderRunner:
         self.dtype, self.kv_dtype, self.attention = dtype, kv_dtype, attention
         self.scores_pre_rope = getattr(attention, "scores_pre_rope", False)
 
+    def attention_bias(self, mask: torch.Tensor | None, length: int, cache: KVCache) -> torch.Tensor | None:
+        """``masked_attention``'s bias for ``length`` new positions after the cached ones: ``mask``'s (a draft
+        tree's: True where a row attends), or causal attention's when a dense attention runs a few rows
+        after a cache (a speculative round's verification); None for the attention's own path (one row,
+        a prefill chunk, InfLLM v2). Made once per forward: SDPA would convert a boolean mask in every layer."""
+        dense = getattr(self.attention, "dense", False) and not self.scores_pre_rope
+        if mask is None:
+            if not dense or not 1 < length <= BIAS_MAX_ROWS or cache.length == 0:
+                return None
+            slots = torch.arange(cache.length + length, device=cache.device)
+            mask = slots[None, :] <= slots[cache.length:, None]
+        elif not dense:
+            raise ValueError("draft trees need dense attention (InfLLM v2 verifies chains only)")
+        q_heads, kv_heads, _ = self._heads
+        bias = torch.zeros(mask.shape, dtype=self.kv_dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        return bias.repeat(q_heads // kv_heads, 1)  # the rows of each KV head's query heads, one after another
+
     def layer_from_input(self, index, layer: "RuntimeLayer", attention_input, hidden, cos, signed_sin,
-                         cache: KVCache, mask: torch.Tensor | None = None) -> torch.Tensor:
+                         cache: KVCache, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The layer given what its q/k/v read (the normed residual; in a draft head, the normed
         embedding beside the normed hidden state) and the residual ``hidden`` [T, H] it adds onto.
-        ``mask`` [T, all keys] (True: attend) replaces causal attention (a draft tree's)."""
+        ``bias`` (``attention_bias``) replaces the attention's own causal masking."""
         (q_heads, kv_heads, head_dim), length = self._heads, hidden.shape[0]
         qkv = layer.qkv(attention_input)
         qkv = qkv.view(length, -1, head_dim).transpose(0, 1)
         rotated = rotate(qkv[:q_heads + kv_heads], cos, signed_sin, self.kv_dtype)
-        if mask is not None:
-            if self.scores_pre_rope or not getattr(self.attention, "dense", False):
-                raise ValueError("draft trees need dense attention (InfLLM v2 verifies chains only)")
+        if bias is not None:
             keys, values = cache.append(index, rotated[q_heads:], qkv[q_heads + kv_heads:])
-            mixed = masked_attention(rotated[:q_heads], keys, values, mask)
+            mixed = masked_attention(rotated[:q_heads], keys, values, bias)
         elif self.scores_pre_rope:
             pre_rope = qkv[:q_heads + kv_heads].to(self.kv_dtype)
             keys, values = cache.append(index, rotated[q_heads:], qkv[q_heads + kv_heads:], pre_rope[q_heads:])
@@ -150,6 +174,7 @@ class RuntimeModel(DecoderRunner):
         self._rotary = model.model.rotary_emb
         self.final_norm = model.model.norm.weight.float()
         self.layers = [RuntimeLayer.of(layer) for layer in model.model.layers]
+        self.lm_head = prepacked(model.lm_head)
 
     def new_cache(self, compressed_keys=None) -> KVCache:
         config = self.config
@@ -161,9 +186,7 @@ class RuntimeModel(DecoderRunner):
         """tokens [T] at positions cache.length.. -> float32 logits of the last token [V] (or of
         every token [T, V]); the cache grows by T."""
         hidden = self._residual_stream(tokens, cache, {})
-        if not all_logits:
-            hidden = hidden[-1]
-        return self.model.logits_from_hidden(rms_norm(hidden, self.final_norm, self.eps, self.dtype))
+        return self._logits(hidden if all_logits else hidden[-1])
 
     @torch.inference_mode()
     def forward_capturing(self, tokens: torch.Tensor, cache: KVCache, layers: tuple[int, ...],
@@ -176,9 +199,12 @@ class RuntimeModel(DecoderRunner):
         of everything before it."""
         captured = {layer: None for layer in layers}
         hidden = self._residual_stream(tokens, cache, captured, tree)
-        if last_only:
-            hidden = hidden[-1:]
-        return self.model.logits_from_hidden(rms_norm(hidden, self.final_norm, self.eps, self.dtype)), captured
+        return self._logits(hidden[-1:] if last_only else hidden), captured
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``MiniCPMForCausalLM.logits_from_hidden`` of the normed stream, on the runtime's LM head."""
+        normed = rms_norm(hidden, self.final_norm, self.eps, self.dtype)
+        return self.lm_head(normed / self.config.logit_divisor).float()
 
     def _residual_stream(self, tokens: torch.Tensor, cache: KVCache, captured: dict,
                          tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -186,48 +212,47 @@ class RuntimeModel(DecoderRunner):
         indices) with the stream entering those layers."""
         positions, mask = tree if tree is not None else (
             torch.arange(cache.length, cache.length + tokens.shape[0], device=self.device), None)
+        bias = self.attention_bias(mask, tokens.shape[0], cache)
         hidden = self.model.model.embed_tokens(tokens).float() * self.config.scale_emb
         cos, signed_sin = rope_tables(self._rotary, positions)
         for index, layer in enumerate(self.layers):
             if index in captured:
                 captured[index] = hidden
-            if mask is None:
-                hidden = self._layer(index, layer, hidden, cos, signed_sin, cache)
-            else:
-                normed = rms_norm(hidden, layer.input_norm, self.eps, self.dtype)
-                hidden = self.layer_from_input(index, layer, normed, hidden, cos, signed_sin, cache, mask)
+            hidden = self._layer(index, layer, hidden, cos, signed_sin, cache, bias)
         cache.advance(tokens.shape[0])
         return hidden
 
-    def _layer(self, index, layer: "RuntimeLayer", hidden, cos, signed_sin, cache: KVCache) -> torch.Tensor:
+    def _layer(self, index, layer: "RuntimeLayer", hidden, cos, signed_sin, cache: KVCache,
+               bias: torch.Tensor | None) -> torch.Tensor:
         if self._ops is not None and not self.scores_pre_rope:  # the fused RoPE + KV write keeps no pre-RoPE keys
-            return self._fused_layer(index, layer, hidden, cos, signed_sin, cache)
-        return self._plain_layer(index, layer, hidden, cos, signed_sin, cache)
+            return self._fused_layer(index, layer, hidden, cos, signed_sin, cache, bias)
+        return self.layer_from_input(index, layer, rms_norm(hidden, layer.input_norm, self.eps, self.dtype), hidden,
+                                     cos, signed_sin, cache, bias)
 
-    def _fused_layer(self, index, layer: "RuntimeLayer", hidden, cos, signed_sin, cache: KVCache) -> torch.Tensor:
-        """``_plain_layer`` with its glue in the fused CPU operators (kernels/cpu_ops)."""
+    def _fused_layer(self, index, layer: "RuntimeLayer", hidden, cos, signed_sin, cache: KVCache,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+        """``layer_from_input`` on the normed stream, with its glue in the fused CPU operators (kernels/cpu_ops)."""
         ops, (q_heads, kv_heads, head_dim), length = self._ops, self._heads, hidden.shape[0]
         qkv = layer.qkv(ops.rms_norm_bf16(hidden, layer.input_norm, self.eps)).contiguous()
         end = cache.length + length
         key_buffer, value_buffer = cache.buffers(index, end)
         query = ops.rope_and_store(qkv, cos, signed_sin, key_buffer, value_buffer, cache.length, q_heads, kv_heads)
-        if (length == 1 and getattr(self.attention, "dense", False)
+        if (bias is None and length == 1 and getattr(self.attention, "dense", False)
                 and end * (q_heads // kv_heads) <= FUSED_ATTENTION_MAX_SCORES):
             mixed = ops.decode_attention(query, key_buffer, value_buffer, end, head_dim ** -0.5)
         else:
-            mixed = self.attention(query.to(self.kv_dtype), key_buffer[:, :end], value_buffer[:, :end], index, cache)
+            keys, values, query = key_buffer[:, :end], value_buffer[:, :end], query.to(self.kv_dtype)
+            mixed = (self.attention(query, keys, values, index, cache) if bias is None
+                     else masked_attention(query, keys, values, bias))
             mixed = mixed.to(self.dtype).transpose(0, 1).reshape(length, -1)
         hidden = torch.add(hidden, layer.o_proj(mixed), alpha=self.residual_scale)
         gate_up = layer.gate_up(ops.rms_norm_bf16(hidden, layer.post_norm, self.eps)).contiguous()
         return torch.add(hidden, layer.down_proj(ops.silu_mul(gate_up)), alpha=self.residual_scale)
 
-    def _plain_layer(self, index, layer: "RuntimeLayer", hidden, cos, signed_sin, cache: KVCache) -> torch.Tensor:
-        return self.layer_from_input(index, layer, rms_norm(hidden, layer.input_norm, self.eps, self.dtype), hidden,
-                                     cos, signed_sin, cache)
-
 
 class RuntimeLayer:
-    """A decoder layer's modules as the runtime calls them: q/k/v and gate/up fused."""
+    """A decoder layer's modules as the runtime calls them: q/k/v and gate/up fused, bf16 CPU linears
+    prepacked for oneDNN (``quantkit.kernels.linear.prepacked``)."""
 
     @classmethod
     def of(cls, layer: nn.Module) -> RuntimeLayer:
@@ -237,7 +262,7 @@ class RuntimeLayer:
                    _fused([mlp.gate_proj, mlp.up_proj]))
 
     def __init__(self, layer, qkv: nn.Module, gate_up: nn.Module):
-        self.qkv, self.gate_up = qkv, gate_up
-        self.o_proj, self.down_proj = layer.self_attn.o_proj, layer.mlp.down_proj
+        self.qkv, self.gate_up = prepacked(qkv), prepacked(gate_up)
+        self.o_proj, self.down_proj = prepacked(layer.self_attn.o_proj), prepacked(layer.mlp.down_proj)
         self.input_norm = layer.input_layernorm.weight.float()
         self.post_norm = layer.post_attention_layernorm.weight.float()

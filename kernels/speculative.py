@@ -46,8 +46,9 @@ from quantkit.kernels.sampling import Sampler
 class Drafter(Protocol):
     aux_layers: tuple[int, ...]  # target layers whose entering residual states the drafter reads
 
-    def reset(self) -> None:
-        """Forget the sequence (a new prompt)."""
+    def crop(self, length: int) -> None:
+        """Keep the context of the first ``length`` observed positions, where the target's cache continues
+        (a chat's next turn); 0 starts a new sequence."""
 
     def observe(self, tokens: torch.Tensor, states: dict[int, torch.Tensor], next_tokens: torch.Tensor) -> None:
         """Verified context: the tokens [T] at the next T positions, the target's states there [T, Ht]
@@ -115,6 +116,17 @@ class DraftTree:
         """The nodes from the root's child down to ``node``."""
         return [] if node < 0 else [*self.lineage(self.parents[node]), node]
 
+    def lineages(self) -> torch.Tensor:
+        """[nodes, nodes] bool: row i marks node i and its ancestors; one tensor step per level, not per node."""
+        parents = torch.tensor(self.parents, dtype=torch.long)
+        rows = torch.arange(len(self.parents))
+        lineages = torch.zeros(len(self.parents), len(self.parents), dtype=torch.bool)
+        ancestor = rows  # each row's node, then its parent, grandparent, ... (−1 past the root's child)
+        while bool((found := ancestor >= 0).any()):
+            lineages[rows[found], ancestor[found]] = True
+            ancestor = torch.where(found, parents[ancestor.clamp(min=0)], ancestor)
+        return lineages
+
     def best(self, size: int) -> DraftTree:
         """The ``size`` highest-scoring nodes. A child scores at most its parent and ties keep node order,
         so every kept node's parent is kept too."""
@@ -143,12 +155,11 @@ class DraftTree:
     def verification(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions, mask) of the root and every node verified after ``start`` cached positions: the
         root at ``start``, a node at ``start`` + its depth; each sees the cache, the root, its lineage."""
-        count = len(self.tokens) + 1
+        lineages, count = self.lineages(), len(self.tokens) + 1
         mask = torch.zeros(count, start + count, dtype=torch.bool)
         mask[:, :start + 1] = True
-        for node in range(len(self.tokens)):
-            mask[1 + node, [start + 1 + n for n in self.lineage(node)]] = True
-        return torch.tensor([start] + [start + self.depth(n) for n in range(len(self.tokens))]), mask
+        mask[1:, start + 1:] = lineages
+        return torch.cat((torch.tensor([start]), start + lineages.sum(1))), mask  # a node's depth: its lineage's length
 
 
 def grow_tree(shape: TreeShape, children_of, sampled: bool = False) -> DraftTree:
@@ -175,9 +186,10 @@ def draft_children(logits: torch.Tensor, topk: int, sampler: Sampler) -> list[tu
     (log-probabilities, ids, distribution). Greedy: the most likely ids, no distribution. Sampled: ids
     drawn from q = softmax(logits / T) without replacement (Gumbel top-k: the k largest of
     log q + Gumbel noise), at most as many as q has non-zero entries, in the order drawn."""
-    if sampler.settings.temperature == 0:
-        values, ids = torch.log_softmax(logits.double(), -1).topk(topk, dim=-1)
-        return [(v, i, None) for v, i in zip(values, ids)]
+    if sampler.settings.temperature == 0:  # only ranks: float32, and no full log-softmax row
+        logits = logits.float()
+        values, ids = logits.topk(topk, dim=-1)
+        return [(v, i, None) for v, i in zip(values - torch.logsumexp(logits, -1, keepdim=True), ids)]
     log_q = torch.log_softmax(logits.double() / sampler.settings.temperature, -1)
     children = []
     for row in log_q:
@@ -190,11 +202,15 @@ def tree_attention_mask(tree: DraftTree, frontier: list[int], slots: dict[int, i
                         cache_length: int) -> torch.Tensor:
     """A drafter's mask for running ``frontier`` nodes after ``cache_length`` cached entries: the first
     ``visible`` entries (its verified context), each node's ancestors at their ``slots``, itself."""
+    rows, nodes = torch.arange(len(frontier)), torch.tensor(frontier)
     mask = torch.zeros(len(frontier), cache_length + len(frontier), dtype=torch.bool)
     mask[:, :visible] = True
-    for row, node in enumerate(frontier):
-        mask[row, [slots[a] for a in tree.lineage(node)[:-1]]] = True
-        mask[row, cache_length + row] = True
+    mask[rows, cache_length + rows] = True
+    ancestors = tree.lineages()[nodes]
+    ancestors[rows, nodes] = False  # a node's own entry is the new one
+    slot_of = torch.tensor([slots.get(node, -1) for node in range(len(tree.tokens))])
+    row, ancestor = ancestors.nonzero(as_tuple=True)
+    mask[row, slot_of[ancestor]] = True
     return mask
 
 
@@ -209,10 +225,15 @@ class ModelDrafter:
             raise ValueError(f"target and draft vocabularies differ ({target_vocab_size} vs "
                              f"{runtime.config.vocab_size}): a draft must share the target's tokenizer")
         self.runtime = runtime
-        self.reset()
+        self.crop(0)
 
-    def reset(self) -> None:
-        self._cache, self._observed, self._next = self.runtime.new_cache(), 0, None
+    def crop(self, length: int) -> None:
+        if length == 0:
+            self._cache = self.runtime.new_cache()
+        elif length > self._observed:
+            raise ValueError(f"the draft has observed {self._observed} positions, not {length}")
+        self._cache.crop(length)
+        self._observed, self._next = length, None
 
     def observe(self, tokens: torch.Tensor, states: dict[int, torch.Tensor], next_tokens: torch.Tensor) -> None:
         keep = min(self._cache.length, self._observed + len(tokens))  # a proposal already ran these tokens
@@ -364,7 +385,7 @@ def speculative_tokens(runtime: RuntimeModel, drafter: Drafter, prompt: list[int
     if not prompt:
         raise ValueError("the prompt is empty")
     layers = drafter.aux_layers
-    drafter.reset()
+    drafter.crop(cache.length)  # a continued cache (a chat's next turn) keeps the draft's context too
     ids = torch.tensor(prompt, dtype=torch.long)
     for start in range(0, len(prompt), prefill_chunk):  # the drafter sees each chunk once its next tokens are known
         end = min(start + prefill_chunk, len(prompt))

@@ -48,7 +48,7 @@ def test_unrolled_steps_equal_the_runtime_drafters_chains(target, head_dir):
     drafter = Eagle3Drafter(head, target.model.embed_tokens)
     with torch.inference_mode():
         for start in range(length - steps + 1):
-            drafter.reset()
+            drafter.crop(0)
             drafter.observe(ids[0, :start + 1], {layer: state[0, :start + 1] for layer, state in states.items()},
                             ids[0, 1:start + 2])
             hidden = drafter._last

@@ -95,3 +95,55 @@ def test_int8_lm_head_error_is_half_a_step_per_row():
     assert (error <= step * 0.51 + weight.abs().amax(dim=1) * 2**-8).all()  # half a step + bf16 scale rounding
     x = torch.randn(1, 64).bfloat16()
     assert torch.allclose(head(x).float(), x.float() @ head.dequantized(torch.float32).T, rtol=2e-2, atol=2e-2)
+
+
+def test_prepacked_bf16_linear_equals_f_linear_up_to_16_rows():
+    """oneDNN's reordered weight changes where a matmul's time goes, not its result."""
+    import torch.nn.functional as F
+    from quantkit.kernels.linear.prepacked import PrepackedLinear, prepackable, prepacked
+
+    linear = torch.nn.Linear(576, 960).bfloat16()
+    if not prepackable(linear.weight):
+        pytest.skip("this PyTorch has no oneDNN")
+    fast = prepacked(linear)
+    float32 = torch.nn.Linear(576, 960)
+    assert isinstance(fast, PrepackedLinear) and prepacked(float32) is float32  # only bf16 is reordered
+    with torch.inference_mode():
+        for rows in range(1, 17):
+            x = torch.randn(rows, 576).bfloat16()
+            assert torch.equal(fast(x), F.linear(x, linear.weight, linear.bias)), rows
+        assert torch.equal(fast(x[0]), F.linear(x[0], linear.weight, linear.bias))  # one token as a vector
+
+
+def test_a_few_rows_never_dequantize_a_weight_that_is_not_kept():
+    """Without a kept dequantized weight (a large model), a draft tree's rows run the packed kernel, as
+    close to the reference as the dense path is."""
+    from quantkit.kernels.linear.packed import FEW_ROWS
+
+    from quantkit.algorithms.rtn import rtn_quantize
+    from quantkit.quant import QuantConfig
+
+    weight = torch.randn(256, 576, generator=torch.Generator().manual_seed(0)) * 0.02
+    record = rtn_quantize(weight, QuantConfig(4, 128, sym=True))
+    kept, streamed = Int4Linear.from_record(record), Int4Linear.from_record(record, keep_dequantized=False)
+    streamed._dequantize = lambda dtype: pytest.fail("dequantized the whole weight for a few rows")
+    x = torch.randn(FEW_ROWS, 576).bfloat16()
+    want = x.float() @ record.dequantize(torch.float32).T
+    for module in (kept, streamed):
+        assert ((module(x).float() - want).abs().max() / want.abs().max()) < 3e-2
+
+
+def test_a_cpu_without_onednn_bf16_keeps_nn_linear():
+    """A desktop CPU with AVX2 only (oneDNN held to it here) cannot reorder a bf16 weight: the linear stays
+    ``nn.Linear`` and still runs, rather than failing at load."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import torch; from quantkit.kernels.linear.prepacked import prepacked; "
+             "linear = torch.nn.Linear(64, 32).bfloat16(); fast = prepacked(linear); "
+             "print(fast is linear, tuple(fast(torch.randn(3, 64).bfloat16()).shape))")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "(3,", "32)"]
+

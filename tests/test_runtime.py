@@ -296,3 +296,30 @@ def test_fused_and_plain_runtime_paths_agree(tiny_checkpoint):
         results[fused] = (want.exp() * (want - got)).sum(-1).mean()
     # both are bf16 renderings of the float32 model: small KL, and of the same size
     assert results[True] < 5e-3 and results[False] < 5e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_attention_equals_sdpa_with_the_boolean_mask(dtype):
+    """A forward's attention bias (made once, each KV head's query heads folded into rows) gives SDPA's
+    own result bit for bit: causal attention for a verification after a cache, and a tree's mask."""
+    import torch.nn.functional as F
+    from quantkit.kernels.attention import DenseAttention
+    from quantkit.kernels.infllm import causal_attention_of_last_positions
+    from quantkit.kernels.model import DecoderRunner, masked_attention
+
+    g = torch.Generator().manual_seed(0)
+    runner = DecoderRunner((9, 3, 16), 1e-5, 1.0, dtype, dtype, DenseAttention())
+    cache = KVCache(1, 3, 16, dtype)
+    cache.length = 10
+    assert runner.attention_bias(None, 1, cache) is None  # one row: the attention's own decode path
+    for length in (4, 13):
+        q = torch.randn(9, length, 16, generator=g).to(dtype)
+        k, v = torch.randn(2, 3, 10 + length, 16, generator=g).to(dtype)
+        got = masked_attention(q, k, v, runner.attention_bias(None, length, cache))
+        assert torch.equal(got, causal_attention_of_last_positions(q, k, v))
+        mask = torch.rand(length, 10 + length, generator=g) < 0.5
+        mask[:, 0] = True
+        got = masked_attention(q, k, v, runner.attention_bias(mask, length, cache))
+        want = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)[0]
+        assert torch.equal(got, want)
+

@@ -20,6 +20,7 @@ from quantkit.kernels.speculative import (
     TreeShape,
     draft_children,
     grow_tree,
+    tree_attention_mask,
     verify_sampled,
     verify_tree_sampled,
 )
@@ -333,3 +334,40 @@ def test_the_drafts_window_hides_old_positions_and_keeps_greedy_output(target_di
         assert result.tokens == want[:len(result.tokens)]
         proposals[window] = engine.drafter.propose(3, Sampler(Sampling()))
     assert proposals[1000] == proposals[None]
+
+
+def test_tree_masks_follow_each_nodes_lineage():
+    """The vectorised masks mark exactly each node's lineage: the target's verification (cache, root,
+    lineage; a node at its depth) and a drafter's (its context, its ancestors' slots, its own entry)."""
+    tree = DraftTree(tokens=[30, 31, 40, 41, 42, 50], parents=[-1, -1, 0, 0, 1, 3], scores=[0.0] * 6)
+    positions, mask = tree.verification(5)
+    assert positions.tolist() == [5, 6, 6, 7, 7, 7, 8]
+    assert mask[:, :6].all()
+    for node in range(len(tree.tokens)):
+        assert mask[1 + node, 6:].nonzero().flatten().tolist() == tree.lineage(node)
+    slots = {0: 20, 1: 21, 2: 22, 3: 23, 4: 24}
+    drafter_mask = tree_attention_mask(tree, [5, 2], slots, 8, 25)
+    assert drafter_mask[0].nonzero().flatten().tolist() == [*range(8), 20, 23, 25]  # nodes 0, 3, then 5 itself
+    assert drafter_mask[1].nonzero().flatten().tolist() == [*range(8), 20, 26]
+
+
+
+def test_a_chat_keeps_the_drafts_context_across_turns(target_dir, tmp_path):
+    """Turn two continues the draft head's cache as the target's: its context then equals a fresh head's
+    that saw the whole conversation at once (and the replies stay plain greedy's)."""
+    from quantkit.kernels.chat import ChatSession
+
+    head = write_tiny_eagle3_head(tmp_path / "head", target_dir)
+    engine = load_engine(target_dir, dtype=torch.float32, draft=head, draft_tokens=3)
+    session = ChatSession(engine)
+    for text in ("hello", "and again"):
+        "".join(session.reply(text, max_new_tokens=6))
+    second_prompt = engine.chat_prompt(session.messages[:3], enable_thinking=session.enable_thinking)
+    fresh = load_engine(target_dir, dtype=torch.float32, draft=head, draft_tokens=3)
+    answer = list(fresh.tokens(second_prompt, max_new_tokens=6))
+    assert engine.tokenizer.decode(answer, skip_special_tokens=True) == session.messages[3]["content"]
+    kept, whole = engine.drafter, fresh.drafter
+    assert kept._observed == whole._observed == session.cache.length > len(second_prompt)
+    for got, want in zip(kept._cache.buffers(0, kept._observed), whole._cache.buffers(0, whole._observed)):
+        torch.testing.assert_close(got[:, :kept._observed], want[:, :whole._observed], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kept._last, whole._last, rtol=1e-5, atol=1e-5)

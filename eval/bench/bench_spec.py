@@ -13,20 +13,25 @@ head, that target's re-aligned head}: a chain of ``--k`` and a ``--tree``, each 
 ``--temperature`` (sampled trees verified by recursive rejection sampling), on held-out prompts.
 Speed: the runtime as `quantkit generate` runs it, FP and GPTQ W4 targets, greedy, plain and with the
 FP head drafting chains and trees (decode tok/s, median of repeats), beside llama.cpp Q4_0's plain
-decode. The issue's targets are printed, not asserted.
+decode, and where a speculative round's time goes (``costs``: drafting, the target's verification
+forward, showing the head the verified tokens, the rest) as multiples of a plain decode step. The
+issue's targets are printed, not asserted.
 
     python -m quantkit.eval.bench.bench_spec --out out/bench-spec
+    python -c 'from quantkit.eval.bench.bench_spec import costs; costs()' --target out/w4 --head out/head
 """
 from __future__ import annotations
 
 import json
 import shlex
+import statistics
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import click
-from quantkit.eval.bench.common import Variant, machine, make_variant, median_rate, quantize_command, report
+from quantkit.eval.bench.common import Variant, machine, make_variant, quantize_command, report
 
 from quantkit.table import format_table
 
@@ -56,19 +61,126 @@ def _draft_command(target: Path, out: Path, tokens: int, text: tuple[str, ...], 
     return command + (["--init", str(init)] if init is not None else [])
 
 
-def decode_rates(engine, prompt: list[int], new_tokens: int, repeats: int) -> tuple[float, float | None]:
-    """Greedy decode tok/s of ``engine`` after ``prompt`` (median of ``repeats``, stop tokens ignored so
-    that every run is ``new_tokens`` long), and τ of its last run when it drafts."""
-    engine.stop_tokens = set()
-    last = {}
+class _Timed:
+    """Another object with some of its methods timed: seconds and calls per method name, since ``reset``."""
 
-    def run() -> float:
-        last["result"] = engine.generate(prompt, max_new_tokens=new_tokens)
-        return last["result"].decode_seconds
+    def __init__(self, inner, names: tuple[str, ...]):
+        self._inner, self._names = inner, names
+        self.reset()
 
-    rate = median_rate(run, new_tokens - 1, repeats)  # the first token comes out of the prefill
-    acceptance = last["result"].acceptance
-    return rate, None if acceptance is None else acceptance["tau"]
+    def reset(self) -> None:
+        self.seconds, self.calls = dict.fromkeys(self._names, 0.0), dict.fromkeys(self._names, 0)
+
+    def __getattr__(self, name):
+        attribute = getattr(self._inner, name)
+        if name not in self._names:
+            return attribute
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return attribute(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+                self.calls[name] += 1
+        return timed
+
+
+def _decode(engine, prompt: list[int], new_tokens: int) -> tuple[float, dict]:
+    """Greedy decode seconds after ``prompt`` (``new_tokens`` tokens, stop tokens ignored, the first
+    token out of the prefill) and the engine's timings; a timed drafter and runtime are reset after the
+    prefill, so that they count the decode's rounds only."""
+    engine.stop_tokens, timings = set(), {}
+    tokens = engine.tokens(prompt, max_new_tokens=new_tokens, timings=timings)
+    next(tokens)
+    for part in (engine.drafter, engine.runtime):
+        if isinstance(part, _Timed):
+            part.reset()
+    count = 1 + sum(1 for _ in tokens)
+    if count != new_tokens:
+        raise RuntimeError(f"decoded {count} tokens, not {new_tokens}")
+    return timings["decode_seconds"], timings
+
+
+def speed_of(target: Path, head: Path, prompt: list[int], new_tokens: int, repeats: int,
+             drafts: dict[str, dict]) -> list[dict]:
+    """Greedy decode of ``target`` plain and with ``head`` drafting each of ``drafts`` (label ->
+    load_engine options), interleaved repeats, medians: tok/s, τ, and a round's parts as multiples of
+    the plain decode step (``propose``: drafting, ``verify``: the target's forward over the drafts,
+    ``observe``: the head reading the verified states, ``rest``: verification's argmax, cropping the
+    caches, Python)."""
+    from quantkit.kernels.generate import load_engine
+
+    plain = load_engine(target)
+    engines = {}
+    for label, options in drafts.items():
+        engine = load_engine(target, draft=head, **options)
+        engine.drafter = _Timed(engine.drafter, ("propose", "propose_tree", "observe"))
+        engine.runtime = _Timed(engine.runtime, ("forward_capturing",))  # after the prefill: verification only
+        engines[label] = engine
+    steps = new_tokens - 1  # the first token comes out of the prefill
+    samples = {label: [] for label in engines}
+    step_seconds = []
+    for _ in range(repeats + 1):  # the first pass warms up
+        step_seconds.append(_decode(plain, prompt, new_tokens)[0] / steps)
+        for label, engine in engines.items():
+            seconds, timings = _decode(engine, prompt, new_tokens)
+            drafter, runtime = engine.drafter, engine.runtime
+            rounds = drafter.calls["propose"] + drafter.calls["propose_tree"]
+            step = step_seconds[-1] * rounds
+            parts = {"propose": (drafter.seconds["propose"] + drafter.seconds["propose_tree"]) / step,
+                     "verify": runtime.seconds["forward_capturing"] / step,
+                     "observe": drafter.seconds["observe"] / step}
+            samples[label].append({"speedup": step_seconds[-1] * steps / seconds, "round": seconds / step,
+                                   **parts, "rest": seconds / step - sum(parts.values()),
+                                   "tau": timings["acceptance"].tau, "seconds": seconds})
+    plain_step = statistics.median(step_seconds[1:])
+    rows = []
+    for label, runs in samples.items():
+        runs = runs[1:]
+        median = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+        rows.append({"draft": label, "plain_tok_s": 1 / plain_step, "speculative_tok_s": steps / median["seconds"],
+                     "speedup": median["speedup"], "tau": median["tau"], "plain_step_ms": 1000 * plain_step,
+                     "round_steps": {key: median[key] for key in ("round", "propose", "verify", "observe", "rest")}})
+    return rows
+
+
+COST_COLUMNS = ["target", "draft", "tau", "plain step ms", "round", "propose", "verify", "observe", "rest"]
+
+
+def cost_rows(speeds: list[dict]) -> list[list]:
+    return [[s["target"], s["draft"], s["tau"], s["plain_step_ms"], *s["round_steps"].values()] for s in speeds]
+
+
+@click.command()
+@click.option("--target", required=True, help="The target: a checkpoint, an artifact or 'default'.")
+@click.option("--head", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--k", default=3, show_default=True, help="Draft tokens a round.")
+@click.option("--tree", default="3x4x12", show_default=True, help="The greedy draft tree (DEPTHxTOPKxSIZE).")
+@click.option("--prompt-tokens", default=512, show_default=True)
+@click.option("--new-tokens", default=128, show_default=True)
+@click.option("--repeats", default=5, show_default=True)
+@click.option("--threads", default=2, show_default=True)
+def costs(target, head, k, tree, prompt_tokens, new_tokens, repeats, threads):
+    """Only the speed part for one target and head: decode speed and a round's cost in plain steps."""
+    import torch
+    from quantkit.kernels.speculative import TreeShape
+    from transformers import AutoTokenizer
+
+    from quantkit import calib
+    from quantkit.models.zoo import resolve_model
+
+    torch.set_num_threads(threads)
+    target_dir = resolve_model(target)
+    prompt = calib.heldout_tokens(AutoTokenizer.from_pretrained(target_dir), max_tokens=prompt_tokens).tolist()
+    speeds = [{"target": str(target), **row} for row in speed_of(
+        target_dir, head, prompt, new_tokens, repeats,
+        {f"chain {k}": {"draft_tokens": k}, f"tree {tree}": {"draft_tree": TreeShape.parse(tree)}})]
+    click.echo(f"plain decode {speeds[0]['plain_tok_s']:.1f} tok/s; round costs in plain decode steps, "
+               f"median of {repeats}")
+    click.echo(format_table(["draft", "tok/s", "speed-up", *COST_COLUMNS[2:]],
+                            [[s["draft"], s["speculative_tok_s"], s["speedup"], *row[2:]]
+                             for s, row in zip(speeds, cost_rows(speeds))]))
 
 
 @click.command()
@@ -163,14 +275,9 @@ def main(model, out, head_tokens, realign_tokens, head_data, own_text_after, qat
                                *[""] * (depth - len(p.position_rates))] for p in pairings])
 
     speed_prompt = heldout[-speed_prompt_tokens:].tolist()
-    speeds = []
-    for label in ("FP", "GPTQ W4 g128"):
-        plain, _ = decode_rates(load_engine(targets[label]), speed_prompt, speed_new_tokens, repeats)
-        for shape, options in ((f"chain {k}", {"draft_tokens": k}), (f"tree {tree}", {"draft_tree": tree_shape})):
-            drafted, tau = decode_rates(load_engine(targets[label], draft=head, **options), speed_prompt,
-                                        speed_new_tokens, repeats)
-            speeds.append({"target": label, "draft": shape, "plain_tok_s": plain, "speculative_tok_s": drafted,
-                           "speedup": drafted / plain, "tau": tau})
+    speeds = [{"target": label, **row} for label in ("FP", "GPTQ W4 g128") for row in speed_of(
+        targets[label], head, speed_prompt, speed_new_tokens, repeats,
+        {f"chain {k}": {"draft_tokens": k}, f"tree {tree}": {"draft_tree": tree_shape}})]
     with tempfile.TemporaryDirectory() as scratch:
         from quantkit.gguf.export import export_gguf
 
@@ -200,8 +307,12 @@ def main(model, out, head_tokens, realign_tokens, head_data, own_text_after, qat
     ]
     trained = {**json.loads((head / "draft_train.json").read_text()),
                **json.loads((head / "draft_report.json").read_text())}
+    cost_table = format_table(COST_COLUMNS, cost_rows(speeds))
     notes = "\n".join([
         f"llama.cpp Q4_0 plain decode: {llama_decode:.1f} tok/s", "", speed_table, "",
+        "a speculative round's time in plain decode steps of its target (propose: drafting; verify: the "
+        "target's forward; observe: the head reading the verified states; rest: argmax, cache cropping, Python):",
+        cost_table, "",
         f"FP head: draft vocabulary {trained['draft_vocab']} tokens covering {100 * trained['heldout_coverage']:.1f} "
         f"% of held-out tokens; trained on {trained['tokens']} tokens at {trained['tokens_per_second']:.0f} tok/s",
         "", "targets (printed, not asserted):", *targets_text])

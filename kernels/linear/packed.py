@@ -3,14 +3,20 @@ multiply by the dequantized weight (on AMX in bf16), then the bias is added.
 
 Measured at MiniCPM4.1-8B's shapes (``python -m quantkit.eval.bench.bench_linear``): the packed kernels
 beat a bf16 matmul for one row and break even by about four, while for hundreds of rows the bf16
-matmul on AMX is many times faster than any of them.
+matmul on AMX is many times faster than any of them. The kept dequantized weight is reordered once
+for oneDNN (``PrepackedLinear``), so that a few rows (a speculative round's verification) cost about
+what one row costs on it.
 """
 from __future__ import annotations
 
 import torch
+from quantkit.kernels.linear.prepacked import PrepackedLinear, prepackable
 from torch import nn
 
 DECODE_ROWS = 4  # up to this many rows use the packed kernel
+# A module that keeps no dequantized weight (a large model) runs up to this many rows on the packed
+# kernel too: dequantizing a whole weight for a draft tree's few nodes costs more than the kernel.
+FEW_ROWS = 16
 
 
 class PackedLinear(nn.Module):
@@ -18,7 +24,7 @@ class PackedLinear(nn.Module):
     (the packed kernel on [rows, width], or None when it cannot run) and ``_dequantize`` (the
     weight [N, width] in a dtype); ``prepare`` maps the input onto the packed columns."""
 
-    _dequantized: torch.Tensor | None = None
+    _kept: tuple[torch.dtype, nn.Module | torch.Tensor] | None = None  # the dequantized weight, prepacked if it can be
 
     def prepare(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -30,19 +36,27 @@ class PackedLinear(nn.Module):
         raise NotImplementedError
 
     def dequantized(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        if self._dequantized is not None and self._dequantized.dtype == dtype:
-            return self._dequantized
-        weight = self._dequantize(dtype)
-        if self.keep_dequantized:
-            self._dequantized = weight
-        return weight
+        return self._dequantize(dtype)
+
+    def _dense(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows W^T on the dequantized weight; kept (as oneDNN's prepacked copy when it can be) when
+        ``keep_dequantized``. A weight made for one call is not worth reordering."""
+        kept = self._kept
+        if kept is None or kept[0] != rows.dtype:
+            weight = self._dequantize(rows.dtype)
+            kept = (rows.dtype, PrepackedLinear(weight) if self.keep_dequantized and prepackable(weight) else weight)
+            if self.keep_dequantized:
+                self._kept = kept
+        dense = kept[1]
+        return dense(rows) if isinstance(dense, PrepackedLinear) else rows @ dense.T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.prepare(x)
         rows = x.reshape(-1, x.shape[-1])
-        out = self.decode(rows) if rows.shape[0] <= DECODE_ROWS else None
+        few = DECODE_ROWS if self.keep_dequantized else FEW_ROWS
+        out = self.decode(rows) if rows.shape[0] <= few else None
         if out is None:
-            out = rows @ self.dequantized(x.dtype).T
+            out = self._dense(rows)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.view(*x.shape[:-1], self.out_features)
