@@ -34,8 +34,8 @@ def acceptance(engine, draft: str | Path, prompts: torch.Tensor, k: int, max_new
     from quantkit.kernels.sampling import Sampling
     from tqdm.auto import tqdm
 
-    speculative = Engine(engine.runtime, engine.tokenizer, set(), engine.prefill_chunk,
-                         load_drafter(draft, engine.runtime), k, tree)
+    drafter = load_drafter(draft, engine.runtime, engine.runtime.device.type)  # on its target's device
+    speculative = Engine(engine.runtime, engine.tokenizer, set(), engine.prefill_chunk, drafter, k, tree)
     total = Acceptance(tree.depth if tree is not None else k)
     for index, prompt in enumerate(tqdm(prompts, desc=description, disable=not progress, leave=False)):
         timings: dict = {}

@@ -70,7 +70,8 @@ def build_prompt(tokenizer, sentences: list[str], length: int, depth: float, num
 
 @torch.inference_mode()
 def run(model, tokenizer, text: str, lengths: list[int], depths: list[float], trials: int = 1, seed: int = 0,
-        progress: bool = False) -> list[Trial]:
+        progress: bool = False, device: str = "cpu") -> list[Trial]:
+    """The trials of every length x depth; prompts go to ``device``, where ``model`` runs."""
     sentences = _sentences(text)
     rng = random.Random(seed)
     cases = [(length, depth, str(rng.randrange(1_000_000, 10_000_000)))
@@ -78,7 +79,7 @@ def run(model, tokenizer, text: str, lengths: list[int], depths: list[float], tr
     results = []
     for length, depth, number in tqdm(cases, desc="needle in a haystack", unit="trial", disable=not progress):
         ids = build_prompt(tokenizer, sentences, length, depth, number)
-        output = model.generate(torch.tensor([ids]), max_new_tokens=ANSWER_TOKENS, do_sample=False,
+        output = model.generate(torch.tensor([ids], device=device), max_new_tokens=ANSWER_TOKENS, do_sample=False,
                                 pad_token_id=tokenizer.eos_token_id)
         answer = tokenizer.decode(output[0, len(ids):], skip_special_tokens=True)
         results.append(Trial(length, depth, number, answer))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -52,6 +52,9 @@ class ReferenceLogProbs:
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in TENSORS}
 
+    def to(self, device) -> ReferenceLogProbs:
+        return replace(self, **{name: tensor.to(device) for name, tensor in self.tensors().items()})
+
 
 TENSORS = ("top_ids", "top_log_probs", "tail_ids", "tail_log_probs", "tail_mass", "target_log_probs")
 
@@ -77,21 +80,23 @@ def compute_reference(reference, tokens: torch.Tensor, window: int, stride: int 
             rest = log_p.exp().scatter_(1, top.indices, 0.0)
             mass = rest.sum(-1)
             samples = tail_samples if top.indices.shape[1] < log_p.shape[-1] else 0
-            drawn = (torch.multinomial(rest.clamp_(min=0) + (mass == 0)[:, None], samples, replacement=True,
-                                       generator=generator)
-                     if samples else torch.empty(len(log_p), 0, dtype=torch.long))
+            # drawn on the host, by the seeded CPU generator: the same stream of draws on any device
+            drawn = (torch.multinomial((rest.clamp_(min=0) + (mass == 0)[:, None]).cpu(), samples, replacement=True,
+                                       generator=generator).to(log_p.device)
+                     if samples else torch.empty(len(log_p), 0, dtype=torch.long, device=log_p.device))
             for name, value in (("top_ids", top.indices.to(torch.int32)), ("top_log_probs", top.values.float()),
                                 ("tail_ids", drawn.to(torch.int32)), ("tail_log_probs", log_p.gather(1, drawn).float()),
                                 ("tail_mass", mass), ("target_log_probs", log_p.gather(1, target[:, None])[:, 0])):
                 parts[name].append(value)
     return ReferenceLogProbs(**{name: torch.cat(values) for name, values in parts.items()}, window=window,
-                             stride=stride)
+                             stride=stride).to("cpu")  # the cache file is written and read on the host
 
 
 def cached_reference(reference_dir: Path, tokens: torch.Tensor, window: int, stride: int | None = None,
                      top_k: int = DEFAULT_TOP_K, cache_dir: Path = DEFAULT_DIR, progress: bool = False,
-                     tail_samples: int = DEFAULT_TAIL_SAMPLES) -> tuple[ReferenceLogProbs, Path]:
-    """The reference's log-probabilities on ``tokens``, from ``cache_dir`` or computed once and stored."""
+                     tail_samples: int = DEFAULT_TAIL_SAMPLES, device: str = "cpu") -> tuple[ReferenceLogProbs, Path]:
+    """The reference's log-probabilities on ``tokens``, from ``cache_dir`` or computed once (the reference on
+    ``device``) and stored; the key is the same on any device."""
     from quantkit.checkpoint import CheckpointReader
     from quantkit.loading import load_model
 
@@ -102,7 +107,8 @@ def cached_reference(reference_dir: Path, tokens: torch.Tensor, window: int, str
             return ReferenceLogProbs(**load_file(str(path)), window=window, stride=stride), path
         except (SafetensorError, TypeError) as e:
             raise ValueError(f"{path} is not a readable reference cache ({e}); delete it to recompute") from e
-    result = compute_reference(load_model(reference_dir), tokens, window, stride, top_k, tail_samples, progress)
+    result = compute_reference(load_model(reference_dir).to(device), tokens.to(device), window, stride, top_k,
+                               tail_samples, progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_safetensors(path, result.tensors())
     return result, path
@@ -111,7 +117,9 @@ def cached_reference(reference_dir: Path, tokens: torch.Tensor, window: int, str
 @torch.inference_mode()
 def kl_against_reference(model, reference: ReferenceLogProbs, tokens: torch.Tensor,
                          progress: bool = False) -> KLResult:
-    """``kl_divergence``'s numbers for ``model`` against a cached reference (the KL estimated as above)."""
+    """``kl_divergence``'s numbers for ``model`` against a cached reference (the KL estimated as above),
+    computed on the device of ``tokens``."""
+    reference = reference.to(tokens.device)
     kl_sum, kl_max, agree, nll, row = 0.0, 0.0, 0, 0.0, 0
     spans = list(windows(len(tokens), reference.window, reference.stride))
     for w in tqdm(spans, desc="kl-divergence", unit="window", disable=not progress):

@@ -76,25 +76,28 @@ def _task_scores(path: Path, extras: Extras, progress: bool) -> dict[str, float]
 
 
 def evaluate(reference_dir: Path, variants: list[Path], tokens: torch.Tensor, window: int, stride: int | None,
-             top_k: int, cache_dir: Path, progress: bool = False,
-             extras: Extras = Extras()) -> tuple[list[VariantResult], Path]:
+             top_k: int, cache_dir: Path, progress: bool = False, extras: Extras = Extras(),
+             device: str = "cpu") -> tuple[list[VariantResult], Path]:
+    """Every variant's result (the reference first) and the reference cache's path. The models run on
+    ``device``; ``tokens`` stay on the host for the cache key, and task scores run on the CPU."""
     from quantkit.eval.accept import acceptance, prompt_rows
     from quantkit.eval.refcache import cached_reference, kl_against_reference
     from quantkit.kernels.generate import load_engine
 
     from quantkit.loading import load_model
 
-    reference, cache_path = cached_reference(reference_dir, tokens, window, stride, top_k, cache_dir, progress)
+    reference, cache_path = cached_reference(reference_dir, tokens, window, stride, top_k, cache_dir, progress,
+                                             device=device)
     results = []
     for path in [reference_dir, *variants]:
-        model = load_model(path)
+        model = load_model(path).to(device)
         parameters = sum(t.numel() for t in model.state_dict().values()) - (
             model.lm_head.weight.numel() if model.config.tie_word_embeddings else 0)
-        kl = kl_against_reference(model, reference, tokens, progress)
+        kl = kl_against_reference(model, reference, tokens.to(device), progress)
         tau = None
         if extras.draft is not None:
             prompts = prompt_rows(tokens, extras.accept_prompts, ACCEPT_PROMPT_TOKENS)
-            engine = load_engine(path, dtype=torch.float32)
+            engine = load_engine(path, dtype=torch.float32, device=device)
             tau = acceptance(engine, extras.draft, prompts, extras.accept_k, extras.accept_new_tokens).tau
         del model
         size = weight_bytes(path)

@@ -256,11 +256,12 @@ def draft_group():
               help="Quantization-aware: train the head's linears through W4 g128 and write them in this layout.")
 @click.option("--seed", default=DRAFT_DEFAULTS.seed, show_default=True)
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its last checkpoint.")
+@device_option
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @json_option
 @_friendly_errors
 def draft_train(target, revision, out, tokens, draft_vocab, ttt_steps, learning_rate, seq_len, batch_rows, aux_states,
-                data, own_text_after, init, w4, seed, resume, progress, as_json):
+                data, own_text_after, init, w4, seed, resume, device, progress, as_json):
     """Train an EAGLE-3 head for TARGET (training-time test, FR-Spec vocabulary, distilled from TARGET's
     own distribution); writes the head in the official layout and a JSON log."""
     from dataclasses import replace
@@ -272,7 +273,7 @@ def draft_train(target, revision, out, tokens, draft_vocab, ttt_steps, learning_
                        learning_rate=learning_rate, seq_len=seq_len, batch_rows=batch_rows, aux_states=aux_states,
                        data=data, own_text_after=own_text_after, w4=w4, seed=seed)
     report = train_head(resolve_model(target, revision=revision), out, settings, init=init, resume=resume,
-                        progress=progress)
+                        device=device, progress=progress)
     measured = [e for e in report.log if "heldout_loss" in e]
     rows = [[e["step"], e["tokens"], e.get("loss"), e["heldout_loss"], *e["heldout_top1_by_step"][:4]]
             for e in measured]
@@ -281,7 +282,7 @@ def draft_train(target, revision, out, tokens, draft_vocab, ttt_steps, learning_
     text += (f"\n\nwrote {out}: draft vocabulary {report.draft_vocab} tokens (covers "
              f"{100 * report.heldout_coverage:.1f} % of held-out tokens), {report.steps} steps, {report.tokens} tokens "
              f"at {report.tokens_per_second:.0f} tok/s (target features {report.features_seconds:.0f} s, training "
-             f"{report.train_seconds:.0f} s), peak RSS {report.peak_rss_mb:.0f} MB"
+             f"{report.train_seconds:.0f} s) on {report.device}, peak RSS {report.peak_rss_mb:.0f} MB"
              + (f" (resumed at step {report.resumed_from_step})" if report.resumed_from_step else "")
              + f"\nmeasure its acceptance: quantkit eval accept --target {target} --draft {out}")
     _emit(as_json, report.to_dict(), text)
@@ -341,20 +342,22 @@ def _eval_runtime_options(fn):
     return fn
 
 
-def _evaluated_model(model_dir: Path, runtime: bool, sparse: str, sparse_config: str | None):
+def _evaluated_model(model_dir: Path, runtime: bool, sparse: str, sparse_config: str | None, device: str):
+    """The model an eval command scores, on ``device`` (already resolved)."""
     from quantkit.kernels.generate import DEFAULT_PREFILL_CHUNK, EngineLM
     from quantkit.loading import load_model
 
     if not runtime:
         if sparse != "auto" or sparse_config:
             raise click.ClickException("--sparse and --sparse-config need --runtime")
-        return load_model(model_dir)
-    return EngineLM(_load_engine(str(model_dir), None, sparse, sparse_config, "cpu", DEFAULT_PREFILL_CHUNK))
+        return load_model(model_dir).to(device)
+    return EngineLM(_load_engine(str(model_dir), None, sparse, sparse_config, device, DEFAULT_PREFILL_CHUNK))
 
 
 def _eval_options(fn):
-    """The options every `quantkit eval` command shares."""
-    for option in (_friendly_errors, json_option, stride_option, window_option, tokens_option, data_option):
+    """The options every `quantkit eval` command over held-out text shares."""
+    for option in (_friendly_errors, json_option, device_option, stride_option, window_option, tokens_option,
+                   data_option):
         fn = option(fn)
     return fn
 
@@ -372,16 +375,19 @@ def _eval_tokens(model_dir: Path, data: str, max_tokens: int):
 @revision_option("--model")
 @_eval_runtime_options
 @_eval_options
-def eval_ppl(model, revision, data, max_tokens, window, stride, as_json, runtime, sparse, sparse_config):
+def eval_ppl(model, revision, data, max_tokens, window, stride, device, as_json, runtime, sparse, sparse_config):
     """Perplexity on held-out text."""
     from quantkit.eval.ppl import perplexity
+    from quantkit.kernels.device import resolve_device
     from quantkit.models.zoo import resolve_model
 
+    device = resolve_device(device)
     model_dir = resolve_model(model, revision=revision)
-    evaluated = _evaluated_model(model_dir, runtime, sparse, sparse_config)
-    result = perplexity(evaluated, _eval_tokens(model_dir, data, max_tokens), window, stride, progress=not as_json)
+    evaluated = _evaluated_model(model_dir, runtime, sparse, sparse_config, device)
+    tokens = _eval_tokens(model_dir, data, max_tokens).to(device)
+    result = perplexity(evaluated, tokens, window, stride, progress=not as_json)
     payload = {"model": str(model_dir), "data": data, "runtime": runtime, "sparse": sparse,
-               "sparse_config": sparse_config, **asdict(result)}
+               "sparse_config": sparse_config, "device": device, **asdict(result)}
     _emit(as_json, payload, format_table(["model", "data", "tokens", "perplexity"],
                                          [[model_dir.name, data, result.tokens, result.perplexity]]))
 
@@ -394,16 +400,19 @@ def eval_ppl(model, revision, data, max_tokens, window, stride, as_json, runtime
               help="Each window's first N positions run through the reference, and the model continues "
                    "from their K/V (a full-precision stored prefix); only later positions are scored.")
 @_eval_options
-def eval_kld(model, revision, ref, data, max_tokens, window, stride, as_json, reference_prefix):
+def eval_kld(model, revision, ref, data, max_tokens, window, stride, device, as_json, reference_prefix):
     """KL divergence and top-1 agreement against a reference model."""
     from quantkit.eval.kld import kl_divergence
+    from quantkit.kernels.device import resolve_device
     from quantkit.loading import load_model
     from quantkit.models.zoo import resolve_model
 
+    device = resolve_device(device)
     model_dir, ref_dir = resolve_model(model, revision=revision), resolve_model(ref)
-    result = kl_divergence(load_model(model_dir), load_model(ref_dir), _eval_tokens(ref_dir, data, max_tokens),
-                           window, stride, progress=not as_json, reference_prefix=reference_prefix)
-    payload = {"model": str(model_dir), "reference": str(ref_dir), "data": data, **asdict(result)}
+    result = kl_divergence(load_model(model_dir).to(device), load_model(ref_dir).to(device),
+                           _eval_tokens(ref_dir, data, max_tokens).to(device), window, stride, progress=not as_json,
+                           reference_prefix=reference_prefix)
+    payload = {"model": str(model_dir), "reference": str(ref_dir), "data": data, "device": device, **asdict(result)}
     rows = [[model_dir.name, result.tokens, result.perplexity, result.reference_perplexity, result.mean_kl,
              result.top1_agreement]]
     _emit(as_json, payload, format_table(["model", "tokens", "ppl", "ref ppl", "mean KL", "top-1 agree"], rows))
@@ -423,24 +432,27 @@ def eval_kld(model, revision, ref, data, max_tokens, window, stride, as_json, re
 @click.option("--accept-k", default=4, show_default=True, type=click.IntRange(min=1), help="Draft chain length.")
 @_eval_options
 def eval_report(ref, variants, out, top_k, cache_dir, task_names, task_limit, draft, accept_k, data, max_tokens,
-                window, stride, as_json):
-    """Score every variant against the reference in one run: report.json, report.md and PNG plots."""
+                window, stride, device, as_json):
+    """Score every variant against the reference in one run: report.json, report.md and PNG plots.
+    --device places the reference, perplexity, KL and tau runs; task scores (--tasks) run on the CPU."""
     from quantkit.eval import report
     from quantkit.eval.refcache import DEFAULT_DIR
     from quantkit.eval.tasks.registry import parse_task_names
+    from quantkit.kernels.device import resolve_device
     from quantkit.models.zoo import resolve_model
 
     if out.exists():
         raise click.ClickException(f"{out} already exists; choose another --out or remove it")
+    device = resolve_device(device)
     ref_dir = resolve_model(ref)
     variant_dirs = [resolve_model(v.strip()) for v in variants.split(",") if v.strip()]
     extras = report.Extras(tuple(parse_task_names(task_names)) if task_names else (), task_limit,
                            resolve_model(draft) if draft else None, accept_k)
     tokens = _eval_tokens(ref_dir, data, max_tokens)
     results, cache = report.evaluate(ref_dir, variant_dirs, tokens, window, stride, top_k, cache_dir or DEFAULT_DIR,
-                                     progress=not as_json, extras=extras)
+                                     progress=not as_json, extras=extras, device=device)
     setup = {**report.setup_record(ref_dir, data, tokens, window, stride, top_k, extras),
-             "reference_cache": str(cache)}
+             "device": device, "reference_cache": str(cache)}
     report.write(out, results, setup)
     _emit(as_json, {"setup": setup, "variants": [asdict(r) for r in results], "out": str(out)},
           report.markdown(results, setup))
@@ -478,22 +490,26 @@ def eval_conformance(model, revision, as_json):
 @click.option("--trials", default=1, show_default=True, type=click.IntRange(min=1), help="Needles per cell.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the needles' numbers.")
 @click.option("--plot", "plot_path", default=None, type=click.Path(path_type=Path), help="Write a heatmap PNG here.")
+@device_option
 @_eval_runtime_options
 @_friendly_errors
 @json_option
-def eval_niah(model, revision, data, lengths, depths, trials, seed, plot_path, as_json, runtime, sparse, sparse_config):
+def eval_niah(model, revision, data, lengths, depths, trials, seed, plot_path, device, as_json, runtime, sparse,
+              sparse_config):
     """Needle in a haystack: retrieval accuracy over context length x needle depth."""
     from quantkit import calib
     from quantkit.checkpoint import load_tokenizer
     from quantkit.eval import niah
+    from quantkit.kernels.device import resolve_device
     from quantkit.models.zoo import resolve_model
 
+    device = resolve_device(device)
     model_dir = resolve_model(model, revision=revision)
     text = "\n\n".join(calib.load_documents(data))
-    evaluated = _evaluated_model(model_dir, runtime, sparse, sparse_config)
+    evaluated = _evaluated_model(model_dir, runtime, sparse, sparse_config, device)
     results = niah.run(evaluated, load_tokenizer(model_dir), text,
                        [int(v) for v in lengths.split(",")], [float(v) for v in depths.split(",")], trials, seed,
-                       progress=not as_json)
+                       progress=not as_json, device=device)
     grid = niah.accuracy_grid(results)
     if plot_path is not None:
         niah.plot(grid, plot_path, f"needle in a haystack: {model_dir.name}")
@@ -501,7 +517,7 @@ def eval_niah(model, revision, data, lengths, depths, trials, seed, plot_path, a
     table = format_table(["context", *[f"depth {d:.0%}" for d in depth_values]],
                          [[length, *[row[d] for d in depth_values]] for length, row in sorted(grid.items())])
     payload = {"model": str(model_dir), "data": data, "seed": seed, "runtime": runtime, "sparse": sparse,
-               "sparse_config": sparse_config, "trials": [asdict(t) | {"correct": t.correct}
+               "sparse_config": sparse_config, "device": device, "trials": [asdict(t) | {"correct": t.correct}
                                                                                 for t in results],
                "accuracy": {str(length): {str(d): v for d, v in row.items()} for length, row in grid.items()}}
     _emit(as_json, payload, table)
@@ -549,24 +565,28 @@ def eval_tasks(model, revision, task_names, limit, record, progress, as_json):
 @click.option("--prompt-tokens", default=64, show_default=True, type=click.IntRange(min=2))
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--seed", default=0, show_default=True, help="Seed of the sampler (temperature > 0).")
+@device_option
 @_friendly_errors
 @json_option
-def eval_accept(targets, drafts, k, tree, temperature, data, prompts, prompt_tokens, max_new_tokens, seed,
+def eval_accept(targets, drafts, k, tree, temperature, data, prompts, prompt_tokens, max_new_tokens, seed, device,
                 as_json):
     """Speculative decoding acceptance length tau for every target x draft pair, on the same prompts."""
     import torch
 
     from quantkit.eval.accept import acceptance, prompt_rows
+    from quantkit.kernels.device import resolve_device
     from quantkit.kernels.generate import load_engine
     from quantkit.kernels.speculative import TreeShape
     from quantkit.models.zoo import resolve_model
+
+    device = resolve_device(device)
 
     shapes = [(f"chain of {k}", None)] + ([(f"tree {tree}", TreeShape.parse(tree))] if tree else [])
     target_dirs, draft_dirs = [resolve_model(t) for t in targets], [resolve_model(d) for d in drafts]
     batch = prompt_rows(_eval_tokens(target_dirs[0], data, prompts * prompt_tokens), prompts, prompt_tokens)
     pairs, rows = [], []
     for target_dir in target_dirs:
-        engine = load_engine(target_dir, dtype=torch.float32)
+        engine = load_engine(target_dir, dtype=torch.float32, device=device)
         for draft_dir in draft_dirs:
             for shape, tree_shape in shapes:
                 total = acceptance(engine, draft_dir, batch, k, max_new_tokens, temperature, seed,
@@ -580,7 +600,7 @@ def eval_accept(targets, drafts, k, tree, temperature, data, prompts, prompt_tok
     rows = [row + [""] * (4 + depth - len(row)) for row in rows]
     table = format_table(["target", "draft", "shape", "tau", *[f"accept@{i + 1}" for i in range(depth)]], rows)
     _emit(as_json, {"data": data, "prompts": prompts, "prompt_tokens": prompt_tokens,
-                    "max_new_tokens": max_new_tokens, "seed": seed, "pairs": pairs}, table)
+                    "max_new_tokens": max_new_tokens, "seed": seed, "device": device, "pairs": pairs}, table)
 
 
 def _runtime_options(fn):

@@ -1,4 +1,7 @@
 """Small builders shared by several test modules."""
+import importlib
+from pathlib import Path
+
 import torch
 import yaml
 
@@ -44,3 +47,34 @@ def small_recipe(name: str, tmp_path, **changes) -> Recipe:
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return load_recipe(path)
+
+
+# Factories that place a tensor on the default device unless given one; torch.from_numpy is not
+# overridable, so the NumPy paths are caught by their .numpy() calls instead.
+_FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.tensor, torch.eye,
+              torch.linspace, torch.rand, torch.randn, torch.randint, torch.randperm, torch.as_tensor}
+
+
+_PACKAGE_DIRS = tuple(str(Path(importlib.import_module(name).__file__).parent) + "/"
+                      for name in ("quantkit", "quantkit.kernels"))
+
+
+class DeviceAudit(torch.overrides.TorchFunctionMode):
+    """Records quantkit lines that create a tensor without naming its device, or turn one into NumPy
+    without .cpu(): on a CUDA run the first lands on the CPU beside GPU operands, the second raises.
+    --device cuda cannot run where quantkit is tested, so tests prove on the CPU the property it needs."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        import traceback
+
+        kwargs = kwargs or {}
+        to_numpy = func is torch.Tensor.numpy
+        if to_numpy or (func in _FACTORIES and kwargs.get("device") is None):
+            ours = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(_PACKAGE_DIRS)]
+            if ours and not (to_numpy and ".cpu()" in (ours[-1].line or "")):
+                self.found.add(f"{Path(ours[-1].filename).name}:{ours[-1].lineno} {func.__name__}: {ours[-1].line}")
+        return func(*args, **kwargs)

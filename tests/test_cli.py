@@ -29,6 +29,14 @@ def test_help_everywhere(command):
     assert result.exit_code == 0 and "Usage:" in result.output
 
 
+@pytest.mark.parametrize("command", [["quantize"], ["qat", "ternary"], ["qat", "dwq"], ["generate"], ["chat"],
+                                     ["draft", "train"], ["eval", "ppl"], ["eval", "kld"], ["eval", "niah"],
+                                     ["eval", "accept"], ["eval", "report"]])
+def test_every_command_that_runs_a_model_takes_device(command):
+    result = CliRunner().invoke(main, command + ["--help"])
+    assert result.exit_code == 0 and "--device [auto|cpu|cuda]" in result.output
+
+
 def test_recipes_lists_builtin_with_purpose():
     result = CliRunner().invoke(main, ["recipes", "--json"])
     listing = json.loads(result.output)
@@ -75,6 +83,71 @@ def test_quantize_inspect_eval_round_trip(tiny, tmp_path):
 
     again = runner.invoke(main, ["quantize", "--recipe", str(recipe), "--model", str(tiny), "--out", str(out)])
     assert again.exit_code == 1 and "already exists" in again.output
+
+
+@pytest.fixture(scope="module")
+def other(tmp_path_factory):
+    """Another model of ``tiny``'s vocabulary (KL to it above 0), deep enough for an EAGLE-3 head."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "other", num_hidden_layers=4, seed=1)
+
+
+def _eval_command(name: str, tiny, other, tmp_path) -> list[str]:
+    """The arguments of a small run of each `quantkit eval` command that runs a model, printing JSON."""
+    from quantkit.models.fixtures import write_tiny_eagle3_head
+
+    held_out = ["--max-tokens", "300", "--window", "64"]
+    if name == "accept":
+        head = tmp_path / "head"
+        if not head.exists():
+            write_tiny_eagle3_head(head, other, draft_vocab_size=100)
+        return ["eval", "accept", "--target", str(other), "--draft", str(head), "--k", "2", "--prompts", "2",
+                "--prompt-tokens", "16", "--max-new-tokens", "8", "--json"]
+    return {
+        "ppl": ["eval", "ppl", "--model", str(other), *held_out, "--json"],
+        "ppl --runtime": ["eval", "ppl", "--model", str(other), *held_out, "--runtime", "--json"],
+        "kld": ["eval", "kld", "--model", str(other), "--ref", str(tiny), *held_out, "--json"],
+        "niah": ["eval", "niah", "--model", str(tiny), "--lengths", "96", "--depths", "0,1", "--json"],
+        "report": ["eval", "report", "--ref", str(tiny), "--variants", str(other), *held_out, "--draft", str(tiny),
+                   "--accept-k", "2", "--json"],
+    }[name]
+
+
+EVAL_COMMANDS = ["ppl", "ppl --runtime", "kld", "niah", "accept", "report"]
+
+
+@pytest.mark.parametrize("name", EVAL_COMMANDS)
+def test_eval_device_cpu_gives_the_defaults_numbers_here(name, tiny, other, tmp_path):
+    """Without a GPU, auto is the CPU: --device cpu scores exactly as the default (the report computing
+    its reference afresh each time, in a cache of its own)."""
+    outputs = []
+    for run, device in (("default", []), ("cpu", ["--device", "cpu"])):
+        args = _eval_command(name, tiny, other, tmp_path) + device
+        if name == "report":
+            args += ["--out", str(tmp_path / run), "--cache-dir", str(tmp_path / f"cache-{run}")]
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, result.output
+        payload = json.loads(result.output)
+        outputs.append(payload["variants"] if name == "report" else payload)
+        assert (payload["setup"] if name == "report" else payload)["device"] == "cpu"
+    assert outputs[0] == outputs[1]
+    if name == "report":  # the reference cache is keyed without the device, and holds the same draws
+        cached = [sorted((tmp_path / f"cache-{run}").iterdir()) for run in ("default", "cpu")]
+        assert [p.name for p in cached[0]] == [p.name for p in cached[1]]
+        assert cached[0][0].read_bytes() == cached[1][0].read_bytes()
+
+
+@pytest.mark.parametrize("name", EVAL_COMMANDS)
+def test_eval_device_cuda_without_a_gpu_is_one_clear_line(name, tiny, other, tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = _eval_command(name, tiny, other, tmp_path) + ["--device", "cuda"]
+    if name == "report":
+        args += ["--out", str(tmp_path / "r"), "--cache-dir", str(tmp_path / "cache")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1 and "--device cuda: no CUDA device" in result.output
+    assert "Traceback" not in result.output and not isinstance(result.exception, RuntimeError)
+    assert not (tmp_path / "r").exists() and not (tmp_path / "cache").exists()  # refused before any work
 
 
 def test_failures_are_one_clear_line(tiny, tmp_path):

@@ -186,6 +186,78 @@ def test_cli_draft_train(target_dir, training_text, tmp_path):
     assert again.exit_code == 1 and "already exists" in again.output
 
 
+CLI_TINY_RUN = ["--tokens", "1024", "--seq-len", "64", "--batch-rows", "2", "--ttt-steps", "2", "--draft-vocab", "64",
+                "--no-progress", "--json"]
+
+
+def test_cli_draft_train_device_cpu_is_the_default_here_byte_for_byte(target_dir, training_text, tmp_path,
+                                                                     monkeypatch):
+    """Without a GPU, auto is the CPU: --device cpu writes the same head, log and target features as the
+    default, each run computing its features afresh in a cache of its own, under the same key."""
+    import json
+
+    from click.testing import CliRunner
+
+    from quantkit.cli import main
+
+    caches = {}
+    for name, device in (("default", []), ("cpu", ["--device", "cpu"])):
+        caches[name] = tmp_path / f"cache-{name}"
+        monkeypatch.setenv("QUANTKIT_CACHE", str(caches[name]))
+        result = CliRunner().invoke(main, ["draft", "train", "--target", str(target_dir), "--out",
+                                           str(tmp_path / name), "--data", str(training_text), *CLI_TINY_RUN, *device])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.output)["device"] == "cpu"
+    for file in ("model.safetensors", "config.json", "draft_train.json"):
+        assert (tmp_path / "default" / file).read_bytes() == (tmp_path / "cpu" / file).read_bytes(), file
+    cached = {name: sorted(p.relative_to(cache) for p in cache.rglob("*.safetensors"))
+              for name, cache in caches.items()}
+    assert cached["default"] == cached["cpu"] and cached["cpu"]  # the same keys: the device is not part of them
+    for path in cached["cpu"]:
+        assert (caches["default"] / path).read_bytes() == (caches["cpu"] / path).read_bytes(), path
+
+
+def test_cli_draft_train_device_cuda_without_a_gpu_is_one_clear_line(target_dir, training_text, tmp_path,
+                                                                     monkeypatch):
+    from click.testing import CliRunner
+
+    from quantkit.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "h"
+    result = CliRunner().invoke(main, ["draft", "train", "--target", str(target_dir), "--out", str(out),
+                                       "--data", str(training_text), *CLI_TINY_RUN, "--device", "cuda"])
+    assert result.exit_code == 1 and "--device cuda: no CUDA device" in result.output
+    assert "Traceback" not in result.output and not isinstance(result.exception, RuntimeError)
+    assert not out.exists() and not (tmp_path / "h.partial").exists()  # refused before any work
+
+
+def test_a_draft_step_names_its_device_everywhere(target_dir, training_text, tmp_path, monkeypatch):
+    """As the engine's audit (tests/test_engine.py): the target features and every training and held-out
+    step create their tensors on their data's device, and reach NumPy only through .cpu()."""
+    from quantkit.draft import features, trainer
+
+    from helpers import DeviceAudit
+
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))  # features computed here, not read back
+    audit = DeviceAudit()
+
+    def audited(function):
+        def run(*args, **kwargs):
+            with audit:
+                return function(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(trainer, "step_loss", audited(trainer.step_loss))
+    monkeypatch.setattr(features, "row_features", audited(features.row_features))
+    monkeypatch.setattr(trainer, "row_features", audited(trainer.row_features))
+    monkeypatch.setattr(trainer, "features_key", audited(trainer.features_key))
+    report = trainer.train_head(target_dir, tmp_path / "h", settings(training_text, tokens=64 * 2 * 2, ttt_steps=2),
+                                device="cpu", progress=False)
+    assert report.device == "cpu" and report.steps == 2
+    assert not audit.found, "\n".join(sorted(audit.found))
+
+
 def test_realignment_continues_a_head_on_a_quantized_target(trained, target_dir, training_text, tmp_path):
     """--init: the FP target's head trained on for the W4 target keeps its vocabulary and moves on."""
     from safetensors.torch import load_file

@@ -1,5 +1,4 @@
 """The layer-wise engine on tiny random MiniCPM checkpoints: artifacts, determinism, resume, bad input."""
-import importlib
 import json
 from pathlib import Path
 
@@ -15,6 +14,8 @@ from quantkit.models import MiniCPMConfig
 from quantkit.models.fixtures import write_tiny_checkpoint
 from quantkit.models.layers import LINEARS
 from quantkit.recipe import RecipeError, load_recipe
+
+from helpers import DeviceAudit
 
 RECIPE = """\
 name: tiny-rtn
@@ -188,36 +189,6 @@ def test_reused_attention_gives_the_same_statistics_and_outputs(tiny):
     assert torch.equal(reusing.forward(hidden), recomputing.forward(hidden))
 
 
-# Factories that place a tensor on the default device unless given one; torch.from_numpy is not
-# overridable, so the NumPy paths are caught by their .numpy() calls instead.
-_FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.tensor, torch.eye,
-              torch.linspace, torch.rand, torch.randn, torch.randint, torch.randperm, torch.as_tensor}
-
-
-_PACKAGE_DIRS = tuple(str(Path(importlib.import_module(name).__file__).parent) + "/"
-                      for name in ("quantkit", "quantkit.kernels"))
-
-
-class _DeviceAudit(torch.overrides.TorchFunctionMode):
-    """Records quantkit lines that create a tensor without naming its device, or turn one into NumPy
-    without .cpu(): on a CUDA run the first lands on the CPU beside GPU operands, the second raises."""
-
-    def __init__(self):
-        super().__init__()
-        self.found: set[str] = set()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        import traceback
-
-        kwargs = kwargs or {}
-        to_numpy = func is torch.Tensor.numpy
-        if to_numpy or (func in _FACTORIES and kwargs.get("device") is None):
-            ours = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(_PACKAGE_DIRS)]
-            if ours and not (to_numpy and ".cpu()" in (ours[-1].line or "")):
-                self.found.add(f"{Path(ours[-1].filename).name}:{ours[-1].lineno} {func.__name__}: {ours[-1].line}")
-        return func(*args, **kwargs)
-
-
 @pytest.fixture(scope="module")
 def one_layer(tiny_checkpoint_factory) -> Path:
     """Every format can pack it (as conftest's marlin_legal), one layer: the audit slows every torch call."""
@@ -234,7 +205,7 @@ def test_a_layers_work_names_its_device_everywhere(one_layer, recipe_name, tmp_p
     the data it works on, and nothing reaches NumPy except through .cpu()."""
     from quantkit import engine
 
-    audit, run = _DeviceAudit(), engine._LayerJob.run
+    audit, run = DeviceAudit(), engine._LayerJob.run
 
     def audited(self, *args, **kwargs):
         with audit:

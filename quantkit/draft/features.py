@@ -19,7 +19,7 @@ from quantkit.training import rowcache
 
 
 def features_key(target_fingerprint: str, data_fingerprint: str, head: Eagle3Head, top_k: int) -> str:
-    vocabulary = hashlib.sha256(head.d2t.numpy().tobytes()).hexdigest()
+    vocabulary = hashlib.sha256(head.d2t.cpu().numpy().tobytes()).hexdigest()  # the same key on any device
     text = f"{target_fingerprint}:{data_fingerprint}:{vocabulary}:{head.config.aux_states}:{top_k}"
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 

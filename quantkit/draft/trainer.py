@@ -8,6 +8,10 @@ head: every step unrolls ``ttt_steps`` draft steps over each row (``ttt``) and m
 draft distribution to the target's over the draft vocabulary (step j weighted ``step_weight``ʲ, as
 EAGLE-3 does). AdamW, WSD schedule, gradient clipping; checkpoints, ``--resume`` and the held-out
 log as in QAT (``quantkit.training``).
+
+The target, the head, the features of the step's rows and the optimizer's state live on the chosen
+device (a CUDA GPU or the CPU, the same torch code on either); the text, the feature cache's files
+and the written head stay on the host.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from quantkit.draft.settings import DraftSettings, DraftTrainingError
 from quantkit.draft.ttt import unrolled_steps
 from quantkit.engine import peak_rss_mb
 from quantkit.formats import FORMATS
+from quantkit.kernels.device import resolve_device
 from quantkit.loading import load_model
 from quantkit.models.eagle3 import (
     HEAD_LINEAR_GROUPS,
@@ -60,6 +65,7 @@ W4_GRID = QuantConfig(bits=4, group_size=128, sym=True)  # the MiniCPM4 report's
 @dataclass
 class DraftReport:
     out_dir: str
+    device: str = "cpu"
     steps: int = 0
     tokens: int = 0
     resumed_from_step: int = 0
@@ -99,7 +105,7 @@ def initial_head(target, settings: DraftSettings, token_counts: torch.Tensor) ->
     with torch.no_grad():
         head.d2t.copy_(d2t)
         head.t2d.copy_(t2d)
-        used = torch.nonzero(t2d).flatten()
+        used = torch.nonzero(t2d).flatten().to(target.lm_head.weight.device)
         head.lm_head.weight.copy_(target.lm_head.weight[used].float() / config.logit_divisor)
         head.norm.weight.copy_(target.model.norm.weight.float())
     return head
@@ -113,7 +119,7 @@ def step_loss(head: Eagle3Head, embedding, tokens: torch.Tensor, features: dict,
     embeds = head.embed(embedding, tokens[:, 1:])
     teacher_ids, teacher_logits = features["ids"][:, 1:].long(), features["logits"][:, 1:]
     valid = features["in_vocabulary"][:, 1:]
-    positions = torch.arange(aux.shape[1])[None]
+    positions = torch.arange(aux.shape[1], device=aux.device)[None]
     total, agreement = 0.0, []
     for step, hidden in enumerate(unrolled_steps(head, aux, embeds, settings.ttt_steps)):
         logits = head.logits(hidden)
@@ -139,17 +145,18 @@ def _starting_head(init: Path, target, settings: DraftSettings) -> Eagle3Head:
 
 
 def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSettings = DraftSettings(), *,
-               init: str | Path | None = None, resume: bool = False, progress: bool = True,
+               init: str | Path | None = None, resume: bool = False, device: str = "auto", progress: bool = True,
                stop_after_steps: int | None = None) -> DraftReport:
     """Train a head for the checkpoint or artifact ``target_dir`` (from scratch, or from the head ``init``)
-    and write it to ``out_dir`` (official layout, plus ``draft_train.json``). ``stop_after_steps`` leaves
-    the run as an interruption would (tests)."""
+    on ``device`` (cpu, cuda, or auto: ``resolve_device``) and write it to ``out_dir`` (official layout,
+    plus ``draft_train.json``). ``stop_after_steps`` leaves the run as an interruption would (tests)."""
     from quantkit.checkpoint import load_tokenizer
 
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     staging = staging_dir(out_dir)
     continuing = state.check_start(out_dir, staging, resume, CHECKPOINT_FILE, DraftTrainingError)
-    target = load_model(target_dir, torch.float32)
+    device = resolve_device(device)
+    target = load_model(target_dir, torch.float32).to(device)
     target.requires_grad_(False)
     settings.check(target.config.vocab_size)
     tokenizer = load_tokenizer(target_dir)
@@ -164,15 +171,16 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
         data = own_text(target, target_fingerprint, data, settings.own_text_after, visited,
                         cache_root() / "draft-own-text", progress)
 
+    # made on the host, then moved: the seeded initialisation draws from the CPU's generator on either device
     head = (initial_head(target, settings, torch.bincount(data.rows.flatten(), minlength=target.config.vocab_size))
-            if init is None else _starting_head(Path(init), target, settings))
-    report = DraftReport(out_dir=str(out_dir), draft_vocab=head.config.draft_vocab_size)
-    heldout = calib.heldout_tokens(tokenizer, HELDOUT, max_tokens=settings.eval_rows * settings.seq_len)
+            if init is None else _starting_head(Path(init), target, settings)).to(device)
+    report = DraftReport(out_dir=str(out_dir), device=device, draft_vocab=head.config.draft_vocab_size)
+    heldout = calib.heldout_tokens(tokenizer, HELDOUT, max_tokens=settings.eval_rows * settings.seq_len).to(device)
     report.heldout_coverage = float(head.t2d[heldout].float().mean())
     heldout_rows = heldout[:heldout.numel() // settings.seq_len * settings.seq_len].view(-1, settings.seq_len)
     started = time.perf_counter()
     key = features_key(target_fingerprint, data.fingerprint, head, settings.top_k)
-    features = build_features(target, head, data.rows, visited, settings.top_k,
+    features = build_features(target, head, data.rows.to(device), visited, settings.top_k,
                               cache_root() / "draft-features" / key, progress)
     with torch.no_grad():
         heldout_features = [row_features(target, head, row, settings.top_k) for row in heldout_rows]
@@ -211,7 +219,8 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
         for group in optimizer.param_groups:
             group["lr"] = lr
         rows = data.row_ids(step * settings.batch_rows, settings.batch_rows)
-        loss, agreement = step_loss(head, embedding, data.rows[rows], features.batch(rows), settings)
+        batch = {name: tensor.to(device) for name, tensor in features.batch(rows).items()}
+        loss, agreement = step_loss(head, embedding, data.rows[rows].to(device), batch, settings)
         value = float(loss.detach())
         if not math.isfinite(value):
             raise DraftTrainingError(f"draft train: the loss is not finite at step {step + 1}; the last checkpoint "
@@ -243,6 +252,7 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
     report.peak_rss_mb = round(peak_rss_mb(), 1)
     if last < total_steps:  # stopped early: the checkpoint stays, nothing is published
         return report
+    head.cpu()  # the writer works on the host
     if settings.w4 is None:
         save_head(head, staging)
     else:

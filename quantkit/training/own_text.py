@@ -43,7 +43,7 @@ def own_text(model, model_fingerprint: str, data: TrainingData, prompt_tokens: i
         raise ValueError(f"own text needs a prompt of 1..{length - 1} tokens (rows of {length}), got {prompt_tokens}")
     key = hashlib.sha256(f"{model_fingerprint}:{data.fingerprint}:{prompt_tokens}".encode()).hexdigest()[:24]
     written = rowcache.build(lambda chunk: {"tokens": greedy_continuation(model, chunk[:, :prompt_tokens], length)},
-                             data.rows, visited, cache / key, "target's own text", progress)
+                             data.rows.to(model.device), visited, cache / key, "target's own text", progress)
     rows = data.rows.clone()
     rows[visited] = written.tensors["tokens"]
     return TrainingData(rows, data.seed, key, {**data.described, "own_text_after": prompt_tokens,
