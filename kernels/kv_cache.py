@@ -24,7 +24,6 @@ class KVCache:
         self._keys: list[torch.Tensor | None] = [None] * num_layers
         self._values: list[torch.Tensor | None] = [None] * num_layers
         self._pre_rope: list[torch.Tensor | None] | None = [None] * num_layers if pre_rope_keys else None
-        self._compressed_factory = compressed_keys
         self.compressed = [compressed_keys() if compressed_keys else None for _ in range(num_layers)]
 
     def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
@@ -75,12 +74,13 @@ class KVCache:
         self.length += count
 
     def crop(self, length: int) -> None:
-        """Forget every position from ``length`` on. Compressed keys cannot be un-pooled, so they are
-        rebuilt from the kept keys on the next sparse step (a rare event: a rejected draft or an edit)."""
+        """Forget every position from ``length`` on, with the compressed keys pooled from any of them
+        (every speculative round that rejects a draft does this)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")
-        if length < self.length and self._compressed_factory is not None:
-            self.compressed = [self._compressed_factory() for _ in self.compressed]
+        for compressed in self.compressed:
+            if compressed is not None:
+                compressed.crop(length)
         self.length = length
 
     @torch.inference_mode()  # the buffers are inference tensors (the runtime's forward made them)

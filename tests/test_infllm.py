@@ -187,6 +187,21 @@ def test_compressed_key_cache_grows_incrementally_and_decode_matches_reference()
         cache.update(k[:, :100])
 
 
+@pytest.mark.parametrize("kept", [700, 703, 704, 767, 768, 1])
+def test_a_cropped_compressed_key_cache_equals_one_built_from_the_kept_keys(kept):
+    """Cropping keeps the windows pooled from kept keys only; the next update pools the rest from the
+    new keys, exactly as a cache that never saw the dropped ones (window ends at 16c + 31, 64c + 127)."""
+    _, k, _ = qkv(4, 2, 900, 16, seed=8)
+    replaced = k.clone()
+    replaced[:, kept:] = torch.randn_like(k[:, kept:])
+    cache = CompressedKeyCache(SMALL)
+    cache.update(k[:, :850])
+    cache.crop(kept)
+    assert cache.num_keys == kept
+    fine, coarse = cache.update(replaced[:, :900])
+    assert torch.equal(fine, compress_keys(replaced, 32, 16)) and torch.equal(coarse, compress_keys(replaced, 128, 64))
+
+
 def test_runtime_sparse_decode_equals_reference_attention_per_layer(tiny_checkpoint):
     """The engine's InfLLM v2 path (KV cache, compressed-key caches, chunked prefill, decode)
     gives the logits of a model whose every layer calls the readable reference on the full history."""

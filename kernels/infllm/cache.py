@@ -38,6 +38,9 @@ class _Rows:
     def view(self) -> torch.Tensor:
         return self._buffer[:, : self.length]
 
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
 
 class CompressedKeyCache:
     """Fine and coarse compressed keys of one layer's sequence, extended as keys arrive.
@@ -77,3 +80,10 @@ class CompressedKeyCache:
             columns.append(compress_keys(span, size, stride))
         self.num_keys = num_keys
         return self._fine.view(), self._coarse.view()
+
+    def crop(self, num_keys: int) -> None:
+        """Forget the keys from ``num_keys`` on (a rejected draft): the windows pooled entirely from the
+        kept keys stay valid, the rest are pooled again from the new keys by the next ``update``."""
+        for columns, size, stride in self._windows:
+            columns.truncate(num_windows(num_keys, size, stride))
+        self.num_keys = min(self.num_keys, num_keys)
