@@ -67,11 +67,11 @@ def layer_errors(model_dir: Path) -> list[float]:
     return [sum(entry["errors"].values()) / len(entry["errors"]) for entry in layers]
 
 
-def _task_scores(path: Path, extras: Extras, progress: bool) -> dict[str, float]:
+def _task_scores(path: Path, extras: Extras, progress: bool, device: str = "cpu") -> dict[str, float]:
     from quantkit.eval.tasks.model import TaskModel
     from quantkit.eval.tasks.registry import evaluate_tasks
 
-    results = evaluate_tasks(TaskModel.load(path), list(extras.tasks), extras.task_limit, progress)
+    results = evaluate_tasks(TaskModel.load(path, device), list(extras.tasks), extras.task_limit, progress)
     return {r.task: r.score for r in results}
 
 
@@ -79,7 +79,7 @@ def evaluate(reference_dir: Path, variants: list[Path], tokens: torch.Tensor, wi
              top_k: int, cache_dir: Path, progress: bool = False, extras: Extras = Extras(),
              device: str = "cpu") -> tuple[list[VariantResult], Path]:
     """Every variant's result (the reference first) and the reference cache's path. The models run on
-    ``device``; ``tokens`` stay on the host for the cache key, and task scores run on the CPU."""
+    ``device`` (task scores too); ``tokens`` stay on the host for the cache key."""
     from quantkit.eval.accept import acceptance, prompt_rows
     from quantkit.eval.refcache import cached_reference, kl_against_reference
     from quantkit.kernels.generate import load_engine
@@ -104,7 +104,8 @@ def evaluate(reference_dir: Path, variants: list[Path], tokens: torch.Tensor, wi
         results.append(VariantResult(
             path.name if path != reference_dir else f"{path.name} (reference)", str(path), size / 2**20,
             8 * size / parameters, kl.perplexity, 100 * (kl.perplexity / kl.reference_perplexity - 1), kl.mean_kl,
-            kl.top1_agreement, layer_errors(path), _task_scores(path, extras, progress) if extras.tasks else {}, tau))
+            kl.top1_agreement, layer_errors(path),
+            _task_scores(path, extras, progress, device) if extras.tasks else {}, tau))
     return results, cache_path
 
 

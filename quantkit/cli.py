@@ -434,7 +434,7 @@ def eval_kld(model, revision, ref, data, max_tokens, window, stride, device, as_
 def eval_report(ref, variants, out, top_k, cache_dir, task_names, task_limit, draft, accept_k, data, max_tokens,
                 window, stride, device, as_json):
     """Score every variant against the reference in one run: report.json, report.md and PNG plots.
-    --device places the reference, perplexity, KL and tau runs; task scores (--tasks) run on the CPU."""
+    --device places the reference, perplexity, KL, tau and task (--tasks) runs."""
     from quantkit.eval import report
     from quantkit.eval.refcache import DEFAULT_DIR
     from quantkit.eval.tasks.registry import parse_task_names
@@ -530,24 +530,27 @@ def eval_niah(model, revision, data, lengths, depths, trials, seed, plot_path, d
               help="Samples per task (default: each task's own subset; the summary shows how many).")
 @click.option("--record", type=click.Path(path_type=Path), default=None,
               help="Also write every sample (id, model output, outcome) to this JSON file.")
+@device_option
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @json_option
 @_friendly_errors
-def eval_tasks(model, revision, task_names, limit, record, progress, as_json):
+def eval_tasks(model, revision, task_names, limit, record, device, progress, as_json):
     """Task scores, offline: HumanEval pass@1 (sandboxed), GSM exact match, multiple-choice accuracy."""
     from quantkit.atomic import write_json
     from quantkit.eval.tasks.model import TaskModel
     from quantkit.eval.tasks.registry import evaluate_tasks, parse_task_names
+    from quantkit.kernels.device import resolve_device
     from quantkit.models.zoo import resolve_model
 
+    device = resolve_device(device)
     names = parse_task_names(task_names)
     model_dir = resolve_model(model, revision=revision)
-    results = evaluate_tasks(TaskModel.load(model_dir), names, limit, progress=progress and not as_json)
+    results = evaluate_tasks(TaskModel.load(model_dir, device), names, limit, progress=progress and not as_json)
     summaries = [{k: v for k, v in asdict(r).items() if k != "records"} for r in results]
     if record is not None:
-        write_json(record, {"model": str(model_dir), "tasks": [asdict(r) for r in results]})
+        write_json(record, {"model": str(model_dir), "device": device, "tasks": [asdict(r) for r in results]})
     rows = [[r.task, r.metric, r.score, r.samples, round(r.seconds, 1), r.summary] for r in results]
-    _emit(as_json, {"model": str(model_dir), "tasks": summaries},
+    _emit(as_json, {"model": str(model_dir), "device": device, "tasks": summaries},
           format_table(["task", "metric", "score", "samples", "seconds", "notes"], rows))
 
 

@@ -55,8 +55,9 @@ _FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, to
               torch.linspace, torch.rand, torch.randn, torch.randint, torch.randperm, torch.as_tensor}
 
 
+# quantkit's code: the package and the two it maps from the repository's top (kernels/ and eval/)
 _PACKAGE_DIRS = tuple(str(Path(importlib.import_module(name).__file__).parent) + "/"
-                      for name in ("quantkit", "quantkit.kernels"))
+                      for name in ("quantkit", "quantkit.kernels", "quantkit.eval"))
 
 
 class DeviceAudit(torch.overrides.TorchFunctionMode):

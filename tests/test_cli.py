@@ -31,7 +31,7 @@ def test_help_everywhere(command):
 
 @pytest.mark.parametrize("command", [["quantize"], ["qat", "ternary"], ["qat", "dwq"], ["generate"], ["chat"],
                                      ["draft", "train"], ["eval", "ppl"], ["eval", "kld"], ["eval", "niah"],
-                                     ["eval", "accept"], ["eval", "report"]])
+                                     ["eval", "accept"], ["eval", "tasks"], ["eval", "report"]])
 def test_every_command_that_runs_a_model_takes_device(command):
     result = CliRunner().invoke(main, command + ["--help"])
     assert result.exit_code == 0 and "--device [auto|cpu|cuda]" in result.output
@@ -107,12 +107,19 @@ def _eval_command(name: str, tiny, other, tmp_path) -> list[str]:
         "ppl --runtime": ["eval", "ppl", "--model", str(other), *held_out, "--runtime", "--json"],
         "kld": ["eval", "kld", "--model", str(other), "--ref", str(tiny), *held_out, "--json"],
         "niah": ["eval", "niah", "--model", str(tiny), "--lengths", "96", "--depths", "0,1", "--json"],
+        "tasks": ["eval", "tasks", "--model", str(other), "--tasks", "family", "--limit", "1", "--no-progress",
+                  "--json"],
         "report": ["eval", "report", "--ref", str(tiny), "--variants", str(other), *held_out, "--draft", str(tiny),
-                   "--accept-k", "2", "--json"],
+                   "--accept-k", "2", "--tasks", "family", "--task-limit", "1", "--json"],
     }[name]
 
 
-EVAL_COMMANDS = ["ppl", "ppl --runtime", "kld", "niah", "accept", "report"]
+EVAL_COMMANDS = ["ppl", "ppl --runtime", "kld", "niah", "accept", "tasks", "report"]
+
+
+def _timeless(payload: dict) -> dict:
+    """`eval tasks`' JSON without the seconds each task took: the numbers, not the clock."""
+    return {**payload, "tasks": [{k: v for k, v in task.items() if k != "seconds"} for task in payload["tasks"]]}
 
 
 @pytest.mark.parametrize("name", EVAL_COMMANDS)
@@ -127,7 +134,7 @@ def test_eval_device_cpu_gives_the_defaults_numbers_here(name, tiny, other, tmp_
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 0, result.output
         payload = json.loads(result.output)
-        outputs.append(payload["variants"] if name == "report" else payload)
+        outputs.append(payload["variants"] if name == "report" else _timeless(payload) if name == "tasks" else payload)
         assert (payload["setup"] if name == "report" else payload)["device"] == "cpu"
     assert outputs[0] == outputs[1]
     if name == "report":  # the reference cache is keyed without the device, and holds the same draws
@@ -144,6 +151,8 @@ def test_eval_device_cuda_without_a_gpu_is_one_clear_line(name, tiny, other, tmp
     args = _eval_command(name, tiny, other, tmp_path) + ["--device", "cuda"]
     if name == "report":
         args += ["--out", str(tmp_path / "r"), "--cache-dir", str(tmp_path / "cache")]
+    if name == "tasks":
+        args += ["--record", str(tmp_path / "r")]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 1 and "--device cuda: no CUDA device" in result.output
     assert "Traceback" not in result.output and not isinstance(result.exception, RuntimeError)

@@ -311,6 +311,36 @@ def test_lm_eval_generate_until_is_greedy_generation_with_stops(lm, adapter):
         adapter.generate_until([_instance("generate_until", (context, {"do_sample": True}), 0)])
 
 
+def test_task_scoring_names_its_device_everywhere(lm, adapter):
+    """As the engine's audit (tests/test_engine.py): generation, continuation scoring and the adapter's
+    rolling windows create every tensor on the model's device (--device cuda cannot run here)."""
+    from helpers import DeviceAudit
+
+    context = lm.encode("The quick brown fox")
+    audit = DeviceAudit()
+    with audit:
+        lm.generate(context, ("the",), 4)
+        lm.continuation_log_likelihoods(context, [lm.encode(" jumps", special_tokens=False), context[-2:]])
+        adapter.loglikelihood_rolling([_instance("loglikelihood_rolling", ("Each weight maps to a grid.",), 0)])
+    assert lm.device.type == "cpu" and adapter.device == lm.device
+    assert not audit.found, "\n".join(sorted(audit.found))
+
+
+def test_lm_eval_device_places_a_pretrained_model(lm, tmp_path, monkeypatch):
+    from quantkit.eval.tasks.lm_eval_adapter import QuantkitLM
+
+    from quantkit.models.fixtures import write_tiny_checkpoint
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model = write_tiny_checkpoint(tmp_path / "tiny")
+    assert QuantkitLM(str(model)).lm.device.type == "cpu"  # auto, without a GPU
+    assert QuantkitLM(str(model), device="cpu").lm.device.type == "cpu"
+    with pytest.raises(RuntimeError, match="--device cuda: no CUDA device"):
+        QuantkitLM(str(model), device="cuda")
+    with pytest.raises(ValueError, match="device is for pretrained"):
+        QuantkitLM(model=lm, device="cpu")
+
+
 def test_cli_prints_a_summary_and_records_every_sample(tmp_path):
     from quantkit.models.fixtures import write_tiny_checkpoint
 

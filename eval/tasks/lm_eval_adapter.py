@@ -14,7 +14,9 @@ run offline.
 Every request goes through :class:`~quantkit.eval.tasks.model.TaskModel`, the code quantkit's own
 tasks use: loglikelihood requests that share a context are scored in one batched forward, exactly as
 quantkit's multiple-choice scorer scores a question; contexts are encoded with the tokenizer's usual
-special tokens (BOS), continuations without. Generation is greedy only.
+special tokens (BOS), continuations without. Generation is greedy only. The model runs on lm-eval's
+``device`` (``auto``, ``cpu`` or ``cuda``, as quantkit's ``--device``; ``auto`` when not given), and every
+tensor the adapter creates is put there.
 """
 from __future__ import annotations
 
@@ -34,14 +36,20 @@ DEFAULT_MAX_GEN_TOKENS = 256
 @register_model("quantkit")
 class QuantkitLM(LM):
     def __init__(self, pretrained: str | Path | None = None, model: TaskModel | None = None,
-                 max_length: int = 2048, progress: bool = False, **_ignored):
-        """A model directory (``pretrained``, as lm-eval's model_args name it) or a loaded TaskModel.
-        ``max_length`` is the window of loglikelihood_rolling. lm-eval's generic arguments
-        (batch_size, device) are accepted and ignored: quantkit batches per context, on the CPU."""
+                 max_length: int = 2048, progress: bool = False, device: str | None = None, **_ignored):
+        """A model directory (``pretrained``, as lm-eval's model_args name it), loaded on ``device``
+        (auto, cpu or cuda; auto when None), or a loaded TaskModel, which runs where its model is.
+        ``max_length`` is the window of loglikelihood_rolling. lm-eval's other generic arguments
+        (batch_size, max_batch_size) are accepted and ignored: quantkit batches per context."""
+        from quantkit.kernels.device import resolve_device
+
         super().__init__()
         if (pretrained is None) == (model is None):
             raise ValueError("pass exactly one of pretrained (a model directory) and model")
-        self.lm = model if model is not None else TaskModel.load(pretrained)
+        if model is not None and device is not None:
+            raise ValueError("device is for pretrained; a loaded TaskModel runs on its model's device")
+        self.lm = model if model is not None else TaskModel.load(pretrained, resolve_device(device or "auto"))
+        self._device = self.lm.device  # lm-eval's LM.device
         self.max_length = int(max_length)
         self.progress = progress
         self._name = str(pretrained or "quantkit-model")
@@ -78,7 +86,8 @@ class QuantkitLM(LM):
         that overlap by one token, so each window's first prediction has context."""
         totals = []
         for request in tqdm(requests, desc="loglikelihood_rolling", disable=not self.progress):
-            tokens = torch.tensor([self.lm.prefix_token_id] + self.lm.encode(request.args[0], special_tokens=False))
+            tokens = torch.tensor([self.lm.prefix_token_id] + self.lm.encode(request.args[0], special_tokens=False),
+                                  device=self.lm.device)
             total = 0.0
             for w in windows(len(tokens), self.max_length, self.max_length - 1):
                 for log_probs, targets in window_log_probs(self.lm.model, tokens, w):

@@ -2,7 +2,8 @@
 and log-likelihoods of continuations (one batched forward per context).
 
 Both lm-eval's adapter and quantkit's own tasks call these two methods, so a task scored either way
-sees the same numbers.
+sees the same numbers. The model runs on the device it was loaded to (``TaskModel.load(dir, device)``),
+and every tensor these methods create is put there: the same torch code on the CPU or a CUDA GPU.
 """
 from __future__ import annotations
 
@@ -30,8 +31,14 @@ class TaskModel:
     tokenizer: PreTrainedTokenizerBase
 
     @classmethod
-    def load(cls, model_dir: str | Path) -> "TaskModel":
-        return cls(load_model(model_dir), AutoTokenizer.from_pretrained(model_dir))
+    def load(cls, model_dir: str | Path, device: str = "cpu") -> "TaskModel":
+        """The model of ``model_dir`` on ``device`` (a resolved device: "cpu" or "cuda") and its tokenizer."""
+        return cls(load_model(model_dir).to(device), AutoTokenizer.from_pretrained(model_dir))
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs, and where the token tensors given to it are made."""
+        return self.model.device
 
     @property
     def has_chat_template(self) -> bool:
@@ -66,7 +73,8 @@ class TaskModel:
         if not prompt_ids:
             raise ValueError("generation needs a non-empty prompt")
         cache = DynamicCache(config=self.model.config)
-        logits = self.model(torch.tensor([prompt_ids]), cache=cache, use_cache=True, logits_to_keep=1).logits
+        logits = self.model(torch.tensor([prompt_ids], device=self.device), cache=cache, use_cache=True,
+                            logits_to_keep=1).logits
         generated, text = [], ""
         for _ in range(max_new_tokens):
             token = int(logits[0, -1].argmax())
@@ -77,7 +85,7 @@ class TaskModel:
             cut = min((text.find(s) for s in stop if s in text), default=-1)
             if cut >= 0:
                 return text[:cut]
-            logits = self.model(torch.tensor([[token]]), cache=cache, use_cache=True).logits
+            logits = self.model(torch.tensor([[token]], device=self.device), cache=cache, use_cache=True).logits
         return text
 
     @torch.inference_mode()
@@ -91,15 +99,16 @@ class TaskModel:
             raise ValueError("every continuation needs at least one token")
         rows = [context_ids + c for c in continuations]
         width = max(map(len, rows))
-        batch = torch.tensor([row + [0] * (width - len(row)) for row in rows])
+        batch = torch.tensor([row + [0] * (width - len(row)) for row in rows], device=self.device)
         # logits only where a continuation token is predicted: from the context's last position on
         first = len(context_ids) - 1
-        logits = self.model(batch, use_cache=False, logits_to_keep=torch.arange(first, width - 1)).logits
+        logits = self.model(batch, use_cache=False,
+                            logits_to_keep=torch.arange(first, width - 1, device=self.device)).logits
         log_probs = torch.log_softmax(logits.double(), dim=-1)
         results = []
         for i, continuation in enumerate(continuations):
             predicting = log_probs[i, :len(continuation)]
-            targets = torch.tensor(continuation)
+            targets = torch.tensor(continuation, device=self.device)
             chosen = predicting.gather(1, targets[:, None]).sum().item()
             results.append(Continuation(chosen, bool((predicting.argmax(-1) == targets).all())))
         return results
