@@ -12,6 +12,7 @@ from quantkit.kernels.infllm import (
     SparseAttentionConfig,
     causal_attention_of_last_positions,
     sparse_attention,
+    sparse_tree_attention,
 )
 from quantkit.kernels.kv_cache import KVCache
 
@@ -55,8 +56,12 @@ class InfLLMv2Attention:
     def compressed_keys(self) -> CompressedKeyCache:
         return CompressedKeyCache(self.config)
 
-    def __call__(self, query, keys, values, layer: int, cache: KVCache, query_pre_rope=None):
+    def __call__(self, query, keys, values, layer: int, cache: KVCache, query_pre_rope=None, tree_mask=None):
+        """``tree_mask``: the rows are a draft tree's verification (``sparse_tree_attention``)."""
         keys_pre_rope = cache.pre_rope_keys(layer, keys.shape[1]) if self.scores_pre_rope else None
+        if tree_mask is not None:
+            return sparse_tree_attention(query, keys, values, self.config, cache.compressed[layer], tree_mask,
+                                         q_nope=query_pre_rope, k_nope=keys_pre_rope)
         return sparse_attention(query, keys, values, self.config, cache.compressed[layer], backend=self.backend,
                                 q_nope=query_pre_rope, k_nope=keys_pre_rope)
 

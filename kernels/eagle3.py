@@ -147,7 +147,7 @@ class Eagle3Drafter(DecoderRunner):
         embeds = self._embedding(tokens).float() * self._scale_emb
         both = torch.cat([rms_norm(embeds, self._embedding_norm, self.eps, self.dtype),
                           rms_norm(hidden, self._hidden_norm, self.eps, self.dtype)], dim=-1)
-        bias = self.attention_bias(mask, tokens.shape[0], self._cache)
-        hidden = self.layer_from_input(0, self._layer, both, hidden, cos, signed_sin, self._cache, bias)
+        attention = self.forward_attention(mask, tokens.shape[0], self._cache)
+        hidden = self.layer_from_input(0, self._layer, both, hidden, cos, signed_sin, self._cache, attention)
         self._cache.advance(tokens.shape[0])
         return hidden

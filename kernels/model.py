@@ -9,6 +9,7 @@ no Cache object, cos/sin computed once per step, KV heads never repeated.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
@@ -109,42 +110,51 @@ class DecoderRunner:
         self.dtype, self.kv_dtype, self.attention = dtype, kv_dtype, attention
         self.scores_pre_rope = getattr(attention, "scores_pre_rope", False)
 
+    def forward_attention(self, mask: torch.Tensor | None, length: int, cache: KVCache) -> Attention:
+        """The attention every layer of a forward of ``length`` new positions runs: the runtime's own, or
+        for a draft tree's ``mask`` [T, all keys] (True: attend) and for a few dense rows after a cache
+        (a speculative round's verification), the masked forms made once for the forward."""
+        bias = self.attention_bias(mask, length, cache)
+        if bias is not None:
+            return lambda query, keys, values, layer, cache, **_: masked_attention(query, keys, values, bias)
+        if mask is not None:
+            return partial(self.attention, tree_mask=mask)  # InfLLM v2 (``sparse_tree_attention``)
+        return self.attention
+
     def attention_bias(self, mask: torch.Tensor | None, length: int, cache: KVCache) -> torch.Tensor | None:
         """``masked_attention``'s bias for ``length`` new positions after the cached ones: ``mask``'s (a draft
         tree's: True where a row attends), or causal attention's when a dense attention runs a few rows
         after a cache (a speculative round's verification); None for the attention's own path (one row,
-        a prefill chunk, InfLLM v2). Made once per forward: SDPA would convert a boolean mask in every layer."""
-        dense = getattr(self.attention, "dense", False) and not self.scores_pre_rope
+        a prefill chunk) and for InfLLM v2. Made once per forward: SDPA would convert a boolean mask in
+        every layer."""
+        if not getattr(self.attention, "dense", False) or self.scores_pre_rope:
+            return None
         if mask is None:
-            if not dense or not 1 < length <= BIAS_MAX_ROWS or cache.length == 0:
+            if not 1 < length <= BIAS_MAX_ROWS or cache.length == 0:
                 return None
             slots = torch.arange(cache.length + length, device=cache.device)
             mask = slots[None, :] <= slots[cache.length:, None]
-        elif not dense:
-            raise ValueError("draft trees need dense attention (InfLLM v2 verifies chains only)")
         q_heads, kv_heads, _ = self._heads
         bias = torch.zeros(mask.shape, dtype=self.kv_dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         return bias.repeat(q_heads // kv_heads, 1)  # the rows of each KV head's query heads, one after another
 
     def layer_from_input(self, index, layer: "RuntimeLayer", attention_input, hidden, cos, signed_sin,
-                         cache: KVCache, bias: torch.Tensor | None = None) -> torch.Tensor:
+                         cache: KVCache, attention: Attention | None = None) -> torch.Tensor:
         """The layer given what its q/k/v read (the normed residual; in a draft head, the normed
         embedding beside the normed hidden state) and the residual ``hidden`` [T, H] it adds onto.
-        ``bias`` (``attention_bias``) replaces the attention's own causal masking."""
+        ``attention``: the forward's (``forward_attention``), else the runtime's own."""
         (q_heads, kv_heads, head_dim), length = self._heads, hidden.shape[0]
+        attention = attention or self.attention
         qkv = layer.qkv(attention_input)
         qkv = qkv.view(length, -1, head_dim).transpose(0, 1)
         rotated = rotate(qkv[:q_heads + kv_heads], cos, signed_sin, self.kv_dtype)
-        if bias is not None:
-            keys, values = cache.append(index, rotated[q_heads:], qkv[q_heads + kv_heads:])
-            mixed = masked_attention(rotated[:q_heads], keys, values, bias)
-        elif self.scores_pre_rope:
+        if self.scores_pre_rope:
             pre_rope = qkv[:q_heads + kv_heads].to(self.kv_dtype)
             keys, values = cache.append(index, rotated[q_heads:], qkv[q_heads + kv_heads:], pre_rope[q_heads:])
-            mixed = self.attention(rotated[:q_heads], keys, values, index, cache, query_pre_rope=pre_rope[:q_heads])
+            mixed = attention(rotated[:q_heads], keys, values, index, cache, query_pre_rope=pre_rope[:q_heads])
         else:
             keys, values = cache.append(index, rotated[q_heads:], qkv[q_heads + kv_heads:])
-            mixed = self.attention(rotated[:q_heads], keys, values, index, cache)
+            mixed = attention(rotated[:q_heads], keys, values, index, cache)
         mixed = mixed.to(self.dtype).transpose(0, 1).reshape(length, -1)
         hidden = torch.add(hidden, layer.o_proj(mixed), alpha=self.residual_scale)
         gate, up = layer.gate_up(rms_norm(hidden, layer.post_norm, self.eps, self.dtype)).chunk(2, dim=-1)
@@ -212,38 +222,36 @@ class RuntimeModel(DecoderRunner):
         indices) with the stream entering those layers."""
         positions, mask = tree if tree is not None else (
             torch.arange(cache.length, cache.length + tokens.shape[0], device=self.device), None)
-        bias = self.attention_bias(mask, tokens.shape[0], cache)
+        attention = self.forward_attention(mask, tokens.shape[0], cache)
         hidden = self.model.model.embed_tokens(tokens).float() * self.config.scale_emb
         cos, signed_sin = rope_tables(self._rotary, positions)
         for index, layer in enumerate(self.layers):
             if index in captured:
                 captured[index] = hidden
-            hidden = self._layer(index, layer, hidden, cos, signed_sin, cache, bias)
+            hidden = self._layer(index, layer, hidden, cos, signed_sin, cache, attention)
         cache.advance(tokens.shape[0])
         return hidden
 
     def _layer(self, index, layer: "RuntimeLayer", hidden, cos, signed_sin, cache: KVCache,
-               bias: torch.Tensor | None) -> torch.Tensor:
+               attention: Attention) -> torch.Tensor:
         if self._ops is not None and not self.scores_pre_rope:  # the fused RoPE + KV write keeps no pre-RoPE keys
-            return self._fused_layer(index, layer, hidden, cos, signed_sin, cache, bias)
+            return self._fused_layer(index, layer, hidden, cos, signed_sin, cache, attention)
         return self.layer_from_input(index, layer, rms_norm(hidden, layer.input_norm, self.eps, self.dtype), hidden,
-                                     cos, signed_sin, cache, bias)
+                                     cos, signed_sin, cache, attention)
 
     def _fused_layer(self, index, layer: "RuntimeLayer", hidden, cos, signed_sin, cache: KVCache,
-                     bias: torch.Tensor | None) -> torch.Tensor:
+                     attention: Attention) -> torch.Tensor:
         """``layer_from_input`` on the normed stream, with its glue in the fused CPU operators (kernels/cpu_ops)."""
         ops, (q_heads, kv_heads, head_dim), length = self._ops, self._heads, hidden.shape[0]
         qkv = layer.qkv(ops.rms_norm_bf16(hidden, layer.input_norm, self.eps)).contiguous()
         end = cache.length + length
         key_buffer, value_buffer = cache.buffers(index, end)
         query = ops.rope_and_store(qkv, cos, signed_sin, key_buffer, value_buffer, cache.length, q_heads, kv_heads)
-        if (bias is None and length == 1 and getattr(self.attention, "dense", False)
+        if (attention is self.attention and length == 1 and getattr(attention, "dense", False)
                 and end * (q_heads // kv_heads) <= FUSED_ATTENTION_MAX_SCORES):
             mixed = ops.decode_attention(query, key_buffer, value_buffer, end, head_dim ** -0.5)
         else:
-            keys, values, query = key_buffer[:, :end], value_buffer[:, :end], query.to(self.kv_dtype)
-            mixed = (self.attention(query, keys, values, index, cache) if bias is None
-                     else masked_attention(query, keys, values, bias))
+            mixed = attention(query.to(self.kv_dtype), key_buffer[:, :end], value_buffer[:, :end], index, cache)
             mixed = mixed.to(self.dtype).transpose(0, 1).reshape(length, -1)
         hidden = torch.add(hidden, layer.o_proj(mixed), alpha=self.residual_scale)
         gate_up = layer.gate_up(ops.rms_norm_bf16(hidden, layer.post_norm, self.eps)).contiguous()

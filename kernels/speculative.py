@@ -229,7 +229,7 @@ class ModelDrafter:
 
     def crop(self, length: int) -> None:
         if length == 0:
-            self._cache = self.runtime.new_cache()
+            self._cache = self.runtime.new_cache(self.runtime.attention.compressed_keys)
         elif length > self._observed:
             raise ValueError(f"the draft has observed {self._observed} positions, not {length}")
         self._cache.crop(length)

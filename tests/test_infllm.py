@@ -272,3 +272,26 @@ def test_bad_sparse_configs_are_refused(bad, message):
         SparseAttentionConfig(**bad)
     with pytest.raises(ValueError, match="unknown keys"):
         SparseAttentionConfig.from_dict({"topK": 3})
+
+
+@pytest.mark.parametrize("start,dense_len", [(700, -1), (765, -1), (766, 768), (830, -1), (700, 800)])
+def test_a_tree_attends_as_each_branch_would_decoded_alone(start, dense_len):
+    """Every node of a draft tree gets the reference's output for its branch (the context, then its
+    lineage) decoded as one sequence: windows ending on the branch (767 ends a fine and a coarse one),
+    a block boundary inside the tree (768, 832), and nodes on both sides of dense_len."""
+    from quantkit.kernels.infllm import sparse_tree_attention
+    from quantkit.kernels.speculative import DraftTree
+
+    config = SparseAttentionConfig(window_size=128, topk=4, dense_len=dense_len)
+    tree = DraftTree(tokens=[0] * 7, parents=[-1, -1, 0, 0, 1, 3, 5], scores=[0.0] * 7)
+    _, mask = tree.verification(start)
+    q, k, v = qkv(4, 2, start + 8, 16, seed=9)
+    cache = CompressedKeyCache(config)
+    cache.update(k[:, :start - 40])  # what earlier steps pooled
+    got = sparse_tree_attention(q[:, start:], k, v, config, cache, mask)
+    for row in range(8):
+        branch = [*range(start + 1), *(start + 1 + node for node in (tree.lineage(row - 1) if row else []))]
+        want = sparse_attention_reference(q[:, start + row:start + row + 1], k[:, branch], v[:, branch], config)
+        assert (got[:, row:row + 1] - want).abs().max() < FP32_TOL, row
+    all_dense = config.is_dense(start + 4)  # the deepest node's branch
+    assert cache.num_keys == (start - 40 if all_dense else start + 1)  # pooled: the context only, when sparse

@@ -11,6 +11,7 @@ import torch
 from quantkit.kernels.attention import make_attention
 from quantkit.kernels.eagle3 import Eagle3Drafter
 from quantkit.kernels.generate import Engine, load_engine
+from quantkit.kernels.infllm import SparseAttentionConfig
 from quantkit.kernels.load import load_runtime_model
 from quantkit.kernels.model import RuntimeModel
 from quantkit.kernels.sampling import Sampler, Sampling
@@ -245,6 +246,33 @@ def test_greedy_with_a_sparse_infllm_target_equals_plain_greedy(target_dir, tmp_
     got = speculative.generate(prompt, max_new_tokens=24)
     assert got.tokens == plain.generate(prompt, max_new_tokens=24).tokens
     assert got.acceptance["tau"] == 3.0
+
+
+@pytest.mark.parametrize("prompt_length", [90, 60])
+def test_greedy_with_a_draft_tree_on_a_sparse_infllm_target_equals_plain_greedy(target_dir, tmp_path, prompt_length):
+    """Past dense_len (and crossing it: a 60-token prompt), each tree node attends as a decode step at its
+    position would (``sparse_tree_attention``): the target drafting for itself through trees, and an
+    EAGLE-3 head's trees, give plain greedy output."""
+    sparse = {"dense_len": 64, "window_size": 32, "topk": 2, "kernel_size": 16, "kernel_stride": 8, "block_size": 16}
+    prompt = [(7 * i) % 300 + 5 for i in range(prompt_length)]
+    tree = TreeShape(3, 2, 10)  # unpruned: every grown node verified
+
+    def runtime():
+        attention = make_attention(SparseAttentionConfig(**sparse))
+        return RuntimeModel(load_runtime_model(target_dir, torch.float32), attention)
+
+    target = runtime()
+    want = list(Engine(target, None, set()).tokens(prompt, max_new_tokens=25))
+    oracle = Engine(target, None, set(), drafter=ModelDrafter(runtime(), target.config.vocab_size), draft_tree=tree)
+    timings = {}
+    assert list(oracle.tokens(prompt, max_new_tokens=25, timings=timings)) == want
+    # its first level always holds the target's token; deeper, EAGLE-2's growth by cumulative score can
+    # leave the greedy branch out of a tiny random model's flat distributions
+    assert timings["acceptance"].position_rates[0] == 1.0 and timings["acceptance"].tau > tree.depth
+    plain = load_engine(target_dir, dtype=torch.float32, sparse="on", sparse_overrides=sparse)
+    head = load_engine(target_dir, dtype=torch.float32, sparse="on", sparse_overrides=sparse,
+                       draft=write_tiny_eagle3_head(tmp_path / "head", target_dir), draft_tree=TreeShape(3, 4, 12))
+    assert head.generate(prompt, max_new_tokens=25).tokens == plain.generate(prompt, max_new_tokens=25).tokens
 
 
 def test_cli_generate_and_chat_with_a_draft(target_dir, tmp_path):

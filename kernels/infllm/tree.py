@@ -1,0 +1,126 @@
+"""InfLLM v2 for a draft tree's verification: every node attends as a decode step at its position would.
+
+A verified tree holds the root (the last committed token, at position ``start``, slot ``start``) and
+its nodes in slots ``start + 1 ..`` in drafting order, a node at position ``start + depth``; a drafter
+growing a tree runs each level's nodes after the earlier levels' slots. The cache order is not a
+sequence, so the rules of ``sparse_attention`` (windows pooled from the keys before a position,
+blocks by position) are applied per node to its branch, the shared context followed by its lineage:
+
+- compressed keys: the context's (pooled once, into the layer's cache, shared by every node) plus the
+  few windows that end on the branch after ``start`` (at most a coarse window's worth of context and
+  the lineage), pooled per node from the branch's own keys exactly as ``compress_keys`` pools them;
+- block scores and selection as in ``sparse_attention``, at the node's position;
+- attention over the context positions of its chosen blocks and the lineage positions in them;
+- a node whose branch is shorter than ``dense_len`` attends its whole branch, as a decode step there
+  would, even when other nodes of the tree are past it.
+
+So greedy decoding with trees equals plain greedy decoding on a sparse target, as with chains
+(tests/test_speculative.py).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from quantkit.kernels.infllm import cpu
+from quantkit.kernels.infllm.cache import CompressedKeyCache
+from quantkit.kernels.infllm.reference import compress_keys, kernel_visible, num_windows
+
+from quantkit.models.sparse_attention import SparseAttentionConfig
+
+
+def _branch_slots(context: int, extra: torch.Tensor, first: int) -> torch.Tensor:
+    """[T, context + max extras - first]: per row, the cache slot holding each branch position from
+    ``first`` on: context positions are their own slots, then the row's extra slots in ascending order
+    (a position past the row's own is never read, and is left at slot 0)."""
+    last = context + int(extra.sum(1).max())
+    slots = torch.arange(first, last).repeat(extra.shape[0], 1)
+    slots[:, max(context - first, 0):] = 0
+    rows, columns = extra.nonzero(as_tuple=True)
+    rank = extra.cumsum(1) - 1  # an extra slot's place on its row's branch
+    slots[rows, context + rank[rows, columns] - first] = context + columns
+    return slots
+
+
+def _branch_windows(keys: torch.Tensor, context: int, extra: torch.Tensor, size: int,
+                    stride: int) -> torch.Tensor:
+    """Each row's windows that end past the context on its branch [Hkv, T, E, d], in window order."""
+    first = num_windows(context, size, stride)
+    count = num_windows(context + int(extra.sum(1).max()), size, stride) - first
+    heads, _, dim = keys.shape
+    if count == 0:
+        return keys.new_zeros(heads, extra.shape[0], 0, dim)
+    slots = _branch_slots(context, extra, stride * first)
+    branch = keys[:, slots.flatten()].view(heads * extra.shape[0], slots.shape[1], dim)
+    return compress_keys(branch, size, stride)[:, :count].view(heads, extra.shape[0], count, dim)
+
+
+def _scores(q: torch.Tensor, shared: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """q [Hkv, G, T, d] against the shared compressed keys [Hkv, n, d] and each row's own [Hkv, T, E, d]
+    -> [Hkv, G, T, n + E], scaled."""
+    scale = q.shape[-1] ** -0.5
+    return torch.cat([torch.einsum("ghtd,gcd->ghtc", q, shared.float()),
+                      torch.einsum("ghtd,gtcd->ghtc", q, own.float())], dim=-1) * scale
+
+
+def _select(score_q, score_k, context: int, extra, positions, config, cache) -> torch.Tensor:
+    """Each row's chosen blocks [Hkv, T, k] (-1: none), as ``sparse_attention`` chooses them."""
+    shared = score_k[:, :context]
+    if cache is not None:
+        fine, coarse = cache.update(shared)
+    else:
+        fine = compress_keys(shared, config.kernel_size, config.kernel_stride)
+        coarse = compress_keys(shared, config.coarse_kernel_size, config.coarse_kernel_stride)
+    own_fine = _branch_windows(score_k, context, extra, config.kernel_size, config.kernel_stride)
+    own_coarse = _branch_windows(score_k, context, extra, config.coarse_kernel_size, config.coarse_kernel_stride)
+    heads, dim = fine.shape[0], score_q.shape[-1]
+    rows = score_q.float().reshape(heads, -1, len(positions), dim)
+    s_fine, s_coarse = _scores(rows, fine, own_fine), _scores(rows, coarse, own_coarse)
+    sees_fine = kernel_visible(positions, s_fine.shape[-1], config.kernel_size, config.kernel_stride)
+    sees_coarse = kernel_visible(positions, s_coarse.shape[-1], config.coarse_kernel_size,
+                                 config.coarse_kernel_stride)
+    lse = s_coarse.masked_fill(~sees_coarse, -math.inf).logsumexp(-1, keepdim=True)
+    scores = (s_fine - lse).exp().masked_fill(~sees_fine, 0.0).sum(1)
+    num_keys = int(positions.max()) + 1
+    return cpu.select_blocks(cpu.block_scores(scores, positions, num_keys, config), positions, config)
+
+
+def sparse_tree_attention(q, k, v, config: SparseAttentionConfig, cache: CompressedKeyCache | None, mask: torch.Tensor,
+                          *, q_nope=None, k_nope=None) -> torch.Tensor:
+    """q [Hq, T, d] of T tree rows, k/v [Hkv, S, d] every slot, ``mask`` [T, S] (True: the row attends the
+    slot) -> [Hq, T, d]. The slots every row attends, from slot 0 on, are the shared context (in a
+    verification: the verified tokens and the root); each row's other attended slots, in ascending order,
+    are the rest of its branch (its lineage, itself last). ``cache``: the layer's compressed keys,
+    extended by the context's (None: pooled here). ``config.use_nope``: ``q_nope``/``k_nope`` score the
+    blocks, as in sparse_attention."""
+    (q_heads, rows, dim), kv_heads = q.shape, k.shape[0]
+    shared = mask.all(0)
+    context = int(shared.long().cumprod(0).sum())  # the leading slots every row attends
+    extra = mask[:, context:]
+    positions = context - 1 + extra.sum(1).to(q.device)  # a row with no extra slot is the context's last
+    dense = torch.tensor([config.is_dense(int(p) + 1) for p in positions])
+    out = q.new_empty(kv_heads, rows, q_heads // kv_heads, dim)
+    queries = q.reshape(kv_heads, q_heads // kv_heads, rows, dim).transpose(1, 2)  # [Hkv, T, G, d]
+    if dense.any():
+        count = int(dense.sum())
+        out[:, dense] = F.scaled_dot_product_attention(
+            queries[:, dense], k[:, None].expand(-1, count, -1, -1), v[:, None].expand(-1, count, -1, -1),
+            attn_mask=mask[None, dense, None, :])
+    if dense.all():
+        return out.transpose(1, 2).reshape(q_heads, rows, dim)
+    score_q, score_k = (q_nope, k_nope) if config.use_nope else (q, k)
+    blocks = _select(score_q, score_k, context, extra, positions, config, cache)
+    size = config.block_size
+    tokens = (blocks[..., None] * size + torch.arange(size, device=q.device)).flatten(2)  # [Hkv, T, k*size]
+    context_allowed = (blocks >= 0).repeat_interleave(size, -1) & (tokens < context)
+    extra_blocks = (context + extra.cumsum(1) - 1).to(q.device) // size  # the block of each extra slot's position
+    chosen_extra = (blocks[..., None] == extra_blocks[None, :, None, :]).any(-2)  # [Hkv, T, S - context]
+    chosen = blocks.clamp(min=0)
+    keys, values = (torch.cat([cpu.gather_blocks(x[:, :context], chosen, size),
+                               x[:, None, context:].expand(-1, rows, -1, -1)], 2) for x in (k, v))
+    allowed = torch.cat([context_allowed, extra[None] & chosen_extra], -1)[:, :, None, :]
+    sparse = ~dense
+    out[:, sparse] = F.scaled_dot_product_attention(queries[:, sparse], keys[:, sparse], values[:, sparse],
+                                                    attn_mask=allowed[:, sparse])
+    return out.transpose(1, 2).reshape(q_heads, rows, dim)
