@@ -419,7 +419,10 @@ def speculative_tokens(runtime: RuntimeModel, drafter: Drafter, prompt: list[int
             continue
         drafts, draft_probs = drafter.propose(min(draft_tokens, budget), sampler)
         block = torch.tensor([token, *drafts], dtype=torch.long)
-        logits, states = runtime.forward_capturing(block, cache, layers)
+        # verified as a one-branch tree: each row then attends as a decode step at its position would,
+        # also where InfLLM v2 would run a whole forward crossing dense_len sparse
+        chain = DraftTree(drafts, list(range(-1, len(drafts) - 1)), [0.0] * len(drafts))
+        logits, states = runtime.forward_capturing(block, cache, layers, chain.verification(position))
         if draft_probs is None:
             kept, after = verify_greedy(drafts, logits)
         else:

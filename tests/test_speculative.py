@@ -235,8 +235,27 @@ def test_sampled_speculative_generation_keeps_the_targets_distribution(target_di
     assert _chi_square_p_value(counts, second) > 1e-3
 
 
+def test_greedy_chains_across_dense_len_equal_plain_greedy(target_dir):
+    """A verification forward crossing InfLLM v2's dense_len: its rows before dense_len attend densely,
+    as the decode steps there do (a whole forward run sparse chose otherwise at some of these lengths)."""
+    sparse = SparseAttentionConfig(dense_len=96, window_size=16, topk=2, kernel_size=16, kernel_stride=8, block_size=16)
+
+    def runtime():
+        return RuntimeModel(load_runtime_model(target_dir, torch.float32), make_attention(sparse))
+
+    target = runtime()
+    for length in range(86, 95):
+        prompt = [(7 * i) % 300 + 5 for i in range(length)]
+        want = list(Engine(target, None, set()).tokens(prompt, max_new_tokens=12))
+        engine = Engine(target, None, set(), drafter=ModelDrafter(runtime(), target.config.vocab_size), draft_tokens=5)
+        timings = {}
+        assert list(engine.tokens(prompt, max_new_tokens=12, timings=timings)) == want, length
+        acceptance = timings["acceptance"]  # the target drafting for itself, through its sparse attention
+        assert acceptance.accepted_at == acceptance.reached, length
+
+
 def test_greedy_with_a_sparse_infllm_target_equals_plain_greedy(target_dir, tmp_path):
-    """InfLLM v2 past dense_len: cropping rejected drafts rebuilds the compressed keys."""
+    """InfLLM v2 past dense_len: cropping rejected drafts keeps the compressed keys of kept positions."""
     sparse = {"dense_len": 64, "window_size": 32, "topk": 2, "kernel_size": 16, "kernel_stride": 8, "block_size": 16}
     prompt = [(7 * i) % 300 + 5 for i in range(90)]
     plain = load_engine(target_dir, dtype=torch.float32, sparse="on", sparse_overrides=sparse)
