@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 import torch
-from quantkit.eval.bench.common import dense_paths, machine, report, timing_options
+from quantkit.eval.bench.common import dense_paths, machine, random_keys_values, report, timing_options
 from quantkit.kernels.model import FUSED_ATTENTION_MAX_SCORES
 
 from quantkit.table import format_table
@@ -26,7 +26,7 @@ def main(lengths, repeats, threads, json_path):
     for shape, (q_heads, kv_heads, dim) in SHAPES.items():
         g = torch.Generator().manual_seed(q_heads)
         for length in (int(n) for n in lengths.split(",")):
-            k, v = torch.randn(2, kv_heads, length, dim, generator=g).bfloat16()
+            k, v = random_keys_values(kv_heads, length, dim, g)
             q = torch.randn(q_heads, 1, dim, generator=g).bfloat16()
             timings = dense_paths(q, k, v, repeats)
             fused = timings.get("fused operator", float("nan"))

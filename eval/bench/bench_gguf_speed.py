@@ -14,14 +14,13 @@ time and peak memory (``--layers 32`` makes that the full 8B export).
 from __future__ import annotations
 
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 import click
 from quantkit.eval.bench.bench_gguf import tensor_digest
-from quantkit.eval.bench.common import machine, median_seconds, report, timed, timing_options
+from quantkit.eval.bench.common import export_command, machine, median_seconds, report, timed, timing_options
 
 from quantkit.table import format_table
 
@@ -92,9 +91,7 @@ def export_memory(model_dir: Path, work: Path) -> dict:
     """``quantkit export gguf --type q4_k_m`` of ``model_dir`` as its own process: wall s, peak RSS MB."""
     out = work / f"memory-{MEMORY_TYPE}.gguf"
     out.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "quantkit.cli", "export", "gguf", "--model", str(model_dir), "--type",
-               MEMORY_TYPE, "--out", str(out), "--no-progress"]
-    seconds, rss = timed(command, work / "export-memory.log")
+    seconds, rss = timed(export_command(model_dir, MEMORY_TYPE, out), work / "export-memory.log")
     out.unlink()
     return {"type": MEMORY_TYPE, "wall_s": round(seconds, 1), "peak_rss_mb": round(rss)}
 

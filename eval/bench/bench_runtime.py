@@ -37,28 +37,40 @@ def memory_bandwidth_gb_s(repeats: int = 5) -> float:
     return data.numel() * 4 / median_seconds(data.sum, repeats) / 1e9
 
 
-def bench_quantkit(artifact: Path, prompt: list[int], new_tokens: int, repeats: int):
+def greedy_steps(runtime, cache, token: int, steps: int) -> float:
+    """Seconds for ``steps`` greedy decode steps of ``runtime`` from ``token`` on ``cache`` (which grows by them)."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        token = int(runtime.forward(torch.tensor([token]), cache).argmax())
+    return time.perf_counter() - start
+
+
+def bench_quantkit(artifact: Path, prompt: list[int], new_tokens: int, repeats: int, engine=None,
+                   prefill_repeats: int | None = None):
+    """(engine, prefill tok/s, decode tok/s) of quantkit's runtime on ``artifact`` with dense attention, or
+    on an ``engine`` already loaded. Prefill: the prompt from an empty cache in the engine's chunks, median
+    of ``prefill_repeats`` runs (default ``repeats``), or with 0 the one run that fills the cache for
+    decode. Decode: greedy steps after the prompt, prefilled once; each run drops the previous one's."""
     from quantkit.kernels.generate import load_engine
 
-    engine = load_engine(artifact, sparse="off")
-    runtime = engine.runtime
-    ids = torch.tensor(prompt)
+    engine = engine if engine is not None else load_engine(artifact, sparse="off")
+    cache, last = engine.new_cache(), {}
 
     def prefill() -> float:
-        cache = runtime.new_cache()
+        cache.crop(0)
         start = time.perf_counter()
-        runtime.forward(ids, cache)
+        last["logits"] = engine.prefill(prompt, cache)
         return time.perf_counter() - start
+
+    prefill_repeats = repeats if prefill_repeats is None else prefill_repeats
+    prefill_rate = median_rate(prefill, len(prompt), prefill_repeats) if prefill_repeats else len(prompt) / prefill()
+    first = int(last["logits"].argmax())
 
     def decode() -> float:
-        cache = runtime.new_cache()
-        token = int(runtime.forward(ids, cache).argmax())
-        start = time.perf_counter()
-        for _ in range(new_tokens):
-            token = int(runtime.forward(torch.tensor([token]), cache).argmax())
-        return time.perf_counter() - start
+        cache.crop(len(prompt))
+        return greedy_steps(engine.runtime, cache, first, new_tokens)
 
-    return engine, median_rate(prefill, len(prompt), repeats), median_rate(decode, new_tokens, repeats)
+    return engine, prefill_rate, median_rate(decode, new_tokens, repeats)
 
 
 def bench_transformers(model_dir: Path, dtype: torch.dtype, prompt: list[int], new_tokens: int, repeats: int):
@@ -87,7 +99,11 @@ def bench_transformers(model_dir: Path, dtype: torch.dtype, prompt: list[int], n
     return median_rate(prefill, len(prompt), repeats), median_rate(decode, new_tokens, repeats)
 
 
-def bench_llamacpp(gguf: Path, prompt: list[int], new_tokens: int, repeats: int, threads: int):
+def bench_llamacpp(gguf: Path, prompt: list[int], new_tokens: int, repeats: int, threads: int,
+                   prefill_repeats: int | None = None):
+    """(prefill tok/s, decode tok/s) of llama.cpp on ``gguf``, as ``bench_quantkit`` measures them: prefill
+    median of ``prefill_repeats`` runs (default ``repeats``; 0: the one run that fills the cache), decode
+    after the prompt prefilled once, each run dropping the previous one's tokens from the KV cache."""
     import llama_cpp
     from quantkit.eval.llamacpp import disable_weight_repacking
 
@@ -106,9 +122,8 @@ def bench_llamacpp(gguf: Path, prompt: list[int], new_tokens: int, repeats: int,
         return time.perf_counter() - start
 
     def decode() -> float:
-        llm.reset()
-        llm.eval(prompt)
-        token = int(last_logits().argmax())
+        llm.n_tokens = len(prompt)  # eval removes the cache's positions from n_tokens on
+        token = first
         start = time.perf_counter()
         for _ in range(new_tokens):
             llm.eval([token])
@@ -116,7 +131,11 @@ def bench_llamacpp(gguf: Path, prompt: list[int], new_tokens: int, repeats: int,
         return time.perf_counter() - start
 
     try:
-        return median_rate(prefill, len(prompt), repeats), median_rate(decode, new_tokens, repeats)
+        prefill_repeats = repeats if prefill_repeats is None else prefill_repeats
+        prefill_rate = (median_rate(prefill, len(prompt), prefill_repeats) if prefill_repeats
+                        else len(prompt) / prefill())
+        first = int(last_logits().argmax())
+        return prefill_rate, median_rate(decode, new_tokens, repeats)
     finally:
         llm.close()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import click
 import torch
-from quantkit.eval.bench.common import dense_paths, machine, median_seconds, report, timing_options
+from quantkit.eval.bench.common import dense_paths, machine, median_seconds, random_keys_values, report, timing_options
 from quantkit.kernels.infllm import CompressedKeyCache, SparseAttentionConfig, sparse_attention
 
 from quantkit.table import format_table
@@ -35,7 +35,7 @@ def main(contexts, chunk, repeats, threads, json_path):
     rows, records = [], []
     for context in (int(c) for c in contexts.split(",")):
         g = torch.Generator().manual_seed(context)
-        k, v = torch.randn(2, KV_HEADS, context, HEAD_DIM, generator=g).bfloat16()
+        k, v = random_keys_values(KV_HEADS, context, HEAD_DIM, g)
         for name, queries in (("decode step", 1), (f"prefill chunk of {chunk}", chunk)):
             q = torch.randn(Q_HEADS, queries, HEAD_DIM, generator=g).bfloat16()
             cache = CompressedKeyCache(config)

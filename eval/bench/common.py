@@ -75,6 +75,20 @@ def quantize_command(recipe: str, model: Path, out: Path, settings: Iterable[str
             "--out", str(out), "--no-progress", *(arg for setting in settings for arg in ("--set", setting))]
 
 
+def export_command(model: Path, file_type: str, out: Path) -> list[str]:
+    """``quantkit export gguf`` of ``model`` as ``file_type`` into the file ``out`` as a command for this Python."""
+    return [sys.executable, "-m", "quantkit.cli", "export", "gguf", "--model", str(model), "--type", file_type,
+            "--out", str(out), "--no-progress"]
+
+
+def random_keys_values(kv_heads: int, length: int, head_dim: int, generator):
+    """Random bf16 keys and values, [2, Hkv, length, d] (unpack as ``k, v``): how the long-context
+    benchmarks fill a cache without a prefill, since attention's speed does not depend on the values."""
+    import torch
+
+    return torch.randn(2, kv_heads, length, head_dim, generator=generator).bfloat16()
+
+
 def timing_options(repeats: int):
     """The options of a timing benchmark: ``--repeats`` (default ``repeats``), ``--threads`` and ``--json``."""
     options = (click.option("--repeats", default=repeats, show_default=True, help="Timed calls; the median is kept."),
@@ -171,10 +185,10 @@ class Variant:
 
 
 def make_variant(variant: Variant, out: Path, reuse: bool, timeout: float | None = None) -> dict:
-    """Make ``variant``'s artifact under ``/usr/bin/time -v`` (or, with ``reuse``, take the one an earlier
-    run of the benchmark left with the same command, or continue its interrupted run); return its record:
-    command, seconds, peak RSS MB, resumed, reused. A command still running after ``timeout`` seconds
-    is stopped and reported as a ClickException."""
+    """Make ``variant``'s artifact (a directory, or a file such as a GGUF) under ``/usr/bin/time -v`` (or,
+    with ``reuse``, take the one an earlier run of the benchmark left with the same command, or continue
+    its interrupted run); return its record: command, seconds, peak RSS MB, resumed, reused. A command
+    still running after ``timeout`` seconds is stopped and reported as a ClickException."""
     import shlex
     import shutil
 
@@ -191,6 +205,8 @@ def make_variant(variant: Variant, out: Path, reuse: bool, timeout: float | None
             raise click.ClickException(f"--reuse: {artifact} was made by\n  {shlex.join(record['command'])}\n"
                                        f"not by\n  {shlex.join(variant.command)}\nremove it or drop --reuse")
         return {**record, "reused": True}
+    if artifact.is_file():
+        artifact.unlink()
     shutil.rmtree(artifact, ignore_errors=True)
     resume = reuse and staging.exists() and (variant.checkpoint is None or (staging / variant.checkpoint).is_file())
     if not resume:

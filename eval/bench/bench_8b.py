@@ -1,0 +1,403 @@
+"""`make bench-8b`: quantkit's runtime at MiniCPM4.1-8B's scale against llama.cpp, on this CPU.
+
+The model is MiniCPM4.1-8B's shape with ``--layers`` decoder layers (32: the whole model) of random
+weights, written once as ``make bench-scale`` writes it: no speed here depends on the values. From
+it, once each (an earlier run's are reused; ``--no-reuse`` remakes them): quantkit's W4 artifact in
+the GPTQ layout by the cheapest recipe that writes it (``rtn-w4g128`` on one calibration row: RTN's
+weights do not depend on calibration), and llama.cpp's Q4_0 and Q4_K_M files of the same weights by
+``quantkit export gguf``. Prompts are random token ids. Every contender runs with ``--threads``
+threads; llama.cpp through llama-cpp-python, without its CPU weight repacking (as ``make
+bench-runtime`` runs it).
+
+The first table has a row per measure, a column per contender, then quantkit's ratio to each
+llama.cpp file (``x Q4_0``, ``x Q4_K_M``):
+
+- ``file GB``: the W4 artifact's directory, the GGUF file.
+- ``prefill tok/s, P-token prompt`` (P: the first of ``--contexts``): the prompt from an empty cache,
+  median of ``--repeats`` runs; quantkit in the engine's 512-token chunks, as generation runs it.
+- ``decode tok/s at C``: ``--new-tokens`` greedy steps C positions in, median of ``--repeats``. After
+  the first context's prompt, prefilled once (each run drops the previous run's tokens). At later
+  contexts llama.cpp prefills the C-token prompt once; quantkit's cache is instead filled directly
+  with C positions of random keys and values (as in the second table), since the runtime's 8B
+  prefill would take an hour at 8K: runs continue the sequence, after a warm-up.
+- ``MB read per token at C``: what one decode step reads, C + new-tokens/2 positions in: quantkit's
+  quantized weights as stored, its other parameters but the embedding table (one row of it is read)
+  and its bf16 KV cache (``bench_runtime.decode_bytes``); llama.cpp's GGUF tensors but
+  ``token_embd``, and its F16 KV cache.
+- ``ceiling tok/s at C``: the measured read bandwidth / those bytes: no decode can go faster.
+- ``share of ceiling at C``: decode tok/s / that ceiling.
+
+The second table is InfLLM v2 end to end at each of ``--long-contexts``: the runtime's whole decode
+step (every layer and the LM head) with dense attention (``load_engine(..., sparse="off")``) and with
+InfLLM v2 (``sparse="on"``, MiniCPM4.1's sparse_config): tok/s of each, their ratio, and the MB a step
+reads (dense: every key and value; InfLLM v2: its selected blocks and the compressed keys, counted as
+``kernels/roofline`` counts them). The KV cache is not prefilled but filled directly with random bf16
+keys and values (``common.random_keys_values``, as bench_sparse fills its caches), with InfLLM v2's
+compressed keys pooled from them as decode finds them: a decode step's speed does not depend on the
+values, and prefilling 64K positions of an 8B model takes hours on 2 cores. The cache holds
+C - (repeats + 1) x new-tokens positions, so that the last timed step attends C keys; a warm-up and
+``--repeats`` runs, each continuing the sequence, median. Below ``dense_len`` (8,192) keys InfLLM v2
+is dense attention anyway (the last column says which ran).
+
+Then the targets, printed and not asserted: quantkit's decode >= 1.0x llama.cpp Q4_0 and >= 60 % of
+its bandwidth ceiling at every context, its prefill >= 2x llama.cpp Q4_0; the CPU flags and whether
+AMX is there (the targets must hold without it); the files made; a profile of quantkit's decode step
+(``bench_runtime.profile_decode``, after a 16-token prompt).
+
+A slice of fewer than 32 layers runs the W4 linears as the full model does: they keep no bf16
+dequantized copy for prefill (the whole model's weights exceed ``KEEP_DEQUANTIZED_BYTES``), so each
+prefill chunk rebuilds it. Disk at 32 layers: about 31 GB in ``--out`` (checkpoint 16.4, W4 artifact
+5.2, Q4_0 4.7, Q4_K_M 4.9).
+
+    python -m quantkit.eval.bench.bench_8b --out out/bench-8b
+    python -m quantkit.eval.bench.bench_8b --layers 2 --long-contexts 16384 --repeats 1 --new-tokens 8
+"""
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+import torch
+from quantkit.eval.bench.bench_gguf_speed import eight_b_slice
+from quantkit.eval.bench.bench_runtime import (
+    bench_llamacpp,
+    bench_quantkit,
+    decode_bytes,
+    greedy_steps,
+    memory_bandwidth_gb_s,
+    profile_decode,
+)
+from quantkit.eval.bench.common import (
+    Variant,
+    cpu_flags,
+    export_command,
+    machine,
+    make_variant,
+    median_seconds,
+    quantize_command,
+    random_keys_values,
+    report,
+    timing_options,
+)
+
+from quantkit.table import format_table
+
+FULL_LAYERS = 32
+RECIPE = "rtn-w4g128"
+# RTN's weights do not depend on calibration (it only scores each layer's error): the smallest set
+CALIBRATION = ("calibration.n_samples=1", "calibration.seq_len=16", "calibration.batch_size=1")
+GGUF_TYPES = ("q4_0", "q4_k_m")  # the first is the targets' reference
+GGUF_KV_BYTES = 2  # llama.cpp's default F16 KV cache
+# quantkit's decode profile runs after this many prompt tokens: a decode step is weight-bound (the KV
+# cache at 512 is 0.4 % of the bytes), and a prompt this short stays on the packed kernel (FEW_ROWS)
+# rather than rebuild every dequantized weight, minutes at 8B
+PROFILE_PROMPT = 16
+# the targets, printed against the measurements (not asserted)
+DECODE_VS_Q4_0 = 1.0
+CEILING_SHARE = 0.60
+PREFILL_VS_Q4_0 = 2.0
+
+
+@dataclass
+class Measured:
+    """One contender's numbers; contexts are the prompt lengths of ``--contexts``."""
+
+    name: str
+    file_bytes: int
+    prefill: dict[int, float] = field(default_factory=dict)  # prompt tokens -> tok/s
+    decode: dict[int, float] = field(default_factory=dict)  # context -> tok/s
+    bytes_per_token: dict[int, int] = field(default_factory=dict)  # context -> bytes a decode step reads
+
+    def ceiling(self, context: int, bandwidth_gb_s: float) -> float:
+        """Decode tok/s no run can exceed: bandwidth / bytes read per token."""
+        return bandwidth_gb_s * 1e9 / self.bytes_per_token[context]
+
+    def share(self, context: int, bandwidth_gb_s: float) -> float:
+        return self.decode[context] / self.ceiling(context, bandwidth_gb_s)
+
+
+def targets(ours: Measured, q4_0: Measured, bandwidth_gb_s: float) -> list[dict]:
+    """The printed targets, one per context and measure: what, the measured value, the target, met."""
+    rows = []
+    for context in ours.decode:
+        rows.append({"target": f"decode at {context}: quantkit / llama.cpp Q4_0",
+                     "measured": ours.decode[context] / q4_0.decode[context], "goal": DECODE_VS_Q4_0})
+        rows.append({"target": f"decode at {context}: share of the bandwidth ceiling",
+                     "measured": ours.share(context, bandwidth_gb_s), "goal": CEILING_SHARE})
+    for prompt in ours.prefill:
+        rows.append({"target": f"prefill of {prompt}: quantkit / llama.cpp Q4_0",
+                     "measured": ours.prefill[prompt] / q4_0.prefill[prompt], "goal": PREFILL_VS_Q4_0})
+    for row in rows:
+        row["met"] = row["measured"] >= row["goal"]
+    return rows
+
+
+def gguf_decode_bytes(gguf: Path, config, context: int) -> int:
+    """Bytes a llama.cpp decode step reads, counted as ``decode_bytes`` counts quantkit's: every tensor of
+    the file but the token embedding (one row is read), and the F16 KV cache at ``context``."""
+    from quantkit.gguf.reader import open_gguf
+
+    weights = sum(int(t.n_bytes) for t in open_gguf(gguf).tensors if t.name != "token_embd.weight")
+    per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * GGUF_KV_BYTES
+    return weights + per_position * context
+
+
+def size_of(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+@contextmanager
+def as_full_model(layers: int):
+    """Whether W4 linears keep a dequantized bf16 copy for prefill depends on the model's total weights
+    (``KEEP_DEQUANTIZED_BYTES``): a slice of ``layers`` decides as the full 32-layer model does."""
+    from quantkit.kernels import linear
+
+    kept = linear.KEEP_DEQUANTIZED_BYTES
+    linear.KEEP_DEQUANTIZED_BYTES = kept * min(layers, FULL_LAYERS) // FULL_LAYERS
+    try:
+        yield
+    finally:
+        linear.KEEP_DEQUANTIZED_BYTES = kept
+
+
+@torch.inference_mode()  # the runtime's own buffers are inference tensors
+def fill_cache(engine, length: int, capacity: int, seed: int):
+    """``length`` positions of random keys and values in every layer of a new cache of ``engine`` (room for
+    ``capacity``), with InfLLM v2's compressed keys pooled from them (and the pre-RoPE keys it scores with
+    under use_nope), as a decode step finds them after a prefill."""
+    runtime, cache = engine.runtime, engine.new_cache()
+    config = runtime.config
+    generator = torch.Generator().manual_seed(seed)
+    for layer in range(config.num_hidden_layers):
+        keys, values = cache.buffers(layer, capacity)
+        k, v = random_keys_values(config.num_key_value_heads, length, config.head_dim, generator)
+        keys[:, :length], values[:, :length] = k, v
+        scoring = keys[:, :length]
+        if runtime.scores_pre_rope:
+            scoring = cache.pre_rope_keys(layer, length)
+            scoring.copy_(k)
+        if cache.compressed[layer] is not None:
+            cache.compressed[layer].update(scoring)
+    cache.advance(length)
+    return cache
+
+
+def random_cache_decode(engine, filled: int, new_tokens: int, repeats: int) -> float:
+    """Decode tok/s of ``engine`` after ``filled`` positions of ``fill_cache``: a warm-up and ``repeats``
+    runs of ``new_tokens`` steps, each continuing the sequence, median."""
+    steps = (repeats + 1) * new_tokens
+    cache = fill_cache(engine, filled, filled + steps + 1, seed=filled)
+    return new_tokens / median_seconds(lambda: greedy_steps(engine.runtime, cache, 0, new_tokens), repeats)
+
+
+def sparse_step_bytes(engine, context: int) -> int:
+    """Bytes an InfLLM v2 decode step reads at ``context``: ``decode_bytes`` with the keys and values
+    of the selected blocks and the compressed keys in place of the whole cache."""
+    from quantkit.kernels.roofline import attended_keys
+
+    config, sparse = engine.runtime.config, engine.runtime.attention.config
+    full, compressed = attended_keys(context, sparse)
+    per_key = config.num_hidden_layers * config.num_key_value_heads * config.head_dim * engine.runtime.kv_dtype.itemsize
+    return decode_bytes(engine, 0) + (2 * full + compressed) * per_key
+
+
+def random_prompt(tokens: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def progress(message: str) -> None:
+    click.echo(f"[{time.strftime('%H:%M:%S')}] {message}", err=True)
+
+
+def prepare(out: Path, layers: int, reuse: bool) -> tuple[Path, Path, dict[str, Path], list[list]]:
+    """The checkpoint (written once), the W4 artifact and the GGUF files -> (checkpoint, artifact,
+    {type: gguf}, a table row per file: what, seconds, peak RSS MB, GB, made or reused)."""
+    checkpoint = out / f"minicpm41-8b-{layers}-layer"
+    reused = (checkpoint / "config.json").is_file()
+    if not reuse and reused:
+        shutil.rmtree(checkpoint)
+        reused = False
+    progress(f"checkpoint {checkpoint}" + (" (reused)" if reused else ": writing"))
+    started = time.perf_counter()
+    eight_b_slice(checkpoint, layers)
+    rows = [["random checkpoint (bf16)", "" if reused else time.perf_counter() - started, "", size_of(checkpoint) / 1e9,
+             "reused" if reused else "made"]]
+    key = f"w4-{RECIPE}-{layers}-layer"
+    variants = [Variant(key, f"quantkit {RECIPE}", quantize_command(RECIPE, checkpoint, out / key, CALIBRATION))]
+    for file_type in GGUF_TYPES:
+        key = f"{file_type}-{layers}-layer.gguf"
+        variants.append(Variant(key, f"export gguf {file_type}", export_command(checkpoint, file_type, out / key)))
+    for variant in variants:
+        record = make_variant(variant, out, reuse)
+        rows.append([variant.label, record["seconds"], record["peak_rss_mb"], size_of(out / variant.key) / 1e9,
+                     "reused" if record["reused"] else "made"])
+    ggufs = {file_type: out / variant.key for file_type, variant in zip(GGUF_TYPES, variants[1:])}
+    return checkpoint, out / variants[0].key, ggufs, rows
+
+
+def amx_note(flags: list[str]) -> str:
+    amx = [flag for flag in flags if flag.startswith("amx")]
+    if not amx:
+        return "AMX: absent on this CPU, so these numbers are the ones the targets are judged on."
+    held = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    return (f"AMX: present ({' '.join(amx)}). quantkit's prefill matmuls (oneDNN bf16) and its fused InfLLM v2 "
+            "kernels use it on this CPU; llama.cpp here does not (its AMX path is weight repacking, off). The "
+            "targets must hold without AMX: read prefill and InfLLM v2 here as upper bounds for a CPU without it"
+            + (f" (oneDNN held to ONEDNN_MAX_CPU_ISA={held} in this run)." if held else
+               "; ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 keeps oneDNN (not the fused kernels) off AMX."))
+
+
+@click.command()
+@click.option("--layers", default=FULL_LAYERS, show_default=True,
+              help="Decoder layers of the 8B-shaped checkpoint (32: the whole model).")
+@click.option("--contexts", default="512,8192", show_default=True,
+              help="Prompt lengths before the decode rows; the first is also the prefill row's (median of repeats).")
+@click.option("--long-contexts", default="32768,65536", show_default=True,
+              help="Contexts of the InfLLM v2 vs dense decode rows (cache filled with random keys and values).")
+@click.option("--new-tokens", default=32, show_default=True, help="Decode steps per timed run.")
+@click.option("--reuse/--no-reuse", default=True, show_default=True,
+              help="Keep the checkpoint, W4 artifact and GGUF files an earlier run made with the same commands.")
+@click.option("--out", default="out/bench-8b", show_default=True, type=click.Path(path_type=Path))
+@timing_options(repeats=3)
+def main(layers, contexts, long_contexts, new_tokens, reuse, out, repeats, threads, json_path):
+    """Prepare the files, time every contender, print the two tables and the targets."""
+    from quantkit.kernels.generate import load_engine
+
+    from quantkit.models import MiniCPMConfig
+
+    started = time.perf_counter()
+    torch.set_num_threads(threads)
+    contexts = [int(c) for c in contexts.split(",") if c.strip()]
+    long_contexts = [int(c) for c in long_contexts.split(",") if c.strip()]
+    if repeats < 1 or new_tokens < 1 or not contexts:
+        raise click.UsageError("--repeats and --new-tokens must be >= 1 and --contexts not empty")
+    too_short = [c for c in long_contexts if c <= (repeats + 1) * new_tokens]
+    if too_short:
+        raise click.UsageError(f"--long-contexts {too_short} must exceed (repeats + 1) x new-tokens")
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint, artifact, ggufs, files = prepare(out, layers, reuse)
+    config = MiniCPMConfig.from_pretrained(checkpoint)
+    prompts = {c: random_prompt(c, config.vocab_size, seed=c) for c in contexts}
+    progress("read bandwidth")
+    bandwidth = memory_bandwidth_gb_s()
+
+    contenders = []
+    for file_type, gguf in ggufs.items():
+        measured = Measured(f"llama.cpp {file_type.upper()}", size_of(gguf))
+        for i, context in enumerate(contexts):
+            progress(f"{measured.name}: prefill and decode at {context}")
+            measured.prefill[context], measured.decode[context] = bench_llamacpp(
+                gguf, prompts[context], new_tokens, repeats, threads, prefill_repeats=None if i == 0 else 0)
+            measured.bytes_per_token[context] = gguf_decode_bytes(gguf, config, context + new_tokens // 2)
+        contenders.append(measured)
+
+    progress(f"quantkit: loading {artifact} (dense attention)")
+    with as_full_model(layers):
+        engine = load_engine(artifact, sparse="off")
+    ours = Measured(f"quantkit W4 ({RECIPE})", size_of(artifact))
+    for i, context in enumerate(contexts):
+        if i == 0:
+            progress(f"{ours.name}: prefill and decode at {context}")
+            _, ours.prefill[context], ours.decode[context] = bench_quantkit(
+                artifact, prompts[context], new_tokens, repeats, engine=engine)
+        else:
+            progress(f"{ours.name}: decode at {context} (random cache)")
+            ours.decode[context] = random_cache_decode(engine, context, new_tokens, repeats)
+        ours.bytes_per_token[context] = decode_bytes(engine, context + new_tokens // 2)
+    contenders.insert(0, ours)
+    progress("quantkit: decode profile")
+    profile = profile_decode(engine, prompts[contexts[0]][:PROFILE_PROMPT], steps=min(new_tokens, 16), rows=8)
+
+    long_rows = {}
+    for context in long_contexts:
+        progress(f"quantkit dense attention: decode at {context} (random cache)")
+        dense = random_cache_decode(engine, context - (repeats + 1) * new_tokens, new_tokens, repeats)
+        long_rows[context] = {"context": context, "dense_tok_s": dense, "dense_bytes": decode_bytes(engine, context)}
+    del engine
+    gc.collect()
+    if long_contexts:
+        progress(f"quantkit: loading {artifact} (InfLLM v2)")
+        with as_full_model(layers):
+            engine = load_engine(artifact, sparse="on")
+        sparse = engine.runtime.attention.config
+        for context in long_contexts:
+            progress(f"quantkit InfLLM v2: decode at {context} (random cache)")
+            row = long_rows[context]
+            row["sparse_tok_s"] = random_cache_decode(engine, context - (repeats + 1) * new_tokens, new_tokens, repeats)
+            row["sparse_bytes"] = sparse_step_bytes(engine, context)
+            row["attention"] = "dense (below dense_len)" if sparse.is_dense(context) else "InfLLM v2"
+        del engine
+        gc.collect()
+
+    names = [c.name for c in contenders]
+    others = contenders[1:]
+    ratio_headers = [f"x {c.name.removeprefix('llama.cpp ')}" for c in others]
+
+    def line(label: str, values: list[float], ratios: bool = True, fmt=None) -> list:
+        shown = [fmt(v) for v in values] if fmt else values
+        return [label, *shown, *((values[0] / v if v else "") if ratios else "" for v in values[1:])]
+
+    percent = "{:.0%}".format
+    rows = [line("file GB", [c.file_bytes / 1e9 for c in contenders])]
+    first = contexts[0]
+    rows.append(line(f"prefill tok/s, {first}-token prompt", [c.prefill[first] for c in contenders]))
+    for context in contexts:
+        rows.append(line(f"decode tok/s at {context}", [c.decode[context] for c in contenders]))
+        rows.append(line(f"MB read per token at {context}", [c.bytes_per_token[context] / 1e6 for c in contenders]))
+        rows.append(line(f"ceiling tok/s at {context}", [c.ceiling(context, bandwidth) for c in contenders], False))
+        rows.append(line(f"share of ceiling at {context}", [c.share(context, bandwidth) for c in contenders], False,
+                         percent))
+    table = format_table(["measure", *names, *ratio_headers], rows)
+    long_table = ""
+    if long_rows:
+        long_table = format_table(
+            ["context", "dense tok/s", "InfLLM v2 tok/s", "InfLLM v2 / dense", "dense MB/token", "InfLLM v2 MB/token",
+             "InfLLM v2 runs"],
+            [[r["context"], r["dense_tok_s"], r["sparse_tok_s"], r["sparse_tok_s"] / r["dense_tok_s"],
+              r["dense_bytes"] / 1e6, r["sparse_bytes"] / 1e6, r["attention"]] for r in long_rows.values()])
+        long_table = ("InfLLM v2 end to end: the runtime's whole decode step, sparse=\"off\" vs \"on\"; KV cache "
+                      "filled directly with random bf16 keys and values (no prefill; compressed keys pooled from "
+                      f"them), the last timed step attending <context> keys; {new_tokens} steps, median of {repeats} "
+                      f"after a warm-up\n{long_table}")
+    fills = "; ".join(f"{c.name} {c.prefill[context]:.4g} tok/s" for c in others for context in contexts[1:])
+    if fills:
+        fills = (f"decode at {', '.join(map(str, contexts[1:]))}: quantkit's cache filled with random keys and values "
+                 f"(no prefill); llama.cpp's prefill of that prompt, one run: {fills}")
+    checked = targets(ours, contenders[1], bandwidth)
+    target_lines = "\n".join(f"  {t['target']}: {t['measured']:.2f} (target >= {t['goal']:g}) "
+                             f"{'met' if t['met'] else 'NOT met'}" for t in checked)
+    files_table = format_table(["file", "seconds", "peak RSS MB", "GB", ""], files)
+    profile_table = format_table(["op", "share", "calls/token", "us/token"],
+                                 [[p["op"], f"{100 * p['share']:.1f}%", p["calls_per_token"], p["us_per_token"]]
+                                  for p in profile])
+    flags = cpu_flags()
+    elapsed = time.perf_counter() - started
+    scope = ("the whole model" if layers >= FULL_LAYERS else
+             f"a slice: {layers} of its {FULL_LAYERS} layers, so the LM head weighs more than in the full model")
+    setup = (f"MiniCPM4.1-8B's shape, random weights, {layers} decoder layers ({scope}); random prompts; "
+             f"{new_tokens} greedy decode steps per run, median of {repeats}; {threads} threads each; "
+             f"measured read bandwidth {bandwidth:.1f} GB/s; quantkit's W4 prefill rebuilds each bf16 dequantized "
+             f"weight per chunk, as the full model does (KEEP_DEQUANTIZED_BYTES); machine: {machine()}")
+    notes = "\n\n".join(part for part in (
+        long_table,
+        fills,
+        f"targets (printed, not asserted), quantkit against llama.cpp Q4_0:\n{target_lines}",
+        f"CPU flags: {' '.join(flags) or 'none listed'}\n{amx_note(flags)}",
+        f"files (made once under {out}; --no-reuse remakes them):\n{files_table}",
+        f"quantkit decode profile after a {PROFILE_PROMPT}-token prompt (top ops by self CPU time):\n{profile_table}",
+        f"wall time of this run: {elapsed:.0f} s",
+    ) if part)
+    report(setup, table, contenders, json_path=json_path or out / "bench.json", markdown_path=out / "bench.md",
+           notes=notes, extra={"bandwidth_gb_s": bandwidth, "long_contexts": list(long_rows.values()),
+                               "targets": checked, "cpu_flags": flags, "files": files, "decode_profile": profile,
+                               "layers": layers, "wall_seconds": elapsed})
+
+
+if __name__ == "__main__":
+    main()
