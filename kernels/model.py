@@ -96,8 +96,38 @@ class _Concat(nn.Module):
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
+class FusedPart(nn.Module):
+    """Output columns start..end of a fused module: what an unfused linear (q_proj, ...) of the model
+    becomes once the runtime fused it (``RuntimeLayer.of``), so that its weights are held once."""
+
+    def __init__(self, whole: nn.Module, start: int, end: int):
+        super().__init__()
+        self.whole, self.start, self.end = whole, start, end
+        self.out_features = end - start
+
+    def forward(self, x):
+        return self.whole(x)[..., self.start:self.end]
+
+
 def _fused(modules: list[nn.Module]) -> nn.Module:
+    wholes = {id(m.whole) for m in modules if isinstance(m, FusedPart)}
+    if len(wholes) == 1 and all(isinstance(m, FusedPart) for m in modules):  # fused by an earlier runtime
+        whole, ends = modules[0].whole, [0] + [m.end for m in modules]
+        if [m.start for m in modules] == ends[:-1] and ends[-1] == whole.out_features:
+            return whole
     return fuse_linears(modules) or _Concat(modules)
+
+
+def _release(parent: nn.Module, names: tuple[str, ...], fused: nn.Module) -> None:
+    """Replace ``parent``'s linears ``names`` by their columns of ``fused`` (unless it only concatenates
+    them): the model still computes what it did, and their weights are no longer held twice."""
+    if isinstance(fused, _Concat) or all(isinstance(getattr(parent, name), FusedPart) for name in names):
+        return
+    start = 0
+    for name in names:
+        width = getattr(parent, name).out_features
+        setattr(parent, name, FusedPart(fused, start, start + width))
+        start += width
 
 
 class DecoderRunner:
@@ -183,7 +213,7 @@ class RuntimeModel(DecoderRunner):
                          config.rms_norm_eps, config.residual_scale, dtype, kv_dtype, attention)
         self._rotary = model.model.rotary_emb
         self.final_norm = model.model.norm.weight.float()
-        self.layers = [RuntimeLayer.of(layer) for layer in model.model.layers]
+        self.layers = [RuntimeLayer.of(layer, release=True) for layer in model.model.layers]
         self.lm_head = prepacked(model.lm_head)
 
     def new_cache(self, compressed_keys=None) -> KVCache:
@@ -262,12 +292,20 @@ class RuntimeLayer:
     """A decoder layer's modules as the runtime calls them: q/k/v and gate/up fused, bf16 CPU linears
     prepacked for oneDNN (``quantkit.kernels.linear.prepacked``)."""
 
+    QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+
     @classmethod
-    def of(cls, layer: nn.Module) -> RuntimeLayer:
-        """From a MiniCPM decoder layer (or an EAGLE-3 midlayer: the same module names)."""
+    def of(cls, layer: nn.Module, release: bool = False) -> RuntimeLayer:
+        """From a MiniCPM decoder layer (or an EAGLE-3 midlayer: the same module names). ``release``: the
+        layer's q/k/v and gate/up become views of the fused modules (``FusedPart``), which then hold the
+        only copy of their weights (the runtime's model; a draft head being trained keeps its own)."""
         attention, mlp = layer.self_attn, layer.mlp
-        return cls(layer, _fused([attention.q_proj, attention.k_proj, attention.v_proj]),
-                   _fused([mlp.gate_proj, mlp.up_proj]))
+        made = cls(layer, _fused([getattr(attention, name) for name in cls.QKV]),
+                   _fused([getattr(mlp, name) for name in cls.GATE_UP]))
+        if release:
+            _release(attention, cls.QKV, made.qkv)
+            _release(mlp, cls.GATE_UP, made.gate_up)
+        return made
 
     def __init__(self, layer, qkv: nn.Module, gate_up: nn.Module):
         self.qkv, self.gate_up = prepacked(qkv), prepacked(gate_up)

@@ -147,3 +147,60 @@ def test_a_cpu_without_onednn_bf16_keeps_nn_linear():
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True", "(3,", "32)"]
 
+
+
+def _dequantize_as_before(module: Int4Linear, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The formula ``Int4Linear._dequantize`` had before it worked in chunks on the packed codes."""
+    pairs = module.scale_offset_bf16.float().repeat_interleave(module.group_size, dim=0)  # [Kp, N, 2]
+    return ((codes.float() - 8) * pairs[..., 0].T + pairs[..., 1].T).to(dtype)
+
+
+@pytest.mark.parametrize("n,k,group_size", [(144, 576, 128), (112, 336, 128), (208, 320, 32), (64, 4096, 128)])
+def test_dequantize_is_the_previous_formula_bit_for_bit(n, k, group_size, monkeypatch):
+    """Row blocks of the packed layout with a smaller last one (144 = 2 x 64 + 16), K = 576 packed as
+    groups of 64 sharing their group-128 scale, K = 336 padded to 384, several chunks of rows."""
+    from quantkit.kernels.linear import int4
+
+    from quantkit.algorithms.rtn import rtn_quantize
+    from quantkit.quant import QuantConfig
+
+    monkeypatch.setattr(int4, "DEQUANTIZE_CHUNK", 64 * 64)  # forces chunks of one or a few row blocks
+    generator = torch.Generator().manual_seed(n + k)
+    record = rtn_quantize(torch.randn(n, k, generator=generator) * 0.02, QuantConfig(4, group_size, sym=False))
+    module = Int4Linear.from_record(record)
+    codes = torch.nn.functional.pad(record.codes, (0, module.padded_in - k), value=8)
+    assert torch.equal(module._codes(), codes.to(torch.uint8))
+    for dtype, bits in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):
+        got = module._dequantize(dtype)
+        assert torch.equal(got.view(bits), _dequantize_as_before(module, codes, dtype).view(bits))
+
+
+def test_a_loaded_runtime_holds_each_int4_weight_once(tiny_checkpoint_factory, tmp_path):
+    """One copy of the codes per module (the packed kernel's) and, once q/k/v and gate/up are fused, the
+    model's unfused linears are views of the fused modules; the model still computes what it did."""
+    from quantkit.kernels.attention import make_attention
+    from quantkit.kernels.load import load_runtime_model
+    from quantkit.kernels.model import FusedPart, RuntimeModel
+
+    out = tmp_path / "rtn"
+    quantize(tiny_checkpoint_factory(), load_recipe("rtn-w4g128", FAST), out, progress=False)
+    model = load_runtime_model(out, torch.bfloat16)
+    tokens = torch.arange(12)[None]
+    with torch.inference_mode():
+        before = model(tokens).logits
+    quantized_bytes = sum(m.weight_bytes for m in model.modules() if isinstance(m, Int4Linear))
+    runtime = RuntimeModel(model, make_attention(None))
+    layer = model.model.layers[0]
+    parts = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
+    assert all(isinstance(p, FusedPart) and p.whole is runtime.layers[0].qkv for p in parts)
+    assert isinstance(layer.mlp.up_proj, FusedPart) and layer.mlp.up_proj.whole is runtime.layers[0].gate_up
+    modules = [m for m in model.modules() if isinstance(m, Int4Linear)]  # each module once
+    assert len(modules) == 4 * model.config.num_hidden_layers  # qkv, o, gate_up, down
+    for module in modules:
+        held = sum(b.numel() * b.element_size() for name, b in module.named_buffers() if name != "bias")
+        assert held == module.weight_bytes  # the packed codes and the bf16 scale/offset pairs, nothing else
+    assert sum(m.weight_bytes for m in modules) == quantized_bytes
+    with torch.inference_mode():
+        assert torch.equal(model(tokens).logits, before)
+    again = RuntimeModel(model, make_attention(None))  # a second runtime on the model reuses the fused modules
+    assert again.layers[0].qkv is runtime.layers[0].qkv

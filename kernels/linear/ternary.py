@@ -24,7 +24,9 @@ decode also uses the dequantized weight.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from quantkit.kernels import cpu_ops
+from quantkit.kernels.linear.int4 import DEQUANTIZE_CHUNK
 from quantkit.kernels.linear.packed import PackedLinear, fused_bias
 
 from quantkit.formats.ternary import LANES, ternary_tensors, unpack_planes
@@ -56,9 +58,19 @@ class TernaryLinear(PackedLinear):
         return self.planes.numel() * 4 + self.scales.numel() * 2
 
     def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        width = self.in_features if self.group_size == -1 else self.group_size
-        scales = self.scales.float().repeat_interleave(width, dim=1)[:, :self.in_features]
-        return (unpack_planes(self.planes).float() * scales).to(dtype)
+        """t * s in float32 (exact), rounded to ``dtype``: chunks of rows, each group's scale broadcast
+        over its columns (a ragged last group padded with zeros)."""
+        n, k = self.out_features, self.in_features
+        width = k if self.group_size == -1 else self.group_size
+        groups = self.scales.shape[1]
+        scales = self.scales.float()[..., None]  # [N, G, 1]
+        out = torch.empty(n, k, dtype=dtype, device=self.planes.device)
+        step = max(1, DEQUANTIZE_CHUNK // (groups * width))
+        for start in range(0, n, step):
+            end = min(n, start + step)
+            trits = F.pad(unpack_planes(self.planes[start:end]).float(), (0, groups * width - k))
+            out[start:end] = (trits.view(end - start, groups, width) * scales[start:end]).flatten(1)[:, :k]
+        return out
 
     def decode(self, rows: torch.Tensor) -> torch.Tensor | None:
         if self._ops is None:
