@@ -52,12 +52,12 @@ class Pairing:
     rounds: int
 
 
-def _draft_command(target: Path, out: Path, tokens: int, text: tuple[str, ...], init: Path | None = None,
+def _draft_command(target: Path, out: Path, tokens: int, training: tuple[str, ...], init: Path | None = None,
                    *options: str) -> list[str]:
-    """``quantkit draft train`` of a head for ``target`` on ``text`` (its --data and --own-text-after options):
-    each target, quantized ones included, writes its own text for its head."""
+    """``quantkit draft train`` of a head for ``target`` with the run's ``training`` options (text, rows a
+    step, unrolled steps): each target, quantized ones included, writes its own text for its head."""
     command = [sys.executable, "-m", "quantkit.cli", "draft", "train", "--target", str(target), "--out", str(out),
-               "--tokens", str(tokens), *text, "--no-progress", *options]
+               "--tokens", str(tokens), *training, "--no-progress", *options]
     return command + (["--init", str(init)] if init is not None else [])
 
 
@@ -186,10 +186,14 @@ def costs(target, head, k, tree, prompt_tokens, new_tokens, repeats, threads):
 @click.command()
 @click.option("--model", default="default", show_default=True, help="The FP target.")
 @click.option("--out", default="out/bench-spec", show_default=True, type=click.Path(path_type=Path))
-@click.option("--head-tokens", default=262_144, show_default=True, help="Training tokens of the FP head.")
+# Heads train on English text one row a step with 4 unrolled steps (a chain of 3 and depth-3 trees use
+# no more): at this scale optimizer steps raise τ more than tokens (docs/results.md, "EAGLE-3 heads")
+@click.option("--head-tokens", default=524_288, show_default=True, help="Training tokens of the FP head.")
 @click.option("--realign-tokens", default=65_536, show_default=True, help="Training tokens of each re-alignment.")
-@click.option("--head-data", default="default", show_default=True,
+@click.option("--head-data", default="en", show_default=True,
               help="Training text of every head (`draft train --data`).")
+@click.option("--head-batch-rows", default=1, show_default=True, help="`draft train --batch-rows` of every head.")
+@click.option("--head-ttt-steps", default=4, show_default=True, help="`draft train --ttt-steps` of every head.")
 @click.option("--own-text-after", default=0, show_default=True,
               help="`draft train --own-text-after` of every head: each target writes its own head's text after "
                    "this many tokens of it (0: the text itself).")
@@ -206,8 +210,9 @@ def costs(target, head, k, tree, prompt_tokens, new_tokens, repeats, threads):
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--threads", default=2, show_default=True)
 @click.option("--reuse", is_flag=True, help="Reuse the heads and targets an earlier run left in --out.")
-def main(model, out, head_tokens, realign_tokens, head_data, own_text_after, qat_artifact, k, tree, temperature,
-         prompts, prompt_tokens, max_new_tokens, speed_prompt_tokens, speed_new_tokens, repeats, threads, reuse):
+def main(model, out, head_tokens, realign_tokens, head_data, head_batch_rows, head_ttt_steps, own_text_after,
+         qat_artifact, k, tree, temperature, prompts, prompt_tokens, max_new_tokens, speed_prompt_tokens,
+         speed_new_tokens, repeats, threads, reuse):
     """EAGLE-3 heads: τ over targets × heads, and decode speed with and without the head."""
     import tempfile
 
@@ -234,15 +239,15 @@ def main(model, out, head_tokens, realign_tokens, head_data, own_text_after, qat
                          "seconds": record["seconds"], "reused": record["reused"]})
         return out / variant.key
 
-    text = ("--data", head_data, "--own-text-after", str(own_text_after))
-    head = made(Variant("head-fp", "FP head", _draft_command(model_dir, out / "head-fp", head_tokens, text),
+    training = ("--data", head_data, "--own-text-after", str(own_text_after), "--batch-rows", str(head_batch_rows),
+                "--ttt-steps", str(head_ttt_steps))
+    head = made(Variant("head-fp", "FP head", _draft_command(model_dir, out / "head-fp", head_tokens, training),
                         CHECKPOINT_FILE))
     w4_head = made(Variant("head-gptq-w4g128", "GPTQ W4 head", [
         sys.executable, "-m", "quantkit.cli", "draft", "quantize", "--head", str(head), "--target", str(model_dir),
         "--recipe", "gptq-w4g128", "--out", str(out / "head-gptq-w4g128"), "--no-progress"]))
-    qat_head = made(Variant("head-qat-w4", "QAT W4 head", _draft_command(model_dir, out / "head-qat-w4",
-                                                                         realign_tokens, text, head, "--w4", "gptq"),
-                            CHECKPOINT_FILE))
+    qat_command = _draft_command(model_dir, out / "head-qat-w4", realign_tokens, training, head, "--w4", "gptq")
+    qat_head = made(Variant("head-qat-w4", "QAT W4 head", qat_command, CHECKPOINT_FILE))
     targets = {"FP": model_dir}
     for key, recipe, settings, label in QUANTIZED_TARGETS:
         targets[label] = made(Variant(key, label, quantize_command(recipe, model_dir, out / key, settings)))
@@ -252,7 +257,7 @@ def main(model, out, head_tokens, realign_tokens, head_data, own_text_after, qat
     for label, target in list(targets.items())[1:]:
         key = f"head-realigned-{target.name}"
         realigned[label] = made(Variant(key, f"head re-aligned to {label}",
-                                        _draft_command(target, out / key, realign_tokens, text, head),
+                                        _draft_command(target, out / key, realign_tokens, training, head),
                                         CHECKPOINT_FILE))
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
