@@ -86,8 +86,15 @@ def stage1_scores(q, fine, coarse, positions, config: SparseAttentionConfig) -> 
     scale = d ** -0.5
     s_fine = torch.einsum("ghtd,gcd->ghtc", qg, fine.float()) * scale          # [Hkv, G, T, n1]
     s_coarse = torch.einsum("ghtd,gcd->ghtc", qg, coarse.float()) * scale      # [Hkv, G, T, n2]
-    sees_fine = kernel_visible(positions, fine.shape[1], config.kernel_size, config.kernel_stride)
-    sees_coarse = kernel_visible(positions, coarse.shape[1], config.coarse_kernel_size,
+    return group_scores(s_fine, s_coarse, positions, config)
+
+
+def group_scores(s_fine, s_coarse, positions, config: SparseAttentionConfig) -> torch.Tensor:
+    """Stage 1 from the scaled logits [Hkv, G, T, n1] and [Hkv, G, T, n2] of compressed keys in window
+    order: exp(s - lse over the visible coarse keys), 0 where a fine key is not visible, summed over
+    the group -> [Hkv, T, n1]."""
+    sees_fine = kernel_visible(positions, s_fine.shape[-1], config.kernel_size, config.kernel_stride)
+    sees_coarse = kernel_visible(positions, s_coarse.shape[-1], config.coarse_kernel_size,
                                  config.coarse_kernel_stride)
     lse = s_coarse.masked_fill(~sees_coarse, -math.inf).logsumexp(-1, keepdim=True)
     p = (s_fine - lse).exp().masked_fill(~sees_fine, 0.0)

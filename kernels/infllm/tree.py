@@ -19,13 +19,11 @@ So greedy decoding with trees equals plain greedy decoding on a sparse target, a
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from quantkit.kernels.infllm import cpu
 from quantkit.kernels.infllm.cache import CompressedKeyCache
-from quantkit.kernels.infllm.reference import compress_keys, kernel_visible, num_windows
+from quantkit.kernels.infllm.reference import compress_keys, group_scores, num_windows
 
 from quantkit.models.sparse_attention import SparseAttentionConfig
 
@@ -76,12 +74,7 @@ def _select(score_q, score_k, context: int, extra, positions, config, cache) -> 
     own_coarse = _branch_windows(score_k, context, extra, config.coarse_kernel_size, config.coarse_kernel_stride)
     heads, dim = fine.shape[0], score_q.shape[-1]
     rows = score_q.float().reshape(heads, -1, len(positions), dim)
-    s_fine, s_coarse = _scores(rows, fine, own_fine), _scores(rows, coarse, own_coarse)
-    sees_fine = kernel_visible(positions, s_fine.shape[-1], config.kernel_size, config.kernel_stride)
-    sees_coarse = kernel_visible(positions, s_coarse.shape[-1], config.coarse_kernel_size,
-                                 config.coarse_kernel_stride)
-    lse = s_coarse.masked_fill(~sees_coarse, -math.inf).logsumexp(-1, keepdim=True)
-    scores = (s_fine - lse).exp().masked_fill(~sees_fine, 0.0).sum(1)
+    scores = group_scores(_scores(rows, fine, own_fine), _scores(rows, coarse, own_coarse), positions, config)
     num_keys = int(positions.max()) + 1
     return cpu.select_blocks(cpu.block_scores(scores, positions, num_keys, config), positions, config)
 
