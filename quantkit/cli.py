@@ -100,10 +100,13 @@ def main():
               help="Override a recipe setting, e.g. --set quant.bits=3 --set calibration.n_samples=32.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its last finished layer.")
 @device_option
+@click.option("--activations", type=click.Choice(["auto", "memory", "disk"]), default="auto", show_default=True,
+              help="Where the calibration activations live: auto keeps them in memory when the run fits and "
+                   "otherwise spills them to files beside --out (same bytes out, slower).")
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @json_option
 @_friendly_errors
-def quantize(recipe, model, revision, out, overrides, resume, device, progress, as_json):
+def quantize(recipe, model, revision, out, overrides, resume, device, activations, progress, as_json):
     """Quantize a model layer by layer and write the recipe's checkpoint format."""
     from quantkit.engine import quantize as run
     from quantkit.models.zoo import resolve_model
@@ -111,13 +114,14 @@ def quantize(recipe, model, revision, out, overrides, resume, device, progress, 
 
     settings = dict(parse_override(text) for text in overrides)
     report = run(resolve_model(model, revision=revision), load_recipe(recipe, settings), out, resume=resume,
-                 device=device, progress=progress)
+                 device=device, activations=activations, progress=progress)
     rows = []
     for layer in report.layers:
         worst = max(layer.errors, key=layer.errors.get)
         rows.append([layer.index, layer.seconds, layer.errors[worst], worst])
     text = format_table(["layer", "seconds", "max rel. error", "worst linear"], rows)
     text += (f"\n\nwrote {out} in {report.seconds:.1f} s on {report.device}, peak RSS {report.peak_rss_mb:.0f} MB"
+             + (", activations spilled to disk" if report.activations == "disk" else "")
              + (f" (resumed at layer {report.resumed_from_layer})" if report.resumed_from_layer else ""))
     _emit(as_json, report.to_dict(), text)
 

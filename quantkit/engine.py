@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import resource
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ from tqdm.auto import tqdm
 
 import quantkit
 from quantkit import calib
+from quantkit.activations import Activations
 from quantkit.algorithms import ALGORITHMS
 from quantkit.algorithms.smooth import smooth_layer
 from quantkit.artifact import ArtifactWriter, staging_dir
@@ -70,6 +72,7 @@ class RunReport:
     recipe: str
     layers: list[LayerReport] = field(default_factory=list)
     device: str = "cpu"
+    activations: str = "memory"  # or "disk": spilled beside the output (engine.plan_activations)
     seconds: float = 0.0
     peak_rss_mb: float = 0.0
     resumed_from_layer: int = 0
@@ -95,20 +98,23 @@ class LayerRunner:
     -> 110 s; the fp32 Hessian products, not the forwards, are most of what remains.
     """
 
-    def __init__(self, layer: torch.nn.Module, position_embeddings, batch_size: int):
+    def __init__(self, layer: torch.nn.Module, position_embeddings, batch_size: int, activations: Activations):
         self.layer = layer
         self.position_embeddings = position_embeddings
         self.batch_size = batch_size
+        self.activations = activations
+        self.device = position_embeddings[0].device
         self.mixed: torch.Tensor | None = None
 
     def _batches(self, hidden: torch.Tensor):
+        """(start, batch on the layer's device): spilled activations stay on the host, a batch at a time moves."""
         for start in range(0, hidden.shape[0], self.batch_size):
-            yield start, hidden[start:start + self.batch_size]
+            yield start, hidden[start:start + self.batch_size].to(self.device)
 
     def _run(self, start: int, batch: torch.Tensor) -> torch.Tensor:
         if self.mixed is None:
             return self.layer(batch, position_embeddings=self.position_embeddings)
-        return self.layer.after_attention(batch, self.mixed[start:start + batch.shape[0]])
+        return self.layer.after_attention(batch, self.mixed[start:start + batch.shape[0]].to(self.device))
 
     @torch.no_grad()
     def fix_attention(self, hidden: torch.Tensor) -> None:
@@ -118,12 +124,12 @@ class LayerRunner:
         for start, batch in self._batches(hidden):
             mixed = attention.mix(self.layer.input_layernorm(batch), self.position_embeddings)
             if self.mixed is None:
-                self.mixed = torch.empty(hidden.shape[0], *mixed.shape[1:], dtype=mixed.dtype, device=mixed.device)
+                self.mixed = self.activations.empty((hidden.shape[0], *mixed.shape[1:]), mixed.dtype)
             self.mixed[start:start + batch.shape[0]] = mixed
 
     @torch.no_grad()
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(hidden)
+        out = self.activations.empty_like(hidden)
         for start, batch in self._batches(hidden):
             out[start:start + batch.shape[0]] = self._run(start, batch)
         return out
@@ -218,15 +224,44 @@ def calibration_memory(config: MiniCPMConfig, n_samples: int, seq_len: int, dtyp
     }
 
 
-def check_memory(config: MiniCPMConfig, n_samples: int, seq_len: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Refuse before any work a run whose calibration cannot fit where it runs, with the estimate and the limit."""
-    from quantkit.memory import device_available_bytes
+ACTIVATION_PLACES = ("auto", "memory", "disk")
 
+
+def plan_activations(config: MiniCPMConfig, calibration: Mapping, dtype: torch.dtype, device: torch.device,
+                     place: str, spill_dir: Path) -> Activations:
+    """Where the run keeps its calibration activations (``place``: memory, disk, or auto: memory where the
+    whole run fits, else disk). Refuses before any work a run that cannot fit even with its activations
+    on disk, or whose spill would not fit on the disk, with the estimate and the limit."""
+    from quantkit.memory import address_space_available, device_available_bytes
+
+    if place not in ACTIVATION_PLACES:
+        raise EngineError(f"activations must be one of {', '.join(ACTIVATION_PLACES)}, not {place!r}")
+    n_samples, seq_len = calibration["n_samples"], calibration["seq_len"]
     parts = calibration_memory(config, n_samples, seq_len, dtype)
-    needed = int(MEMORY_MARGIN * sum(parts.values()))
     available = device_available_bytes(device)
-    if available is None or needed <= available[0]:
-        return
+    room = math.inf if available is None else available[0]
+    if place == "memory" or (place == "auto" and MEMORY_MARGIN * sum(parts.values()) <= room):
+        needed = MEMORY_MARGIN * sum(parts.values())
+    else:  # on disk, one batch of them at a time on the device
+        spilled = parts.pop("activations")
+        batch_share = min(calibration["batch_size"], n_samples) / n_samples
+        parts = {"activations (one batch; the rest on disk)": int(spilled * batch_share), **parts}
+        needed = MEMORY_MARGIN * sum(parts.values())
+        spill_dir.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(spill_dir).free
+        if spilled > free:
+            raise EngineError(f"calibration does not fit: the activations of {n_samples} x {seq_len} tokens "
+                              f"({spilled / 2**30:.2f} GiB) fit neither in memory nor on the disk of {spill_dir} "
+                              f"({free / 2**30:.2f} GiB free). Lower calibration.n_samples or calibration.seq_len "
+                              "(--set calibration.n_samples=N), or free disk space")
+        # mapped files still take address space: under ulimit -v, spilling does not make room
+        address_space = address_space_available()
+        if address_space is not None and device.type == "cpu":
+            room = min(room, address_space[0] - spilled)
+        if needed <= room:
+            return Activations(torch.device("cpu"), spill_dir)
+    if needed <= room:
+        return Activations(device)
     gib = 2 ** 30
     itemised = ", ".join(f"{name} {size / gib:.2f} GiB" for name, size in parts.items())
     raise EngineError(
@@ -251,9 +286,11 @@ def compute_dtype(name: str) -> torch.dtype:
 
 
 def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resume: bool = False,
-             progress: bool = True, device: str = "auto", stop_after_layers: int | None = None) -> RunReport:
+             progress: bool = True, device: str = "auto", activations: str = "auto",
+             stop_after_layers: int | None = None) -> RunReport:
     """Quantize ``model_dir`` with ``recipe`` into ``out_dir``, each layer's work on ``device`` (cpu, cuda,
-    or auto: ``resolve_device``).
+    or auto: ``resolve_device``), the calibration activations in memory or spilled to files beside
+    ``out_dir`` (``activations``: auto, memory or disk; ``plan_activations``).
 
     ``stop_after_layers`` ends the run after that many layers without finishing the artifact
     (what an interruption leaves behind); tests use it to prove resumption.
@@ -282,7 +319,7 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
     qconfig = fmt.resolve(fmt.grid(recipe["quant"], reader.dtype(EMBEDDING)), recipe.values, config.num_hidden_layers)
     validate_checkpoint(reader, config, qconfig, fmt, recipe["gptq"]["desc_act"], progress)
     dtype = compute_dtype(recipe["compute_dtype"])
-    check_memory(config, recipe["calibration"]["n_samples"], recipe["calibration"]["seq_len"], dtype, device)
+    store = plan_activations(config, recipe["calibration"], dtype, device, activations, out_dir.absolute().parent)
 
     from quantkit.checkpoint import load_tokenizer
 
@@ -309,11 +346,13 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
         writer.write_progress(fingerprint, layer_errors)
     done = len(layer_errors)
 
-    report = RunReport(out_dir=str(out_dir), recipe=recipe.name, device=device.type, resumed_from_layer=done)
+    report = RunReport(out_dir=str(out_dir), recipe=recipe.name, device=device.type, resumed_from_layer=done,
+                       activations="disk" if store.spilled else "memory")
     with torch.no_grad():
-        hidden = (reader.get(EMBEDDING).to(dtype)[calibration.input_ids] * config.scale_emb).to(device)
+        hidden = _embed(reader.get(EMBEDDING).to(dtype), calibration.input_ids, config.scale_emb, store,
+                        cal["batch_size"])
         positions = torch.arange(hidden.shape[1], device=device).unsqueeze(0)
-        position_embeddings = MiniCPMRotaryEmbedding(config)(hidden, positions)
+        position_embeddings = MiniCPMRotaryEmbedding(config)(hidden[:1].to(device), positions)
 
     layers = range(config.num_hidden_layers if stop_after_layers is None else stop_after_layers)
     bar = tqdm(layers, desc=f"quantize {recipe.name}", unit="layer", disable=not progress)
@@ -321,9 +360,9 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
         layer_started = time.perf_counter()
         if index < done:  # finished before the interruption: replay it from its shard
             layer = _build_layer(config, index, _replayed(writer, index, config, qconfig, fmt), dtype, device)
-            hidden = LayerRunner(layer, position_embeddings, cal["batch_size"]).forward(hidden)
+            hidden = LayerRunner(layer, position_embeddings, cal["batch_size"], store).forward(hidden)
             continue
-        job = _LayerJob(config, index, recipe, qconfig, dtype, device, position_embeddings)
+        job = _LayerJob(config, index, recipe, qconfig, dtype, device, position_embeddings, store)
         shard, errors, alphas, hidden = job.run(_layer_tensors(reader, index), hidden, fmt)
         writer.write_shard(index, shard)
         layer_errors.append({"layer": index, "errors": errors, "smoothing_alpha": alphas})
@@ -363,9 +402,10 @@ class _LayerJob:
     """Quantize one decoder layer: optional smoothing, then the sequential groups in order."""
 
     def __init__(self, config: MiniCPMConfig, index: int, recipe: Recipe, qconfig: QuantConfig, dtype,
-                 device: torch.device, position_embeddings):
+                 device: torch.device, position_embeddings, activations: Activations):
         self.config, self.index, self.recipe, self.qconfig, self.dtype = config, index, recipe, qconfig, dtype
         self.device = device
+        self.activations = activations
         self.prefix = layer_prefix(index)
         self.position_embeddings = position_embeddings
         self.skip_prefix = {name: recipe["prefix_tokens"] if name in recipe["prefix_linears"] else 0
@@ -380,7 +420,7 @@ class _LayerJob:
 
     def _runner(self, source: dict) -> LayerRunner:
         layer = _build_layer(self.config, self.index, source, self.dtype, self.device)
-        return LayerRunner(layer, self.position_embeddings, self.recipe["calibration"]["batch_size"])
+        return LayerRunner(layer, self.position_embeddings, self.recipe["calibration"]["batch_size"], self.activations)
 
     def smooth(self, source: dict, hidden: torch.Tensor) -> tuple[dict, dict[str, float]]:
         """Fold AWQ scales into an fp32 copy of the layer; the unquantized function is unchanged."""
@@ -423,6 +463,16 @@ class _LayerJob:
         hidden = runner.forward(hidden)
         self.stats_seconds += time.perf_counter() - started
         return shard, errors, alphas, hidden
+
+
+def _embed(embedding: torch.Tensor, input_ids: torch.Tensor, scale: float, store: Activations,
+           batch_size: int) -> torch.Tensor:
+    """The first layer's input, ``embedding[input_ids] * scale``, written into ``store`` a batch at a time."""
+    hidden = store.empty((*input_ids.shape, embedding.shape[1]), embedding.dtype)
+    for start in range(0, input_ids.shape[0], batch_size):
+        rows = input_ids[start:start + batch_size]
+        hidden[start:start + rows.shape[0]] = (embedding[rows] * scale).to(hidden.device)
+    return hidden
 
 
 def _is_linear_weight(name: str, index: int) -> bool:

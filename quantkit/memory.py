@@ -34,7 +34,8 @@ def _cgroup_available() -> tuple[int, str] | None:
         return None
 
 
-def _address_space_available() -> tuple[int, str] | None:
+def address_space_available() -> tuple[int, str] | None:
+    """(bytes of address space this process can still map, the limit's name), or None without ulimit -v."""
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft == resource.RLIM_INFINITY:
         return None
@@ -48,7 +49,7 @@ def _address_space_available() -> tuple[int, str] | None:
 
 def available_bytes() -> tuple[int, str] | None:
     """(bytes this process can still allocate, which limit binds), or None where no limit can be read."""
-    limits = [limit for limit in (_meminfo_available(), _cgroup_available(), _address_space_available()) if limit]
+    limits = [limit for limit in (_meminfo_available(), _cgroup_available(), address_space_available()) if limit]
     return min(limits) if limits else None
 
 

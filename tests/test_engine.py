@@ -170,6 +170,7 @@ def test_sharded_checkpoint_reads_like_a_single_file(tmp_path):
 
 
 def test_reused_attention_gives_the_same_statistics_and_outputs(tiny):
+    from quantkit.activations import Activations
     from quantkit.checkpoint import CheckpointReader
     from quantkit.engine import LayerRunner, _build_layer, _layer_tensors
     from quantkit.models import MiniCPMRotaryEmbedding
@@ -179,7 +180,8 @@ def test_reused_attention_gives_the_same_statistics_and_outputs(tiny):
     layer = _build_layer(config, 1, _layer_tensors(CheckpointReader(tiny), 1), torch.bfloat16, torch.device("cpu"))
     hidden = torch.randn(5, 24, config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
     position_embeddings = MiniCPMRotaryEmbedding(config)(hidden, torch.arange(24)[None])
-    recomputing, reusing = (LayerRunner(layer, position_embeddings, batch_size=2) for _ in range(2))
+    memory = Activations(torch.device("cpu"))
+    recomputing, reusing = (LayerRunner(layer, position_embeddings, batch_size=2, activations=memory) for _ in range(2))
     reusing.fix_attention(hidden)
     assert reusing.mixed.shape == (5, 24, layer.self_attn.o_proj.in_features)
     for name in (O_PROJ, GATE, DOWN):
@@ -240,4 +242,70 @@ def test_calibration_that_cannot_fit_is_refused_up_front_with_estimate_and_limit
     with pytest.raises(EngineError, match=r"calibration does not fit: 4 x 64 tokens .* need about [\d.]+ GiB on cpu "
                                           r"\(activations .*a test's limit leaves 0.00 GiB"):
         quantize(tiny, recipe, tmp_path / "out", progress=False, device="cpu")
+    assert not (tmp_path / "out").exists() and not staging_dir(tmp_path / "out").exists()
+
+
+def _spill_counter(monkeypatch) -> list:
+    """Records each tensor the run maps from a spill file."""
+    from quantkit.activations import Activations
+
+    spilled, empty = [], Activations.empty
+
+    def counted(self, shape, dtype):
+        if self.spilled:
+            spilled.append(shape)
+        return empty(self, shape, dtype)
+
+    monkeypatch.setattr(Activations, "empty", counted)
+    return spilled
+
+
+@pytest.fixture(scope="module")
+def two_layers(tiny_checkpoint_factory) -> Path:
+    return tiny_checkpoint_factory(num_hidden_layers=2, num_key_value_heads=4, seed=7)
+
+
+def test_activations_spilled_to_disk_give_identical_bytes_and_leave_no_file(two_layers, tmp_path, monkeypatch):
+    """Smoothing, the prefix cut, GPTQ and uneven batches (4 rows in batches of 3) through mapped files."""
+    recipe = load_recipe("marlin", {"calibration.n_samples": 4, "calibration.seq_len": 32,
+                                    "calibration.batch_size": 3, "smooth.grid": 2})
+    in_memory = quantize(two_layers, recipe, tmp_path / "memory", progress=False, activations="memory")
+    spilled = _spill_counter(monkeypatch)
+    on_disk = quantize(two_layers, recipe, tmp_path / "disk", progress=False, activations="disk")
+    # the first layer's input, then each layer's o_proj input and output
+    assert (in_memory.activations, on_disk.activations, len(spilled)) == ("memory", "disk", 1 + 2 * 2)
+    assert _artifact_bytes(tmp_path / "memory") == _artifact_bytes(tmp_path / "disk")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "memory"]  # no spill file left
+
+
+def test_auto_spills_activations_that_do_not_fit_in_memory(tiny, recipe, tmp_path, monkeypatch):
+    import quantkit.memory
+    from quantkit.engine import MEMORY_MARGIN, calibration_memory, compute_dtype
+
+    big = load_recipe(recipe.source, {"calibration.n_samples": 64, "calibration.seq_len": 64,
+                                      "calibration.batch_size": 4})
+    parts = calibration_memory(MiniCPMConfig.from_pretrained(tiny), 64, 64, compute_dtype(big["compute_dtype"]))
+    spilled_need = MEMORY_MARGIN * (sum(parts.values()) - parts["activations"] * (1 - 4 / 64))
+    limit = int(spilled_need) + 1
+    assert limit < MEMORY_MARGIN * sum(parts.values())  # in memory, the run would not fit the limit
+    monkeypatch.setattr(quantkit.memory, "available_bytes", lambda: (limit, "a test's limit"))
+    spilled = _spill_counter(monkeypatch)
+    report = quantize(tiny, big, tmp_path / "out", progress=False, device="cpu")
+    assert report.activations == "disk" and len(spilled) == 1 + 2 * 3
+    with pytest.raises(EngineError, match=r"calibration does not fit: .* on cpu \(activations [\d.]+ GiB"):
+        quantize(tiny, big, tmp_path / "refused", progress=False, device="cpu", activations="memory")
+    monkeypatch.setattr(quantkit.memory, "available_bytes", lambda: (limit // 2, "a test's limit"))
+    with pytest.raises(EngineError, match=r"on cpu \(activations \(one batch; the rest on disk\) [\d.]+ GiB"):
+        quantize(tiny, big, tmp_path / "refused", progress=False, device="cpu")
+
+
+def test_a_spill_that_does_not_fit_the_disk_is_refused_up_front(tiny, recipe, tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**20, 2**20, 1024))
+    with pytest.raises(EngineError, match=r"calibration does not fit: the activations of 4 x 64 tokens \([\d.]+ GiB\) "
+                                          r"fit neither in memory nor on the disk of .* \(0.00 GiB free\)"):
+        quantize(tiny, recipe, tmp_path / "out", progress=False, device="cpu", activations="disk")
     assert not (tmp_path / "out").exists() and not staging_dir(tmp_path / "out").exists()

@@ -4,7 +4,8 @@ The model is MiniCPM4.1-8B's shape with ``--layers`` decoder layers (32: the who
 weights, written once as ``make bench-scale`` writes it: no speed here depends on the values. From
 it, once each (an earlier run's are reused; ``--no-reuse`` remakes them): quantkit's W4 artifact in
 the GPTQ layout by the cheapest recipe that writes it (``rtn-w4g128`` on one calibration row: RTN's
-weights do not depend on calibration), and llama.cpp's Q4_0 and Q4_K_M files of the same weights by
+weights do not depend on calibration), its ternary artifact likewise (``rtn-ternary-g32``), and
+llama.cpp's Q4_0 and Q4_K_M files of the same weights by
 ``quantkit export gguf``. Prompts are random token ids. Every contender runs with ``--threads``
 threads; llama.cpp through llama-cpp-python, without its CPU weight repacking (as ``make
 bench-runtime`` runs it).
@@ -39,6 +40,11 @@ C - (repeats + 1) x new-tokens positions, so that the last timed step attends C 
 ``--repeats`` runs, each continuing the sequence, median. Below ``dense_len`` (8,192) keys InfLLM v2
 is dense attention anyway (the last column says which ran).
 
+The third table puts ternary weights (``rtn-ternary-g32``: BitCPM4's grid by rounding, since a step's
+speed does not depend on training) beside W4 in quantkit's runtime: decode tok/s at the first context
+on a random-filled cache (both rows measured that way), MB read per token and the share of the
+bandwidth ceiling.
+
 Then the targets, printed and not asserted: quantkit's decode >= 1.0x llama.cpp Q4_0 and >= 60 % of
 its bandwidth ceiling at every context, its prefill >= 2x llama.cpp Q4_0; the CPU flags and whether
 AMX is there (the targets must hold without it); the files made; a profile of quantkit's decode step
@@ -47,7 +53,7 @@ AMX is there (the targets must hold without it); the files made; a profile of qu
 A slice of fewer than 32 layers runs the W4 linears as the full model does: they keep no bf16
 dequantized copy for prefill (the whole model's weights exceed ``KEEP_DEQUANTIZED_BYTES``), so each
 prefill chunk rebuilds it. Disk at 32 layers: about 31 GB in ``--out`` (checkpoint 16.4, W4 artifact
-5.2, Q4_0 4.7, Q4_K_M 4.9).
+5.2, ternary about 3.5, Q4_0 4.7, Q4_K_M 4.9).
 
     python -m quantkit.eval.bench.bench_8b --out out/bench-8b
     python -m quantkit.eval.bench.bench_8b --layers 2 --long-contexts 16384 --repeats 1 --new-tokens 8
@@ -90,6 +96,8 @@ from quantkit.table import format_table
 
 FULL_LAYERS = 32
 RECIPE = "rtn-w4g128"
+# BitCPM4's ternary grid by rounding alone: a ternary step's speed and bytes do not depend on training
+TERNARY_RECIPE = "rtn-ternary-g32"
 # RTN's weights do not depend on calibration (it only scores each layer's error): the smallest set
 CALIBRATION = ("calibration.n_samples=1", "calibration.seq_len=16", "calibration.batch_size=1")
 GGUF_TYPES = ("q4_0", "q4_k_m")  # the first is the targets' reference
@@ -207,6 +215,15 @@ def sparse_step_bytes(engine, context: int) -> int:
     return decode_bytes(engine, 0) + (2 * full + compressed) * per_key
 
 
+def bit_width_row(weights: str, recipe: str, artifact: Path, engine, context: int, new_tokens: int, repeats: int,
+                  bandwidth_gb_s: float) -> dict:
+    """One row of the ternary-beside-W4 table: ``engine``'s decode at ``context`` on a random cache."""
+    read = decode_bytes(engine, context + new_tokens // 2)
+    return {"weights": weights, "recipe": recipe, "file_gb": size_of(artifact) / 1e9,
+            "tok_s": random_cache_decode(engine, context, new_tokens, repeats), "mb_per_token": read / 1e6,
+            "ceiling_tok_s": bandwidth_gb_s * 1e9 / read}
+
+
 def random_prompt(tokens: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -215,9 +232,10 @@ def progress(message: str) -> None:
     click.echo(f"[{time.strftime('%H:%M:%S')}] {message}", err=True)
 
 
-def prepare(out: Path, layers: int, reuse: bool) -> tuple[Path, Path, dict[str, Path], list[list]]:
-    """The checkpoint (written once), the W4 artifact and the GGUF files -> (checkpoint, artifact,
-    {type: gguf}, a table row per file: what, seconds, peak RSS MB, GB, made or reused)."""
+def prepare(out: Path, layers: int, reuse: bool) -> tuple[Path, dict[str, Path], dict[str, Path], list[list]]:
+    """The checkpoint (written once), the W4 and ternary artifacts and the GGUF files -> (checkpoint,
+    {"w4"|"ternary": artifact}, {type: gguf}, a table row per file: what, seconds, peak RSS MB, GB, made or
+    reused)."""
     checkpoint = out / f"minicpm41-8b-{layers}-layer"
     reused = (checkpoint / "config.json").is_file()
     if not reuse and reused:
@@ -228,8 +246,9 @@ def prepare(out: Path, layers: int, reuse: bool) -> tuple[Path, Path, dict[str, 
     eight_b_slice(checkpoint, layers)
     rows = [["random checkpoint (bf16)", "" if reused else time.perf_counter() - started, "", size_of(checkpoint) / 1e9,
              "reused" if reused else "made"]]
-    key = f"w4-{RECIPE}-{layers}-layer"
-    variants = [Variant(key, f"quantkit {RECIPE}", quantize_command(RECIPE, checkpoint, out / key, CALIBRATION))]
+    variants = [Variant(f"{name}-{recipe}-{layers}-layer", f"quantkit {recipe}",
+                        quantize_command(recipe, checkpoint, out / f"{name}-{recipe}-{layers}-layer", CALIBRATION))
+                for name, recipe in (("w4", RECIPE), ("ternary", TERNARY_RECIPE))]
     for file_type in GGUF_TYPES:
         key = f"{file_type}-{layers}-layer.gguf"
         variants.append(Variant(key, f"export gguf {file_type}", export_command(checkpoint, file_type, out / key)))
@@ -237,8 +256,8 @@ def prepare(out: Path, layers: int, reuse: bool) -> tuple[Path, Path, dict[str, 
         record = make_variant(variant, out, reuse)
         rows.append([variant.label, record["seconds"], record["peak_rss_mb"], size_of(out / variant.key) / 1e9,
                      "reused" if record["reused"] else "made"])
-    ggufs = {file_type: out / variant.key for file_type, variant in zip(GGUF_TYPES, variants[1:])}
-    return checkpoint, out / variants[0].key, ggufs, rows
+    ggufs = {file_type: out / variant.key for file_type, variant in zip(GGUF_TYPES, variants[2:])}
+    return checkpoint, {"w4": out / variants[0].key, "ternary": out / variants[1].key}, ggufs, rows
 
 
 def amx_note(flags: list[str]) -> str:
@@ -281,7 +300,8 @@ def main(layers, contexts, long_contexts, new_tokens, reuse, out, repeats, threa
     if too_short:
         raise click.UsageError(f"--long-contexts {too_short} must exceed (repeats + 1) x new-tokens")
     out.mkdir(parents=True, exist_ok=True)
-    checkpoint, artifact, ggufs, files = prepare(out, layers, reuse)
+    checkpoint, artifacts, ggufs, files = prepare(out, layers, reuse)
+    artifact = artifacts["w4"]
     config = MiniCPMConfig.from_pretrained(checkpoint)
     prompts = {c: random_prompt(c, config.vocab_size, seed=c) for c in contexts}
     progress("read bandwidth")
@@ -319,6 +339,17 @@ def main(layers, contexts, long_contexts, new_tokens, reuse, out, repeats, threa
         progress(f"quantkit dense attention: decode at {context} (random cache)")
         dense = random_cache_decode(engine, context - (repeats + 1) * new_tokens, new_tokens, repeats)
         long_rows[context] = {"context": context, "dense_tok_s": dense, "dense_bytes": decode_bytes(engine, context)}
+    first = contexts[0]
+    progress(f"{ours.name}: decode at {first} (random cache, as the ternary row)")
+    widths = [bit_width_row("W4 g128", RECIPE, artifact, engine, first, new_tokens, repeats, bandwidth)]
+    del engine
+    gc.collect()
+    progress(f"quantkit: loading {artifacts['ternary']} (ternary)")
+    with as_full_model(layers):
+        engine = load_engine(artifacts["ternary"], sparse="off")
+    progress(f"quantkit ternary: decode at {first} (random cache)")
+    widths.append(bit_width_row("ternary g32", TERNARY_RECIPE, artifacts["ternary"], engine, first, new_tokens,
+                                repeats, bandwidth))
     del engine
     gc.collect()
     if long_contexts:
@@ -345,7 +376,6 @@ def main(layers, contexts, long_contexts, new_tokens, reuse, out, repeats, threa
 
     percent = "{:.0%}".format
     rows = [line("file GB", [c.file_bytes / 1e9 for c in contenders])]
-    first = contexts[0]
     rows.append(line(f"prefill tok/s, {first}-token prompt", [c.prefill[first] for c in contenders]))
     for context in contexts:
         rows.append(line(f"decode tok/s at {context}", [c.decode[context] for c in contenders]))
@@ -365,6 +395,13 @@ def main(layers, contexts, long_contexts, new_tokens, reuse, out, repeats, threa
                       "filled directly with random bf16 keys and values (no prefill; compressed keys pooled from "
                       f"them), the last timed step attending <context> keys; {new_tokens} steps, median of {repeats} "
                       f"after a warm-up\n{long_table}")
+    widths_table = (f"Ternary beside W4 in quantkit's runtime: decode at {first} on a cache filled with random keys "
+                    f"and values, {new_tokens} steps, median of {repeats} after a warm-up; bytes and ceiling as above\n"
+                    + format_table(["weights", "recipe", "file GB", "decode tok/s", "MB read per token",
+                                    "ceiling tok/s", "share of ceiling", "x W4 tok/s"],
+                                   [[w["weights"], w["recipe"], w["file_gb"], w["tok_s"], w["mb_per_token"],
+                                     w["ceiling_tok_s"], f"{w['tok_s'] / w['ceiling_tok_s']:.0%}",
+                                     w["tok_s"] / widths[0]["tok_s"]] for w in widths]))
     fills = "; ".join(f"{c.name} {c.prefill[context]:.4g} tok/s" for c in others for context in contexts[1:])
     if fills:
         fills = (f"decode at {', '.join(map(str, contexts[1:]))}: quantkit's cache filled with random keys and values "
@@ -386,6 +423,7 @@ def main(layers, contexts, long_contexts, new_tokens, reuse, out, repeats, threa
              f"weight per chunk, as the full model does (KEEP_DEQUANTIZED_BYTES); machine: {machine()}")
     notes = "\n\n".join(part for part in (
         long_table,
+        widths_table,
         fills,
         f"targets (printed, not asserted), quantkit against llama.cpp Q4_0:\n{target_lines}",
         f"CPU flags: {' '.join(flags) or 'none listed'}\n{amx_note(flags)}",
@@ -395,7 +433,8 @@ def main(layers, contexts, long_contexts, new_tokens, reuse, out, repeats, threa
     ) if part)
     report(setup, table, contenders, json_path=json_path or out / "bench.json", markdown_path=out / "bench.md",
            notes=notes, extra={"bandwidth_gb_s": bandwidth, "long_contexts": list(long_rows.values()),
-                               "targets": checked, "cpu_flags": flags, "files": files, "decode_profile": profile,
+                               "targets": checked, "ternary_vs_w4": widths,
+                               "cpu_flags": flags, "files": files, "decode_profile": profile,
                                "layers": layers, "wall_seconds": elapsed})
 
 
