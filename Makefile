@@ -46,7 +46,7 @@ help:
 	@echo "make bench-runtime  quantkit's runtime (W4) vs transformers fp32/bf16 and llama.cpp Q4_0, decode and prefill; InfLLM v2 vs dense attention"
 	@echo "make eval-sparse  InfLLM v2 on MODEL with a scaled-down SPARSE_CONFIG: perplexity vs dense, needle retrieval"
 	@echo "make bench-scale  the marlin recipe on an 8B-shaped random MiniCPM4.1 checkpoint: time, memory, projection"
-	@echo "make bench-8b   quantkit's runtime vs llama.cpp Q4_0/Q4_K_M on an 8B-shaped random checkpoint: decode, prefill, InfLLM v2 at 32K/64K (hours; BENCH_8B_ARGS='--layers 2')"
+	@echo "make bench-8b   an 8B layer quantized with 128 x 2048 tokens vs its floor; quantkit's runtime vs llama.cpp Q4_0/Q4_K_M on an 8B-shaped random checkpoint: decode, prefill, InfLLM v2 at 32K/64K, ternary (hours; BENCH_8B_ARGS='--layers 2')"
 	@echo "make bench-qat  ternary QAT (CE only, distilled) vs RTN/GPTQ ternary, GPTQ W2 g32 and W4 on the default model: curve, cost, targets (hours; BENCH_QAT_ARGS='--reuse --with-init')"
 	@echo "make bench-spec EAGLE-3 heads on the default model: tau over FP/W4 targets x FP/re-aligned heads, decode speed-up (about 2 hours; BENCH_SPEC_ARGS='--reuse')"
 	@echo "make interop    GPTQModel (own venv, ~6 GB) reads quantkit GPTQ checkpoints, sym and asym: weights bit-exact, logits"
@@ -169,10 +169,11 @@ eval-sparse: $(INSTALLED)
 bench-scale: $(INSTALLED)
 	$(BIN)/python -m quantkit.eval.bench.scale_8b --work $(OUT)/scale-8b
 
-# quantkit's runtime at MiniCPM4.1-8B's size against llama.cpp (Q4_0, Q4_K_M) on the same random weights:
-# decode at 512 and 8K, prefill, the bandwidth ceiling, InfLLM v2 vs dense at 32K and 64K. The checkpoint,
-# W4 artifact and GGUF files (about 31 GB) are made once under $(OUT)/bench-8b; hours on 2 cores.
-# BENCH_8B_ARGS='--layers 2 --long-contexts 16384 --repeats 1' is a quick check on a 2-layer slice.
+# MiniCPM4.1-8B's size on random weights: one layer quantized with 128 x 2048 calibration tokens against its
+# floor, then quantkit's runtime against llama.cpp (Q4_0, Q4_K_M): decode at 512 and 8K, prefill, the bandwidth
+# ceiling, InfLLM v2 vs dense at 32K and 64K, ternary beside W4. The checkpoint, W4 and ternary artifacts and GGUF
+# files (about 35 GB) are made once under $(OUT)/bench-8b; hours on 2 cores.
+# BENCH_8B_ARGS='--layers 2 --long-contexts 16384 --repeats 1 --layer-calibration ""' is a quick check.
 BENCH_8B_ARGS ?=
 bench-8b: $(TEST_INSTALLED)
 	$(BIN)/python -m quantkit.eval.bench.bench_8b --out $(OUT)/bench-8b $(BENCH_8B_ARGS)

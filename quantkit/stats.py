@@ -7,6 +7,8 @@ tr(ΔW H ΔWᵀ)·n/2, so one accumulator serves both. Prefix-aware GPTQ exclude
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 
@@ -26,12 +28,14 @@ class InputStats:
         rows = x[:, self.skip_prefix:, :].reshape(-1, x.shape[-1])
         if rows.shape[0] == 0:
             return
-        # The product runs in fp32 even when the forward is bf16: a bf16 matmul rounds its output to
+        # The product's result is fp32 even when the forward is bf16: a bf16 matmul rounds its output to
         # bf16, and on attention outputs (nearly low-rank) that rounding alone left H with eigenvalues
         # of -6 % of its mean diagonal, so Cholesky needed 10x the requested damping.
+        exact_bf16 = rows.dtype == torch.bfloat16
         rows = rows.float()
         total = self.tokens + rows.shape[0]
-        self.hessian.mul_(self.tokens / total).addmm_(rows.T, rows, alpha=2.0 / total)
+        with bf16_multiplies(exact_bf16):
+            self.hessian.mul_(self.tokens / total).addmm_(rows.T, rows, alpha=2.0 / total)
         self.abs_mean.mul_(self.tokens / total).add_(rows.abs().sum(0), alpha=1.0 / total)
         self.tokens = total
 
@@ -49,6 +53,26 @@ def _cpu_multiplies_bf16() -> bool:
 # in float32 from the bfloat16-rounded operands and rounded to bfloat16, which is what the hardware
 # computes up to the order of its float32 sums.
 BF16_IN_HARDWARE = _cpu_multiplies_bf16()
+
+
+@contextmanager
+def bf16_multiplies(inputs_are_bf16: bool = True):
+    """Within: float32 matmuls on the CPU multiply in bfloat16 with float32 accumulation and a float32
+    result (oneDNN on AMX tiles or AVX-512 BF16 dot products), where the CPU has them and the caller
+    says the inputs are bfloat16 values held in float32. Such inputs convert exactly, so the result is
+    float32's up to the order of the sums (tested against a float64 product), at the bf16 rate
+    (docs/results.md, "MiniCPM4.1-8B shapes"). Elsewhere, and on a GPU (torch's mkldnn flag does not
+    apply there), a plain float32 product."""
+    settings = torch.backends.mkldnn.matmul
+    if not (inputs_are_bf16 and BF16_IN_HARDWARE):
+        yield
+        return
+    kept = settings.fp32_precision
+    settings.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        settings.fp32_precision = kept
 
 
 def bf16_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The benchmarks' pure logic (no timing): what `make bench-8b` prints as its targets."""
+"""The benchmarks' pure logic (no timing): what `make bench-8b` prints as its targets and floor."""
 from __future__ import annotations
 
 from quantkit.eval.bench.bench_8b import Measured, targets
@@ -20,3 +20,17 @@ def test_bench_8b_targets():
         # only the prompts quantkit prefilled are compared (llama.cpp's 8192 is its decode row's fill)
         "prefill of 512: quantkit / llama.cpp Q4_0": (3.0, 2.0, True),
     }
+
+
+def test_bench_8b_layer_floor_counts_each_phase_of_an_8b_layer():
+    from quantkit.eval.bench.bench_8b_layer import floor_multiply_adds
+    from quantkit.models.fixtures import minicpm41_8b_config
+
+    config = minicpm41_8b_config()
+    macs = floor_multiply_adds(config, n_samples=2, seq_len=8)
+    tokens, hidden, ffn, kv = 16, 4096, 16384, 2 * 128  # 2 KV heads of 128
+    linears = 2 * hidden * hidden + 2 * kv * hidden + 3 * ffn * hidden  # q, o; k, v; gate, up, down
+    assert macs["forwards"] == tokens * linears + tokens * 2 * hidden * (8 + 1) / 2
+    assert macs["Hessians"] == tokens * (3 * hidden ** 2 + ffn ** 2)  # q/k/v, o_proj, gate/up, down_proj
+    updates = (2 * hidden + 2 * kv + 2 * ffn) * hidden ** 2 / 2 + hidden * ffn ** 2 / 2
+    assert macs["solves"] == updates + 6 * hidden ** 3 / 3 + ffn ** 3 / 3

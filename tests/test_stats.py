@@ -128,3 +128,24 @@ def test_auto_compute_dtype_follows_the_hardware():
 
     assert compute_dtype("auto") == (torch.bfloat16 if BF16_IN_HARDWARE else torch.float32)
     assert compute_dtype("float32") == torch.float32 and compute_dtype("bfloat16") == torch.bfloat16
+
+
+def test_bf16_multiplies_takes_float32_products_to_bf16_hardware_and_restores_the_setting():
+    """Inside, a float32 product multiplies the operands' bf16 roundings with float32 sums where the CPU
+    has bf16 hardware (so bf16-valued inputs lose nothing); without it, nothing changes."""
+    from quantkit.stats import BF16_IN_HARDWARE, bf16_multiplies
+
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(256, 512, generator=g), torch.randn(512, 192, generator=g)  # not bf16 values
+    kept = torch.backends.mkldnn.matmul.fp32_precision
+    with bf16_multiplies():
+        inside = a @ b
+    assert torch.backends.mkldnn.matmul.fp32_precision == kept
+    if BF16_IN_HARDWARE:
+        of_roundings = a.bfloat16().double() @ b.bfloat16().double()
+        assert not torch.equal(inside, a @ b) and _relative(inside, of_roundings) < 1e-6
+    else:
+        assert torch.equal(inside, a @ b)
+    plain = a @ b
+    with bf16_multiplies(inputs_are_bf16=False):
+        assert torch.equal(a @ b, plain) and torch.backends.mkldnn.matmul.fp32_precision == kept

@@ -40,6 +40,9 @@ C - (repeats + 1) x new-tokens positions, so that the last timed step attends C 
 ``--repeats`` runs, each continuing the sequence, median. Below ``dense_len`` (8,192) keys InfLLM v2
 is dense attention anyway (the last column says which ran).
 
+First, before the files are made, one decoder layer is quantized with the full calibration set
+(``--layer-calibration``, 128 x 2048 tokens) and printed against its floor (``bench_8b_layer``).
+
 The third table puts ternary weights (``rtn-ternary-g32``: BitCPM4's grid by rounding, since a step's
 speed does not depend on training) beside W4 in quantkit's runtime: decode tok/s at the first context
 on a random-filled cache (both rows measured that way), MB read per token and the share of the
@@ -70,6 +73,7 @@ from pathlib import Path
 
 import click
 import torch
+from quantkit.eval.bench import bench_8b_layer
 from quantkit.eval.bench.bench_gguf_speed import eight_b_slice
 from quantkit.eval.bench.bench_runtime import (
     bench_llamacpp,
@@ -280,11 +284,13 @@ def amx_note(flags: list[str]) -> str:
 @click.option("--long-contexts", default="32768,65536", show_default=True,
               help="Contexts of the InfLLM v2 vs dense decode rows (cache filled with random keys and values).")
 @click.option("--new-tokens", default=32, show_default=True, help="Decode steps per timed run.")
+@click.option("--layer-calibration", default="128x2048", show_default=True,
+              help="ROWSxTOKENS of the one-layer quantization row (bench_8b_layer); empty: skip it.")
 @click.option("--reuse/--no-reuse", default=True, show_default=True,
               help="Keep the checkpoint, W4 artifact and GGUF files an earlier run made with the same commands.")
 @click.option("--out", default="out/bench-8b", show_default=True, type=click.Path(path_type=Path))
 @timing_options(repeats=3)
-def main(layers, contexts, long_contexts, new_tokens, reuse, out, repeats, threads, json_path):
+def main(layers, contexts, long_contexts, new_tokens, layer_calibration, reuse, out, repeats, threads, json_path):
     """Prepare the files, time every contender, print the two tables and the targets."""
     from quantkit.kernels.generate import load_engine
 
@@ -300,6 +306,14 @@ def main(layers, contexts, long_contexts, new_tokens, reuse, out, repeats, threa
     if too_short:
         raise click.UsageError(f"--long-contexts {too_short} must exceed (repeats + 1) x new-tokens")
     out.mkdir(parents=True, exist_ok=True)
+    layer_text, layer_results = "", None
+    if layer_calibration:
+        calib_rows, calib_tokens = (int(n) for n in layer_calibration.lower().split("x"))
+        progress(f"one 8B layer quantized with {calib_rows} x {calib_tokens} calibration tokens "
+                 f"({bench_8b_layer.RECIPE})")
+        layer_setup, layer_body, layer_results = bench_8b_layer.run(
+            out, bench_8b_layer.RECIPE, calib_rows, calib_tokens, batch_size=8, threads=threads, activations="auto")
+        layer_text = f"Quantization: {layer_setup}\n{layer_body}"
     checkpoint, artifacts, ggufs, files = prepare(out, layers, reuse)
     artifact = artifacts["w4"]
     config = MiniCPMConfig.from_pretrained(checkpoint)
@@ -422,6 +436,7 @@ def main(layers, contexts, long_contexts, new_tokens, reuse, out, repeats, threa
              f"measured read bandwidth {bandwidth:.1f} GB/s; quantkit's W4 prefill rebuilds each bf16 dequantized "
              f"weight per chunk, as the full model does (KEEP_DEQUANTIZED_BYTES); machine: {machine()}")
     notes = "\n\n".join(part for part in (
+        layer_text,
         long_table,
         widths_table,
         fills,
@@ -433,7 +448,7 @@ def main(layers, contexts, long_contexts, new_tokens, reuse, out, repeats, threa
     ) if part)
     report(setup, table, contenders, json_path=json_path or out / "bench.json", markdown_path=out / "bench.md",
            notes=notes, extra={"bandwidth_gb_s": bandwidth, "long_contexts": list(long_rows.values()),
-                               "targets": checked, "ternary_vs_w4": widths,
+                               "targets": checked, "ternary_vs_w4": widths, "layer_quantization": layer_results,
                                "cpu_flags": flags, "files": files, "decode_profile": profile,
                                "layers": layers, "wall_seconds": elapsed})
 
