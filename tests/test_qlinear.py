@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quantkit.kernels.linear import load_linears
+from quantkit.kernels import cpu_ops
+from quantkit.kernels.linear import int4, load_linears
 from quantkit.kernels.linear.int4 import Int4Linear, pack_group_size
 from quantkit.kernels.linear.int8 import Int8RowLinear
 from quantkit.kernels.linear.ternary import TernaryLinear
@@ -126,7 +127,7 @@ def test_a_few_rows_never_dequantize_a_weight_that_is_not_kept():
     weight = torch.randn(256, 576, generator=torch.Generator().manual_seed(0)) * 0.02
     record = rtn_quantize(weight, QuantConfig(4, 128, sym=True))
     kept, streamed = Int4Linear.from_record(record), Int4Linear.from_record(record, keep_dequantized=False)
-    streamed._dequantize = lambda dtype: pytest.fail("dequantized the whole weight for a few rows")
+    streamed._dequantize = lambda dtype, **_: pytest.fail("dequantized the whole weight for a few rows")
     x = torch.randn(FEW_ROWS, 576).bfloat16()
     want = x.float() @ record.dequantize(torch.float32).T
     for module in (kept, streamed):
@@ -159,8 +160,6 @@ def _dequantize_as_before(module: Int4Linear, codes: torch.Tensor, dtype: torch.
 def test_dequantize_is_the_previous_formula_bit_for_bit(n, k, group_size, monkeypatch):
     """Row blocks of the packed layout with a smaller last one (144 = 2 x 64 + 16), K = 576 packed as
     groups of 64 sharing their group-128 scale, K = 336 padded to 384, several chunks of rows."""
-    from quantkit.kernels.linear import int4
-
     from quantkit.algorithms.rtn import rtn_quantize
     from quantkit.quant import QuantConfig
 
@@ -173,6 +172,55 @@ def test_dequantize_is_the_previous_formula_bit_for_bit(n, k, group_size, monkey
     for dtype, bits in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):
         got = module._dequantize(dtype)
         assert torch.equal(got.view(bits), _dequantize_as_before(module, codes, dtype).view(bits))
+    assert cpu_ops.load() is not None  # so the bf16 weight above came from int4_dequantize_t
+    monkeypatch.setattr(cpu_ops, "load", lambda: None)  # and now PyTorch's chunks
+    assert torch.equal(module._dequantize(torch.bfloat16).view(torch.int16),
+                       _dequantize_as_before(module, codes, torch.bfloat16).view(torch.int16))
+
+
+def _pack_rows(codes: torch.Tensor, block: int) -> torch.Tensor:
+    """``_convert_weight_to_int4pack_for_cpu``'s byte layout with row blocks of ``block`` (see _unpack_packed),
+    written out for a block size this CPU's PyTorch does not use."""
+    rows, columns = codes.shape
+    whole, parts = (rows // block * block if block else 0), []
+    if whole:
+        b = codes[:whole].view(whole // block, block, columns).transpose(1, 2)  # [blocks, columns, block]
+        parts.append((b[..., :block // 2] | (b[..., block // 2:] << 4)).reshape(-1))
+    if rows > whole:
+        t = codes[whole:].T  # [columns, tail]
+        parts.append((t[:, 0::2] | (t[:, 1::2] << 4)).reshape(-1))
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("block", [64, 32, 0])
+def test_compiled_rebuild_reads_every_packed_layout(block):
+    """The AVX-512 layout (64-row blocks), the AVX2 one (32) and none, each with a last smaller block."""
+    n, k, group = 208, 256, 64
+    generator = torch.Generator().manual_seed(block)
+    codes = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
+    pairs = (torch.randn(k // group, n, 2, generator=generator) * 0.01).bfloat16()
+    packed = _pack_rows(codes, block)
+    assert torch.equal(int4._unpack_packed(packed, n, k, block), codes)
+    expected = ((codes.float() - 8) * pairs[..., 0].float().repeat_interleave(group, 0).T
+                + pairs[..., 1].float().repeat_interleave(group, 0).T).bfloat16()
+    got = cpu_ops.load().int4_dequantize_t(packed, pairs, n, k, group, block, torch.empty(n * k, dtype=torch.bfloat16))
+    assert torch.equal(got.t().view(torch.int16), expected.view(torch.int16))
+
+
+def test_a_weight_rebuilt_per_call_reuses_one_buffer_and_computes_the_same():
+    """A model that keeps no dequantized weight rebuilds each one into this thread's buffer."""
+    generator = torch.Generator().manual_seed(1)
+    modules = [Int4Linear(torch.randint(0, 16, (n, 256), generator=generator, dtype=torch.uint8),
+                          torch.rand(2, n, generator=generator) * 0.01, torch.rand(2, n, generator=generator) * 0.01,
+                          128, 256, keep_dequantized=False) for n in (192, 128)]
+    x = torch.randn(40, 256, generator=generator).bfloat16()
+    buffers = set()
+    for module in modules:
+        rebuilt = module._rebuilt(torch.bfloat16)
+        buffers.add(rebuilt.data_ptr())
+        assert torch.equal(rebuilt, module._dequantize(torch.bfloat16))
+        assert torch.equal(module(x), x @ module._dequantize(torch.bfloat16).T)
+    assert len(buffers) == 1
 
 
 def test_a_loaded_runtime_holds_each_int4_weight_once(tiny_checkpoint_factory, tmp_path):

@@ -1,6 +1,7 @@
-"""How long a W4 linear takes to rebuild its bf16 weight (``Int4Linear._dequantize``, what each prefill
+"""How long a W4 linear takes to rebuild its bf16 weight (``Int4Linear._rebuilt``, what each prefill
 chunk of a model beyond ``KEEP_DEQUANTIZED_BYTES`` pays per linear) at MiniCPM4.1-8B's shapes, against
-a 512-row bf16 matmul on the result: random codes, group 128, median of ``--repeats``.
+a 512-row bf16 matmul on the result: random codes, group 128, median of ``--repeats``. Both ways it
+can be built: the compiled operator (``int4_dequantize_t``) and PyTorch's operators.
 
     OMP_NUM_THREADS=1 python -m quantkit.eval.bench.bench_dequantize
 """
@@ -24,8 +25,12 @@ def shapes() -> dict[str, tuple[int, int]]:
 
 
 def main(repeats: int, rows: int) -> None:
+    from quantkit.kernels import cpu_ops
     from quantkit.kernels.linear.int4 import Int4Linear
 
+    compiled = cpu_ops.load
+    if compiled() is None:
+        raise SystemExit("the compiled CPU operators are unavailable here (no C++ compiler?)")
     generator = torch.Generator().manual_seed(0)
     print(f"threads {torch.get_num_threads()}, CPU capability {torch.backends.cpu.get_cpu_capability()}")
     for name, (n, k) in shapes().items():
@@ -34,17 +39,23 @@ def main(repeats: int, rows: int) -> None:
         offsets = (torch.rand(k // 128, n, generator=generator) - 0.5) * 0.05
         module = Int4Linear(codes, scales, offsets, 128, k, keep_dequantized=False)
         del codes
-        times = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            weight = module._dequantize(torch.bfloat16)
-            times.append(time.perf_counter() - started)
+        seconds = {}
+        for way, load in (("compiled", compiled), ("PyTorch", lambda: None)):
+            cpu_ops.load = load
+            times = []
+            for _ in range(repeats + 1):  # the first call pays for the buffer
+                started = time.perf_counter()
+                weight = module._rebuilt(torch.bfloat16)
+                times.append(time.perf_counter() - started)
+            seconds[way] = statistics.median(times[1:])
+        cpu_ops.load = compiled
         x = torch.randn(rows, k, dtype=torch.bfloat16)
         started = time.perf_counter()
         x @ weight.T
         matmul = time.perf_counter() - started
-        print(f"{name:8s} [{n}, {k}]: dequantize {statistics.median(times):.3f} s, "
-              f"{rows}-row bf16 matmul {matmul:.3f} s", flush=True)
+        print(f"{name:8s} [{n}, {k}]: rebuild {seconds['compiled']:.3f} s compiled, {seconds['PyTorch']:.3f} s "
+              f"PyTorch ({seconds['PyTorch'] / seconds['compiled']:.1f}x); {rows}-row bf16 matmul {matmul:.3f} s",
+              flush=True)
         del module, weight
 
 

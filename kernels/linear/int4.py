@@ -6,13 +6,14 @@ the packed kernel and more rows multiply by the bf16 dequantized weight (``Packe
 ``keep_dequantized``, else rebuilt from the packed codes on each call).
 
 A module holds its codes once, in the packed kernel's layout (``_unpack_packed`` reads them back
-exactly), and its scale/offset pairs in bf16. ``_dequantize`` works on chunks of rows viewed as
-[rows, groups, group size], each group's scale and offset broadcast rather than repeated. At
-MiniCPM4.1-8B's shapes (random codes, group 128, 1 thread, median of 3; the Xeon has AMX, which the
-dequantize does not use: it is PyTorch's elementwise float32 operators), before -> after:
-qkv [4608, 4096] 0.89 -> 0.08 s, o [4096, 4096] 0.76 -> 0.09 s, gate_up [32768, 4096] 7.6 -> 0.52-0.77 s,
-down [4096, 16384] 3.5 -> 0.47-0.53 s, bit-identical (tests/test_qlinear.py); a 512-row bf16 matmul on
-gate_up takes 0.2-0.45 s (``OMP_NUM_THREADS=1 python -m quantkit.eval.bench.bench_dequantize``).
+exactly), and its scale/offset pairs in bf16. A weight rebuilt for one call (a model too large to keep
+them) is written by the compiled ``int4_dequantize_t`` (kernels/cpu_ops/int4_ops.cpp) into a buffer each
+thread reuses; without the compiled operators, PyTorch's elementwise operators build it on chunks of
+rows viewed as [rows, groups, group size], each group's scale and offset broadcast. Both are
+bit-identical to the formula (tests/test_qlinear.py). At MiniCPM4.1-8B's gate_up [32768, 4096] (random
+codes, group 128, 1 thread, with another process busy on both cores): 0.81 s with PyTorch's operators,
+0.20 s compiled into a new buffer (0.15 s of it page faults) and 0.067 s into the reused one
+(``OMP_NUM_THREADS=1 python -m quantkit.eval.bench.bench_dequantize``).
 
 The packed kernel computes ``w = (q - 8) * s + z`` per group of 32/64/128/256 input channels with
 bf16 scale and offset; a GPTQ grid ``(q - zero) * s`` is that with ``z = (8 - zero) * s``. Act-order
@@ -23,9 +24,11 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
+from quantkit.kernels import cpu_ops
 from quantkit.kernels.linear.packed import PackedLinear, fused_bias
 
 from quantkit.quant import QuantizedTensor
@@ -74,6 +77,20 @@ def _unpack_packed(packed: torch.Tensor, rows: int, columns: int, block: int) ->
         b = flat[whole * columns // 2:].view(columns, (rows - whole) // 2)
         parts.append(torch.stack((b & 15, b >> 4), dim=-1).view(columns, rows - whole).T)
     return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+
+
+_scratch = threading.local()
+
+
+def _workspace(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A flat buffer of ``numel`` elements, reused by this thread's weights rebuilt for one call (a model
+    that keeps no dequantized weight): a fresh buffer for an 8B gate_up (268 MB) costs 0.15 s of page
+    faults, more than rebuilding the weight into it (measured, one thread)."""
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.dtype != dtype or buffer.numel() < numel:
+        buffer = _scratch.buffer = None  # free the old one before allocating
+        buffer = _scratch.buffer = torch.empty(numel, dtype=dtype)
+    return buffer[:numel]
 
 
 @functools.cache
@@ -148,11 +165,23 @@ class Int4Linear(PackedLinear):
         return _unpack_packed(self.packed.view(-1)[start * width:end * width], end - start, self.padded_in,
                               packed_block())
 
-    def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+    def _rebuilt(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight for one call, in this thread's reused buffer where the compiled operator writes it."""
+        return self._dequantize(dtype, into=_workspace(self.out_features * self.padded_in, dtype))
+
+    def _dequantize(self, dtype: torch.dtype, into: torch.Tensor | None = None) -> torch.Tensor:
         """W [N, Kp] as the packed kernel computes it: (q - 8) * s + z in float32 with its bf16 scale and
-        offset (the product is exact, the sum rounds once), then rounded to ``dtype``. Chunks of rows,
-        each group's scale and offset broadcast over its columns."""
+        offset (the product is exact, the sum rounds once), then rounded to ``dtype``. In bf16 on a CPU
+        with the compiled operators, ``int4_dequantize_t`` writes it transposed (into ``into`` if given,
+        a flat buffer of N x Kp; the result is a transposed view); otherwise PyTorch works on chunks of
+        rows, each group's scale and offset broadcast over its columns. Both give the same bits
+        (tests/test_qlinear.py)."""
         n, width, size = self.out_features, self.padded_in, self.group_size
+        ops = cpu_ops.load() if dtype == torch.bfloat16 and self.packed.device.type == "cpu" else None
+        if ops is not None and self.nibbles is None:
+            out = torch.empty(n * width, dtype=dtype) if into is None else into
+            return ops.int4_dequantize_t(self.packed.view(-1), self.scale_offset_bf16, n, width, size, packed_block(),
+                                         out).t()
         scales, offsets = (self.scale_offset_bf16[..., i].T.float()[..., None] for i in (0, 1))  # [N, G, 1]
         out = torch.empty(n, width, dtype=dtype, device=self.packed.device)
         block = packed_block() or 2

@@ -38,15 +38,19 @@ class PackedLinear(nn.Module):
     def dequantized(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return self._dequantize(dtype)
 
+    def _rebuilt(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight for one call only (not kept): subclasses may build it in a reused buffer."""
+        return self._dequantize(dtype)
+
     def _dense(self, rows: torch.Tensor) -> torch.Tensor:
         """rows W^T on the dequantized weight; kept (as oneDNN's prepacked copy when it can be) when
         ``keep_dequantized``. A weight made for one call is not worth reordering."""
+        if not self.keep_dequantized:
+            return rows @ self._rebuilt(rows.dtype).T
         kept = self._kept
         if kept is None or kept[0] != rows.dtype:
             weight = self._dequantize(rows.dtype)
-            kept = (rows.dtype, PrepackedLinear(weight) if self.keep_dequantized and prepackable(weight) else weight)
-            if self.keep_dequantized:
-                self._kept = kept
+            kept = self._kept = (rows.dtype, PrepackedLinear(weight) if prepackable(weight) else weight)
         dense = kept[1]
         return dense(rows) if isinstance(dense, PrepackedLinear) else rows @ dense.T
 
