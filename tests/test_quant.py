@@ -188,3 +188,24 @@ def test_min_zero_grid_covers_each_row_with_the_least_scale(bits):
 def test_min_zero_only_zero_or_one():
     with pytest.raises(ValueError, match="min_zero must be 0 or 1"):
         QuantConfig(4, 32, False, min_zero=2)
+
+
+@pytest.mark.parametrize("bits, group_size, k, float_bias", [(4, 32, 96, False), (4, -1, 96, False), (3, 64, 128, False),
+                                                            (4, 32, 96, True), (4, 128, 576, False)])
+def test_dequantize_of_natural_groups_equals_the_gathered_formula(bits, group_size, k, float_bias):
+    """Broadcast groups (and the gathered path for a ragged last group, K = 576 at g128) give the same bits."""
+    from quantkit.quant import QuantizedTensor
+
+    qt = random_record(QuantConfig(bits, group_size, False), n=8, k=k, seed=bits + k)
+    if float_bias:  # MLX's affine grid: bf16 scales (possibly negative) and biases
+        config = QuantConfig(bits, group_size, False, float_bias=True, scale_dtype=torch.bfloat16)
+        gen = torch.Generator().manual_seed(k)
+        qt = QuantizedTensor(qt.codes, torch.randn(qt.scales.shape, generator=gen).bfloat16(), None, qt.g_idx, config,
+                             biases=torch.randn(qt.scales.shape, generator=gen).bfloat16())
+    g = qt.g_idx.long()
+    if float_bias:
+        expected = qt.codes.float() * qt.scales[g].T.float() + qt.biases[g].T.float()
+    else:
+        expected = (qt.codes.float() - qt.zeros[g].T.float()) * qt.scales[g].T.float()
+    assert torch.equal(qt.dequantize(), expected)
+    assert torch.equal(qt.dequantize(torch.bfloat16), expected.bfloat16())
