@@ -24,6 +24,7 @@ def test_bench_8b_targets():
 
 def test_bench_8b_layer_floor_counts_each_phase_of_an_8b_layer():
     from quantkit.eval.bench.bench_8b_layer import floor_multiply_adds
+
     from quantkit.models.fixtures import minicpm41_8b_config
 
     config = minicpm41_8b_config()
