@@ -169,7 +169,7 @@ def test_sharded_checkpoint_reads_like_a_single_file(tmp_path):
         (tmp_path / "again" / p.name).read_bytes() == p.read_bytes() for p in sharded.iterdir())
 
 
-def test_reused_attention_gives_the_same_statistics_and_outputs(tiny):
+def test_reused_attention_and_o_proj_give_the_same_statistics_and_outputs(tiny):
     from quantkit.activations import Activations
     from quantkit.checkpoint import CheckpointReader
     from quantkit.engine import LayerRunner, _build_layer, _layer_tensors
@@ -184,10 +184,18 @@ def test_reused_attention_gives_the_same_statistics_and_outputs(tiny):
     recomputing, reusing = (LayerRunner(layer, position_embeddings, batch_size=2, activations=memory) for _ in range(2))
     reusing.fix_attention(hidden)
     assert reusing.mixed.shape == (5, 24, layer.self_attn.o_proj.in_features)
-    for name in (O_PROJ, GATE, DOWN):
-        expected = recomputing.input_stats(hidden, (name,), skip_prefix={name: 4})[name]
-        got = reusing.input_stats(hidden, (name,), skip_prefix={name: 4})[name]
-        assert torch.equal(got.hessian, expected.hessian) and torch.equal(got.abs_mean, expected.abs_mean)
+
+    def same_statistics(names):
+        for name in names:
+            expected = recomputing.input_stats(hidden, (name,), skip_prefix={name: 4})[name]
+            got = reusing.input_stats(hidden, (name,), skip_prefix={name: 4})[name]
+            assert torch.equal(got.hessian, expected.hessian) and torch.equal(got.abs_mean, expected.abs_mean)
+
+    same_statistics((O_PROJ, GATE, DOWN))
+    assert torch.equal(reusing.forward(hidden), recomputing.forward(hidden))
+    reusing.fix_attended(hidden)  # o_proj final: the MLP's passes start after it
+    assert reusing.mixed is None and reusing.attended.shape == hidden.shape
+    same_statistics((GATE, DOWN))
     assert torch.equal(reusing.forward(hidden), recomputing.forward(hidden))
 
 
@@ -272,8 +280,8 @@ def test_activations_spilled_to_disk_give_identical_bytes_and_leave_no_file(two_
     in_memory = quantize(two_layers, recipe, tmp_path / "memory", progress=False, activations="memory")
     spilled = _spill_counter(monkeypatch)
     on_disk = quantize(two_layers, recipe, tmp_path / "disk", progress=False, activations="disk")
-    # the first layer's input, then each layer's o_proj input and output
-    assert (in_memory.activations, on_disk.activations, len(spilled)) == ("memory", "disk", 1 + 2 * 2)
+    # the first layer's input, then each layer's o_proj input, residual stream after attention and output
+    assert (in_memory.activations, on_disk.activations, len(spilled)) == ("memory", "disk", 1 + 3 * 2)
     assert _artifact_bytes(tmp_path / "memory") == _artifact_bytes(tmp_path / "disk")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "memory"]  # no spill file left
 
@@ -291,7 +299,7 @@ def test_auto_spills_activations_that_do_not_fit_in_memory(tiny, recipe, tmp_pat
     monkeypatch.setattr(quantkit.memory, "available_bytes", lambda: (limit, "a test's limit"))
     spilled = _spill_counter(monkeypatch)
     report = quantize(tiny, big, tmp_path / "out", progress=False, device="cpu")
-    assert report.activations == "disk" and len(spilled) == 1 + 2 * 3
+    assert report.activations == "disk" and len(spilled) == 1 + 3 * 3
     with pytest.raises(EngineError, match=r"calibration does not fit: .* on cpu \(activations [\d.]+ GiB"):
         quantize(tiny, big, tmp_path / "refused", progress=False, device="cpu", activations="memory")
     monkeypatch.setattr(quantkit.memory, "available_bytes", lambda: (limit // 2, "a test's limit"))

@@ -173,7 +173,15 @@ class MiniCPMDecoderLayer(nn.Module):
     def after_attention(self, hidden_states, mixed):
         """The layer from o_proj on, given o_proj's input: calibration reuses one attention pass for
         every sublayer quantized after q/k/v."""
-        hidden_states = hidden_states + self.self_attn.o_proj(mixed) * self.residual_scale
+        return self.feed_forward(self.attended(hidden_states, mixed))
+
+    def attended(self, hidden_states, mixed):
+        """The residual stream after attention, given o_proj's input."""
+        return hidden_states + self.self_attn.o_proj(mixed) * self.residual_scale
+
+    def feed_forward(self, hidden_states):
+        """The layer from post_attention_layernorm on, given the residual stream after attention:
+        calibration reuses one o_proj pass for the MLP's sublayers."""
         transformed = self.mlp(self.post_attention_layernorm(hidden_states))
         return hidden_states + transformed * self.residual_scale
 
