@@ -190,8 +190,8 @@ def test_min_zero_only_zero_or_one():
         QuantConfig(4, 32, False, min_zero=2)
 
 
-@pytest.mark.parametrize("bits, group_size, k, float_bias", [(4, 32, 96, False), (4, -1, 96, False), (3, 64, 128, False),
-                                                            (4, 32, 96, True), (4, 128, 576, False)])
+@pytest.mark.parametrize("bits, group_size, k, float_bias", [
+    (4, 32, 96, False), (4, -1, 96, False), (3, 64, 128, False), (4, 32, 96, True), (4, 128, 576, False)])
 def test_dequantize_of_natural_groups_equals_the_gathered_formula(bits, group_size, k, float_bias):
     """Broadcast groups (and the gathered path for a ragged last group, K = 576 at g128) give the same bits."""
     from quantkit.quant import QuantizedTensor
