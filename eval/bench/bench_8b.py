@@ -104,7 +104,7 @@ RECIPE = "rtn-w4g128"
 TERNARY_RECIPE = "rtn-ternary-g32"
 # RTN's weights do not depend on calibration (it only scores each layer's error): the smallest set
 CALIBRATION = ("calibration.n_samples=1", "calibration.seq_len=16", "calibration.batch_size=1")
-GGUF_TYPES = ("q4_0", "q4_k_m")  # the first is the targets' reference
+GGUF_TYPES = ("q4_0", "q4_k_m")  # llama.cpp's files; Q4_0 is the targets' reference
 GGUF_KV_BYTES = 2  # llama.cpp's default F16 KV cache
 # quantkit's decode profile runs after this many prompt tokens: a decode step is weight-bound (the KV
 # cache at 512 is 0.4 % of the bytes), and a prompt this short stays on the packed kernel (FEW_ROWS)
@@ -236,7 +236,8 @@ def progress(message: str) -> None:
     click.echo(f"[{time.strftime('%H:%M:%S')}] {message}", err=True)
 
 
-def prepare(out: Path, layers: int, reuse: bool) -> tuple[Path, dict[str, Path], dict[str, Path], list[list]]:
+def prepare(out: Path, layers: int, reuse: bool,
+            gguf_types: list[str]) -> tuple[Path, dict[str, Path], dict[str, Path], list[list]]:
     """The checkpoint (written once), the W4 and ternary artifacts and the GGUF files -> (checkpoint,
     {"w4"|"ternary": artifact}, {type: gguf}, a table row per file: what, seconds, peak RSS MB, GB, made or
     reused)."""
@@ -253,14 +254,14 @@ def prepare(out: Path, layers: int, reuse: bool) -> tuple[Path, dict[str, Path],
     variants = [Variant(f"{name}-{recipe}-{layers}-layer", f"quantkit {recipe}",
                         quantize_command(recipe, checkpoint, out / f"{name}-{recipe}-{layers}-layer", CALIBRATION))
                 for name, recipe in (("w4", RECIPE), ("ternary", TERNARY_RECIPE))]
-    for file_type in GGUF_TYPES:
+    for file_type in gguf_types:
         key = f"{file_type}-{layers}-layer.gguf"
         variants.append(Variant(key, f"export gguf {file_type}", export_command(checkpoint, file_type, out / key)))
     for variant in variants:
         record = make_variant(variant, out, reuse)
         rows.append([variant.label, record["seconds"], record["peak_rss_mb"], size_of(out / variant.key) / 1e9,
                      "reused" if record["reused"] else "made"])
-    ggufs = {file_type: out / variant.key for file_type, variant in zip(GGUF_TYPES, variants[2:])}
+    ggufs = {file_type: out / variant.key for file_type, variant in zip(gguf_types, variants[2:])}
     return checkpoint, {"w4": out / variants[0].key, "ternary": out / variants[1].key}, ggufs, rows
 
 
@@ -284,13 +285,16 @@ def amx_note(flags: list[str]) -> str:
 @click.option("--long-contexts", default="32768,65536", show_default=True,
               help="Contexts of the InfLLM v2 vs dense decode rows (cache filled with random keys and values).")
 @click.option("--new-tokens", default=32, show_default=True, help="Decode steps per timed run.")
+@click.option("--gguf-types", default=",".join(GGUF_TYPES), show_default=True,
+              help="llama.cpp's files to compare with, from q4_0 (the targets' reference, always run) and q4_k_m.")
 @click.option("--layer-calibration", default="128x2048", show_default=True,
               help="ROWSxTOKENS of the one-layer quantization row (bench_8b_layer); empty: skip it.")
 @click.option("--reuse/--no-reuse", default=True, show_default=True,
               help="Keep the checkpoint, W4 artifact and GGUF files an earlier run made with the same commands.")
 @click.option("--out", default="out/bench-8b", show_default=True, type=click.Path(path_type=Path))
 @timing_options(repeats=3)
-def main(layers, contexts, long_contexts, new_tokens, layer_calibration, reuse, out, repeats, threads, json_path):
+def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibration, reuse, out, repeats, threads,
+         json_path):
     """Prepare the files, time every contender, print the two tables and the targets."""
     from quantkit.kernels.generate import load_engine
 
@@ -314,7 +318,12 @@ def main(layers, contexts, long_contexts, new_tokens, layer_calibration, reuse, 
         layer_setup, layer_body, layer_results = bench_8b_layer.run(
             out, bench_8b_layer.RECIPE, calib_rows, calib_tokens, batch_size=8, threads=threads, activations="auto")
         layer_text = f"Quantization: {layer_setup}\n{layer_body}"
-    checkpoint, artifacts, ggufs, files = prepare(out, layers, reuse)
+    named = [t.strip() for t in gguf_types.split(",") if t.strip()]
+    gguf_types = [GGUF_TYPES[0], *(t for t in named if t != GGUF_TYPES[0])]
+    unknown = set(gguf_types) - set(GGUF_TYPES)
+    if unknown:
+        raise click.UsageError(f"--gguf-types: {sorted(unknown)} not among {list(GGUF_TYPES)}")
+    checkpoint, artifacts, ggufs, files = prepare(out, layers, reuse, gguf_types)
     artifact = artifacts["w4"]
     config = MiniCPMConfig.from_pretrained(checkpoint)
     prompts = {c: random_prompt(c, config.vocab_size, seed=c) for c in contexts}
