@@ -35,3 +35,20 @@ def test_bench_8b_layer_floor_counts_each_phase_of_an_8b_layer():
     assert macs["Hessians"] == tokens * (3 * hidden ** 2 + ffn ** 2)  # q/k/v, o_proj, gate/up, down_proj
     updates = (2 * hidden + 2 * kv + 2 * ffn) * hidden ** 2 / 2 + hidden * ffn ** 2 / 2
     assert macs["solves"] == updates + 6 * hidden ** 3 / 3 + ffn ** 3 / 3
+
+
+def test_llamacpp_bench_fills_a_long_cache_once_and_reuses_it_across_ggufs(tiny_checkpoint, tmp_path):
+    """bench-8b's 8K rows: llama.cpp's cache is prefilled and saved by the first GGUF, loaded (not
+    prefilled) by the next one of the same architecture; another prompt is prefilled again."""
+    from quantkit.eval.bench.bench_runtime import bench_llamacpp
+    from quantkit.gguf.export import export_gguf
+
+    ggufs = {t: tmp_path / f"{t}.gguf" for t in ("q8_0", "q4_0")}
+    for file_type, path in ggufs.items():
+        export_gguf(tiny_checkpoint, path, file_type, progress=False)
+    cache, prompt = tmp_path / "prompt.session", list(range(5, 69))
+    prefill, decode = bench_llamacpp(ggufs["q8_0"], prompt, 4, 1, 1, prefill_repeats=0, cache_file=cache)
+    assert prefill > 0 and decode > 0 and cache.is_file()
+    prefill, decode = bench_llamacpp(ggufs["q4_0"], prompt, 4, 1, 1, prefill_repeats=0, cache_file=cache)
+    assert prefill is None and decode > 0
+    assert bench_llamacpp(ggufs["q4_0"], [7, *prompt[1:]], 4, 1, 1, prefill_repeats=0, cache_file=cache)[0] > 0

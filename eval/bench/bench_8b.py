@@ -18,7 +18,9 @@ llama.cpp file (``x Q4_0``, ``x Q4_K_M``):
   median of ``--repeats`` runs; quantkit in the engine's 512-token chunks, as generation runs it.
 - ``decode tok/s at C``: ``--new-tokens`` greedy steps C positions in, median of ``--repeats``. After
   the first context's prompt, prefilled once (each run drops the previous run's tokens). At later
-  contexts llama.cpp prefills the C-token prompt once; quantkit's cache is instead filled directly
+  contexts llama.cpp prefills the C-token prompt once (half an hour at 8K) and saves its cache in its
+  own session file under ``--out``, which the other GGUF and later runs load instead of prefilling
+  (a decode step reads every cached key and value whatever they hold); quantkit's cache is filled directly
   with C positions of random keys and values (as in the second table), since the runtime's 8B
   prefill would take an hour at 8K: runs continue the sequence, after a warm-up.
 - ``MB read per token at C``: what one decode step reads, C + new-tokens/2 positions in: quantkit's
@@ -336,7 +338,8 @@ def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibrat
         for i, context in enumerate(contexts):
             progress(f"{measured.name}: prefill and decode at {context}")
             measured.prefill[context], measured.decode[context] = bench_llamacpp(
-                gguf, prompts[context], new_tokens, repeats, threads, prefill_repeats=None if i == 0 else 0)
+                gguf, prompts[context], new_tokens, repeats, threads, prefill_repeats=None if i == 0 else 0,
+                cache_file=None if i == 0 else out / f"llamacpp-cache-{layers}-layer-{context}.session")
             measured.bytes_per_token[context] = gguf_decode_bytes(gguf, config, context + new_tokens // 2)
         contenders.append(measured)
 
@@ -425,10 +428,13 @@ def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibrat
                                    [[w["weights"], w["recipe"], w["file_gb"], w["tok_s"], w["mb_per_token"],
                                      w["ceiling_tok_s"], f"{w['tok_s'] / w['ceiling_tok_s']:.0%}",
                                      w["tok_s"] / widths[0]["tok_s"]] for w in widths]))
-    fills = "; ".join(f"{c.name} {c.prefill[context]:.4g} tok/s" for c in others for context in contexts[1:])
+    fills = "; ".join(f"{c.name} " + (f"{c.prefill[context]:.4g} tok/s" if c.prefill[context] else "loaded")
+                      for c in others for context in contexts[1:])
     if fills:
         fills = (f"decode at {', '.join(map(str, contexts[1:]))}: quantkit's cache filled with random keys and values "
-                 f"(no prefill); llama.cpp's prefill of that prompt, one run: {fills}")
+                 f"(no prefill); llama.cpp's prefill of that prompt, one run, or its cache loaded from the session "
+                 f"file an earlier prefill of the same prompt saved under {out} (by any of the GGUFs: a decode step "
+                 f"reads the cached keys and values whatever they hold): {fills}")
     checked = targets(ours, contenders[1], bandwidth)
     target_lines = "\n".join(f"  {t['target']}: {t['measured']:.2f} (target >= {t['goal']:g}) "
                              f"{'met' if t['met'] else 'NOT met'}" for t in checked)

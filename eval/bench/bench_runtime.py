@@ -100,11 +100,21 @@ def bench_transformers(model_dir: Path, dtype: torch.dtype, prompt: list[int], n
 
 
 def bench_llamacpp(gguf: Path, prompt: list[int], new_tokens: int, repeats: int, threads: int,
-                   prefill_repeats: int | None = None):
+                   prefill_repeats: int | None = None, cache_file: Path | None = None):
     """(prefill tok/s, decode tok/s) of llama.cpp on ``gguf``, as ``bench_quantkit`` measures them: prefill
     median of ``prefill_repeats`` runs (default ``repeats``; 0: the one run that fills the cache), decode
-    after the prompt prefilled once, each run dropping the previous one's tokens from the KV cache."""
+    after the prompt prefilled once, each run dropping the previous one's tokens from the KV cache.
+
+    With ``prefill_repeats=0`` and a ``cache_file`` (llama.cpp's own session file: its KV cache, logits
+    and the prompt's tokens), the cache is loaded from that file when it holds ``prompt`` instead of
+    prefilled (prefill tok/s is then None), and saved there after a prefill. A decode step reads every
+    cached key and value whatever they hold, so a file written by another GGUF of the same architecture
+    serves: an 8K prompt costs llama.cpp half an hour of prefill on 2 cores, once per machine instead of
+    once per type and run."""
+    import ctypes
+
     import llama_cpp
+    from quantkit.atomic import atomic_path
     from quantkit.eval.llamacpp import disable_weight_repacking
 
     disable_weight_repacking()
@@ -121,6 +131,29 @@ def bench_llamacpp(gguf: Path, prompt: list[int], new_tokens: int, repeats: int,
         llm.eval(prompt)
         return time.perf_counter() - start
 
+    def loaded() -> bool:
+        """The prompt's cache from ``cache_file``, if that file holds exactly this prompt."""
+        if cache_file is None or not cache_file.is_file():
+            return False
+        tokens, count = (llama_cpp.llama_token * len(prompt))(), ctypes.c_size_t(0)
+        if not llama_cpp.llama_state_load_file(llm._ctx.ctx, str(cache_file).encode(), tokens, len(prompt),
+                                               ctypes.byref(count)) or list(tokens[:count.value]) != prompt:
+            llm.reset()
+            return False
+        last = llama_cpp.llama_memory_seq_pos_max(llama_cpp.llama_get_memory(llm._ctx.ctx), 0)
+        if last != len(prompt) - 1:
+            raise click.ClickException(f"{cache_file}: llama.cpp restored {last + 1} cached positions, not "
+                                       f"{len(prompt)}; remove the file")
+        llm.input_ids[:len(prompt)] = prompt
+        llm.n_tokens = len(prompt)
+        return True
+
+    def save() -> None:
+        with atomic_path(cache_file) as tmp:
+            tokens = (llama_cpp.llama_token * len(prompt))(*prompt)
+            if not llama_cpp.llama_state_save_file(llm._ctx.ctx, str(tmp).encode(), tokens, len(prompt)):
+                raise click.ClickException(f"llama.cpp could not write its session file {cache_file}")
+
     def decode() -> float:
         llm.n_tokens = len(prompt)  # eval removes the cache's positions from n_tokens on
         token = first
@@ -132,8 +165,14 @@ def bench_llamacpp(gguf: Path, prompt: list[int], new_tokens: int, repeats: int,
 
     try:
         prefill_repeats = repeats if prefill_repeats is None else prefill_repeats
-        prefill_rate = (median_rate(prefill, len(prompt), prefill_repeats) if prefill_repeats
-                        else len(prompt) / prefill())
+        if prefill_repeats:
+            prefill_rate = median_rate(prefill, len(prompt), prefill_repeats)
+        elif loaded():
+            prefill_rate = None
+        else:
+            prefill_rate = len(prompt) / prefill()
+            if cache_file is not None:
+                save()
         first = int(last_logits().argmax())
         return prefill_rate, median_rate(decode, new_tokens, repeats)
     finally:
