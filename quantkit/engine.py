@@ -263,8 +263,10 @@ def plan_activations(config: MiniCPMConfig, calibration: Mapping, dtype: torch.d
     parts = calibration_memory(config, n_samples, seq_len, dtype)
     available = device_available_bytes(device)
     room = math.inf if available is None else available[0]
-    if place == "memory" or (place == "auto" and MEMORY_MARGIN * sum(parts.values()) <= room):
-        needed = MEMORY_MARGIN * sum(parts.values())
+    needed = MEMORY_MARGIN * sum(parts.values())
+    if place == "memory" or (place == "auto" and needed <= room):
+        if needed <= room:
+            return Activations(device)
     else:  # on disk, one batch of them at a time on the device
         spilled = parts.pop("activations")
         batch_share = min(calibration["batch_size"], n_samples) / n_samples
@@ -283,8 +285,6 @@ def plan_activations(config: MiniCPMConfig, calibration: Mapping, dtype: torch.d
             room = min(room, address_space[0] - spilled)
         if needed <= room:
             return Activations(torch.device("cpu"), spill_dir)
-    if needed <= room:
-        return Activations(device)
     gib = 2 ** 30
     itemised = ", ".join(f"{name} {size / gib:.2f} GiB" for name, size in parts.items())
     raise EngineError(

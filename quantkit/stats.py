@@ -32,12 +32,26 @@ class InputStats:
         # bf16, and on attention outputs (nearly low-rank) that rounding alone left H with eigenvalues
         # of -6 % of its mean diagonal, so Cholesky needed 10x the requested damping.
         exact_bf16 = rows.dtype == torch.bfloat16
-        rows = rows.float()
         total = self.tokens + rows.shape[0]
-        with bf16_multiplies(exact_bf16):
-            self.hessian.mul_(self.tokens / total).addmm_(rows.T, rows, alpha=2.0 / total)
-        self.abs_mean.mul_(self.tokens / total).add_(rows.abs().sum(0), alpha=1.0 / total)
+        if not (exact_bf16 and _gram_on_cpu_kernel(self.hessian, rows, self.tokens / total, 2.0 / total)):
+            rows32 = rows.float()
+            with bf16_multiplies(exact_bf16):
+                self.hessian.mul_(self.tokens / total).addmm_(rows32.T, rows32, alpha=2.0 / total)
+        self.abs_mean.mul_(self.tokens / total).add_(rows.abs().sum(0, dtype=torch.float32), alpha=1.0 / total)
         self.tokens = total
+
+
+def _gram_on_cpu_kernel(hessian: torch.Tensor, rows: torch.Tensor, beta: float, alpha: float) -> bool:
+    """hessian = beta·hessian + alpha·rowsᵀrows for bf16 rows by the compiled AVX-512 BF16 kernel
+    (kernels/cpu_ops/gram_ops.cpp: half the multiply-adds, the symmetric half, at the bf16 rate), where
+    this CPU and build have it; False (nothing done) elsewhere, including on a GPU, where the caller's
+    PyTorch product, the kernel's specification, runs."""
+    if hessian.device.type != "cpu" or not BF16_IN_HARDWARE:
+        return False
+    from quantkit.kernels import cpu_ops
+
+    ops = cpu_ops.load()
+    return ops is not None and ops.bf16_gram_accumulate(hessian, rows, beta, alpha, True)
 
 
 def _cpu_multiplies_bf16() -> bool:

@@ -41,6 +41,7 @@ def test_llamacpp_bench_fills_a_long_cache_once_and_reuses_it_across_ggufs(tiny_
     """bench-8b's 8K rows: llama.cpp's cache is prefilled and saved by the first GGUF, loaded (not
     prefilled) by the next one of the same architecture; another prompt is prefilled again."""
     from quantkit.eval.bench.bench_runtime import bench_llamacpp
+
     from quantkit.gguf.export import export_gguf
 
     ggufs = {t: tmp_path / f"{t}.gguf" for t in ("q8_0", "q4_0")}

@@ -149,3 +149,46 @@ def test_bf16_multiplies_takes_float32_products_to_bf16_hardware_and_restores_th
     plain = a @ b
     with bf16_multiplies(inputs_are_bf16=False):
         assert torch.equal(a @ b, plain) and torch.backends.mkldnn.matmul.fp32_precision == kept
+
+
+@pytest.mark.parametrize("tiles", [True, False], ids=["AMX where present", "AVX-512 BF16"])
+@pytest.mark.parametrize("tokens, features", [(333, 64), (64, 288), (1, 32), (130, 576)])
+def test_bf16_gram_kernel_is_the_float64_product_up_to_float32_sums(tokens, features, tiles):
+    """kernels/cpu_ops/gram_ops.cpp, InputStats' Hessian update on bf16 CPUs: odd token counts (a half-filled
+    last pair and zero padding), a last panel 32 wide, several 256-wide panels; symmetric to the bit, and
+    the same bits on 1 and 2 threads. Without AVX-512 BF16 it declines and changes nothing (PyTorch's
+    product runs)."""
+    from quantkit.kernels import cpu_ops
+
+    from quantkit.stats import BF16_IN_HARDWARE
+
+    ops = cpu_ops.load()
+    assert ops is not None
+    g = torch.Generator().manual_seed(features)
+    rows = (torch.randn(tokens, features, generator=g) * 3).bfloat16()
+    mixing = torch.randn(features, features, generator=g)
+    start = (mixing @ mixing.T).float()
+    hessian = start.clone()
+    done = ops.bf16_gram_accumulate(hessian, rows, 0.25, 1.5, tiles)
+    assert done == BF16_IN_HARDWARE
+    if not done:
+        assert torch.equal(hessian, start)
+        return
+    expected = 0.25 * start.double() + 1.5 * rows.double().T @ rows.double()
+    assert (hessian.double() - expected).abs().max() <= 1e-6 * expected.abs().max()
+    assert torch.equal(hessian, hessian.T)
+    kept, again = torch.get_num_threads(), start.clone()
+    try:
+        torch.set_num_threads(1)
+        ops.bf16_gram_accumulate(again, rows, 0.25, 1.5, tiles)
+    finally:
+        torch.set_num_threads(kept)
+    assert torch.equal(again, hessian)
+
+
+def test_bf16_gram_kernel_leaves_other_widths_to_pytorch():
+    from quantkit.kernels import cpu_ops
+
+    hessian = torch.zeros(40, 40)
+    assert not cpu_ops.load().bf16_gram_accumulate(hessian, torch.ones(3, 40).bfloat16(), 1.0, 1.0, True)
+    assert not hessian.any()

@@ -114,8 +114,9 @@ def bench_llamacpp(gguf: Path, prompt: list[int], new_tokens: int, repeats: int,
     import ctypes
 
     import llama_cpp
-    from quantkit.atomic import atomic_path
     from quantkit.eval.llamacpp import disable_weight_repacking
+
+    from quantkit.atomic import atomic_path
 
     disable_weight_repacking()
     llm = llama_cpp.Llama(str(gguf), n_ctx=len(prompt) + new_tokens + 8, n_batch=len(prompt), n_threads=threads,

@@ -4,7 +4,9 @@ Each replaces a run of small PyTorch operators whose dispatch costs more than th
 one token (see decode_ops.cpp), or is a kernel PyTorch lacks: ``ternary_gemv``, the ternary linear's
 decode path (kernels/linear/ternary.py), ``int4_dequantize_t``, an int4 linear's bf16 weight rebuilt
 for a prefill chunk (int4_ops.cpp, kernels/linear/int4.py), and InfLLM v2's stages reading the bf16
-caches in place (infllm_ops.cpp, used by kernels/infllm/cpu.py). ``load()`` returns None when no compiler is
+caches in place (infllm_ops.cpp, used by kernels/infllm/cpu.py). One serves the quantization engine:
+``bf16_gram_accumulate``, the Hessian update XᵀX of bf16 activations with float32 sums (gram_ops.cpp,
+used by quantkit/stats.py). ``load()`` returns None when no compiler is
 available, and the runtime then uses the PyTorch operators, which are also the specification the tests compare with.
 """
 from __future__ import annotations
@@ -14,9 +16,9 @@ import logging
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-SOURCES = ["decode_ops.cpp", "int4_ops.cpp", "infllm_ops.cpp"]
+SOURCES = ["decode_ops.cpp", "int4_ops.cpp", "infllm_ops.cpp", "gram_ops.cpp"]
 FUNCTIONS = ["rms_norm_bf16", "rope_and_store", "decode_attention", "silu_mul", "ternary_gemv", "int4_dequantize_t",
-             "infllm_decode_scores", "infllm_decode_select", "infllm_block_attention"]
+             "infllm_decode_scores", "infllm_decode_select", "infllm_block_attention", "bf16_gram_accumulate"]
 
 
 @functools.cache

@@ -121,16 +121,17 @@ static bool amx_permitted() {
 
 static bool use_amx(int64_t heads) { return heads <= 16 && amx_permitted(); }
 
-// The thread's tile configuration while it scores: every tile 16 rows of 64 bytes. Tiles: 0 scores
+// The thread's tile configuration while it scores: all 8 tiles 16 rows of 64 bytes. Tiles here: 0 scores
 // [16 keys x 16 heads] float32, 1 keys [16 x 32 dims], 2 queries [16 dim pairs x 16 heads x 2],
-// 3 output [16 heads x 16 dims] float32, 4 probabilities [16 heads x 32 keys], 5 values [16 key pairs x 16 dims x 2].
+// 3 output [16 heads x 16 dims] float32, 4 probabilities [16 heads x 32 keys], 5 values [16 key pairs x 16 dims x 2]
+// (gram_ops.cpp uses all 8).
 struct TileScope {
   const bool active;
   explicit TileScope(bool active) : active(active) {
     if (!active) return;
     alignas(64) uint8_t config[64] = {};
     config[0] = 1;  // palette 1
-    for (int t = 0; t < 6; ++t) {
+    for (int t = 0; t < 8; ++t) {
       reinterpret_cast<uint16_t*>(config + 16)[t] = 64;
       config[48 + t] = 16;
     }

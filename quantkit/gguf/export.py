@@ -40,6 +40,7 @@ from quantkit.reader import ArtifactReader
 
 ARCH = "minicpm"
 QUANTIZE_CHUNK_ELEMENTS = 1 << 22  # weights per quantizer call: 16 MB of float32 and its temporaries
+AHEAD_BYTES = 1 << 28  # finished tensors the export may hold before writing them (an 8B's largest is ~300 MB)
 SPARSE_CONFIG_KEY = "quantkit.sparse_config"
 
 
@@ -247,18 +248,35 @@ def _quantize_rows(tensor_type: TensorType, array: np.ndarray) -> np.ndarray:
 
 def _stored_ahead(planned: list[_Planned], source: _LayerTensors, config: MiniCPMConfig,
                   worker: ThreadPoolExecutor) -> Iterator[tuple[np.ndarray, bool]]:
-    """``_stored`` of each planned tensor in order, made on ``worker`` one tensor ahead of the caller's
-    writes, so that reading, quantizing and writing overlap (ggml and the file write release the GIL).
-    The first is started at once, while the caller writes the metadata. A single worker reads ``source``
-    in order; at most two tensors' bytes are held."""
-    pending = deque([worker.submit(_stored, planned[0], source, config)] if planned else [])
+    """``_stored`` of each planned tensor in order, made on ``worker`` ahead of the caller's writes, so that
+    reading, quantizing and writing overlap (ggml and the file write release the GIL). Work starts at once,
+    while the caller builds the metadata (the vocabulary: half a second of the default model's export), and
+    runs up to AHEAD_BYTES of finished tensors ahead, always at least the next one. A single worker
+    reads ``source`` in order."""
+    sizes = [math.prod(item.shape[:-1]) * item.tensor_type.row_bytes(item.shape[-1]) for item in planned]
+    pending: deque = deque()
+    held, submitted = 0, 0
+
+    def submit_while_room() -> None:
+        nonlocal held, submitted
+        while submitted < len(planned) and (not pending or held + sizes[submitted] <= AHEAD_BYTES):
+            pending.append((sizes[submitted], worker.submit(_stored, planned[submitted], source, config)))
+            held += sizes[submitted]
+            submitted += 1
 
     def results() -> Iterator[tuple[np.ndarray, bool]]:
-        for item in planned[1:]:
-            pending.append(worker.submit(_stored, item, source, config))
-            yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
+        nonlocal held
+        try:
+            while pending:
+                size, future = pending.popleft()
+                stored = future.result()
+                held -= size
+                submit_while_room()
+                yield stored
+        finally:  # a tensor failed (or the caller stopped): the work queued behind it is not wanted
+            for _, future in pending:
+                future.cancel()
+    submit_while_room()
     return results()
 
 
