@@ -32,7 +32,7 @@ def test_bench_8b_layer_floor_counts_each_phase_of_an_8b_layer():
     tokens, hidden, ffn, kv = 16, 4096, 16384, 2 * 128  # 2 KV heads of 128
     linears = 2 * hidden * hidden + 2 * kv * hidden + 3 * ffn * hidden  # q, o; k, v; gate, up, down
     assert macs["forwards"] == tokens * linears + tokens * 2 * hidden * (8 + 1) / 2
-    assert macs["Hessians"] == tokens * (3 * hidden ** 2 + ffn ** 2)  # q/k/v, o_proj, gate/up, down_proj
+    assert macs["Hessians"] == tokens * (3 * hidden * (hidden + 1) + ffn * (ffn + 1)) / 2  # q/k/v, o, gate/up, down
     updates = (2 * hidden + 2 * kv + 2 * ffn) * hidden ** 2 / 2 + hidden * ffn ** 2 / 2
     assert macs["solves"] == updates + 6 * hidden ** 3 / 3 + ffn ** 3 / 3
 

@@ -12,9 +12,11 @@ The floor is what the layer's multiply-adds cost at the rate this CPU multiplies
 
 - forwards: one pass of every calibration token through the layer, each linear once, plus causal
   attention (q·k and p·v over half the sequence on average). The engine's true-sequential passes
-  compute o_proj three times and gate/up twice (each group's statistics need the quantized groups
-  before it; keeping gate/up's output instead would hold 16,384 values a token).
-- Hessians: T x K² for each distinct input (q/k/v share one, o_proj, gate/up share one, down_proj).
+  compute gate/up twice (down_proj's statistics need the quantized gate/up, and the layer's output
+  them again; keeping gate/up's output instead would hold 16,384 values a token).
+- Hessians: T x K(K + 1)/2 for each distinct input (q/k/v share one, o_proj, gate/up share one,
+  down_proj): H is symmetric, so one triangle is what it takes (a BLAS syrk's count), and what the
+  engine's compiled kernel multiplies.
 - solves: GPTQ's lazy-batch updates (N x K²/2 a linear) and the Cholesky factor of each linear's
   Hessian (K³/3).
 
@@ -64,7 +66,7 @@ def floor_multiply_adds(config, n_samples: int, seq_len: int) -> dict[str, float
     attention = tokens * 2 * attention_width * (seq_len + 1) / 2
     forwards = tokens * sum(n * k for n, k in shapes.values()) + attention
     # groups sharing an input share its Hessian (q/k/v, gate/up)
-    hessians = tokens * sum(shapes[group[0]][1] ** 2 for group in SEQUENTIAL_GROUPS)
+    hessians = tokens * sum(k * (k + 1) / 2 for k in (shapes[group[0]][1] for group in SEQUENTIAL_GROUPS))
     solves = sum(n * k * k / 2 + k ** 3 / 3 for n, k in shapes.values())
     return {"forwards": forwards, "Hessians": hessians, "solves": solves}
 
