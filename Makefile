@@ -25,7 +25,7 @@ LLMC_BIN := $(LLMC_VENV)/bin
 LLMC_INSTALLED := $(LLMC_VENV)/.installed
 LLMCOMPRESSOR ?= llmcompressor==0.14.0.1
 
-.PHONY: install demo demo-marlin publish-demo test test-fast lint default-model bench-gptq bench-awq bench-gguf bench-gguf-speed llama-tools bench-mlx bench-scale bench-8b bench-runtime bench-qat bench-spec eval-sparse test-reliability interop interop-peer clean help \
+.PHONY: install demo demo-marlin publish-demo test test-fast lint default-model bench-gptq bench-awq bench-gguf bench-gguf-speed llama-tools bench-mlx bench-scale bench-8b bench-hessian bench-runtime bench-qat bench-spec eval-sparse test-reliability interop interop-peer clean help \
 	eval-ppl eval-kld eval-report eval-niah eval-tasks eval-accept
 
 help:
@@ -47,6 +47,7 @@ help:
 	@echo "make eval-sparse  InfLLM v2 on MODEL with a scaled-down SPARSE_CONFIG: perplexity vs dense, needle retrieval"
 	@echo "make bench-scale  the marlin recipe on an 8B-shaped random MiniCPM4.1 checkpoint: time, memory, projection"
 	@echo "make bench-8b   an 8B layer quantized with 128 x 2048 tokens vs its floor; quantkit's runtime vs llama.cpp Q4_0/Q4_K_M on an 8B-shaped random checkpoint: decode, prefill, InfLLM v2 at 32K/64K, ternary (hours; BENCH_8B_ARGS='--layers 2')"
+	@echo "make bench-hessian  the Hessian update of bf16 activations at 8B widths: compiled kernel (AMX / AVX-512 BF16) vs PyTorch (minutes)"
 	@echo "make bench-qat  ternary QAT (CE only, distilled) vs RTN/GPTQ ternary, GPTQ W2 g32 and W4 on the default model: curve, cost, targets (hours; BENCH_QAT_ARGS='--reuse --with-init')"
 	@echo "make bench-spec EAGLE-3 heads on the default model: tau over FP/W4 targets x FP/re-aligned heads, decode speed-up (about 2 hours; BENCH_SPEC_ARGS='--reuse')"
 	@echo "make interop    GPTQModel (own venv, ~6 GB) reads quantkit GPTQ checkpoints, sym and asym: weights bit-exact, logits"
@@ -177,6 +178,9 @@ bench-scale: $(INSTALLED)
 BENCH_8B_ARGS ?=
 bench-8b: $(TEST_INSTALLED)
 	$(BIN)/python -m quantkit.eval.bench.bench_8b --out $(OUT)/bench-8b $(BENCH_8B_ARGS)
+
+bench-hessian: $(TEST_INSTALLED)
+	$(BIN)/python -m quantkit.eval.bench.bench_hessian --json $(OUT)/bench-hessian.json
 
 # Ternary QAT against the post-training ways to its size, one run each on the default model (hours on
 # 2 cores): BENCH_QAT_ARGS='--reuse' keeps what an earlier run made, '--with-init' adds QAT from GPTQ ternary.
