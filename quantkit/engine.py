@@ -264,10 +264,9 @@ def plan_activations(config: MiniCPMConfig, calibration: Mapping, dtype: torch.d
     available = device_available_bytes(device)
     room = math.inf if available is None else available[0]
     needed = MEMORY_MARGIN * sum(parts.values())
-    if place == "memory" or (place == "auto" and needed <= room):
-        if needed <= room:
-            return Activations(device)
-    else:  # on disk, one batch of them at a time on the device
+    if place != "disk" and needed <= room:
+        return Activations(device)
+    if place != "memory":  # on disk, one batch of them at a time on the device
         spilled = parts.pop("activations")
         batch_share = min(calibration["batch_size"], n_samples) / n_samples
         parts = {"activations (one batch; the rest on disk)": int(spilled * batch_share), **parts}

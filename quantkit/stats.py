@@ -34,11 +34,17 @@ class InputStats:
         exact_bf16 = rows.dtype == torch.bfloat16
         total = self.tokens + rows.shape[0]
         if not (exact_bf16 and _gram_on_cpu_kernel(self.hessian, rows, self.tokens / total, 2.0 / total)):
-            rows32 = rows.float()
-            with bf16_multiplies(exact_bf16):
-                self.hessian.mul_(self.tokens / total).addmm_(rows32.T, rows32, alpha=2.0 / total)
+            gram_by_torch(self.hessian, rows, self.tokens / total, 2.0 / total)
         self.abs_mean.mul_(self.tokens / total).add_(rows.abs().sum(0, dtype=torch.float32), alpha=1.0 / total)
         self.tokens = total
+
+
+def gram_by_torch(hessian: torch.Tensor, rows: torch.Tensor, beta: float, alpha: float) -> None:
+    """hessian = beta·hessian + alpha·rowsᵀrows in float32 (on the bf16 hardware when rows are bf16): the
+    compiled kernel's specification, and the update wherever that kernel declines."""
+    wide = rows.float()
+    with bf16_multiplies(rows.dtype == torch.bfloat16):
+        hessian.mul_(beta).addmm_(wide.T, wide, alpha=alpha)
 
 
 def _gram_on_cpu_kernel(hessian: torch.Tensor, rows: torch.Tensor, beta: float, alpha: float) -> bool:

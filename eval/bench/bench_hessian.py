@@ -23,7 +23,7 @@ SHAPES = [(16384, 4096), (8192, 16384)]  # calibration rows x features: q/k/v, o
 def main(repeats, threads, json_path):
     from quantkit.kernels import cpu_ops
 
-    from quantkit.stats import bf16_multiplies
+    from quantkit.stats import BF16_IN_HARDWARE, gram_by_torch
 
     torch.set_num_threads(threads)
     ops = cpu_ops.load()
@@ -33,17 +33,11 @@ def main(repeats, threads, json_path):
     for tokens, features in SHAPES:
         rows = torch.randn(tokens, features, generator=torch.Generator().manual_seed(features)).bfloat16()
         hessian = torch.zeros(features, features)
-
-        def torch_product():
-            wide = rows.float()
-            with bf16_multiplies():
-                hessian.mul_(0.5).addmm_(wide.T, wide)
-
-        paths = {"kernel, AMX tiles": lambda: ops.bf16_gram_accumulate(hessian, rows, 0.5, 1.0, True),
-                 "kernel, AVX-512 BF16 vectors": lambda: ops.bf16_gram_accumulate(hessian, rows, 0.5, 1.0, False),
-                 "PyTorch, oneDNN bf16 flag": torch_product}
-        if not ops.bf16_gram_accumulate(hessian, rows[:2], 1.0, 0.0, False):
-            paths = {"PyTorch, oneDNN bf16 flag": torch_product}  # no bf16 hardware: the kernel declines
+        paths = {"PyTorch, oneDNN bf16 flag": lambda: gram_by_torch(hessian, rows, 0.5, 1.0)}
+        if BF16_IN_HARDWARE:  # elsewhere the kernel declines
+            paths = {"kernel, AMX tiles": lambda: ops.bf16_gram_accumulate(hessian, rows, 0.5, 1.0, True),
+                     "kernel, AVX-512 BF16 vectors": lambda: ops.bf16_gram_accumulate(hessian, rows, 0.5, 1.0, False),
+                     **paths}
         macs = tokens * features * (features + 1) / 2
         seconds = {name: median_seconds(path, repeats) for name, path in paths.items()}
         baseline = seconds["PyTorch, oneDNN bf16 flag"]
