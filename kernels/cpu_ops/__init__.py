@@ -16,6 +16,7 @@ import logging
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+EXTENSION = "quantkit_decode_ops"
 SOURCES = ["decode_ops.cpp", "int4_ops.cpp", "infllm_ops.cpp", "gram_ops.cpp"]
 FUNCTIONS = ["rms_norm_bf16", "rope_and_store", "decode_attention", "silu_mul", "ternary_gemv", "int4_dequantize_t",
              "infllm_decode_scores", "infllm_decode_select", "infllm_block_attention", "bf16_gram_accumulate"]
@@ -23,12 +24,21 @@ FUNCTIONS = ["rms_norm_bf16", "rope_and_store", "decode_attention", "silu_mul", 
 
 @functools.cache
 def load():
-    from torch.utils.cpp_extension import load_inline
+    import fcntl
+
+    from torch.utils.cpp_extension import _get_build_directory, load_inline
 
     sources = [Path(__file__).with_name(name).read_text() for name in SOURCES]
     try:
-        return load_inline("quantkit_decode_ops", cpp_sources=sources, functions=FUNCTIONS,
-                           extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], verbose=False)
+        # torch takes a lock file in the build directory on every load (it runs ninja each time) and
+        # waits forever for one a killed process left. An flock dies with its process: holding it, any
+        # torch lock file there is such a leftover (every load comes through here), so it is removed.
+        build = Path(_get_build_directory(EXTENSION, verbose=False))
+        with open(build / "quantkit.flock", "a") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            (build / "lock").unlink(missing_ok=True)
+            return load_inline(EXTENSION, cpp_sources=sources, functions=FUNCTIONS,
+                               extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], verbose=False)
     except Exception as error:  # no compiler, headers or ninja: fall back to PyTorch operators
         log.warning("fused CPU decode operators unavailable (%s); using PyTorch operators", error)
         return None
