@@ -323,3 +323,21 @@ def test_masked_attention_equals_sdpa_with_the_boolean_mask(dtype):
         want = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)[0]
         assert torch.equal(got, want)
 
+
+
+def test_a_build_lock_left_by_a_killed_process_does_not_block_the_next_load():
+    """torch takes a lock file on every load of the compiled operators and waits forever for one a
+    SIGKILLed process left (quantize loads them too, and the reliability suite kills it): load() clears it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from quantkit.kernels.cpu_ops import EXTENSION
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(EXTENSION, verbose=False)) / "lock"
+    lock.touch()
+    done = subprocess.run([sys.executable, "-c", "from quantkit.kernels import cpu_ops; assert cpu_ops.load()"],
+                          timeout=900, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not lock.exists()
