@@ -197,6 +197,13 @@ def test_reused_attention_and_o_proj_give_the_same_statistics_and_outputs(tiny):
     assert reusing.mixed is None and reusing.attended.shape == hidden.shape
     same_statistics((GATE, DOWN))
     assert torch.equal(reusing.forward(hidden), recomputing.forward(hidden))
+    reusing.fix_gated(hidden)  # gate/up final: down_proj's statistics and the output start from its input
+    assert reusing.gated.shape == (5, 24, layer.mlp.down_proj.in_features)
+    same_statistics((DOWN,))
+    attended = reusing.attended
+    output = reusing.forward(hidden)
+    assert torch.equal(output, recomputing.forward(hidden))
+    assert output.data_ptr() == attended.data_ptr() and reusing.gated is None  # written over the stream
 
 
 @pytest.fixture(scope="module")
@@ -243,9 +250,10 @@ def test_calibration_that_cannot_fit_is_refused_up_front_with_estimate_and_limit
     import quantkit.memory
     from quantkit.engine import calibration_memory
 
-    parts = calibration_memory(MiniCPMConfig.from_pretrained(tiny), 4, 64, torch.float32)
-    hidden = MiniCPMConfig.from_pretrained(tiny).hidden_size
-    assert parts["activations"] == 4 * 64 * 3 * hidden * 4  # input, output and o_proj's input, float32
+    config = MiniCPMConfig.from_pretrained(tiny)
+    parts = calibration_memory(config, 4, 64, torch.float32)
+    # the input, the residual stream after attention (then the output) and down_proj's input, float32
+    assert parts["activations"] == 4 * 64 * (2 * config.hidden_size + config.intermediate_size) * 4
     monkeypatch.setattr(quantkit.memory, "available_bytes", lambda: (2**20, "a test's limit"))
     with pytest.raises(EngineError, match=r"calibration does not fit: 4 x 64 tokens .* need about [\d.]+ GiB on cpu "
                                           r"\(activations .*a test's limit leaves 0.00 GiB"):
@@ -280,7 +288,8 @@ def test_activations_spilled_to_disk_give_identical_bytes_and_leave_no_file(two_
     in_memory = quantize(two_layers, recipe, tmp_path / "memory", progress=False, activations="memory")
     spilled = _spill_counter(monkeypatch)
     on_disk = quantize(two_layers, recipe, tmp_path / "disk", progress=False, activations="disk")
-    # the first layer's input, then each layer's o_proj input, residual stream after attention and output
+    # the first layer's input, then each layer's o_proj input, residual stream after attention (which the
+    # output overwrites) and down_proj's input
     assert (in_memory.activations, on_disk.activations, len(spilled)) == ("memory", "disk", 1 + 3 * 2)
     assert _artifact_bytes(tmp_path / "memory") == _artifact_bytes(tmp_path / "disk")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "memory"]  # no spill file left

@@ -11,9 +11,9 @@ The floor is what the layer's multiply-adds cost at the rate this CPU multiplies
 (AMX tiles or AVX-512 BF16 where it has them), measured here on a matmul of the Hessian's shape:
 
 - forwards: one pass of every calibration token through the layer, each linear once, plus causal
-  attention (q·k and p·v over half the sequence on average). The engine's true-sequential passes
-  compute gate/up twice (down_proj's statistics need the quantized gate/up, and the layer's output
-  them again; keeping gate/up's output instead would hold 16,384 values a token).
+  attention (q·k and p·v over half the sequence on average), as the engine's true-sequential passes
+  compute them: each group's output is kept for the later groups (down_proj's input too, 16,384
+  values a token) rather than recomputed.
 - Hessians: T x K(K + 1)/2 for each distinct input (q/k/v share one, o_proj, gate/up share one,
   down_proj): H is symmetric, so one triangle is what it takes (a BLAS syrk's count), and what the
   engine's compiled kernel multiplies.

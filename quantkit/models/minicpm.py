@@ -153,7 +153,11 @@ class MiniCPMMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.gated(x))
+
+    def gated(self, x: torch.Tensor) -> torch.Tensor:
+        """down_proj's input: the SiLU-gated product of gate_proj and up_proj."""
+        return F.silu(self.gate_proj(x)) * self.up_proj(x)
 
 
 class MiniCPMDecoderLayer(nn.Module):
@@ -182,8 +186,16 @@ class MiniCPMDecoderLayer(nn.Module):
     def feed_forward(self, hidden_states):
         """The layer from post_attention_layernorm on, given the residual stream after attention:
         calibration reuses one o_proj pass for the MLP's sublayers."""
-        transformed = self.mlp(self.post_attention_layernorm(hidden_states))
-        return hidden_states + transformed * self.residual_scale
+        return self.finished(hidden_states, self.gated(hidden_states))
+
+    def gated(self, hidden_states):
+        """down_proj's input, given the residual stream after attention."""
+        return self.mlp.gated(self.post_attention_layernorm(hidden_states))
+
+    def finished(self, hidden_states, gated):
+        """The layer's output, given the residual stream after attention and down_proj's input:
+        calibration reuses one gate/up pass for down_proj's statistics and the output."""
+        return hidden_states + self.mlp.down_proj(gated) * self.residual_scale
 
 
 class MiniCPMPreTrainedModel(PreTrainedModel):
