@@ -119,9 +119,21 @@ class _Writer(gguf.GGUFWriter):
         head = struct.pack(f"{prefix}IQ", item_type, len(val))
         head = (struct.pack(f"{prefix}I", vtype) if add_vtype else b"") + head
         if item_type == gguf.GGUFValueType.STRING:
-            encoded = [item.encode("utf-8") for item in val]
-            return head + b"".join(struct.pack(f"{prefix}Q", len(item)) + item for item in encoded)
+            return head + _length_prefixed([item.encode("utf-8") for item in val], prefix)
         return head + struct.pack(f"{prefix}{len(val)}{self._simple_value_packing[item_type]}", *val)
+
+
+def _length_prefixed(strings: list[bytes], byte_order: str) -> bytes:
+    """Each string after its length as a uint64, all in one buffer: scattered by NumPy instead of packed
+    one by one (0.15 s of the default model's ~100k tokens and merges)."""
+    lengths = np.fromiter(map(len, strings), dtype=np.uint64, count=len(strings))
+    is_length = np.zeros(int(lengths.sum()) + 8 * len(strings), dtype=bool)
+    starts = np.cumsum(lengths + 8) - (lengths + 8)
+    is_length[(starts[:, None] + np.arange(8, dtype=np.uint64)).ravel()] = True
+    packed = np.empty(is_length.size, dtype=np.uint8)
+    packed[is_length] = lengths.astype(f"{byte_order}u8").view(np.uint8)
+    packed[~is_length] = np.frombuffer(b"".join(strings), dtype=np.uint8)
+    return packed.tobytes()
 
 
 def _rope_factors(config: MiniCPMConfig) -> dict[str, list[float]]:

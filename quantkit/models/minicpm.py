@@ -10,6 +10,7 @@ plain Llama, all per the official modeling_minicpm.py:
 """
 from __future__ import annotations
 
+import copy
 import math
 from typing import Callable
 
@@ -23,6 +24,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils.output_capturing import capture_outputs
 
 from quantkit.models.configuration_minicpm import MiniCPMConfig
+from quantkit.models.layers import layer_prefix
 
 # query [B, Hq, T, d], key/value [B, Hkv, S, d] (KV heads not repeated), mask, softmax scale
 # -> [B, Hq, T, d]. The mask is None (causal when T > 1, aligned to the first key), or a boolean
@@ -310,10 +312,23 @@ class MiniCPMForCausalLM(MiniCPMPreTrainedModel, GenerationMixin):
 
 
 def weight_shapes(config: MiniCPMConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint of this config stores, with its shape (no memory: meta device)."""
+    """Every tensor a checkpoint of this config stores, with its shape, in the model's order (no memory:
+    meta device). The decoder layers are alike, so one is built and its shapes repeated: building all
+    of them took 0.05 s of every GGUF export of the default model."""
+    one_layer = copy.copy(config)
+    one_layer.num_hidden_layers = 1
     with torch.device("meta"):
-        model = MiniCPMForCausalLM(config)
-    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+        model = MiniCPMForCausalLM(one_layer)
+    first = layer_prefix(0)
+    outside, layer, layers_at = [], {}, 0
+    for name, tensor in model.state_dict().items():
+        if name.startswith(first):
+            layers_at = layers_at or len(outside)
+            layer[name.removeprefix(first)] = tuple(tensor.shape)
+        else:
+            outside.append((name, tuple(tensor.shape)))
+    layers = [(layer_prefix(i) + key, shape) for i in range(config.num_hidden_layers) for key, shape in layer.items()]
+    shapes = dict(outside[:layers_at] + layers + outside[layers_at:])
     if config.tie_word_embeddings:
         del shapes["lm_head.weight"]
     return shapes
