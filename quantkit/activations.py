@@ -1,8 +1,8 @@
 """Where the engine keeps calibration activations: in memory where they fit, in files on disk where not.
 
-A layer's work holds its input, its output and o_proj's input for every calibration token: at
-MiniCPM4.1-8B's hidden size and 128 x 2048 tokens that is 6.4 GB of bf16, beside one layer's weights
-and the largest Hessian. A machine (or a GPU) without that room still runs: the activations become
+A layer's work holds its input, the residual stream after attention (which its output overwrites) and
+o_proj's or down_proj's input for every calibration token: at MiniCPM4.1-8B's sizes and 128 x 2048
+tokens that is 12.9 GB of bf16, beside one layer's weights and the largest Hessian. A machine (or a GPU) without that room still runs: the activations become
 shared memory maps of files in a spill directory, and the layer's work reads and writes them a batch
 at a time, moving each batch to the layer's device. The kernel writes mapped pages back to the file
 under memory pressure instead of the OOM killer ending the run.
