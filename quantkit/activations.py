@@ -2,9 +2,10 @@
 
 A layer's work holds its input, the residual stream after attention (which its output overwrites) and
 o_proj's or down_proj's input for every calibration token: at MiniCPM4.1-8B's sizes and 128 x 2048
-tokens that is 12.9 GB of bf16, beside one layer's weights and the largest Hessian. A machine (or a GPU) without that room still runs: the activations become
-shared memory maps of files in a spill directory, and the layer's work reads and writes them a batch
-at a time, moving each batch to the layer's device. The kernel writes mapped pages back to the file
+tokens that is 12.9 GB of bf16, beside one layer's weights and the largest Hessian. A machine (or a
+GPU) without that room still runs: the activations become shared memory maps of files in a spill
+directory, and the layer's work reads and writes them a batch at a time, moving each batch to the
+layer's device. The kernel writes mapped pages back to the file
 under memory pressure instead of the OOM killer ending the run.
 
 Each file is unlinked as soon as it is mapped, so its disk space returns when the tensor is freed and
