@@ -157,26 +157,23 @@ class LayerRunner:
     def fix_gated(self, hidden: torch.Tensor) -> None:
         """Compute and keep down_proj's input for all of ``hidden`` (after ``fix_attended``)."""
         for start, batch in self._batches(hidden):
-            gated = self.layer.gated(self.attended[start:start + batch.shape[0]].to(self.device))
+            rows = slice(start, start + batch.shape[0])
+            gated = self.layer.gated(self.attended[rows].to(self.device))
             if self.gated is None:
                 self.gated = self.activations.empty((hidden.shape[0], *gated.shape[1:]), gated.dtype)
-            self.gated[start:start + batch.shape[0]] = gated
+            self.gated[rows] = gated
 
     @torch.no_grad()
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """The layer's output for all of ``hidden``. After ``fix_gated`` it is written over the residual
         stream after attention (each batch's rows are read before they are written), so the run's peak
         holds the input, that stream and down_proj's input, not a fourth tensor; the runner is spent."""
-        if self.gated is not None:
-            out, self.attended, gated = self.attended, None, self.gated
-            self.gated = None
-            for start in range(0, hidden.shape[0], self.batch_size):
-                rows = slice(start, start + self.batch_size)
-                out[rows] = self.layer.finished(out[rows].to(self.device), gated[rows].to(self.device))
-            return out
-        out = self.activations.empty_like(hidden)
+        in_place = self.gated is not None
+        out = self.attended if in_place else self.activations.empty_like(hidden)
         for start, batch in self._batches(hidden):
             out[start:start + batch.shape[0]] = self._run(start, batch)
+        if in_place:
+            self.attended = self.gated = None
         return out
 
     @torch.no_grad()
