@@ -16,6 +16,10 @@ llama.cpp file (``x Q4_0``, ``x Q4_K_M``):
 - ``file GB``: the W4 artifact's directory, the GGUF file.
 - ``prefill tok/s, P-token prompt`` (P: the first of ``--contexts``): the prompt from an empty cache,
   median of ``--repeats`` runs; quantkit in the engine's 512-token chunks, as generation runs it.
+- ``prefill tok/s, P-token prompt, as <class> (emulated)``: quantkit's prefill in a process held to
+  the instruction sets of a CPU class this one is above (``bench_8b_prefill``: without AMX, and an
+  AVX2 desktop), where the runtime multiplies int8 activations by the int4 codes instead of bf16
+  weights on AMX; the llama.cpp columns repeat its prefill on this CPU (not emulated).
 - ``decode tok/s at C``: ``--new-tokens`` greedy steps C positions in, median of ``--repeats``. After
   the first context's prompt, prefilled once (each run drops the previous run's tokens). At later
   contexts llama.cpp prefills the C-token prompt once (half an hour at 8K) and saves its cache in its
@@ -76,6 +80,8 @@ from pathlib import Path
 import click
 import torch
 from quantkit.eval.bench import bench_8b_layer
+from quantkit.eval.bench.bench_8b_prefill import emulated_classes
+from quantkit.eval.bench.bench_8b_prefill import measure as measure_prefill
 from quantkit.eval.bench.bench_gguf_speed import eight_b_slice
 from quantkit.eval.bench.bench_runtime import (
     bench_llamacpp,
@@ -136,8 +142,9 @@ class Measured:
         return self.decode[context] / self.ceiling(context, bandwidth_gb_s)
 
 
-def targets(ours: Measured, q4_0: Measured, bandwidth_gb_s: float) -> list[dict]:
-    """The printed targets, one per context and measure: what, the measured value, the target, met."""
+def targets(ours: Measured, q4_0: Measured, bandwidth_gb_s: float, emulated: list[dict]) -> list[dict]:
+    """The printed targets, one per context and measure (and per emulated CPU class for prefill): what,
+    the measured value, the target, met."""
     rows = []
     for context in ours.decode:
         rows.append({"target": f"decode at {context}: quantkit / llama.cpp Q4_0",
@@ -147,6 +154,10 @@ def targets(ours: Measured, q4_0: Measured, bandwidth_gb_s: float) -> list[dict]
     for prompt in ours.prefill:
         rows.append({"target": f"prefill of {prompt}: quantkit / llama.cpp Q4_0",
                      "measured": ours.prefill[prompt] / q4_0.prefill[prompt], "goal": PREFILL_VS_Q4_0})
+        for run in emulated:
+            rows.append({"target": f"prefill of {prompt} as {run['cpu_class']} (emulated): quantkit / llama.cpp Q4_0 "
+                                   "(llama.cpp on this CPU)",
+                         "measured": run["prefill_tok_s"] / q4_0.prefill[prompt], "goal": PREFILL_VS_Q4_0})
     for row in rows:
         row["met"] = row["measured"] >= row["goal"]
     return rows
@@ -274,9 +285,9 @@ def amx_note(flags: list[str]) -> str:
     held = os.environ.get("ONEDNN_MAX_CPU_ISA")
     return (f"AMX: present ({' '.join(amx)}). quantkit's prefill matmuls (oneDNN bf16) and its fused InfLLM v2 "
             "kernels use it on this CPU; llama.cpp here does not (its AMX path is weight repacking, off). The "
-            "targets must hold without AMX: read prefill and InfLLM v2 here as upper bounds for a CPU without it"
-            + (f" (oneDNN held to ONEDNN_MAX_CPU_ISA={held} in this run)." if held else
-               "; ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 keeps oneDNN (not the fused kernels) off AMX."))
+            "targets must hold without AMX: the emulated prefill rows are quantkit's prefill without it; read "
+            "InfLLM v2 here as an upper bound for a CPU without it"
+            + (f" (oneDNN held to ONEDNN_MAX_CPU_ISA={held} in this run)." if held else "."))
 
 
 @click.command()
@@ -391,6 +402,10 @@ def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibrat
             row["attention"] = "dense (below dense_len)" if sparse.is_dense(context) else "InfLLM v2"
         del engine
         gc.collect()
+    emulated = []
+    for cpu_class in emulated_classes(cpu_flags()):
+        progress(f"{ours.name}: prefill at {first} as {cpu_class} (emulated, a process of its own)")
+        emulated.append(measure_prefill(cpu_class, artifact, layers, first, repeats, threads))
 
     names = [c.name for c in contenders]
     others = contenders[1:]
@@ -403,6 +418,9 @@ def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibrat
     percent = "{:.0%}".format
     rows = [line("file GB", [c.file_bytes / 1e9 for c in contenders])]
     rows.append(line(f"prefill tok/s, {first}-token prompt", [c.prefill[first] for c in contenders]))
+    for run in emulated:
+        rows.append(line(f"prefill tok/s, {first}-token prompt, as {run['cpu_class']} (emulated)",
+                         [run["prefill_tok_s"], *(c.prefill[first] for c in others)]))
     for context in contexts:
         rows.append(line(f"decode tok/s at {context}", [c.decode[context] for c in contenders]))
         rows.append(line(f"MB read per token at {context}", [c.bytes_per_token[context] / 1e6 for c in contenders]))
@@ -435,7 +453,7 @@ def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibrat
                  f"(no prefill); llama.cpp's prefill of that prompt, one run, or its cache loaded from the session "
                  f"file an earlier prefill of the same prompt saved under {out} (by any of the GGUFs: a decode step "
                  f"reads the cached keys and values whatever they hold): {fills}")
-    checked = targets(ours, contenders[1], bandwidth)
+    checked = targets(ours, contenders[1], bandwidth, emulated)
     target_lines = "\n".join(f"  {t['target']}: {t['measured']:.2f} (target >= {t['goal']:g}) "
                              f"{'met' if t['met'] else 'NOT met'}" for t in checked)
     files_table = format_table(["file", "seconds", "peak RSS MB", "GB", ""], files)
@@ -465,6 +483,7 @@ def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibrat
            notes=notes, extra={"bandwidth_gb_s": bandwidth, "long_contexts": list(long_rows.values()),
                                "targets": checked, "ternary_vs_w4": widths, "layer_quantization": layer_results,
                                "cpu_flags": flags, "files": files, "decode_profile": profile,
+                               "prefill_emulated": emulated,
                                "layers": layers, "wall_seconds": elapsed})
 
 

@@ -1,4 +1,5 @@
-"""4-bit linears on the CPU: PyTorch's packed int4 kernel for decode, AMX bf16 matmuls for prefill.
+"""4-bit linears on the CPU: PyTorch's packed int4 kernel for decode; for prefill, bf16 matmuls on AMX,
+or int8 activations times the codes on integer dot products where the CPU has no AMX.
 
 Measured on this machine's Xeon (2 threads; ``python -m quantkit.eval.bench.bench_linear``): for one row,
 ``_weight_int4pack_mm_for_cpu`` streams int4 weights 2.6-3.4x faster than a bf16 GEMV. A few rows use
@@ -15,6 +16,12 @@ codes, group 128, 1 thread, with another process busy on both cores): 0.81 s wit
 0.20 s compiled into a new buffer (0.15 s of it page faults) and 0.067 s into the reused one
 (``OMP_NUM_THREADS=1 python -m quantkit.eval.bench.bench_dequantize``).
 
+Without AMX a bf16 matmul is slow (oneDNN held to AVX-512 BF16: 37 GMAC/s for 512 x 4096 by 4096 x
+4096 on this project's Xeon, against 349 on AMX), so prefill there runs ``int4_int8_matmul``
+(kernels/cpu_ops/int4_int8_ops.cpp): activations quantized to int8 per row and group, exact integer
+sums per group on VNNI (161-174 GMAC/s at MiniCPM4.1-8B's shapes, 2 threads), as llama.cpp's Q4_0 x
+Q8_0 does. ``prefill_kernel`` makes the choice.
+
 The packed kernel computes ``w = (q - 8) * s + z`` per group of 32/64/128/256 input channels with
 bf16 scale and offset; a GPTQ grid ``(q - zero) * s`` is that with ``z = (8 - zero) * s``. Act-order
 (``g_idx`` not monotonic) becomes a column permutation applied to the input; a ragged last group
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import threading
 
 import torch
@@ -106,6 +114,35 @@ def packed_block() -> int | None:
                for p, codes in zip(packed, probes)):
             return block
     return None
+
+
+PREFILL_KERNELS = ("bf16", "int8")
+PREFILL_OVERRIDE = "QUANTKIT_CPU_PREFILL"  # bf16 | int8; unset or "auto": prefill_kernel() chooses
+
+
+def onednn_uses_amx() -> bool:
+    """Whether oneDNN runs bf16 matmuls on AMX here: the CPU has AMX tiles and ONEDNN_MAX_CPU_ISA (if set)
+    does not hold oneDNN below its AMX instruction sets."""
+    limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    return bool(torch.cpu._is_amx_tile_supported()) and (limit in ("ALL", "DEFAULT") or "AMX" in limit)
+
+
+@functools.cache
+def prefill_kernel() -> str:
+    """How an int4 linear multiplies more rows than the packed kernel takes: "bf16" (the bf16 weight on
+    oneDNN) where oneDNN has AMX, else "int8" (``int4_int8_matmul``) when the compiled operators have
+    vector integer dot products, else "bf16". ``QUANTKIT_CPU_PREFILL`` overrides the choice."""
+    chosen = os.environ.get(PREFILL_OVERRIDE, "auto")
+    if chosen not in ("auto", *PREFILL_KERNELS):
+        raise ValueError(f"{PREFILL_OVERRIDE} must be auto, bf16 or int8, got {chosen!r}")
+    ops = cpu_ops.load()
+    if chosen == "int8" and ops is None:
+        raise RuntimeError(f"{PREFILL_OVERRIDE}=int8 needs the compiled CPU operators, which did not build")
+    if chosen != "auto":
+        return chosen
+    if onednn_uses_amx() or ops is None or ops.int4_int8_isa() == "scalar":
+        return "bf16"
+    return "int8"
 
 
 class Int4Linear(PackedLinear):
@@ -199,6 +236,16 @@ class Int4Linear(PackedLinear):
         if self.padded_in != self.in_features:
             x = F.pad(x, (0, self.padded_in - self.in_features))
         return x
+
+    def _dense(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows beyond the packed kernel's: on integer dot products when ``prefill_kernel`` says so (and
+        the packed layout is known), else by the bf16 weight."""
+        if (prefill_kernel() == "int8" and rows.device.type == "cpu" and self.nibbles is None
+                and rows.dtype in (torch.bfloat16, torch.float32)):
+            return cpu_ops.load().int4_int8_matmul(rows.contiguous(), self.packed.view(-1), self.scale_offset_bf16,
+                                                   self.out_features, self.padded_in, self.group_size,
+                                                   packed_block())
+        return super()._dense(rows)
 
     def decode(self, rows: torch.Tensor) -> torch.Tensor | None:
         if rows.dtype != torch.bfloat16:
