@@ -11,7 +11,7 @@ def test_bench_8b_targets():
     q4_0 = Measured("llama.cpp Q4_0", 0, prefill={512: 10.0, 8192: 8.0}, decode={512: 1.6, 8192: 1.25},
                     bytes_per_token={512: 4_500_000_000, 8192: 5_500_000_000})
     assert ours.ceiling(512, 10.0) == 2.5 and ours.share(8192, 10.0) == 0.5
-    emulated = [{"cpu_class": "AVX2 desktop", "prefill_tok_s": 15.0}]
+    emulated = [{"cpu_class": "AVX2 desktop", "prefill_tok_s": 15.0, "decode_tok_s": 1.7}]
     checked = {row["target"]: (round(row["measured"], 6), row["goal"], row["met"])
                for row in targets(ours, q4_0, 10.0, emulated)}
     assert checked == {
@@ -23,11 +23,13 @@ def test_bench_8b_targets():
         "prefill of 512: quantkit / llama.cpp Q4_0": (3.0, 2.0, True),
         "prefill of 512 as AVX2 desktop (emulated): quantkit / llama.cpp Q4_0 (llama.cpp on this CPU)":
             (1.5, 2.0, False),
+        "decode at 512 as AVX2 desktop (emulated): quantkit / llama.cpp Q4_0 (llama.cpp on this CPU)":
+            (1.0625, 1.0, True),
     }
 
 
 def test_bench_8b_emulates_the_cpu_classes_below_this_one():
-    from quantkit.eval.bench.bench_8b_prefill import CPU_CLASSES, emulated_classes
+    from quantkit.eval.bench.bench_8b_emulated import CPU_CLASSES, emulated_classes
 
     without_amx, avx2 = CPU_CLASSES
     assert emulated_classes(["avx2", "avx512f", "amx_tile"]) == [without_amx, avx2]
@@ -35,10 +37,10 @@ def test_bench_8b_emulates_the_cpu_classes_below_this_one():
     assert emulated_classes(["avx2"]) == []
 
 
-def test_bench_8b_prefill_runs_as_an_avx2_desktop(tiny_checkpoint, tmp_path):
+def test_bench_8b_runs_the_runtime_as_an_avx2_desktop(tiny_checkpoint, tmp_path):
     """The emulating process holds oneDNN, PyTorch and quantkit's operators to AVX2, and prefill then
     multiplies int8 activations on the AVX2 build of the integer kernel."""
-    from quantkit.eval.bench.bench_8b_prefill import CPU_CLASSES, measure
+    from quantkit.eval.bench.bench_8b_emulated import CPU_CLASSES, measure
 
     from quantkit.engine import quantize
     from quantkit.recipe import load_recipe
@@ -47,9 +49,9 @@ def test_bench_8b_prefill_runs_as_an_avx2_desktop(tiny_checkpoint, tmp_path):
     quantize(tiny_checkpoint, load_recipe("rtn-w4g128", {"calibration.n_samples": 2, "calibration.seq_len": 32}),
              artifact, progress=False)
     avx2 = list(CPU_CLASSES)[1]
-    run = measure(avx2, artifact, layers=2, prompt_tokens=40, repeats=1, threads=1)
+    run = measure(avx2, artifact, layers=2, prompt_tokens=40, new_tokens=4, repeats=1, threads=1)
     assert (run["prefill_kernel"], run["int8_isa"], run["aten_capability"]) == ("int8", "avx2", "AVX2")
-    assert run["prefill_tok_s"] > 0
+    assert run["prefill_tok_s"] > 0 and run["decode_tok_s"] > 0
 
 
 def test_bench_8b_layer_floor_counts_each_phase_of_an_8b_layer():

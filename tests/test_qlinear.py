@@ -154,18 +154,18 @@ def test_a_cpu_without_onednn_bf16_keeps_nn_linear():
 
 def _dequantize_as_before(module: Int4Linear, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The formula ``Int4Linear._dequantize`` had before it worked in chunks on the packed codes."""
-    pairs = module.scale_offset_bf16.float().repeat_interleave(module.group_size, dim=0)  # [Kp, N, 2]
+    pairs = module.scale_offset_bf16[:, :module.out_features].float().repeat_interleave(module.group_size, dim=0)
     return ((codes.float() - 8) * pairs[..., 0].T + pairs[..., 1].T).to(dtype)
 
 
 @pytest.mark.parametrize("n,k,group_size", [(144, 576, 128), (112, 336, 128), (208, 320, 32), (64, 4096, 128)])
 def test_dequantize_is_the_previous_formula_bit_for_bit(n, k, group_size, monkeypatch):
-    """Row blocks of the packed layout with a smaller last one (144 = 2 x 64 + 16), K = 576 packed as
-    groups of 64 sharing their group-128 scale, K = 336 padded to 384, several chunks of rows."""
+    """A last, partial panel of the layout (144 = 2 x 64 + 16), K = 576 packed as groups of 64 sharing
+    their group-128 scale, K = 336 padded to 384, several chunks of rows."""
     from quantkit.algorithms.rtn import rtn_quantize
     from quantkit.quant import QuantConfig
 
-    monkeypatch.setattr(int4, "DEQUANTIZE_CHUNK", 64 * 64)  # forces chunks of one or a few row blocks
+    monkeypatch.setattr(int4, "DEQUANTIZE_CHUNK", 64 * 64)  # forces chunks of one or a few panels
     generator = torch.Generator().manual_seed(n + k)
     record = rtn_quantize(torch.randn(n, k, generator=generator) * 0.02, QuantConfig(4, group_size, sym=False))
     module = Int4Linear.from_record(record)
@@ -180,33 +180,25 @@ def test_dequantize_is_the_previous_formula_bit_for_bit(n, k, group_size, monkey
                        _dequantize_as_before(module, codes, torch.bfloat16).view(torch.int16))
 
 
-def _pack_rows(codes: torch.Tensor, block: int) -> torch.Tensor:
-    """``_convert_weight_to_int4pack_for_cpu``'s byte layout with row blocks of ``block`` (see _unpack_packed),
-    written out for a block size this CPU's PyTorch does not use."""
-    rows, columns = codes.shape
-    whole, parts = (rows // block * block if block else 0), []
-    if whole:
-        b = codes[:whole].view(whole // block, block, columns).transpose(1, 2)  # [blocks, columns, block]
-        parts.append((b[..., :block // 2] | (b[..., block // 2:] << 4)).reshape(-1))
-    if rows > whole:
-        t = codes[whole:].T  # [columns, tail]
-        parts.append((t[:, 0::2] | (t[:, 1::2] << 4)).reshape(-1))
-    return torch.cat(parts)
+def test_int4_layout_puts_each_code_where_the_kernels_read_it():
+    """Byte 4 r + c of each 256-byte run (a panel of 64 rows, 8 columns) holds row r's codes of columns c
+    (low nibble) and c + 4 (high); rows are padded with code 8 to whole panels; the inverse is exact."""
+    n, k = 80, 24  # two panels, the second with 16 rows; 3 runs of 8 columns
+    codes = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(4), dtype=torch.uint8)
+    packed = int4.int4_layout(codes)
+    assert packed.numel() == 128 * k // 2
+    padded = torch.nn.functional.pad(codes, (0, 0, 0, 128 - n), value=8)
+    for panel, run, row, c in ((0, 0, 0, 0), (0, 2, 63, 3), (1, 1, 5, 2), (1, 2, 40, 1)):
+        byte = int(packed[(panel * k // 8 + run) * 256 + 4 * row + c])
+        code_row = padded[64 * panel + row]
+        assert (byte & 15, byte >> 4) == (int(code_row[8 * run + c]), int(code_row[8 * run + c + 4]))
+    assert torch.equal(int4.codes_of_layout(packed, 128, k), padded)
 
 
-@pytest.mark.parametrize("block", [64, 32, 0])
-def test_compiled_rebuild_reads_every_packed_layout(block):
-    """The AVX-512 layout (64-row blocks), the AVX2 one (32) and none, each with a last smaller block."""
-    n, k, group = 208, 256, 64
-    generator = torch.Generator().manual_seed(block)
-    codes = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
-    pairs = (torch.randn(k // group, n, 2, generator=generator) * 0.01).bfloat16()
-    packed = _pack_rows(codes, block)
-    assert torch.equal(int4._unpack_packed(packed, n, k, block), codes)
-    expected = ((codes.float() - 8) * pairs[..., 0].float().repeat_interleave(group, 0).T
-                + pairs[..., 1].float().repeat_interleave(group, 0).T).bfloat16()
-    got = cpu_ops.load().int4_dequantize_t(packed, pairs, n, k, group, block, torch.empty(n * k, dtype=torch.bfloat16))
-    assert torch.equal(got.t().view(torch.int16), expected.view(torch.int16))
+def _layout(codes: torch.Tensor, pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' codes and scale/offset pairs (rows padded to whole panels) of codes [N, K] and pairs [G, N, 2]."""
+    padding = -codes.shape[0] % int4.PANEL
+    return int4.int4_layout(codes), torch.nn.functional.pad(pairs, (0, 0, 0, padding))
 
 
 def _int8_prefill_reference(x: torch.Tensor, codes: torch.Tensor, pairs: torch.Tensor, group: int) -> torch.Tensor:
@@ -221,30 +213,29 @@ def _int8_prefill_reference(x: torch.Tensor, codes: torch.Tensor, pairs: torch.T
     return quantized @ ((codes.double() - 8) * scales + offsets).T
 
 
-@pytest.mark.parametrize("block", [64, 32, 0])
 @pytest.mark.parametrize("group", [32, 128])
-def test_int8_prefill_is_its_formula_on_every_packed_layout(block, group):
+def test_int8_product_is_its_formula(group):
     """Against the formula in float64: float32 results to float32 rounding, bf16 ones to bf16 rounding;
     208 output rows (a last panel of 16), tiles of rows and a remainder, a row group of zeros."""
     n, k = 208, 512
-    generator = torch.Generator().manual_seed(block + group)
+    generator = torch.Generator().manual_seed(group)
     codes = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
     pairs = (torch.randn(k // group, n, 2, generator=generator) * 0.01).bfloat16()
-    packed = _pack_rows(codes, block)
+    packed, padded_pairs = _layout(codes, pairs)
     ops = cpu_ops.load()
     for m in (1, 7, 13):
         x = torch.randn(m, k, generator=generator).bfloat16()
         x[0, :group] = 0
         expected = _int8_prefill_reference(x, codes, pairs, group)
-        got = ops.int4_int8_matmul(x.float(), packed, pairs, n, k, group, block)
+        got = ops.int4_int8_matmul(x.float(), packed, padded_pairs, n, k, group)
         assert got.dtype == torch.float32
         assert (got.double() - expected).abs().max() <= 1e-6 * expected.abs().max()
-        got = ops.int4_int8_matmul(x, packed, pairs, n, k, group, block)
+        got = ops.int4_int8_matmul(x, packed, padded_pairs, n, k, group)
         assert got.dtype == torch.bfloat16
         assert ((got.double() - expected).abs() <= 2 ** -8 * expected.abs() + 1e-6 * expected.abs().max()).all()
 
 
-def test_int8_prefill_error_is_within_half_an_activation_step():
+def test_int8_product_error_is_within_half_an_activation_step():
     """Against the exact product x W^T: each int8 activation is off by at most alpha / 2, so each output
     by at most sum over groups of alpha / 2 * sum |w| (plus float32 rounding); and for Gaussian rows
     the error's RMS is under 1 % of the output's."""
@@ -253,7 +244,7 @@ def test_int8_prefill_error_is_within_half_an_activation_step():
     codes = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
     pairs = (torch.randn(k // group, n, 2, generator=generator) * 0.01).bfloat16()
     x = torch.randn(9, k, generator=generator)
-    got = cpu_ops.load().int4_int8_matmul(x, _pack_rows(codes, 64), pairs, n, k, group, 64).double()
+    got = cpu_ops.load().int4_int8_matmul(x, *_layout(codes, pairs), n, k, group).double()
     scales, offsets = (pairs[..., i].double().repeat_interleave(group, 0).T for i in (0, 1))
     weight = (codes.double() - 8) * scales + offsets
     exact = x.double() @ weight.T
@@ -285,8 +276,7 @@ def test_prefill_kernel_follows_amx_and_the_override(monkeypatch):
         module = Int4Linear(torch.randint(0, 16, (192, 256), generator=generator, dtype=torch.uint8), scales, offsets,
                             128, 256)
         x = torch.randn(20, 256, generator=generator).bfloat16()
-        expected = cpu_ops.load().int4_int8_matmul(x, module.packed.view(-1), module.scale_offset_bf16, 192, 256, 128,
-                                                   int4.packed_block())
+        expected = cpu_ops.load().int4_int8_matmul(x, module.packed, module.scale_offset_bf16, 192, 256, 128)
         assert torch.equal(module(x), expected) and module._kept is None
         with pytest.raises(ValueError, match="QUANTKIT_CPU_PREFILL"):
             choice(QUANTKIT_CPU_PREFILL="vnni")
@@ -294,7 +284,7 @@ def test_prefill_kernel_follows_amx_and_the_override(monkeypatch):
         int4.prefill_kernel.cache_clear()
 
 
-def test_int8_prefill_built_for_an_avx2_cpu_computes_the_same(tmp_path):
+def test_int8_product_built_for_an_avx2_cpu_computes_the_same(tmp_path):
     """The AVX2 path (no AVX-512, no VNNI: many desktops) built with QUANTKIT_CPU_MARCH=haswell and run in
     a process of its own gives the native build's results to float32 rounding."""
     import subprocess
@@ -307,12 +297,12 @@ def test_int8_prefill_built_for_an_avx2_cpu_computes_the_same(tmp_path):
     codes = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
     pairs = (torch.randn(k // group, n, 2, generator=generator) * 0.01).bfloat16()
     x = torch.randn(13, k, generator=generator)
-    packed = _pack_rows(codes, 32)
-    save_file({"x": x, "packed": packed, "pairs": pairs}, tmp_path / "inputs.safetensors")
+    packed, padded_pairs = _layout(codes, pairs)
+    save_file({"x": x, "packed": packed, "pairs": padded_pairs}, tmp_path / "inputs.safetensors")
     script = (f"import torch; from safetensors.torch import load_file, save_file; from quantkit.kernels import cpu_ops;"
               f"t = load_file({str(tmp_path / 'inputs.safetensors')!r}); ops = cpu_ops.load(); "
               f"assert ops.int4_int8_isa() == 'avx2', ops.int4_int8_isa(); "
-              f"save_file({{'y': ops.int4_int8_matmul(t['x'], t['packed'], t['pairs'], {n}, {k}, {group}, 32)}}, "
+              f"save_file({{'y': ops.int4_int8_matmul(t['x'], t['packed'], t['pairs'], {n}, {k}, {group})}}, "
               f"{str(tmp_path / 'y.safetensors')!r})")
     done = subprocess.run([sys.executable, "-c", script], env={**os.environ, cpu_ops.MARCH_OVERRIDE: "haswell"},
                           capture_output=True, text=True, timeout=600)
@@ -353,7 +343,10 @@ def test_a_loaded_runtime_holds_each_int4_weight_once(tiny_checkpoint_factory, t
     tokens = torch.arange(12)[None]
     with torch.inference_mode():
         before = model(tokens).logits
-    quantized_bytes = sum(m.weight_bytes for m in model.modules() if isinstance(m, Int4Linear))
+    def bytes_of_rows(modules):  # codes and scale/offset pairs of the real rows (the layout pads each module's)
+        return sum(m.out_features * (m.padded_in // 2 + 4 * m.padded_in // m.group_size) for m in modules)
+
+    quantized_bytes = bytes_of_rows(m for m in model.modules() if isinstance(m, Int4Linear))
     runtime = RuntimeModel(model, make_attention(None))
     layer = model.model.layers[0]
     parts = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
@@ -364,7 +357,7 @@ def test_a_loaded_runtime_holds_each_int4_weight_once(tiny_checkpoint_factory, t
     for module in modules:
         held = sum(b.numel() * b.element_size() for name, b in module.named_buffers() if name != "bias")
         assert held == module.weight_bytes  # the packed codes and the bf16 scale/offset pairs, nothing else
-    assert sum(m.weight_bytes for m in modules) == quantized_bytes
+    assert bytes_of_rows(modules) == quantized_bytes
     with torch.inference_mode():
         assert torch.equal(model(tokens).logits, before)
     again = RuntimeModel(model, make_attention(None))  # a second runtime on the model reuses the fused modules

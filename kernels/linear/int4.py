@@ -1,31 +1,27 @@
-"""4-bit linears on the CPU: PyTorch's packed int4 kernel for decode; for prefill, bf16 matmuls on AMX,
-or int8 activations times the codes on integer dot products where the CPU has no AMX.
+"""4-bit linears on the CPU: int8 activations times the 4-bit codes on integer dot products for decode,
+speculative verification and (without AMX) prefill; with AMX, prefill multiplies the bf16 weight.
 
-Measured on this machine's Xeon (2 threads; ``python -m quantkit.eval.bench.bench_linear``): for one row,
-``_weight_int4pack_mm_for_cpu`` streams int4 weights 2.6-3.4x faster than a bf16 GEMV. A few rows use
-the packed kernel and more rows multiply by the bf16 dequantized weight (``PackedLinear``; kept when
-``keep_dequantized``, else rebuilt from the packed codes on each call).
+``int4_int8_matmul`` (kernels/cpu_ops/int4_int8_ops.cpp) quantizes the activations to int8 per row and
+weight group and sums each group's products with the codes exactly in int32 (VPDPBUSD on AVX-512 VNNI,
+AVX-VNNI, or AVX2's multiply-add pairs), as llama.cpp's Q4_0 x Q8_0 does. The codes are stored in the
+order that instruction reads them (``int4_layout``), so a decode step splits nibbles and multiplies,
+nothing more. At MiniCPM4.1-8B's gate_up [32768, 4096], 2 threads, this project's Xeon (scratch
+measurement, median of 9): one row 3.9 ms (18 GB/s of codes) against 5.7 ms for PyTorch's packed int4
+kernel, which it replaced; four rows (a speculative chain's verification) cost what one does; built
+for AVX2 (``QUANTKIT_CPU_MARCH=haswell``) 6.0 ms against PyTorch's AVX2 kernel's 11.6 ms. Its error
+against the exact product is bounded (each activation is off by at most alpha / 2; tests/test_qlinear.py).
 
-A module holds its codes once, in the packed kernel's layout (``_unpack_packed`` reads them back
-exactly), and its scale/offset pairs in bf16. A weight rebuilt for one call (a model too large to keep
-them) is written by the compiled ``int4_dequantize_t`` (kernels/cpu_ops/int4_ops.cpp) into a buffer each
-thread reuses; without the compiled operators, PyTorch's elementwise operators build it on chunks of
-rows viewed as [rows, groups, group size], each group's scale and offset broadcast. Both are
-bit-identical to the formula (tests/test_qlinear.py). At MiniCPM4.1-8B's gate_up [32768, 4096] (random
-codes, group 128, 1 thread, with another process busy on both cores): 0.81 s with PyTorch's operators,
-0.20 s compiled into a new buffer (0.15 s of it page faults) and 0.067 s into the reused one
-(``OMP_NUM_THREADS=1 python -m quantkit.eval.bench.bench_dequantize``).
+Prefill (more rows than ``PackedLinear``'s decode rows): ``prefill_kernel`` chooses. With AMX a bf16
+matmul is faster (oneDNN: 350-590 GMAC/s for 512 x 4096 by 4096 x 4096 here), so prefill multiplies
+by the dequantized weight (kept when ``keep_dequantized``, else rebuilt on each call by the compiled
+``int4_dequantize_t``, kernels/cpu_ops/int4_ops.cpp, into a buffer each thread reuses; without the
+compiled operators PyTorch's elementwise operators build it in chunks of rows). Without AMX (oneDNN
+held to AVX-512 BF16: 37-67 GMAC/s) prefill runs the integer kernel (110-180 GMAC/s).
 
-Without AMX a bf16 matmul is slow (oneDNN held to AVX-512 BF16: 37 GMAC/s for 512 x 4096 by 4096 x
-4096 on this project's Xeon, against 349 on AMX), so prefill there runs ``int4_int8_matmul``
-(kernels/cpu_ops/int4_int8_ops.cpp): activations quantized to int8 per row and group, exact integer
-sums per group on VNNI (161-174 GMAC/s at MiniCPM4.1-8B's shapes, 2 threads), as llama.cpp's Q4_0 x
-Q8_0 does. ``prefill_kernel`` makes the choice.
-
-The packed kernel computes ``w = (q - 8) * s + z`` per group of 32/64/128/256 input channels with
-bf16 scale and offset; a GPTQ grid ``(q - zero) * s`` is that with ``z = (8 - zero) * s``. Act-order
-(``g_idx`` not monotonic) becomes a column permutation applied to the input; a ragged last group
-(K = 576 with group 128) is packed in smaller groups that repeat its scale.
+The weight is ``w = (q - 8) * s + z`` per group of 32/64/128/256 input channels with bf16 scale and
+offset; a GPTQ grid ``(q - zero) * s`` is that with ``z = (8 - zero) * s``. Act-order (``g_idx`` not
+monotonic) becomes a column permutation applied to the input; a ragged last group (K = 576 with group
+128) is packed in smaller groups that repeat its scale.
 """
 from __future__ import annotations
 
@@ -41,8 +37,8 @@ from quantkit.kernels.linear.packed import PackedLinear, fused_bias
 
 from quantkit.quant import QuantizedTensor
 
-PACK_GROUP_SIZES = (256, 128, 64, 32)  # what the packed kernel accepts, largest first
-INNER_K_TILES = 2
+PACK_GROUP_SIZES = (256, 128, 64, 32)  # the groups a module packs, largest first
+PANEL = 64  # output rows per panel of the codes' layout (kernels/cpu_ops/int4_int8_ops.cpp)
 
 
 def pack_group_size(group_size: int, in_features: int) -> int:
@@ -61,30 +57,22 @@ def pack_group_size(group_size: int, in_features: int) -> int:
 DEQUANTIZE_CHUNK = 1 << 20
 
 
-def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+def int4_layout(codes: torch.Tensor) -> torch.Tensor:
+    """codes uint8 [N, K] (K a multiple of 8) as the kernels read them: rows padded with code 8 to a
+    multiple of 64; for each panel of 64 rows and each 8 columns, 256 bytes where byte 4 r + c holds row
+    r's code of column c (low nibble) and of column c + 4 (high nibble)."""
+    n, k = codes.shape
+    padded = -(-n // PANEL) * PANEL
+    codes = F.pad(codes.to(torch.uint8), (0, 0, 0, padded - n), value=8)
+    by_word = codes.view(padded // PANEL, PANEL, k // 8, 2, 4).permute(0, 2, 1, 4, 3)  # panel, 8 columns, row, c, half
+    return (by_word[..., 0] | (by_word[..., 1] << 4)).contiguous().view(-1)
 
 
-def _unpack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
-    return torch.stack((nibbles & 15, nibbles >> 4), dim=-1).flatten(1)
-
-
-def _unpack_packed(packed: torch.Tensor, rows: int, columns: int, block: int) -> torch.Tensor:
-    """codes uint8 [rows, columns] from bytes of ``_convert_weight_to_int4pack_for_cpu``'s layout (the first
-    row a multiple of ``block``): whole blocks of ``block`` rows are bytes [columns, block / 2], the low
-    nibbles rows 0..block/2-1 and the high ones the rest (aten/src/ATen/native/cpu/int4mm_kernel.cpp,
-    ``weight_to_int4pack_kernel``: block 64 with AVX-512, 32 with AVX2); a last, smaller block (or every
-    row without either, ``block`` 0) is bytes [columns, rows / 2] pairing rows 2i (low) and 2i + 1."""
-    flat = packed.reshape(-1)
-    whole = rows // block * block if block else 0
-    parts = []
-    if whole:
-        b = flat[:whole * columns // 2].view(whole // block, columns, block // 2)
-        parts.append(torch.cat((b & 15, b >> 4), dim=-1).transpose(1, 2).reshape(whole, columns))
-    if rows > whole:
-        b = flat[whole * columns // 2:].view(columns, (rows - whole) // 2)
-        parts.append(torch.stack((b & 15, b >> 4), dim=-1).view(columns, rows - whole).T)
-    return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+def codes_of_layout(packed: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """``int4_layout``'s inverse: codes uint8 [rows, columns] from the bytes of ``rows`` (a multiple of 64)."""
+    words = packed.view(rows // PANEL, columns // 8, PANEL, 4)
+    halves = torch.stack((words & 15, words >> 4), dim=-2)  # panel, 8 columns, row, half, c
+    return halves.permute(0, 2, 1, 3, 4).reshape(rows, columns)
 
 
 _scratch = threading.local()
@@ -101,21 +89,6 @@ def _workspace(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return buffer[:numel]
 
 
-@functools.cache
-def packed_block() -> int | None:
-    """The row block of this PyTorch's CPU int4 layout (64, 32 or 0, see ``_unpack_packed``), found by
-    packing random codes (whole blocks and a smaller last one) and unpacking them; None when no known
-    layout matches: modules then keep their codes as nibbles too."""
-    generator = torch.Generator().manual_seed(0)
-    probes = [torch.randint(0, 16, shape, generator=generator, dtype=torch.int32) for shape in ((144, 64), (112, 128))]
-    packed = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INNER_K_TILES) for codes in probes]
-    for block in (64, 32, 0):
-        if all(torch.equal(_unpack_packed(p, *codes.shape, block), codes.to(torch.uint8))
-               for p, codes in zip(packed, probes)):
-            return block
-    return None
-
-
 PREFILL_KERNELS = ("bf16", "int8")
 PREFILL_OVERRIDE = "QUANTKIT_CPU_PREFILL"  # bf16 | int8; unset or "auto": prefill_kernel() chooses
 
@@ -129,9 +102,9 @@ def onednn_uses_amx() -> bool:
 
 @functools.cache
 def prefill_kernel() -> str:
-    """How an int4 linear multiplies more rows than the packed kernel takes: "bf16" (the bf16 weight on
-    oneDNN) where oneDNN has AMX, else "int8" (``int4_int8_matmul``) when the compiled operators have
-    vector integer dot products, else "bf16". ``QUANTKIT_CPU_PREFILL`` overrides the choice."""
+    """How an int4 linear multiplies more rows than its decode rows: "bf16" (the bf16 weight on oneDNN)
+    where oneDNN has AMX, else "int8" (``int4_int8_matmul``) when the compiled operators have vector
+    integer dot products, else "bf16". ``QUANTKIT_CPU_PREFILL`` overrides the choice."""
     chosen = os.environ.get(PREFILL_OVERRIDE, "auto")
     if chosen not in ("auto", *PREFILL_KERNELS):
         raise ValueError(f"{PREFILL_OVERRIDE} must be auto, bf16 or int8, got {chosen!r}")
@@ -156,11 +129,12 @@ class Int4Linear(PackedLinear):
         super().__init__()
         self.out_features, self.padded_in = codes.shape
         self.in_features, self.group_size = in_features, group_size
-        # one copy of the codes: the packed kernel's, which ``_codes`` unpacks (nibbles only when the
-        # layout is unknown); the scale/offset pairs in bf16, all that the kernel and ``_dequantize`` read
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), INNER_K_TILES))
-        self.register_buffer("nibbles", _pack_nibbles(codes) if packed_block() is None else None)
-        self.register_buffer("scale_offset_bf16", torch.stack((scales, offsets), dim=-1).bfloat16())
+        # one copy of the codes, in the kernels' layout (``_codes`` reads them back), rows padded to the
+        # layout's panels; the scale/offset pairs in bf16 [G, padded rows, 2], zero for padding rows
+        self.register_buffer("packed", int4_layout(codes))
+        padding = self.packed.numel() * 2 // self.padded_in - self.out_features
+        self.register_buffer("scale_offset_bf16", F.pad(torch.stack((scales, offsets), dim=-1), (0, 0, 0, padding))
+                             .bfloat16())
         self.register_buffer("perm", perm)
         self.register_buffer("bias", None if bias is None else bias.float())
         self.keep_dequantized = keep_dequantized
@@ -190,39 +164,38 @@ class Int4Linear(PackedLinear):
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes a decode step reads: the packed codes and the bf16 scale/offset pairs."""
+        """Bytes a decode step reads: the codes and the bf16 scale/offset pairs."""
         return self.packed.numel() * self.packed.element_size() + self.scale_offset_bf16.numel() * 2
 
+    @property
+    def padded_out(self) -> int:
+        return self.scale_offset_bf16.shape[1]
+
     def _codes(self, start: int = 0, end: int | None = None) -> torch.Tensor:
-        """The codes uint8 [end - start, Kp] of rows start..end (``start`` a multiple of ``packed_block()``)."""
+        """The codes uint8 [end - start, Kp] of rows start..end (``start`` a multiple of ``PANEL``)."""
         end = self.out_features if end is None else end
-        if self.nibbles is not None:
-            return _unpack_nibbles(self.nibbles[start:end])
+        stop = min(self.padded_out, -(-end // PANEL) * PANEL)
         width = self.padded_in // 2
-        return _unpack_packed(self.packed.view(-1)[start * width:end * width], end - start, self.padded_in,
-                              packed_block())
+        return codes_of_layout(self.packed[start * width:stop * width], stop - start, self.padded_in)[:end - start]
 
     def _rebuilt(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight for one call, in this thread's reused buffer where the compiled operator writes it."""
-        return self._dequantize(dtype, into=_workspace(self.out_features * self.padded_in, dtype))
+        return self._dequantize(dtype, into=_workspace(self.padded_out * self.padded_in, dtype))
 
     def _dequantize(self, dtype: torch.dtype, into: torch.Tensor | None = None) -> torch.Tensor:
-        """W [N, Kp] as the packed kernel computes it: (q - 8) * s + z in float32 with its bf16 scale and
-        offset (the product is exact, the sum rounds once), then rounded to ``dtype``. In bf16 on a CPU
-        with the compiled operators, ``int4_dequantize_t`` writes it transposed (into ``into`` if given,
-        a flat buffer of N x Kp; the result is a transposed view); otherwise PyTorch works on chunks of
-        rows, each group's scale and offset broadcast over its columns. Both give the same bits
-        (tests/test_qlinear.py)."""
+        """W [N, Kp]: (q - 8) * s + z in float32 with the bf16 scale and offset (the product is exact, the
+        sum rounds once), then rounded to ``dtype``. In bf16 on a CPU with the compiled operators,
+        ``int4_dequantize_t`` writes it transposed (into ``into`` if given, a flat buffer of padded rows x
+        Kp; the result is a transposed view); otherwise PyTorch works on chunks of rows, each group's scale
+        and offset broadcast over its columns. Both give the same bits (tests/test_qlinear.py)."""
         n, width, size = self.out_features, self.padded_in, self.group_size
         ops = cpu_ops.load() if dtype == torch.bfloat16 and self.packed.device.type == "cpu" else None
-        if ops is not None and self.nibbles is None:
-            out = torch.empty(n * width, dtype=dtype) if into is None else into
-            return ops.int4_dequantize_t(self.packed.view(-1), self.scale_offset_bf16, n, width, size, packed_block(),
-                                         out).t()
+        if ops is not None:
+            out = torch.empty(self.padded_out * width, dtype=dtype) if into is None else into
+            return ops.int4_dequantize_t(self.packed, self.scale_offset_bf16, width, size, out).t()[:n]
         scales, offsets = (self.scale_offset_bf16[..., i].T.float()[..., None] for i in (0, 1))  # [N, G, 1]
         out = torch.empty(n, width, dtype=dtype, device=self.packed.device)
-        block = packed_block() or 2
-        step = max(block, DEQUANTIZE_CHUNK // width // block * block)
+        step = max(PANEL, DEQUANTIZE_CHUNK // width // PANEL * PANEL)
         for start in range(0, n, step):
             end = min(n, start + step)
             codes = self._codes(start, end).view(end - start, -1, size).float().sub_(8)
@@ -237,20 +210,23 @@ class Int4Linear(PackedLinear):
             x = F.pad(x, (0, self.padded_in - self.in_features))
         return x
 
-    def _dense(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows beyond the packed kernel's: on integer dot products when ``prefill_kernel`` says so (and
-        the packed layout is known), else by the bf16 weight."""
-        if (prefill_kernel() == "int8" and rows.device.type == "cpu" and self.nibbles is None
-                and rows.dtype in (torch.bfloat16, torch.float32)):
-            return cpu_ops.load().int4_int8_matmul(rows.contiguous(), self.packed.view(-1), self.scale_offset_bf16,
-                                                   self.out_features, self.padded_in, self.group_size,
-                                                   packed_block())
-        return super()._dense(rows)
+    def _integer_product(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """rows W^T by ``int4_int8_matmul`` for bf16 rows on the CPU when the operators are compiled, else None
+        (float32 rows, what the evaluation's engines run, keep the exact product of the dequantized weight)."""
+        ops = cpu_ops.load() if rows.dtype == torch.bfloat16 and rows.device.type == "cpu" else None
+        if ops is None:
+            return None
+        return ops.int4_int8_matmul(rows.contiguous(), self.packed, self.scale_offset_bf16, self.out_features,
+                                    self.padded_in, self.group_size)
 
     def decode(self, rows: torch.Tensor) -> torch.Tensor | None:
-        if rows.dtype != torch.bfloat16:
-            return None
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scale_offset_bf16)
+        return self._integer_product(rows)
+
+    def _dense(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows beyond the decode rows: on integer dot products when ``prefill_kernel`` says so, else by the
+        bf16 weight."""
+        out = self._integer_product(rows) if prefill_kernel() == "int8" else None
+        return super()._dense(rows) if out is None else out
 
     @classmethod
     def fuse(cls, modules: list["Int4Linear"]) -> "Int4Linear | None":
@@ -264,6 +240,6 @@ class Int4Linear(PackedLinear):
         if not fusable:
             return None
         codes = torch.cat([m._codes() for m in modules])
-        pairs = torch.cat([m.scale_offset_bf16 for m in modules], dim=1).float()
+        pairs = torch.cat([m.scale_offset_bf16[:, :m.out_features] for m in modules], dim=1).float()
         return cls(codes, pairs[..., 0], pairs[..., 1], first.group_size, first.in_features, None, bias,
                    first.keep_dequantized)

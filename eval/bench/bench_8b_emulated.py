@@ -1,4 +1,5 @@
-"""quantkit's prefill at MiniCPM4.1-8B's shape as a CPU of another class runs it, emulated on this one.
+"""quantkit's prefill and decode at MiniCPM4.1-8B's shape as a CPU of another class runs them, emulated
+on this one.
 
 ``make bench-8b`` measures the runtime on the CPU it has. The targets must also hold on CPUs without
 AMX, and on desktops without AVX-512, so it runs this command once per class in ``CPU_CLASSES``, each
@@ -8,10 +9,11 @@ each library to what such a CPU has: oneDNN (``ONEDNN_MAX_CPU_ISA``), PyTorch's 
 class). The emulation is of instruction sets only: clock, caches and memory stay this machine's.
 
 Prints one JSON line: the prompt's tokens per second (median of ``--repeats`` prefills from an empty
-cache, as bench_8b's own prefill row), the prefill kernel the runtime chose and the instruction set
-of the compiled integer kernel.
+cache) and the decode's after it (``--new-tokens`` greedy steps, median of ``--repeats``), as bench_8b's
+own rows; the prefill kernel the runtime chose, the instruction set of the compiled integer kernel and
+PyTorch's.
 
-    python -m quantkit.eval.bench.bench_8b_prefill --artifact out/bench-8b/w4-rtn-w4g128-32-layer --layers 32
+    python -m quantkit.eval.bench.bench_8b_emulated --artifact out/bench-8b/w4-rtn-w4g128-32-layer --layers 32
 """
 from __future__ import annotations
 
@@ -36,15 +38,16 @@ def emulated_classes(flags: list[str]) -> list[str]:
     return [name for name, (_, above) in CPU_CLASSES.items() if above in flags]
 
 
-def measure(cpu_class: str, artifact: Path, layers: int, prompt_tokens: int, repeats: int, threads: int) -> dict:
+def measure(cpu_class: str, artifact: Path, layers: int, prompt_tokens: int, new_tokens: int, repeats: int,
+            threads: int) -> dict:
     """This module's command in a process with ``cpu_class``'s environment; its result."""
     environment, _ = CPU_CLASSES[cpu_class]
-    command = [sys.executable, "-m", "quantkit.eval.bench.bench_8b_prefill", "--artifact", str(artifact),
-               "--layers", str(layers), "--prompt-tokens", str(prompt_tokens), "--repeats", str(repeats),
-               "--threads", str(threads)]
+    command = [sys.executable, "-m", "quantkit.eval.bench.bench_8b_emulated", "--artifact", str(artifact),
+               "--layers", str(layers), "--prompt-tokens", str(prompt_tokens), "--new-tokens", str(new_tokens),
+               "--repeats", str(repeats), "--threads", str(threads)]
     done = subprocess.run(command, env={**os.environ, **environment}, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"prefill as {cpu_class} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"the runtime as {cpu_class} failed:\n{done.stderr[-3000:]}")
     return {"cpu_class": cpu_class, "environment": environment, **json.loads(done.stdout.strip().splitlines()[-1])}
 
 
@@ -52,10 +55,11 @@ def measure(cpu_class: str, artifact: Path, layers: int, prompt_tokens: int, rep
 @click.option("--artifact", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--layers", required=True, type=int, help="Decoder layers of the artifact (32: the whole model).")
 @click.option("--prompt-tokens", default=512, show_default=True)
+@click.option("--new-tokens", default=32, show_default=True, help="Decode steps per timed run.")
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--threads", default=2, show_default=True)
-def main(artifact, layers, prompt_tokens, repeats, threads):
-    """Prefill tok/s of ``artifact`` in this process's instruction sets, as one JSON line."""
+def main(artifact, layers, prompt_tokens, new_tokens, repeats, threads):
+    """Prefill and decode tok/s of ``artifact`` in this process's instruction sets, as one JSON line."""
     import torch
     from quantkit.eval.bench.bench_8b import as_full_model, random_prompt
     from quantkit.eval.bench.bench_runtime import bench_quantkit
@@ -67,9 +71,9 @@ def main(artifact, layers, prompt_tokens, repeats, threads):
     with as_full_model(layers):
         engine = load_engine(artifact, sparse="off")
     prompt = random_prompt(prompt_tokens, engine.runtime.config.vocab_size, seed=prompt_tokens)
-    _, rate, _ = bench_quantkit(artifact, prompt, 1, 1, engine=engine, prefill_repeats=repeats)
+    _, prefill, decode = bench_quantkit(artifact, prompt, new_tokens, repeats, engine=engine)
     ops = cpu_ops.load()
-    click.echo(json.dumps({"prefill_tok_s": rate, "prefill_kernel": prefill_kernel(),
+    click.echo(json.dumps({"prefill_tok_s": prefill, "decode_tok_s": decode, "prefill_kernel": prefill_kernel(),
                            "int8_isa": ops.int4_int8_isa() if ops else None,
                            "aten_capability": torch.backends.cpu.get_cpu_capability()}))
 
