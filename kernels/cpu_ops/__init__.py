@@ -2,13 +2,14 @@
 
 Each replaces a run of small PyTorch operators whose dispatch costs more than their arithmetic at
 one token (see decode_ops.cpp), or is a kernel PyTorch lacks: ``ternary_gemv``, the ternary linear's
-decode path (kernels/linear/ternary.py), ``int4_dequantize_t``, an int4 linear's bf16 weight rebuilt
-for a prefill chunk (int4_ops.cpp, kernels/linear/int4.py), ``int4_int8_matmul``, that prefill on integer
-dot products for CPUs without AMX (int4_int8_ops.cpp), and InfLLM v2's stages reading the bf16
-caches in place (infllm_ops.cpp, used by kernels/infllm/cpu.py). One serves the quantization engine:
-``bf16_gram_accumulate``, the Hessian update XᵀX of bf16 activations with float32 sums (gram_ops.cpp,
-used by quantkit/stats.py). ``load()`` returns None when no compiler is
-available, and the runtime then uses the PyTorch operators, which are also the specification the tests compare with.
+decode path (kernels/linear/ternary.py), ``int4_int8_matmul``, an int4 linear's product on integer dot
+products (decode, verification, prefill without AMX: int4_int8_ops.cpp, kernels/linear/int4.py),
+``int4_dequantize_t``, its bf16 weight rebuilt for a prefill chunk on AMX (int4_ops.cpp), and InfLLM
+v2's stages reading the bf16 caches in place (infllm_ops.cpp, used by kernels/infllm/cpu.py). One
+serves the quantization engine: ``bf16_gram_accumulate``, the Hessian update XᵀX of bf16 activations
+with float32 sums (gram_ops.cpp, used by quantkit/stats.py). ``load()`` returns None when no compiler
+is available, and the runtime then uses the PyTorch operators, which are also the specification the
+tests compare with.
 """
 from __future__ import annotations
 

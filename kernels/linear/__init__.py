@@ -7,12 +7,13 @@ its grid calls for:
 | backend     | 4-bit uniform grid (gptq, awq, marlin, cpmcu)     | anything else (2/3/8-bit, GGUF types) |
 |-------------|---------------------------------------------------|---------------------------------------|
 | "reference" | float32 dequantized weight (what the file means)   | same                                  |
-| "cpu"       | ``Int4Linear``: packed int4 decode, bf16 prefill   | ternary: see [1]; others: bf16 dequantized weight |
+| "cpu"       | ``Int4Linear``: int8 x int4 dot products [3]       | ternary: see [1]; others: bf16 dequantized weight |
 | "triton"    | see [2]                                           | bf16 dequantized weight               |
 
 [1] ``TernaryLinear`` on the stored bit planes.
 [2] the stored tensors of Marlin (``TritonMarlinLinear``) and AWQ artifacts; ``TritonW4A16Linear`` over
     the GPTQ layout for the others.
+[3] decode, verification, and prefill without AMX; prefill with AMX multiplies the bf16 weight.
 """
 from __future__ import annotations
 
