@@ -41,7 +41,10 @@ inline IntVec zero_int() { return _mm512_setzero_si512(); }
 inline IntVec low_nibbles(IntVec v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
 inline IntVec high_nibbles(IntVec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
 inline IntVec broadcast_word(const int8_t* p) { int32_t w; std::memcpy(&w, p, 4); return _mm512_set1_epi32(w); }
-inline IntVec dot_add(IntVec acc, IntVec codes, IntVec activations) { return _mm512_dpbusd_epi32(acc, codes, activations); }
+// acc + the dot products of each 32-bit lane's 4 codes of ``low`` with ``a`` and of ``high`` with ``b``
+inline IntVec dot_add(IntVec acc, IntVec low, IntVec a, IntVec high, IntVec b) {
+  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, low, a), high, b);
+}
 inline FloatVec low_bf16(IntVec v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
 inline FloatVec high_bf16(IntVec v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(kHighHalf)))); }
 inline FloatVec to_float(IntVec v) { return _mm512_cvtepi32_ps(v); }
@@ -61,10 +64,14 @@ inline IntVec low_nibbles(IntVec v) { return _mm256_and_si256(v, _mm256_set1_epi
 inline IntVec high_nibbles(IntVec v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
 inline IntVec broadcast_word(const int8_t* p) { int32_t w; std::memcpy(&w, p, 4); return _mm256_set1_epi32(w); }
 #if defined(__AVXVNNI__)
-inline IntVec dot_add(IntVec acc, IntVec codes, IntVec activations) { return _mm256_dpbusd_avx_epi32(acc, codes, activations); }
-#else  // pairs of products in int16 (at most 2 x 15 x 127: no saturation), then pairs of those in int32
-inline IntVec dot_add(IntVec acc, IntVec codes, IntVec activations) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, activations), _mm256_set1_epi16(1)));
+inline IntVec dot_add(IntVec acc, IntVec low, IntVec a, IntVec high, IntVec b) {
+  return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, low, a), high, b);
+}
+#else  // pairs of products in int16 (each at most 2 x 15 x 127), both halves' added in int16 (at most
+       // 7,620: no saturation), then pairs of those in int32: 5 instructions per 64 products, not 6
+inline IntVec dot_add(IntVec acc, IntVec low, IntVec a, IntVec high, IntVec b) {
+  const IntVec pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low, a), _mm256_maddubs_epi16(high, b));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 #endif
 inline FloatVec low_bf16(IntVec v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
@@ -135,7 +142,7 @@ void tile(const Activations& x, int64_t m0, int64_t g, const uint8_t* codes, con
       for (int v = 0; v < kVectors; ++v) {
         const IntVec bytes = load_int(pair + v * kLanes * 4);
         const IntVec low = low_nibbles(bytes), high = high_nibbles(bytes);
-        for (int r = 0; r < Rows; ++r) acc[r][v] = dot_add(dot_add(acc[r][v], low, first_four[r]), high, next_four[r]);
+        for (int r = 0; r < Rows; ++r) acc[r][v] = dot_add(acc[r][v], low, first_four[r], high, next_four[r]);
       }
     }
     for (int r = 0; r < Rows; ++r) {
