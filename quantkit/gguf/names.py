@@ -61,9 +61,14 @@ def gguf_name(minicpm_key: str) -> str:
 def permute_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     """llama.cpp's q/k permutation: per head, rows [first half, second half] (rotate_half rope)
     -> interleaved pairs (GGML's normal rope)."""
+    return permuted_view(weight, n_heads).reshape(weight.shape)
+
+
+def permuted_view(weight, n_heads: int):
+    """``permute_rows`` without its copy, of a tensor or a NumPy array: a view [heads, rows / heads / 2,
+    2, ...] whose elements in row-major order are the permuted weight's."""
     rows = weight.shape[0]
-    return (weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:])
-            .transpose(1, 2).reshape(weight.shape))
+    return weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:]).swapaxes(1, 2)
 
 
 def unpermute_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -32,6 +32,11 @@ class TensorType:
     # faster: quantize_fast runs it wherever llama-cpp-python's libggml loads
     ggml_quantizes: bool = False
 
+    @property
+    def quantized_by_ggml(self) -> bool:
+        """Whether ``quantize_fast`` runs ggml's quantizer here (which makes no temporaries)."""
+        return self.ggml_quantizes and native.load_libggml() is not None
+
     def quantize_fast(self, x: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
         """``quantize_with(x, importance)``'s bytes for whole rows x, by ggml's own quantizer where this
         type has it and the library loads (native.py), else by the NumPy codec."""
