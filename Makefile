@@ -46,7 +46,7 @@ help:
 	@echo "make bench-runtime  quantkit's runtime (W4) vs transformers fp32/bf16 and llama.cpp Q4_0, decode and prefill; InfLLM v2 vs dense attention"
 	@echo "make eval-sparse  InfLLM v2 on MODEL with a scaled-down SPARSE_CONFIG: perplexity vs dense, needle retrieval"
 	@echo "make bench-scale  the marlin recipe on an 8B-shaped random MiniCPM4.1 checkpoint: time, memory, projection"
-	@echo "make bench-8b   an 8B layer quantized with 128 x 2048 tokens vs its floor; quantkit's runtime vs llama.cpp Q4_0/Q4_K_M on an 8B-shaped random checkpoint: decode, prefill, InfLLM v2 at 32K/64K, ternary (hours; BENCH_8B_ARGS='--layers 2')"
+	@echo "make bench-8b   an 8B layer quantized with 128 x 2048 tokens vs its floor; quantkit's runtime vs llama.cpp Q4_0/Q4_K_M on an 8B-shaped random checkpoint: decode, prefill, InfLLM v2 at 32K/64K, ternary; CPU classes below this one emulated, beside llama.cpp built for them (hours; BENCH_8B_ARGS='--layers 2')"
 	@echo "make bench-hessian  the Hessian update of bf16 activations at 8B widths: compiled kernel (AMX / AVX-512 BF16) vs PyTorch (minutes)"
 	@echo "make bench-qat  ternary QAT (CE only, distilled) vs RTN/GPTQ ternary, GPTQ W2 g32 and W4 on the default model: curve, cost, targets (hours; BENCH_QAT_ARGS='--reuse --with-init')"
 	@echo "make bench-spec EAGLE-3 heads on the default model: tau over FP/W4 targets x FP/re-aligned heads, decode speed-up (about 2 hours; BENCH_SPEC_ARGS='--reuse')"

@@ -16,11 +16,6 @@ llama.cpp file (``x Q4_0``, ``x Q4_K_M``):
 - ``file GB``: the W4 artifact's directory, the GGUF file.
 - ``prefill tok/s, P-token prompt`` (P: the first of ``--contexts``): the prompt from an empty cache,
   median of ``--repeats`` runs; quantkit in the engine's 512-token chunks, as generation runs it.
-- ``prefill tok/s, P-token prompt, as <class> (emulated)`` and ``decode tok/s at P, as <class>``:
-  quantkit's prefill and decode in a process held to the instruction sets of a CPU class this one is
-  above (``bench_8b_emulated``: without AMX, and an AVX2 desktop), where prefill multiplies int8
-  activations by the int4 codes instead of bf16 weights on AMX; the llama.cpp columns repeat its
-  figures on this CPU (not emulated).
 - ``decode tok/s at C``: ``--new-tokens`` greedy steps C positions in, median of ``--repeats``. After
   the first context's prompt, prefilled once (each run drops the previous run's tokens). At later
   contexts llama.cpp prefills the C-token prompt once (half an hour at 8K) and saves its cache in its
@@ -46,6 +41,12 @@ values, and prefilling 64K positions of an 8B model takes hours on 2 cores. The 
 C - (repeats + 1) x new-tokens positions, so that the last timed step attends C keys; a warm-up and
 ``--repeats`` runs, each continuing the sequence, median. Below ``dense_len`` (8,192) keys InfLLM v2
 is dense attention anyway (the last column says which ran).
+
+A table of the CPU classes this one is above (``bench_8b_emulated``: without AMX, and an AVX2
+desktop): quantkit's prefill and decode at the first context in a process held to the class's
+instruction sets, where prefill multiplies int8 activations by the int4 codes instead of bf16 weights on
+AMX, beside llama.cpp Q4_0 compiled for the class (llama-bench, built once, with llama.cpp's defaults)
+or, for a class without such a build, llama.cpp on this CPU.
 
 First, before the files are made, one decoder layer is quantized with the full calibration set
 (``--layer-calibration``, 128 x 2048 tokens) and printed against its floor (``bench_8b_layer``).
@@ -81,7 +82,7 @@ from pathlib import Path
 import click
 import torch
 from quantkit.eval.bench import bench_8b_layer
-from quantkit.eval.bench.bench_8b_emulated import emulated_classes
+from quantkit.eval.bench.bench_8b_emulated import emulated_classes, llama_cpp_speed
 from quantkit.eval.bench.bench_8b_emulated import measure as measure_emulated
 from quantkit.eval.bench.bench_gguf_speed import eight_b_slice
 from quantkit.eval.bench.bench_runtime import (
@@ -143,6 +144,13 @@ class Measured:
         return self.decode[context] / self.ceiling(context, bandwidth_gb_s)
 
 
+def emulated_llama_cpp(run: dict, q4_0: Measured, prompt: int) -> dict:
+    """What an emulated class's figures are held against: llama.cpp Q4_0 built for the class where
+    ``llama_cpp_speed`` measured one, else llama.cpp Q4_0 on this CPU."""
+    return run.get("llama_cpp") or {"build": "on this CPU", "prefill_tok_s": q4_0.prefill[prompt],
+                                    "decode_tok_s": q4_0.decode[prompt]}
+
+
 def targets(ours: Measured, q4_0: Measured, bandwidth_gb_s: float, emulated: list[dict]) -> list[dict]:
     """The printed targets, one per context and measure (and per emulated CPU class for prefill): what,
     the measured value, the target, met."""
@@ -156,12 +164,12 @@ def targets(ours: Measured, q4_0: Measured, bandwidth_gb_s: float, emulated: lis
         rows.append({"target": f"prefill of {prompt}: quantkit / llama.cpp Q4_0",
                      "measured": ours.prefill[prompt] / q4_0.prefill[prompt], "goal": PREFILL_VS_Q4_0})
         for run in emulated:
-            rows.append({"target": f"prefill of {prompt} as {run['cpu_class']} (emulated): quantkit / llama.cpp Q4_0 "
-                                   "(llama.cpp on this CPU)",
-                         "measured": run["prefill_tok_s"] / q4_0.prefill[prompt], "goal": PREFILL_VS_Q4_0})
-            rows.append({"target": f"decode at {prompt} as {run['cpu_class']} (emulated): quantkit / llama.cpp Q4_0 "
-                                   "(llama.cpp on this CPU)",
-                         "measured": run["decode_tok_s"] / q4_0.decode[prompt], "goal": DECODE_VS_Q4_0})
+            llama = emulated_llama_cpp(run, q4_0, prompt)
+            against = f"llama.cpp Q4_0 ({llama['build']})"
+            rows.append({"target": f"prefill of {prompt} as {run['cpu_class']} (emulated): quantkit / {against}",
+                         "measured": run["prefill_tok_s"] / llama["prefill_tok_s"], "goal": PREFILL_VS_Q4_0})
+            rows.append({"target": f"decode at {prompt} as {run['cpu_class']} (emulated): quantkit / {against}",
+                         "measured": run["decode_tok_s"] / llama["decode_tok_s"], "goal": DECODE_VS_Q4_0})
     for row in rows:
         row["met"] = row["measured"] >= row["goal"]
     return rows
@@ -289,7 +297,7 @@ def amx_note(flags: list[str]) -> str:
     held = os.environ.get("ONEDNN_MAX_CPU_ISA")
     return (f"AMX: present ({' '.join(amx)}). quantkit's prefill matmuls (oneDNN bf16) and its fused InfLLM v2 "
             "kernels use it on this CPU; llama.cpp here does not (its AMX path is weight repacking, off). The "
-            "targets must hold without AMX: the emulated prefill rows are quantkit's prefill without it; read "
+            "targets must hold without AMX: the emulated classes' table is quantkit without it; read "
             "InfLLM v2 here as an upper bound for a CPU without it"
             + (f" (oneDNN held to ONEDNN_MAX_CPU_ISA={held} in this run)." if held else "."))
 
@@ -409,7 +417,10 @@ def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibrat
     emulated = []
     for cpu_class in emulated_classes(cpu_flags()):
         progress(f"{ours.name}: prefill and decode at {first} as {cpu_class} (emulated, a process of its own)")
-        emulated.append(measure_emulated(cpu_class, artifact, layers, first, new_tokens, repeats, threads))
+        run = measure_emulated(cpu_class, artifact, layers, first, new_tokens, repeats, threads)
+        progress(f"llama.cpp Q4_0 built for {cpu_class}, if it has a build: llama-bench (built on first use)")
+        run["llama_cpp"] = llama_cpp_speed(cpu_class, ggufs["q4_0"], first, new_tokens, repeats, threads)
+        emulated.append(run)
 
     names = [c.name for c in contenders]
     others = contenders[1:]
@@ -422,11 +433,6 @@ def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibrat
     percent = "{:.0%}".format
     rows = [line("file GB", [c.file_bytes / 1e9 for c in contenders])]
     rows.append(line(f"prefill tok/s, {first}-token prompt", [c.prefill[first] for c in contenders]))
-    for run in emulated:
-        rows.append(line(f"prefill tok/s, {first}-token prompt, as {run['cpu_class']} (emulated)",
-                         [run["prefill_tok_s"], *(c.prefill[first] for c in others)]))
-        rows.append(line(f"decode tok/s at {first}, as {run['cpu_class']} (emulated)",
-                         [run["decode_tok_s"], *(c.decode[first] for c in others)]))
     for context in contexts:
         rows.append(line(f"decode tok/s at {context}", [c.decode[context] for c in contenders]))
         rows.append(line(f"MB read per token at {context}", [c.bytes_per_token[context] / 1e6 for c in contenders]))
@@ -434,6 +440,18 @@ def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibrat
         rows.append(line(f"share of ceiling at {context}", [c.share(context, bandwidth) for c in contenders], False,
                          percent))
     table = format_table(["measure", *names, *ratio_headers], rows)
+    emulated_table = ""
+    if emulated:
+        compared = [(run, emulated_llama_cpp(run, contenders[1], first)) for run in emulated]
+        emulated_table = (
+            f"CPU classes below this one, emulated (bench_8b_emulated: quantkit held to the class's instruction "
+            f"sets; llama.cpp built for the class where it has a build, llama-bench with its defaults): prefill of "
+            f"the {first}-token prompt, decode {first} positions in\n" + format_table(
+                ["CPU class", "quantkit prefill", "llama.cpp Q4_0 prefill", "x", "quantkit decode",
+                 "llama.cpp Q4_0 decode", "x", "llama.cpp"],
+                [[run["cpu_class"], run["prefill_tok_s"], llama["prefill_tok_s"],
+                  run["prefill_tok_s"] / llama["prefill_tok_s"], run["decode_tok_s"], llama["decode_tok_s"],
+                  run["decode_tok_s"] / llama["decode_tok_s"], llama["build"]] for run, llama in compared]))
     long_table = ""
     if long_rows:
         long_table = format_table(
@@ -476,6 +494,7 @@ def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibrat
              f"weight per chunk, as the full model does (KEEP_DEQUANTIZED_BYTES); machine: {machine()}")
     notes = "\n\n".join(part for part in (
         layer_text,
+        emulated_table,
         long_table,
         widths_table,
         fills,

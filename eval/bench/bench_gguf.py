@@ -10,7 +10,7 @@ an importance matrix: llama.cpp's own anchor (``llama-imatrix`` on quantkit's ca
 GPTQ-on-GGUF recipes, whose block scales are llama.cpp's imatrix search weighted by diag(H), each
 exported without re-rounding as the file type it targets. The two llama.cpp tools are built once from
 the llama.cpp source that the installed llama-cpp-python vendors (``make llama-tools``, ~10 min on 2
-cores) and cached in ~/.cache/quantkit/llama.cpp-<llama-cpp-python version>/bin.
+cores; ``llama_build``).
 
     python -m quantkit.eval.bench.bench_gguf --out out/bench-gguf
 """
@@ -20,14 +20,13 @@ import hashlib
 import re
 import shutil
 import subprocess
-import sys
-import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import click
 from quantkit.eval.bench.common import machine, quantize_command, report, timed
+from quantkit.eval.bench.llama_build import NATIVE, llama_cpp_programs
 
 from quantkit.table import format_table
 
@@ -48,58 +47,12 @@ IMATRIX_TOLERANCE = 0.05
 PREFIX_TOKENS = 4
 
 LLAMA_TOOLS = ("llama-imatrix", "llama-quantize")
-# CPU only, static (the binaries outlive any pip reinstall), no network code, only the two tools
-CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF",
-               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
-               "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_TOOLS=ON")
-
-
-def llama_tools_dir() -> Path:
-    """One directory per llama-cpp-python release: the tools must be the llama.cpp it vendors."""
-    import llama_cpp
-
-    return Path.home() / ".cache" / "quantkit" / f"llama.cpp-{llama_cpp.__version__}"
-
-
-def _vendored_source(root: Path) -> Path:
-    """llama.cpp's source from the llama-cpp-python sdist of the installed version (pip download)."""
-    import llama_cpp
-
-    src = root / "src"
-    if src.exists():
-        return src
-    sdist = root / "sdist"
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                    f"llama-cpp-python=={llama_cpp.__version__}", "-d", str(sdist)], check=True)
-    archive = next(sdist.glob("llama_cpp_python-*.tar.gz"))
-    prefix = f"{archive.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
-    with tarfile.open(archive) as tar:
-        members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
-        for member in members:
-            member.name = member.name[len(prefix):]
-        tar.extractall(root / "src.partial", members=members, filter="data")
-    (root / "src.partial").rename(src)
-    shutil.rmtree(sdist)
-    return src
 
 
 def llama_tools(build: bool = True, jobs: int = 1) -> Path | None:
-    """The directory holding llama-imatrix and llama-quantize, built on first use (or None if absent and
-    ``build`` is off)."""
-    root = llama_tools_dir()
-    bin_dir = root / "bin"
-    if all((bin_dir / tool).exists() for tool in LLAMA_TOOLS):
-        return bin_dir
-    if not build:
-        return None
-    src = _vendored_source(root)
-    subprocess.run(["cmake", "-S", str(src), "-B", str(root / "build"), *CMAKE_FLAGS], check=True)
-    subprocess.run(["cmake", "--build", str(root / "build"), "--config", "Release", "-j", str(jobs), "--target",
-                    *LLAMA_TOOLS], check=True)
-    bin_dir.mkdir(exist_ok=True)
-    for tool in LLAMA_TOOLS:
-        shutil.copy2(root / "build" / "bin" / tool, bin_dir / tool)
-    return bin_dir
+    """The directory holding llama-imatrix and llama-quantize for this CPU, built on first use (or None
+    if absent and ``build`` is off)."""
+    return llama_cpp_programs("tools", LLAMA_TOOLS, NATIVE, build=build, jobs=jobs)
 
 
 def calibration_text(model_dir: Path, n_samples: int, seq_len: int) -> str:
