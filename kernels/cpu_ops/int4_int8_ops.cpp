@@ -41,9 +41,14 @@ inline IntVec zero_int() { return _mm512_setzero_si512(); }
 inline IntVec low_nibbles(IntVec v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
 inline IntVec high_nibbles(IntVec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
 inline IntVec broadcast_word(const int8_t* p) { int32_t w; std::memcpy(&w, p, 4); return _mm512_set1_epi32(w); }
-// acc + the dot products of each 32-bit lane's 4 codes of ``low`` with ``a`` and of ``high`` with ``b``
-inline IntVec dot_add(IntVec acc, IntVec low, IntVec a, IntVec high, IntVec b) {
-  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, low, a), high, b);
+// acc + the dot products of each 32-bit lane's 4 codes of low[s] with a row's activations of columns
+// 8 s .. 8 s + 3 (``a`` the row's first column) and of high[s] with those of 8 s + 4 .. 8 s + 7
+template <int Steps>
+inline IntVec dot_add(IntVec acc, const IntVec* low, const IntVec* high, const int8_t* a) {
+  for (int s = 0; s < Steps; ++s)
+    acc = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, low[s], broadcast_word(a + 8 * s)), high[s],
+                              broadcast_word(a + 8 * s + 4));
+  return acc;
 }
 inline FloatVec low_bf16(IntVec v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
 inline FloatVec high_bf16(IntVec v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(kHighHalf)))); }
@@ -54,6 +59,9 @@ inline FloatVec fmadd(FloatVec a, FloatVec b, FloatVec c) { return _mm512_fmadd_
 inline FloatVec mul(FloatVec a, FloatVec b) { return _mm512_mul_ps(a, b); }
 inline void store_float(float* p, FloatVec v) { _mm512_storeu_ps(p, v); }
 constexpr int kRowsPerTile = 4;  // 4 rows x 4 accumulators, 8 broadcasts, 3 for the codes
+template <int Rows>
+constexpr int kVectors = 4;      // accumulators per row of a tile of Rows rows
+constexpr int kSteps = 1;        // 8-column steps per call of dot_add
 #elif defined(__AVX2__)
 constexpr int kLanes = 8;
 using IntVec = __m256i;
@@ -64,15 +72,37 @@ inline IntVec low_nibbles(IntVec v) { return _mm256_and_si256(v, _mm256_set1_epi
 inline IntVec high_nibbles(IntVec v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
 inline IntVec broadcast_word(const int8_t* p) { int32_t w; std::memcpy(&w, p, 4); return _mm256_set1_epi32(w); }
 #if defined(__AVXVNNI__)
-inline IntVec dot_add(IntVec acc, IntVec low, IntVec a, IntVec high, IntVec b) {
-  return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, low, a), high, b);
+template <int Steps>
+inline IntVec dot_add(IntVec acc, const IntVec* low, const IntVec* high, const int8_t* a) {
+  for (int s = 0; s < Steps; ++s)
+    acc = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, low[s], broadcast_word(a + 8 * s)), high[s],
+                                  broadcast_word(a + 8 * s + 4));
+  return acc;
 }
-#else  // pairs of products in int16 (each at most 2 x 15 x 127), both halves' added in int16 (at most
-       // 7,620: no saturation), then pairs of those in int32: 5 instructions per 64 products, not 6
-inline IntVec dot_add(IntVec acc, IntVec low, IntVec a, IntVec high, IntVec b) {
-  const IntVec pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low, a), _mm256_maddubs_epi16(high, b));
+constexpr int kRowsPerTile = 2;  // half a panel at a time: 2 rows x 4 accumulators, 4 broadcasts, 3 for the codes
+template <int Rows>
+constexpr int kVectors = 4;
+constexpr int kSteps = 1;
+#else  // pairs of products in int16 (each at most 2 x 15 x 127), the 2 Steps pairs of a lane added in
+       // int16 (at most 4 x 3,810 for two steps: no saturation), then pairs of those in int32: 9
+       // instructions per 128 products and row, against 5 per 64 one step at a time
+template <int Steps>
+inline IntVec dot_add(IntVec acc, const IntVec* low, const IntVec* high, const int8_t* a) {
+  static_assert(Steps <= 4, "8 pair sums of at most 3,810 fill an int16");
+  IntVec pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low[0], broadcast_word(a)),
+                                  _mm256_maddubs_epi16(high[0], broadcast_word(a + 4)));
+  for (int s = 1; s < Steps; ++s)
+    pairs = _mm256_add_epi16(_mm256_add_epi16(pairs, _mm256_maddubs_epi16(low[s], broadcast_word(a + 8 * s))),
+                             _mm256_maddubs_epi16(high[s], broadcast_word(a + 8 * s + 4)));
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
+// Four accumulators a tile: 4 rows x 1, where each split code vector serves 4 rows and each broadcast
+// is used once, so none holds one of the 16 registers (4 rows x 2 spilled six of eight to the stack);
+// fewer rows (a decode step's one) keep 4 / Rows independent accumulators each.
+constexpr int kRowsPerTile = 4;
+template <int Rows>
+constexpr int kVectors = Rows >= 4 ? 1 : 4 / Rows;
+constexpr int kSteps = 2;
 #endif
 inline FloatVec low_bf16(IntVec v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
 inline FloatVec high_bf16(IntVec v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(kHighHalf)))); }
@@ -82,7 +112,6 @@ inline FloatVec broadcast_float(float v) { return _mm256_set1_ps(v); }
 inline FloatVec fmadd(FloatVec a, FloatVec b, FloatVec c) { return _mm256_fmadd_ps(a, b, c); }
 inline FloatVec mul(FloatVec a, FloatVec b) { return _mm256_mul_ps(a, b); }
 inline void store_float(float* p, FloatVec v) { _mm256_storeu_ps(p, v); }
-constexpr int kRowsPerTile = 2;  // half a panel at a time: 2 rows x 4 accumulators, 4 broadcasts, 3 for the codes
 #endif
 
 struct Activations {  // int8 [M, K], and per row and group: alpha and the sum of the int8 values
@@ -119,37 +148,43 @@ void group_scales(const uint16_t* pairs, int64_t rows, int64_t r0, int64_t g, fl
 }
 
 #ifdef __AVX2__
-constexpr int kVectors = 4;                // accumulators per row of a tile
-constexpr int kSlice = kVectors * kLanes;  // panel rows they cover
+// Steps 8-column steps of ``Rows`` activation rows (``a``: the first row's first column) times the
+// codes ``pair`` of a slice, added to ``acc``.
+template <int Rows, int Steps>
+inline void multiply_steps(IntVec (&acc)[Rows][kVectors<Rows>], const uint8_t* pair, const int8_t* a,
+                           int64_t columns) {
+  for (int v = 0; v < kVectors<Rows>; ++v) {
+    IntVec low[Steps], high[Steps];
+    for (int s = 0; s < Steps; ++s) {
+      const IntVec bytes = load_int(pair + s * kPairBytes + v * kLanes * 4);
+      low[s] = low_nibbles(bytes);
+      high[s] = high_nibbles(bytes);
+    }
+    for (int r = 0; r < Rows; ++r) acc[r][v] = dot_add<Steps>(acc[r][v], low, high, a + r * columns);
+  }
+}
 
 // ``Rows`` (<= kRowsPerTile) activation rows from ``m0`` times group g of a panel (``codes``: the group's
 // bytes in the panel), added to ``out`` [Rows][64] float32; ``scale`` and ``shift`` [64]: the group's.
 template <int Rows>
 void tile(const Activations& x, int64_t m0, int64_t g, const uint8_t* codes, const float* scale, const float* shift,
           float* out) {
+  constexpr int kSlice = kVectors<Rows> * kLanes;  // panel rows the accumulators cover
   for (int64_t first = 0; first < kPanel; first += kSlice) {
-    IntVec acc[Rows][kVectors];
+    IntVec acc[Rows][kVectors<Rows>];
     for (int r = 0; r < Rows; ++r)
-      for (int v = 0; v < kVectors; ++v) acc[r][v] = zero_int();
+      for (int v = 0; v < kVectors<Rows>; ++v) acc[r][v] = zero_int();
     const uint8_t* pair = codes + first * 4;
     const int8_t* a = x.values + m0 * x.columns + g * x.group_size;
-    for (int64_t q = 0; q < x.group_size / 8; ++q, pair += kPairBytes, a += 8) {
-      IntVec first_four[Rows], next_four[Rows];  // each row's activations of the 8 columns
-      for (int r = 0; r < Rows; ++r) {
-        first_four[r] = broadcast_word(a + r * x.columns);
-        next_four[r] = broadcast_word(a + r * x.columns + 4);
-      }
-      for (int v = 0; v < kVectors; ++v) {
-        const IntVec bytes = load_int(pair + v * kLanes * 4);
-        const IntVec low = low_nibbles(bytes), high = high_nibbles(bytes);
-        for (int r = 0; r < Rows; ++r) acc[r][v] = dot_add(acc[r][v], low, first_four[r], high, next_four[r]);
-      }
-    }
+    const int64_t steps = x.group_size / 8;
+    int64_t q = 0;
+    for (; q + kSteps <= steps; q += kSteps) multiply_steps<Rows, kSteps>(acc, pair + q * kPairBytes, a + 8 * q, x.columns);
+    for (; q < steps; ++q) multiply_steps<Rows, 1>(acc, pair + q * kPairBytes, a + 8 * q, x.columns);
     for (int r = 0; r < Rows; ++r) {
       const int64_t at = (m0 + r) * x.groups + g;
       const FloatVec alpha = broadcast_float(x.alpha[at]);
       const FloatVec offset = broadcast_float(x.alpha[at] * static_cast<float>(x.sums[at]));
-      for (int v = 0; v < kVectors; ++v) {
+      for (int v = 0; v < kVectors<Rows>; ++v) {
         const int64_t lane = first + v * kLanes;
         float* o = out + r * kPanel + lane;
         const FloatVec partial = fmadd(load_float(shift + lane), offset, load_float(o));
