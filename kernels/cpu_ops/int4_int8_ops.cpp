@@ -41,15 +41,8 @@ inline IntVec zero_int() { return _mm512_setzero_si512(); }
 inline IntVec low_nibbles(IntVec v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
 inline IntVec high_nibbles(IntVec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
 inline IntVec broadcast_word(const int8_t* p) { int32_t w; std::memcpy(&w, p, 4); return _mm512_set1_epi32(w); }
-// acc + the dot products of each 32-bit lane's 4 codes of low[s] with a row's activations of columns
-// 8 s .. 8 s + 3 (``a`` the row's first column) and of high[s] with those of 8 s + 4 .. 8 s + 7
-template <int Steps>
-inline IntVec dot_add(IntVec acc, const IntVec* low, const IntVec* high, const int8_t* a) {
-  for (int s = 0; s < Steps; ++s)
-    acc = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, low[s], broadcast_word(a + 8 * s)), high[s],
-                              broadcast_word(a + 8 * s + 4));
-  return acc;
-}
+#define INT4_INT8_DPBUSD 1  // dot_add below: one instruction per 64 products
+inline IntVec dpbusd(IntVec acc, IntVec codes, IntVec a) { return _mm512_dpbusd_epi32(acc, codes, a); }
 inline FloatVec low_bf16(IntVec v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
 inline FloatVec high_bf16(IntVec v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(kHighHalf)))); }
 inline FloatVec to_float(IntVec v) { return _mm512_cvtepi32_ps(v); }
@@ -72,13 +65,8 @@ inline IntVec low_nibbles(IntVec v) { return _mm256_and_si256(v, _mm256_set1_epi
 inline IntVec high_nibbles(IntVec v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
 inline IntVec broadcast_word(const int8_t* p) { int32_t w; std::memcpy(&w, p, 4); return _mm256_set1_epi32(w); }
 #if defined(__AVXVNNI__)
-template <int Steps>
-inline IntVec dot_add(IntVec acc, const IntVec* low, const IntVec* high, const int8_t* a) {
-  for (int s = 0; s < Steps; ++s)
-    acc = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, low[s], broadcast_word(a + 8 * s)), high[s],
-                                  broadcast_word(a + 8 * s + 4));
-  return acc;
-}
+#define INT4_INT8_DPBUSD 1
+inline IntVec dpbusd(IntVec acc, IntVec codes, IntVec a) { return _mm256_dpbusd_avx_epi32(acc, codes, a); }
 constexpr int kRowsPerTile = 2;  // half a panel at a time: 2 rows x 4 accumulators, 4 broadcasts, 3 for the codes
 template <int Rows>
 constexpr int kVectors = 4;
@@ -112,6 +100,17 @@ inline FloatVec broadcast_float(float v) { return _mm256_set1_ps(v); }
 inline FloatVec fmadd(FloatVec a, FloatVec b, FloatVec c) { return _mm256_fmadd_ps(a, b, c); }
 inline FloatVec mul(FloatVec a, FloatVec b) { return _mm256_mul_ps(a, b); }
 inline void store_float(float* p, FloatVec v) { _mm256_storeu_ps(p, v); }
+#endif
+
+#ifdef INT4_INT8_DPBUSD
+// acc + the dot products of each 32-bit lane's 4 codes of low[s] with a row's activations of columns
+// 8 s .. 8 s + 3 (``a`` the row's first column) and of high[s] with those of 8 s + 4 .. 8 s + 7
+template <int Steps>
+inline IntVec dot_add(IntVec acc, const IntVec* low, const IntVec* high, const int8_t* a) {
+  for (int s = 0; s < Steps; ++s)
+    acc = dpbusd(dpbusd(acc, low[s], broadcast_word(a + 8 * s)), high[s], broadcast_word(a + 8 * s + 4));
+  return acc;
+}
 #endif
 
 struct Activations {  // int8 [M, K], and per row and group: alpha and the sum of the int8 values
