@@ -284,11 +284,12 @@ def test_prefill_kernel_follows_amx_and_the_override(monkeypatch):
         int4.prefill_kernel.cache_clear()
 
 
-@pytest.mark.parametrize("k,group", [(512, 128), (480, 24)], ids=["even-steps", "odd-steps"])
+@pytest.mark.parametrize("k,group", [(512, 128), (480, 24), (440, 40)], ids=["16-steps", "3-steps", "5-steps"])
 def test_int8_product_built_for_an_avx2_cpu_computes_the_same(tmp_path, k, group):
     """The AVX2 path (no AVX-512, no VNNI: many desktops) built with QUANTKIT_CPU_MARCH=haswell and run in
-    a process of its own gives the native build's results to float32 rounding: 13 rows (tiles of 4 and
-    of 1), groups whose 8-column steps pair up in int16 and one (24 columns) that leaves a step alone."""
+    a process of its own gives the reference's results to float32 rounding: 11 rows (a tile of 8, whose
+    8-column steps add in int16 two at a time, and one of 3, four at a time) and one row alone, on
+    groups whose steps divide evenly and groups that leave steps over (3 and 5 steps a group)."""
     import subprocess
     import sys
 
@@ -298,20 +299,22 @@ def test_int8_product_built_for_an_avx2_cpu_computes_the_same(tmp_path, k, group
     n = 208
     codes = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
     pairs = (torch.randn(k // group, n, 2, generator=generator) * 0.01).bfloat16()
-    x = torch.randn(13, k, generator=generator)
+    x = torch.randn(11, k, generator=generator)
     packed, padded_pairs = _layout(codes, pairs)
     save_file({"x": x, "packed": packed, "pairs": padded_pairs}, tmp_path / "inputs.safetensors")
     script = (f"import torch; from safetensors.torch import load_file, save_file; from quantkit.kernels import cpu_ops;"
               f"t = load_file({str(tmp_path / 'inputs.safetensors')!r}); ops = cpu_ops.load(); "
               f"assert ops.int4_int8_isa() == 'avx2', ops.int4_int8_isa(); "
-              f"save_file({{'y': ops.int4_int8_matmul(t['x'], t['packed'], t['pairs'], {n}, {k}, {group})}}, "
+              f"save_file({{f'y{{m}}': ops.int4_int8_matmul(t['x'][:m].contiguous(), t['packed'], t['pairs'], {n}, "
+              f"{k}, {group}) for m in (11, 1)}}, "
               f"{str(tmp_path / 'y.safetensors')!r})")
     done = subprocess.run([sys.executable, "-c", script], env={**os.environ, cpu_ops.MARCH_OVERRIDE: "haswell"},
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     expected = _int8_prefill_reference(x, codes, pairs, group)
-    got = load_file(tmp_path / "y.safetensors")["y"].double()
-    assert (got - expected).abs().max() <= 1e-6 * expected.abs().max()
+    got = load_file(tmp_path / "y.safetensors")
+    for m in (11, 1):
+        assert (got[f"y{m}"].double() - expected[:m]).abs().max() <= 1e-6 * expected[:m].abs().max()
 
 
 def test_a_weight_rebuilt_per_call_reuses_one_buffer_and_computes_the_same(monkeypatch):
