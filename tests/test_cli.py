@@ -196,6 +196,36 @@ def test_help_does_not_import_torch():
                           check=True).stdout.strip() == "[]"
 
 
+def test_commands_back_large_tensors_with_huge_pages():
+    """The CLI asks PyTorch's allocator for transparent huge pages before torch loads: first touching a
+    fresh 256 MB tensor then takes far fewer page faults (where the kernel offers huge pages at all);
+    a value the user set is kept."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    probe = ("import resource, sys\n"
+             "if sys.argv[1] == 'cli': import quantkit.cli\n"
+             "import os, torch\n"
+             "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+             "torch.empty(64 << 20).fill_(1.0)\n"
+             "after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+             "print(os.environ.get('THP_MEM_ALLOC_ENABLE'), after - before)")
+    environment = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+
+    def faults(how: str, **extra) -> tuple[str, int]:
+        out = subprocess.run([sys.executable, "-c", probe, how], capture_output=True, text=True, check=True,
+                             env={**environment, **extra}).stdout.split()
+        return out[0], int(out[1])
+
+    plain, cli, kept = faults("plain"), faults("cli"), faults("cli", THP_MEM_ALLOC_ENABLE="0")
+    assert plain[0] == "None" and cli[0] == "1" and kept[0] == "0"
+    assert plain[1] > 60_000 and kept[1] > 60_000  # 256 MB in 4 KB pages: 65,536 faults
+    offered = "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    assert (cli[1] < plain[1] / 8) == offered
+
+
 def test_set_overrides_are_validated_like_the_file(tiny, tmp_path):
     from quantkit.recipe import RecipeError, load_recipe
 
