@@ -10,6 +10,7 @@ llama.cpp Q4_0. A profile of quantkit's decode step says where its time goes.
 """
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -203,6 +204,9 @@ def profile_decode(engine, prompt: list[int], steps: int = 16, rows: int = 10) -
     see, and Python)."""
     from torch.profiler import profile
 
+    # Kineto, the profiler's backend, prints a line at each start and stop at its default level; 6 is
+    # above every level it has, read when the profiler first starts
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     runtime = engine.runtime
     cache = runtime.new_cache()
     token = int(runtime.forward(torch.tensor(prompt), cache).argmax())
