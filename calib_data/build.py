@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantkit.atomic import write_json, write_text
-from quantkit.calib import DOCUMENT_SEPARATOR, format_documents
+from quantkit.corpora import DOCUMENT_SEPARATOR, clean_address, format_documents
 
 OUT_DIR = Path(__file__).resolve().parent
 MAX_FILE_BYTES = 700_000
@@ -86,10 +86,6 @@ def fetch(package: Package, workdir: Path) -> Path:
     return root
 
 
-def _paragraphs(text: str) -> list[str]:
-    return [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
-
-
 def _cap_at_blank_line(text: str, max_chars: int) -> str:
     """The text up to its last blank line (else line break) within ``max_chars``."""
     if len(text) <= max_chars:
@@ -121,26 +117,6 @@ def _hash_order(key: str) -> str:
 
 SOTU_FIRST_YEAR = 1900
 SOTU_MAX_CHARS = 30_000  # per address, so that every president since 1900 fits the budget
-AUDIENCE_REACTIONS = {"laughter", "applause", "inaudible", "moment of silence"}
-CORRECTION_SUFFIX = "; White House correction"
-
-
-def _editorial_bracket(match: re.Match) -> str:
-    """Keep words the transcriber inserted or corrected; drop reactions and stage directions."""
-    note = match.group(1).strip()
-    if note.endswith(CORRECTION_SUFFIX):
-        return note[: -len(CORRECTION_SUFFIX)]
-    if note.lower() in AUDIENCE_REACTIONS:
-        return ""
-    is_inserted_words = len(note.split()) <= 3 and not re.search(r"[a-zA-Z]\.|:", note)
-    return note if is_inserted_words else ""
-
-
-def clean_address(text: str) -> str:
-    text = re.sub(r"\[([^\[\]\n]*)\]", _editorial_bracket, text)
-    text = re.sub(r"[ \t]+([.,;:!?])", r"\1", text)
-    text = re.sub(r"[ \t]{2,}", " ", text)
-    return "\n\n".join(_paragraphs(text))
 
 
 def english_documents(sotu_root: Path) -> list[str]:

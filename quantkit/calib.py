@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
+from quantkit.corpora import DOWNLOADED, corpus_file, split_documents
+
 DATA_PACKAGE = "quantkit.calib_data"
-# Separates documents inside the bundled .txt files; build.py refuses documents containing it.
-DOCUMENT_SEPARATOR = "\n\n<<<quantkit document boundary>>>\n\n"
 HF_PREFIX = "hf:"
 FINGERPRINT_FORMAT = 1  # bump when the row-building procedure changes
 # Disjoint runs collected before sampling, as a multiple of the rows asked for: enough for
@@ -53,31 +53,24 @@ HELDOUT: dict[str, Corpus] = {
 MIXES: dict[str, dict[str, float]] = {
     "default": {"en": 0.35, "zh": 0.35, "code": 0.15, "math": 0.15},
     "bilingual": {"en": 0.5, "zh": 0.5},
-    **{name: {name: 1.0} for name in CORPORA},
+    **{name: {name: 1.0} for name in (*CORPORA, *DOWNLOADED)},
 }
 
 
-def format_documents(documents: list[str]) -> str:
-    """The bundled .txt layout: documents joined by DOCUMENT_SEPARATOR, one final newline."""
-    for index, document in enumerate(documents):
-        if DOCUMENT_SEPARATOR.strip() in document:
-            raise ValueError(f"document {index} contains the document separator")
-        if document != document.strip() or not document:
-            raise ValueError(f"document {index} is empty or has surrounding whitespace")
-    return DOCUMENT_SEPARATOR.join(documents) + "\n"
-
-
-def _split_documents(text: str) -> list[str]:
-    return [d.strip() for d in text.split(DOCUMENT_SEPARATOR) if d.strip()]
-
-
 def _bundled(corpus: Corpus) -> list[str]:
-    return _split_documents(resources.files(DATA_PACKAGE).joinpath(corpus.file).read_text("utf-8"))
+    return split_documents(resources.files(DATA_PACKAGE).joinpath(corpus.file).read_text("utf-8"))
+
+
+def _corpus_documents(name: str) -> list[str]:
+    """A corpus of a mix: bundled, or downloaded on first use (``quantkit.corpora``)."""
+    if name in DOWNLOADED:
+        return _read_txt(corpus_file(name))
+    return _bundled(CORPORA[name])
 
 
 def _read_txt(path: Path) -> list[str]:
     """A plain text file is one document unless it uses the bundled separator."""
-    return _split_documents(path.read_text(encoding="utf-8"))
+    return split_documents(path.read_text(encoding="utf-8"))
 
 
 def _read_jsonl(path: Path) -> list[str]:
@@ -138,7 +131,7 @@ def load_documents(source: str) -> list[str]:
     if source in HELDOUT:
         documents = _bundled(HELDOUT[source])
     elif source in MIXES:
-        documents = [d for name in MIXES[source] for d in _bundled(CORPORA[name])]
+        documents = [d for name in MIXES[source] for d in _corpus_documents(name)]
     elif source.startswith(HF_PREFIX):
         documents = _read_hf(source)
     else:
@@ -159,6 +152,8 @@ def load_documents(source: str) -> list[str]:
 
 def _source_identity(source: str) -> str:
     """What the fingerprint records for a source: local files by content, not by path."""
+    if source in DOWNLOADED:  # the same identity as a local copy of its corpus file
+        return "file:" + DOWNLOADED[source].sha256
     if source in MIXES or source in HELDOUT or source.startswith(HF_PREFIX):
         return source
     return "file:" + hashlib.sha256(Path(source).read_bytes()).hexdigest()

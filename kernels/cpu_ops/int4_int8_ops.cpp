@@ -92,7 +92,7 @@ inline IntVec dot_add(IntVec acc, const IntVec* low, const IntVec* high, const i
 // one of the 16 registers. Fewer rows (a decode step's one, a verification's 4) keep 4 / Rows
 // independent accumulators each and add four steps in int16 before widening, which their registers
 // allow. Paired in one process against 4-row tiles of two steps (gate_up [32768, 4096], 2 threads):
-// 8-12 % faster at 512 rows, 8 % at one row, bit-identical.
+// 8-12 % faster at 512 rows, 5-8 % at one row, bit-identical.
 constexpr int kRowsPerTile = 8;
 template <int Rows>
 constexpr int kVectors = Rows >= 4 ? 1 : 4 / Rows;

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 import quantkit
 from quantkit import atomic, calib
 from quantkit.artifact import staging_dir
+from quantkit.cache import cache_root
 from quantkit.checkpoint import CheckpointReader
 from quantkit.draft.features import build_features, features_key, row_features
 from quantkit.draft.settings import DraftSettings, DraftTrainingError
@@ -45,7 +46,6 @@ from quantkit.models.eagle3 import (
     save_head,
     save_quantized_head,
 )
-from quantkit.models.zoo import cache_root
 from quantkit.qat.fake_quant import FakeQuantLinear, quantized_record, wrap_linears
 from quantkit.quant import QuantConfig
 from quantkit.training import state

