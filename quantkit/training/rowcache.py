@@ -2,7 +2,9 @@
 
 A trainer lists the rows it will visit, in visit order; ``build`` computes ``compute(chunk tokens)``
 (a dict of tensors, one entry per row) for chunks of ``CHUNK_ROWS`` rows, writes each chunk to its
-own file (an interrupted pass resumes at its last chunk), and returns them stacked; ``row_by_row``
+own file (an interrupted pass resumes at its last chunk), and returns a ``RowCache`` that reads a
+step's rows from those files when asked: a run holds one step's rows in memory, never the whole
+cache (a whole corpus's draft features are gigabytes, an 8B's more); ``row_by_row``
 makes a chunk function of a per-row one, whose numbers then cannot depend on the chunk. Visit
 orders of runs on the same data share their prefix, so a longer run reuses a shorter one's chunks;
 a shorter run's last, partial chunk is computed again.
@@ -15,7 +17,6 @@ from typing import Callable
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 from torch import Tensor
 from tqdm.auto import tqdm
 
@@ -26,12 +27,16 @@ CHUNK_ROWS = 16  # rows per cache file: what an interruption can lose
 
 @dataclass(frozen=True)
 class RowCache:
-    position: dict[int, int]  # row id -> its index in the stacked tensors
-    tensors: dict[str, Tensor]  # name -> [rows visited, ...]
+    position: dict[int, tuple[Path, int]]  # row id -> (its chunk's file, its index there)
 
     def batch(self, rows: list[int]) -> dict[str, Tensor]:
-        at = [self.position[row] for row in rows]
-        return {name: tensor[at] for name, tensor in self.tensors.items()}
+        """The cached tensors of ``rows``, stacked in that order."""
+        parts = []
+        for row in rows:
+            path, at = self.position[row]
+            with safe_open(str(path), framework="pt") as f:  # memory-mapped: reads this row's bytes only
+                parts.append({name: f.get_slice(name)[at:at + 1] for name in f.keys()})
+        return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
 
 
 @torch.no_grad()
@@ -47,9 +52,8 @@ def build(compute: Callable[[Tensor], dict[str, Tensor]], rows: Tensor, visited:
         if path.is_file() and _rows_in(path) == len(wanted):
             continue
         atomic.save_safetensors(path, {name: tensor.cpu() for name, tensor in compute(rows[wanted]).items()})
-    parts = [load_file(str(directory / f"rows-{start:06d}.safetensors")) for start in chunks]
-    return RowCache({row: at for at, row in enumerate(visited)},
-                    {name: torch.cat([part[name] for part in parts]) for name in parts[0]})
+    return RowCache({row: (directory / f"rows-{index - index % CHUNK_ROWS:06d}.safetensors", index % CHUNK_ROWS)
+                     for index, row in enumerate(visited)})
 
 
 def row_by_row(compute: Callable[[Tensor], dict[str, Tensor]]) -> Callable[[Tensor], dict[str, Tensor]]:
