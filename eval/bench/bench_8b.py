@@ -56,8 +56,14 @@ speed does not depend on training) beside W4 in quantkit's runtime: decode tok/s
 on a random-filled cache (both rows measured that way), MB read per token and the share of the
 bandwidth ceiling.
 
+GGUF export speed (``--export-speed``, ``bench_gguf_speed``): ``quantkit export gguf`` against
+llama.cpp's own quantizer of its F32 export, per type, on the default model and the 8B-shaped
+one-layer slice, with the slice's Q4_K_M export's wall time and peak memory as a command; the whole
+8B's Q4_K_M export is in the files table.
+
 Then the targets, printed and not asserted: quantkit's decode >= 1.0x llama.cpp Q4_0 and >= 60 % of
-its bandwidth ceiling at every context, its prefill >= 2x llama.cpp Q4_0; the CPU flags and whether
+its bandwidth ceiling at every context, its prefill >= 2x llama.cpp Q4_0, each GGUF export
+at most 1.5x llama.cpp's quantizer's time with identical tensors; the CPU flags and whether
 AMX is there (the targets must hold without it); the files made; a profile of quantkit's decode step
 (``bench_runtime.profile_decode``, after a 16-token prompt).
 
@@ -81,7 +87,7 @@ from pathlib import Path
 
 import click
 import torch
-from quantkit.eval.bench import bench_8b_layer
+from quantkit.eval.bench import bench_8b_layer, bench_gguf_speed
 from quantkit.eval.bench.bench_8b_emulated import emulated_classes, llama_cpp_speed
 from quantkit.eval.bench.bench_8b_emulated import measure as measure_emulated
 from quantkit.eval.bench.bench_gguf_speed import eight_b_slice
@@ -171,8 +177,17 @@ def targets(ours: Measured, q4_0: Measured, bandwidth_gb_s: float, emulated: lis
             rows.append({"target": f"decode at {prompt} as {run['cpu_class']} (emulated): quantkit / {against}",
                          "measured": run["decode_tok_s"] / llama["decode_tok_s"], "goal": DECODE_VS_Q4_0})
     for row in rows:
-        row["met"] = row["measured"] >= row["goal"]
+        row["met"], row["at_most"] = row["measured"] >= row["goal"], False
     return rows
+
+
+def export_targets(rows: list[dict]) -> list[dict]:
+    """GGUF export, per model and type (``bench_gguf_speed.compare``'s rows): quantkit's time over llama.cpp's
+    quantizer's at most its target ratio, with tensors identical to llama.cpp's."""
+    return [{"target": f"GGUF {r['type']} export of {r['model']}: quantkit / llama.cpp's quantizer, tensors "
+                       f"{'identical' if r['identical'] else 'DIFFERENT'}",
+             "measured": r["ratio"], "goal": bench_gguf_speed.TARGET_RATIO, "at_most": True,
+             "met": r["target_met"] and r["identical"]} for r in rows]
 
 
 def gguf_decode_bytes(gguf: Path, config, context: int) -> int:
@@ -314,12 +329,15 @@ def amx_note(flags: list[str]) -> str:
               help="llama.cpp's files to compare with, from q4_0 (the targets' reference, always run) and q4_k_m.")
 @click.option("--layer-calibration", default="128x2048", show_default=True,
               help="ROWSxTOKENS of the one-layer quantization row (bench_8b_layer); empty: skip it.")
+@click.option("--export-speed/--no-export-speed", default=True, show_default=True,
+              help="Time `quantkit export gguf` against llama.cpp's quantizer on the default model and the 8B-shaped "
+                   "one-layer slice (bench_gguf_speed).")
 @click.option("--reuse/--no-reuse", default=True, show_default=True,
               help="Keep the checkpoint, W4 artifact and GGUF files an earlier run made with the same commands.")
 @click.option("--out", default="out/bench-8b", show_default=True, type=click.Path(path_type=Path))
 @timing_options(repeats=3)
-def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibration, reuse, out, repeats, threads,
-         json_path):
+def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibration, export_speed, reuse, out, repeats,
+         threads, json_path):
     """Prepare the files, time every contender, print the two tables and the targets."""
     from quantkit.kernels.generate import load_engine
 
@@ -422,6 +440,21 @@ def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibrat
         run["llama_cpp"] = llama_cpp_speed(cpu_class, ggufs["q4_0"], first, new_tokens, repeats, threads)
         emulated.append(run)
 
+    export_rows, export_memory, export_text = [], None, ""
+    if export_speed:
+        progress("GGUF export: quantkit against llama.cpp's quantizer, the default model and the 8B-shaped slice")
+        from quantkit.models.zoo import resolve_model
+
+        split = bench_gguf_speed.split_types
+        export_rows, export_memory = bench_gguf_speed.side_by_side(
+            resolve_model("default"), split(bench_gguf_speed.DEFAULT_TYPES), split(bench_gguf_speed.SLICE_TYPES), 1,
+            out, repeats, 0, threads)
+        export_text = (f"GGUF export (bench_gguf_speed): quantkit export (quantizer: {bench_gguf_speed.quantizer()}) "
+                       f"against llama_model_quantize of its F32 export, {threads} threads each, in-process; default "
+                       f"model median of {repeats} after a warm-up, the 8B-shaped one-layer slice one call each; "
+                       f"the slice's {export_memory['type']} export as a command: {export_memory['wall_s']} s wall, "
+                       f"peak RSS {export_memory['peak_rss_mb']} MB\n{bench_gguf_speed.speed_table(export_rows)}")
+
     names = [c.name for c in contenders]
     others = contenders[1:]
     ratio_headers = [f"x {c.name.removeprefix('llama.cpp ')}" for c in others]
@@ -477,8 +510,9 @@ def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibrat
                  f"(no prefill); llama.cpp's prefill of that prompt, one run, or its cache loaded from the session "
                  f"file an earlier prefill of the same prompt saved under {out} (by any of the GGUFs: a decode step "
                  f"reads the cached keys and values whatever they hold): {fills}")
-    checked = targets(ours, contenders[1], bandwidth, emulated)
-    target_lines = "\n".join(f"  {t['target']}: {t['measured']:.2f} (target >= {t['goal']:g}) "
+    checked = targets(ours, contenders[1], bandwidth, emulated) + export_targets(export_rows)
+    target_lines = "\n".join(f"  {t['target']}: {t['measured']:.2f} (target {'<=' if t['at_most'] else '>='} "
+                             f"{t['goal']:g}) "
                              f"{'met' if t['met'] else 'NOT met'}" for t in checked)
     files_table = format_table(["file", "seconds", "peak RSS MB", "GB", ""], files)
     profile_table = format_table(["op", "share", "calls/token", "us/token"],
@@ -497,6 +531,7 @@ def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibrat
         emulated_table,
         long_table,
         widths_table,
+        export_text,
         fills,
         f"targets (printed, not asserted), quantkit against llama.cpp Q4_0:\n{target_lines}",
         f"CPU flags: {' '.join(flags) or 'none listed'}\n{amx_note(flags)}",
@@ -508,7 +543,8 @@ def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibrat
            notes=notes, extra={"bandwidth_gb_s": bandwidth, "long_contexts": list(long_rows.values()),
                                "targets": checked, "ternary_vs_w4": widths, "layer_quantization": layer_results,
                                "cpu_flags": flags, "files": files, "decode_profile": profile,
-                               "emulated": emulated,
+                               "emulated": emulated, "gguf_export": export_rows,
+                               "gguf_export_memory": export_memory,
                                "layers": layers, "wall_seconds": elapsed})
 
 

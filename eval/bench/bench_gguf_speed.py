@@ -96,6 +96,35 @@ def export_memory(model_dir: Path, work: Path) -> dict:
     return {"type": MEMORY_TYPE, "wall_s": round(seconds, 1), "peak_rss_mb": round(rss)}
 
 
+def side_by_side(model_dir: Path, types: list[str], slice_types: list[str], layers: int, work: Path, repeats: int,
+                 slice_repeats: int, threads: int) -> tuple[list[dict], dict | None]:
+    """``compare`` on the model and (``slice_types``) on the 8B-shaped slice, whose Q4_K_M export is also
+    run as a command: the rows and that run's wall time and peak memory."""
+    rows = compare("default", model_dir, types, work, repeats, threads)
+    if not slice_types:
+        return rows, None
+    checkpoint = eight_b_slice(work / f"minicpm41-8b-{layers}-layer", layers)
+    rows += compare(f"8b-{layers}-layer", checkpoint, slice_types, work, slice_repeats, threads)
+    return rows, export_memory(checkpoint, work)
+
+
+def speed_table(rows: list[dict]) -> str:
+    headers = ["model", "type", "quantkit s", "llama.cpp s", "ratio", f"<= {TARGET_RATIO}", "identical"]
+    return format_table(headers, [[r["model"], r["type"], r["quantkit_s"], r["llama_cpp_s"], r["ratio"],
+                                   "yes" if r["target_met"] else "NO", "yes" if r["identical"] else "NO"]
+                                  for r in rows])
+
+
+def quantizer() -> str:
+    from quantkit.gguf import native
+
+    return "ggml_quantize_chunk" if native.load_libggml() is not None else "NumPy codecs (no libggml)"
+
+
+def split_types(types: str) -> list[str]:
+    return [t.strip() for t in types.split(",") if t.strip()]
+
+
 @click.command()
 @click.option("--model", default="default", show_default=True)
 @click.option("--types", default=DEFAULT_TYPES, show_default=True, help="Comma-separated GGUF types.")
@@ -110,31 +139,19 @@ def main(model, types, slice_types, layers, slice_repeats, out, repeats, threads
     """Time both quantizers per type on the default model and the 8B-shaped slice, print one table."""
     import torch
 
-    from quantkit.gguf import native
     from quantkit.models.zoo import resolve_model
 
     torch.set_num_threads(threads)  # quantkit's fast path splits rows across torch's thread count
     out.mkdir(parents=True, exist_ok=True)
-    wanted = [t.strip() for t in types.split(",") if t.strip()]
-    rows = compare("default", resolve_model(model), wanted, out, repeats, threads)
-    memory = None
-    slice_wanted = [t.strip() for t in slice_types.split(",") if t.strip()]
-    if slice_wanted:
-        checkpoint = eight_b_slice(out / f"minicpm41-8b-{layers}-layer", layers)
-        rows += compare(f"8b-{layers}-layer", checkpoint, slice_wanted, out, slice_repeats, threads)
-        memory = export_memory(checkpoint, out)
-    implementation = "ggml_quantize_chunk" if native.load_libggml() is not None else "NumPy codecs (no libggml)"
-    setup = (f"{machine()}; quantkit export (quantizer: {implementation}) vs llama_model_quantize of its F32 "
+    rows, memory = side_by_side(resolve_model(model), split_types(types), split_types(slice_types), layers, out,
+                                repeats, slice_repeats, threads)
+    setup = (f"{machine()}; quantkit export (quantizer: {quantizer()}) vs llama_model_quantize of its F32 "
              f"export, both {threads} threads, in-process; median of {repeats} after a warm-up "
              f"(slice: {slice_repeats or 'one call'}); target ratio <= {TARGET_RATIO}")
-    headers = ["model", "type", "quantkit s", "llama.cpp s", "ratio", f"<= {TARGET_RATIO}", "identical"]
-    table = format_table(headers, [[r["model"], r["type"], r["quantkit_s"], r["llama_cpp_s"], r["ratio"],
-                                    "yes" if r["target_met"] else "NO", "yes" if r["identical"] else "NO"]
-                                   for r in rows])
     notes = "" if memory is None else (f"`quantkit export gguf --type {MEMORY_TYPE}` of the 8B-shaped "
                                        f"{layers}-layer checkpoint as a command: {memory['wall_s']} s wall, "
                                        f"peak RSS {memory['peak_rss_mb']} MB (/usr/bin/time -v)")
-    report(setup, table, rows, json_path=json_path, notes=notes, extra={"export_memory": memory})
+    report(setup, speed_table(rows), rows, json_path=json_path, notes=notes, extra={"export_memory": memory})
 
 
 if __name__ == "__main__":

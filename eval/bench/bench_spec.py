@@ -2,10 +2,10 @@
 
 Made, each in its own process under `/usr/bin/time -v` (``--reuse`` takes what an earlier run left
 with the same command, and continues an interrupted training): the FP head (`quantkit draft train`
-on the FP target, over ``--head-data``, then continued over ``--tune-data``), its GPTQ W4 g128 (`quantkit draft quantize`) and its W4 QAT (`draft train --init
---w4`, as the MiniCPM4 report makes its head); the W4 targets GPTQ W4 g128 and
-AWQ W4 (g64 where K is not a whole number of 128-groups), plus ``--qat-artifact`` (e.g. bench-qat's
-ternary QAT artifact) as one more target; for
+on the FP target, over ``--head-data``, then continued over ``--tune-data``), its GPTQ W4 g128
+(`quantkit draft quantize`) and its W4 QAT (`draft train --init --w4`, as the MiniCPM4 report makes
+its head); the W4 targets GPTQ W4 g128 and AWQ W4 (g64 where K is not a whole number of
+128-groups), plus ``--qat-artifact`` (e.g. bench-qat's ternary QAT artifact) as one more target; for
 each quantized target the FP head re-aligned to it (`quantkit draft train --init`).
 
 τ (`quantkit.eval.accept`: the runtime in float32) for every target × {FP head, GPTQ W4 head, QAT W4
