@@ -361,7 +361,7 @@ def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibrat
         layer_setup, layer_body, layer_results = bench_8b_layer.run(
             out, bench_8b_layer.RECIPE, calib_rows, calib_tokens, batch_size=8, threads=threads, activations="auto")
         layer_text = f"Quantization: {layer_setup}\n{layer_body}"
-    named = [t.strip() for t in gguf_types.split(",") if t.strip()]
+    named = bench_gguf_speed.split_types(gguf_types)
     gguf_types = [GGUF_TYPES[0], *(t for t in named if t != GGUF_TYPES[0])]
     unknown = set(gguf_types) - set(GGUF_TYPES)
     if unknown:
@@ -452,8 +452,7 @@ def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibrat
         export_text = (f"GGUF export (bench_gguf_speed): quantkit export (quantizer: {bench_gguf_speed.quantizer()}) "
                        f"against llama_model_quantize of its F32 export, {threads} threads each, in-process; default "
                        f"model median of {repeats} after a warm-up, the 8B-shaped one-layer slice one call each; "
-                       f"the slice's {export_memory['type']} export as a command: {export_memory['wall_s']} s wall, "
-                       f"peak RSS {export_memory['peak_rss_mb']} MB\n{bench_gguf_speed.speed_table(export_rows)}")
+                       f"{bench_gguf_speed.memory_note(export_memory, 1)}\n{bench_gguf_speed.speed_table(export_rows)}")
 
     names = [c.name for c in contenders]
     others = contenders[1:]

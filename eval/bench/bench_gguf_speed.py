@@ -115,6 +115,11 @@ def speed_table(rows: list[dict]) -> str:
                                   for r in rows])
 
 
+def memory_note(memory: dict, layers: int) -> str:
+    return (f"`quantkit export gguf --type {memory['type']}` of the 8B-shaped {layers}-layer checkpoint as a command: "
+            f"{memory['wall_s']} s wall, peak RSS {memory['peak_rss_mb']} MB (/usr/bin/time -v)")
+
+
 def quantizer() -> str:
     from quantkit.gguf import native
 
@@ -148,9 +153,7 @@ def main(model, types, slice_types, layers, slice_repeats, out, repeats, threads
     setup = (f"{machine()}; quantkit export (quantizer: {quantizer()}) vs llama_model_quantize of its F32 "
              f"export, both {threads} threads, in-process; median of {repeats} after a warm-up "
              f"(slice: {slice_repeats or 'one call'}); target ratio <= {TARGET_RATIO}")
-    notes = "" if memory is None else (f"`quantkit export gguf --type {MEMORY_TYPE}` of the 8B-shaped "
-                                       f"{layers}-layer checkpoint as a command: {memory['wall_s']} s wall, "
-                                       f"peak RSS {memory['peak_rss_mb']} MB (/usr/bin/time -v)")
+    notes = "" if memory is None else memory_note(memory, layers)
     report(setup, speed_table(rows), rows, json_path=json_path, notes=notes, extra={"export_memory": memory})
 
 
