@@ -111,8 +111,12 @@ class _LayerTensors:
 
     def widened(self, key: str, heads: int | None) -> np.ndarray:
         """``key`` as float32, its rows permuted for GGML's rope over ``heads`` heads if given. The array
-        lives in the reused buffer: valid until the next call."""
+        is the stored tensor itself when that is already float32 in row order (copying the default
+        model's float32 weights was a quarter of its export), else it lives in the reused buffer: valid
+        until the next call."""
         value = self._stored_value(key)
+        if value.dtype == torch.float32 and not heads:
+            return value.numpy()
         shape = value.shape
         if self._buffer.size < value.numel():
             self._buffer = np.empty(value.numel(), dtype=np.float32)
