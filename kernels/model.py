@@ -22,9 +22,9 @@ from torch import nn
 from quantkit.models.minicpm import MiniCPMForCausalLM
 
 # Query-key scores per KV head (group size x keys) up to which a decode step's dense attention runs in
-# the fused operator rather than SDPA: where the two cross on 2 threads over a bf16 cache
-# (`python -m quantkit.eval.bench.bench_decode_attention`): ~350 keys for the default model's group of 3,
-# 64 keys for MiniCPM4.1-8B's group of 16 (SDPA is 4-5x faster there from 512 keys on).
+# the fused one-query operator rather than the attention's own decode path (the fused block kernel over
+# a bf16 cache): where the two cross on 2 threads (`python -m quantkit.eval.bench.bench_decode_attention`),
+# ~300 keys for the default model's group of 3, ~100 for MiniCPM4.1-8B's group of 16.
 FUSED_ATTENTION_MAX_SCORES = 1024
 
 # Rows after a cache up to which dense causal attention takes one bias made per forward (a speculative

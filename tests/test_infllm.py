@@ -84,8 +84,10 @@ def test_cpu_path_with_minicpm41_head_shape_and_bf16():
 
 
 # (query heads, KV heads, head dim, keys): MiniCPM4.1-8B's group of 16 with a partial last block, the
-# default model's 3 x 3 at d 64, a group of 1; these run on AMX tiles where the CPU has them. A group
-# of 20 at d 32 runs the float32 FMA path (head chunks 8 + 8 + 4) everywhere.
+# default model's 3 x 3 at d 64, a group of 1; these run on AMX tiles where the CPU has them, otherwise
+# on AVX-512-BF16 dot products. A group of 20 at d 32 runs the dot products even with AMX (head chunks
+# 8 + 8 + 4, probabilities 16 + 4); test_fused_kernels_built_without_avx512_bf16_compute_the_same runs
+# these shapes on float32 FMAs.
 FUSED_SHAPES = [(32, 2, 128, 5037), (9, 3, 64, 3000), (2, 2, 64, 2048), (20, 1, 32, 2111)]
 
 
@@ -119,6 +121,55 @@ def test_fused_decode_kernels_equal_the_pytorch_path(heads_q, heads_kv, dim, len
     assert cpu.fused_ops(q, k, v) is not None and cpu.fused_decode_applies(q, fine, coarse)
     got = sparse_attention(q, k, v, config).float()
     assert (got - sparse_attention_reference(q, k, v, config).float()).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("heads_q, heads_kv, dim, length", [(9, 3, 64, 1000), (32, 2, 128, 5037)])
+def test_dense_decode_runs_the_block_kernel_within_bf16_rounding_of_sdpa(heads_q, heads_kv, dim, length):
+    """A decode step's dense attention over a bf16 cache (the block kernel over every block, where the
+    kernels build with AVX-512) against SDPA's: both outputs bf16, so the probabilities' rounding plus
+    an output rounding apart."""
+    q, k, v = (t.bfloat16() for t in qkv(heads_q, heads_kv, length, dim, seed=length))
+    q = q[:, -1:]
+    want = cpu.sdpa_attention_of_last_positions(q, k, v).float()
+    got = cpu.causal_attention_of_last_positions(q, k, v).float()
+    assert got.dtype == want.dtype and got.shape == want.shape == (heads_q, 1, dim)
+    assert (got - want).abs().max() < fused_tolerance(v) + 2 ** -7 * float(want.abs().max())
+
+
+def test_fused_kernels_built_without_avx512_bf16_compute_the_same(tmp_path):
+    """The float32 FMA paths, as a CPU with AVX-512 but no BF16 runs them (QUANTKIT_CPU_MARCH=skylake-avx512,
+    a process of its own), against the reference on every fused shape: a decode step and a prefill chunk."""
+    import os
+    import subprocess
+    import sys
+
+    from quantkit.kernels import cpu_ops
+    from safetensors.torch import load_file, save_file
+
+    config = SparseAttentionConfig(window_size=256, topk=8, dense_len=1024)
+    inputs, wanted, limits = {}, {}, {}
+    for i, (heads_q, heads_kv, dim, length) in enumerate(FUSED_SHAPES):
+        q, k, v = (t.bfloat16() for t in qkv(heads_q, heads_kv, length, dim, seed=length + 2))
+        blocks = reference_block_selection(q[:, -5:], k, config)
+        inputs.update({f"q{i}": q[:, -5:].contiguous(), f"k{i}": k, f"v{i}": v, f"blocks{i}": blocks,
+                       f"first{i}": torch.tensor(length - 5)})
+        wanted[i] = reference.block_sparse_attention(q[:, -5:].float(), k.float(), v.float(), blocks,
+                                                     query_positions(5, length), 64)
+        limits[i] = fused_tolerance(v)
+    save_file(inputs, tmp_path / "inputs.safetensors")
+    script = (f"import torch; from safetensors.torch import load_file, save_file; from quantkit.kernels import cpu_ops;"
+              f"t = load_file({str(tmp_path / 'inputs.safetensors')!r}); ops = cpu_ops.load(); "
+              f"assert ops.infllm_isa() == 'avx512', ops.infllm_isa(); "
+              f"save_file({{f'out{{i}}': ops.infllm_block_attention(t[f'q{{i}}'], t[f'k{{i}}'], t[f'v{{i}}'], "
+              f"t[f'blocks{{i}}'], int(t[f'first{{i}}']), 64, t[f'q{{i}}'].shape[-1] ** -0.5) "
+              f"for i in range({len(FUSED_SHAPES)})}}, {str(tmp_path / 'out.safetensors')!r})")
+    done = subprocess.run([sys.executable, "-c", script],
+                          env={**os.environ, cpu_ops.MARCH_OVERRIDE: "skylake-avx512"},
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = load_file(tmp_path / "out.safetensors")
+    for i in wanted:
+        assert (got[f"out{i}"] - wanted[i]).abs().max() < limits[i], FUSED_SHAPES[i]
 
 
 @pytest.mark.parametrize("heads_q, heads_kv, dim, length", FUSED_SHAPES)

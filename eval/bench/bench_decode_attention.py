@@ -1,7 +1,8 @@
-"""The runtime's two dense attention paths for one decode step, side by side: the fused one-query
-CPU operator (kernels/cpu_ops) and SDPA, over a bf16 cache, at the default model's head shape
-(9 query / 3 KV heads, d 64) and MiniCPM4.1-8B's (32 / 2, d 128). The crossover is where
-``FUSED_ATTENTION_MAX_SCORES`` in kernels/model.py comes from. Medians of repeats.
+"""The runtime's dense attention paths for one decode step, side by side, over a bf16 cache: the fused
+one-query CPU operator and the fused block kernel over every block (kernels/cpu_ops), and SDPA, at the
+default model's head shape (9 query / 3 KV heads, d 64) and MiniCPM4.1-8B's (32 / 2, d 128). The
+crossover of the first two is where ``FUSED_ATTENTION_MAX_SCORES`` in kernels/model.py comes from.
+Medians of repeats.
 
     python -m quantkit.eval.bench.bench_decode_attention --json out/bench-decode-attention.json
 """
@@ -29,13 +30,16 @@ def main(lengths, repeats, threads, json_path):
             k, v = random_keys_values(kv_heads, length, dim, g)
             q = torch.randn(q_heads, 1, dim, generator=g).bfloat16()
             timings = dense_paths(q, k, v, repeats)
-            fused = timings.get("fused operator", float("nan"))
-            runtime_uses = "fused operator" if length * (q_heads // kv_heads) <= FUSED_ATTENTION_MAX_SCORES else "SDPA"
-            rows.append([shape, length, fused * 1e3, timings["SDPA"] * 1e3, timings["SDPA"] / fused, runtime_uses])
-            records.append({"shape": shape, "keys": length, "fused_ms": fused * 1e3, "sdpa_ms": timings["SDPA"] * 1e3,
-                            "runtime_uses": runtime_uses})
+            fused, blocks = (timings.get(path, float("nan")) for path in ("fused operator", "block kernel"))
+            runtime_uses = ("fused operator" if length * (q_heads // kv_heads) <= FUSED_ATTENTION_MAX_SCORES
+                            else "block kernel")
+            rows.append([shape, length, fused * 1e3, blocks * 1e3, timings["SDPA"] * 1e3, timings["SDPA"] / blocks,
+                         runtime_uses])
+            records.append({"shape": shape, "keys": length, "fused_ms": fused * 1e3, "blocks_ms": blocks * 1e3,
+                            "sdpa_ms": timings["SDPA"] * 1e3, "runtime_uses": runtime_uses})
     setup = f"one decode step's dense attention, bf16 cache; median of {repeats}; machine: {machine()}"
-    table = format_table(["shape", "keys", "fused ms", "SDPA ms", "SDPA / fused", "runtime uses"], rows)
+    table = format_table(["shape", "keys", "fused operator ms", "block kernel ms", "SDPA ms", "SDPA / block kernel",
+                          "runtime uses"], rows)
     report(setup, table, records, json_path=json_path)
 
 

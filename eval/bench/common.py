@@ -138,16 +138,19 @@ def machine() -> str:
 
 def dense_paths(q, k, v, repeats: int) -> dict[str, float]:
     """Median seconds of dense attention of the last T positions by each of the runtime's dense paths:
-    SDPA, and for one query (T = 1) the fused CPU operator over a bf16 cache, when it builds."""
+    SDPA, and for one query (T = 1) over a bf16 cache, when the fused CPU operators build, the one-query
+    operator (short contexts) and the block kernel over every block (longer ones)."""
     from quantkit.kernels import cpu_ops
     from quantkit.kernels.infllm import causal_attention_of_last_positions
+    from quantkit.kernels.infllm.cpu import sdpa_attention_of_last_positions
 
-    timings = {"SDPA": median_seconds(lambda: causal_attention_of_last_positions(q, k, v), repeats)}
+    timings = {"SDPA": median_seconds(lambda: sdpa_attention_of_last_positions(q, k, v), repeats)}
     ops = cpu_ops.load()
     if q.shape[1] == 1 and ops is not None:
         query = q.float().contiguous()
         timings["fused operator"] = median_seconds(
             lambda: ops.decode_attention(query, k, v, k.shape[1], q.shape[-1] ** -0.5), repeats)
+        timings["block kernel"] = median_seconds(lambda: causal_attention_of_last_positions(q, k, v), repeats)
     return timings
 
 

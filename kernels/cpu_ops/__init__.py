@@ -24,7 +24,8 @@ EXTENSION = "quantkit_decode_ops"
 SOURCES = ["decode_ops.cpp", "int4_ops.cpp", "int4_int8_ops.cpp", "infllm_ops.cpp", "gram_ops.cpp"]
 FUNCTIONS = ["rms_norm_bf16", "rope_and_store", "decode_attention", "silu_mul", "ternary_gemv", "int4_dequantize_t",
              "int4_int8_matmul", "int4_int8_isa",
-             "infllm_decode_scores", "infllm_decode_select", "infllm_block_attention", "bf16_gram_accumulate"]
+             "infllm_decode_scores", "infllm_decode_select", "infllm_block_attention", "infllm_isa",
+             "bf16_gram_accumulate"]
 
 
 # Builds for another CPU than this one when set (e.g. haswell: AVX2 without AVX-512 or VNNI, as on many

@@ -9,8 +9,13 @@
 // loaded from the cache and the KV group's query heads the B tile; otherwise a 16 x 16 transpose of
 // the keys' 32-bit dim pairs puts one key per vector lane, shared by all the group's heads, so no
 // (head, key) needs a horizontal sum. p · v is a second tile product, or FMAs with the dims in the
-// lanes. Softmax is online per block; tasks (token, KV head, range of blocks) run in parallel and
-// merge at the end.
+// lanes. With AVX-512-BF16 but no AMX (AMD Zen 4, Intel before Sapphire Rapids, or a group of more
+// than 16 heads) both products run on vdpbf16ps, two multiply-adds a float32 lane per instruction:
+// q · k on the transposed key pairs with the query's bf16 dim pairs broadcast, p · v on value rows
+// interleaved by key pairs with the probabilities' bf16 key pairs broadcast. That halves the
+// instructions of float32 FMAs, which bound a long context's decode step (its keys and values
+// stream from memory faster than the FMAs consume them). Softmax is online per block; tasks (token,
+// KV head, range of blocks) run in parallel and merge at the end.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 #include <algorithm>
@@ -27,6 +32,9 @@
 #include <unistd.h>
 #define INFLLM_AMX 1
 #endif
+#if defined(__AVX512BF16__)
+#define INFLLM_DP 1
+#endif
 
 using torch::Tensor;
 
@@ -37,12 +45,14 @@ constexpr float kMinusHuge = -1e30f;  // not -inf: -ffast-math assumes no infini
 constexpr int64_t kMaxDim = 256;
 
 // One KV group's query heads, float32 rows [heads, dim]; scores are q · k · scale. With AMX, `tiles`
-// also holds them as the B operands of q · k (see amx_query_tiles), and both products run on tiles.
+// also holds them as the B operands of q · k (see amx_query_tiles), and both products run on tiles;
+// otherwise, with AVX-512-BF16, `pairs` holds them as bf16 dim pairs (see dp_query_pairs) for vdpbf16ps.
 struct Queries {
   const float* values;
   int64_t heads, dim;
   float scale;
   std::vector<uint16_t> tiles;
+  std::vector<uint32_t> pairs;
 };
 
 #ifdef __AVX512F__
@@ -231,10 +241,107 @@ static void accumulate_values_amx(const Queries& q, const float* p, int64_t ldp,
 }
 #endif
 
+#ifdef INFLLM_DP
+// q as bf16 dim pairs [part][head][dim / 2], a pair's first element in the low half. Part 0 is bf16(q);
+// part 1, present only when q is not bf16 already (the runtime's queries are), bf16(q - part 0).
+static std::vector<uint32_t> dp_query_pairs(const float* q, int64_t heads, int64_t dim) {
+  const int64_t words = heads * dim / 2;
+  std::vector<uint32_t> pairs(2 * words, 0);
+  bool exact = true;
+  for (int64_t i = 0; i < heads * dim; ++i) {
+    const Bf16 high(q[i]), low(q[i] - static_cast<float>(high));
+    pairs[i / 2] |= static_cast<uint32_t>(high.x) << (16 * (i % 2));
+    pairs[words + i / 2] |= static_cast<uint32_t>(low.x) << (16 * (i % 2));
+    exact &= (low.x & 0x7FFF) == 0;
+  }
+  if (exact) pairs.resize(words);
+  return pairs;
+}
+
+static inline __m512bh broadcast_pair(uint32_t pair) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)); }
+
+// score_heads on vdpbf16ps: one instruction takes a head's dim pair against 16 keys' pairs.
+template <int H>
+static void score_heads_dp(const Queries& q, int64_t h0, const __m512i* pairs, float* out, int64_t ld, __mmask16 rows) {
+  const int64_t half = q.dim / 2, words = q.heads * half, parts = q.pairs.size() / words;
+  __m512 acc[H];
+  for (int h = 0; h < H; ++h) acc[h] = _mm512_setzero_ps();
+  for (int64_t part = 0; part < parts; ++part) {
+    const uint32_t* w = q.pairs.data() + part * words + h0 * half;
+    for (int64_t p = 0; p < half; ++p) {
+      const __m512bh keys = (__m512bh)pairs[p];
+      for (int h = 0; h < H; ++h) acc[h] = _mm512_dpbf16_ps(acc[h], keys, broadcast_pair(w[h * half + p]));
+    }
+  }
+  const __m512 scale = _mm512_set1_ps(q.scale);
+  for (int h = 0; h < H; ++h) _mm512_mask_storeu_ps(out + h * ld, rows, _mm512_mul_ps(acc[h], scale));
+}
+
+// acc[h] += probs of head h (16 bf16 key pairs a row) · `count` key pairs of values interleaved per dim
+// ([chunk of 16 dims][pair][dim][2]), for H heads.
+template <int H>
+static void accumulate_heads_dp(const uint32_t* probs, const uint16_t (*pairs)[16 * 32], int64_t count, int64_t dim,
+                                float* acc) {
+  for (int64_t c = 0; c < dim / 16; ++c) {
+    __m512 a[H];
+    for (int h = 0; h < H; ++h) a[h] = _mm512_loadu_ps(acc + h * dim + 16 * c);
+    for (int64_t m = 0; m < count; ++m) {
+      const __m512bh v = (__m512bh)_mm512_load_si512(pairs[c] + 32 * m);
+      for (int h = 0; h < H; ++h) a[h] = _mm512_dpbf16_ps(a[h], v, broadcast_pair(probs[16 * h + m]));
+    }
+    for (int h = 0; h < H; ++h) _mm512_storeu_ps(acc + h * dim + 16 * c, a[h]);
+  }
+}
+
+// accumulate_values on vdpbf16ps, p rounded to bf16 (as the AMX path and PyTorch's bf16 attention).
+static void accumulate_values_dp(const Queries& q, const float* p, int64_t ldp, const Bf16* values, int64_t n,
+                                 float* acc) {
+  const int64_t dim = q.dim;
+  alignas(64) uint32_t probs[16 * 16];                // [head of 16][key pair]
+  alignas(64) uint16_t pairs[kMaxDim / 16][16 * 32];  // [chunk][key pair][dim][2]
+  alignas(64) uint16_t order[32];
+  for (int i = 0; i < 16; ++i) order[2 * i] = i, order[2 * i + 1] = 16 + i;
+  const __m512i interleave = _mm512_load_si512(order);
+  for (int64_t k0 = 0; k0 < n; k0 += 32) {
+    const int64_t keys = std::min<int64_t>(32, n - k0), count = (keys + 1) / 2;
+    for (int64_t pair = 0; pair < count; ++pair) {
+      const int64_t j = k0 + 2 * pair;
+      for (int64_t c = 0; c < dim / 16; ++c) {
+        const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + j * dim + 16 * c));
+        const __m256i odd = j + 1 < n
+            ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + (j + 1) * dim + 16 * c)) : _mm256_setzero_si256();
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1);
+        _mm512_store_si512(pairs[c] + 32 * pair, _mm512_permutexvar_epi16(interleave, both));
+      }
+    }
+    for (int64_t g = 0; g < q.heads; g += 16) {
+      const int64_t heads = std::min<int64_t>(16, q.heads - g);
+      for (int64_t h = 0; h < heads; ++h) {  // keys past n load as 0
+        const float* row = p + (g + h) * ldp + k0;
+        const __m512 x0 = _mm512_maskz_loadu_ps(first(keys), row);
+        const __m512 x1 = _mm512_maskz_loadu_ps(first(keys > 16 ? keys - 16 : 0), row + 16);
+        _mm512_store_si512(probs + 16 * h, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
+      }
+      for (int64_t h = 0; h < heads;) {
+        const int64_t left = heads - h;
+        float* ah = acc + (g + h) * dim;
+        if (left >= 8) { accumulate_heads_dp<8>(probs + 16 * h, pairs, count, dim, ah); h += 8; }
+        else if (left >= 4) { accumulate_heads_dp<4>(probs + 16 * h, pairs, count, dim, ah); h += 4; }
+        else if (left >= 2) { accumulate_heads_dp<2>(probs + 16 * h, pairs, count, dim, ah); h += 2; }
+        else { accumulate_heads_dp<1>(probs + 16 * h, pairs, count, dim, ah); h += 1; }
+      }
+    }
+  }
+}
+#endif
+
 // Scores of query heads h0..h0+H-1 for 16 keys given as dim/2 vectors of transposed dim pairs;
 // stored (scaled) for the first `rows` keys at out[h * ld + lane].
 template <int H>
 static void score_heads(const Queries& q, int64_t h0, const __m512i* pairs, float* out, int64_t ld, __mmask16 rows) {
+#ifdef INFLLM_DP
+  if (!q.pairs.empty()) return score_heads_dp<H>(q, h0, pairs, out, ld, rows);
+#endif
   const int64_t dim = q.dim, half = dim / 2;
   __m512 acc[H];
   for (int h = 0; h < H; ++h) acc[h] = _mm512_setzero_ps();
@@ -295,6 +402,9 @@ static void accumulate_heads(const float* p, int64_t ldp, const Bf16* values, in
 static void accumulate_values(const Queries& q, const float* p, int64_t ldp, const Bf16* values, int64_t n, float* acc) {
 #ifdef INFLLM_AMX
   if (!q.tiles.empty()) return accumulate_values_amx(q, p, ldp, values, n, acc);
+#endif
+#ifdef INFLLM_DP
+  if (!q.pairs.empty()) return accumulate_values_dp(q, p, ldp, values, n, acc);
 #endif
   const int64_t heads = q.heads, dim = q.dim;
   for (int64_t h = 0; h < heads;) {
@@ -375,6 +485,14 @@ static std::pair<float, float> merge_head(const Partial* parts, int64_t count, i
   return {best, total};
 }
 
+// Asks for `count` bf16 elements from `rows` on in L2: a block's keys and values come from memory
+// while the one before is computed (the hardware prefetcher alone left a decode step at 8K keys
+// waiting on memory for half its time).
+static void prefetch_rows(const Bf16* rows, int64_t count) {
+  const char* bytes = reinterpret_cast<const char*>(rows);
+  for (int64_t at = 0; at < count * 2; at += 64) __builtin_prefetch(bytes + at, 0, 2);
+}
+
 // Splits each KV head's work in ranges so that the (KV head, range) tasks keep every thread busy.
 static int64_t ranges_per_head(int64_t kv_heads, int64_t items) {
   const int64_t wanted = (2 * at::get_num_threads() + kv_heads - 1) / kv_heads;
@@ -403,11 +521,30 @@ static std::vector<Queries> group_queries(const Tensor& query, int64_t kv_heads,
 #ifdef INFLLM_AMX
       if (use_amx(group)) groups.back().tiles = amx_query_tiles(values, group, dim);
 #endif
+#ifdef INFLLM_DP
+      if (groups.back().tiles.empty()) groups.back().pairs = dp_query_pairs(values, group, dim);
+#endif
     }
   return groups;
 }
 
 }  // namespace infllm
+
+// The instruction set the kernels here run on, the most capable first: "amx" (tiles, where the CPU has
+// them and Linux grants them), "avx512_bf16", "avx512" (float32 FMAs), or "portable" (plain C++ loops,
+// as built for a CPU without AVX-512).
+std::string infllm_isa() {
+#ifdef INFLLM_AMX
+  if (infllm::amx_permitted()) return "amx";
+#endif
+#if defined(INFLLM_DP)
+  return "avx512_bf16";
+#elif defined(__AVX512F__)
+  return "avx512";
+#else
+  return "portable";
+#endif
+}
 
 // Stage 1 for one query: [Hkv, n1] float32, score[g, c] = sum over the group's heads h of
 // exp(s_h(c) - lse_h), s_h(c) = q_h · fine_c · scale, lse_h the log-sum-exp of q_h · coarse · scale.
@@ -507,9 +644,15 @@ Tensor infllm_block_attention(Tensor query, Tensor keys, Tensor values, Tensor b
       Partial& part = parts[task];
       const Bf16* k = keys.data_ptr<Bf16>() + kv * keys.stride(0);
       const Bf16* v = values.data_ptr<Bf16>() + kv * values.stride(0);
-      for (int64_t slot = selected * r / ranges; slot < selected * (r + 1) / ranges; ++slot) {
+      const int64_t last = selected * (r + 1) / ranges;
+      for (int64_t slot = selected * r / ranges; slot < last; ++slot) {
         if (slots[slot] < 0) continue;
         const int64_t start = slots[slot] * block_size, n = std::min(block_size, length - start);
+        if (slot + 1 < last && slots[slot + 1] >= 0) {
+          const int64_t next = slots[slot + 1] * block_size;
+          prefetch_rows(k + next * dim, std::min(block_size, length - next) * dim);
+          prefetch_rows(v + next * dim, std::min(block_size, length - next) * dim);
+        }
         score_keys(queries[t * kv_heads + kv], k + start * dim, n, p.data(), block_size);
         for (int64_t h = 0; h < group; ++h) part.absorb(h, p.data() + h * block_size, n);
         accumulate_values(queries[t * kv_heads + kv], p.data(), block_size, v + start * dim, n, part.acc.data());

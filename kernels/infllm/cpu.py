@@ -36,9 +36,30 @@ STAGE1_CHUNK = 64
 STAGE2_CHUNK = 16
 
 
+# Keys a block of a decode step's dense attention by the fused block kernel (any size works; InfLLM v2's),
+# and the kernel's builds (``infllm_isa``) that run it faster than SDPA; built for a CPU without AVX-512
+# the kernel is plain C++ loops, and SDPA keeps the step.
+DENSE_DECODE_BLOCK = 64
+DENSE_DECODE_ISAS = ("amx", "avx512_bf16", "avx512")
+
+
 def causal_attention_of_last_positions(q, k, v) -> torch.Tensor:
-    """Causal attention of the last T positions through SDPA (the ``dense_len`` fallback and the
-    benchmark's baseline). q [Hq, T, d], k/v [Hkv, S, d] -> [Hq, T, d].
+    """Causal attention of the last T positions (dense attention, and InfLLM v2 below ``dense_len``).
+    q [Hq, T, d], k/v [Hkv, S, d] -> [Hq, T, d]. A decode step over a bf16 cache runs the fused block
+    kernel over every block (``fused_ops``, built with AVX-512): with AVX-512-BF16, 1.2-2.9x faster than
+    SDPA from 256 keys on at the default model's and MiniCPM4.1-8B's head shapes
+    (``python -m quantkit.eval.bench.bench_decode_attention``); everything else runs SDPA
+    (``sdpa_attention_of_last_positions``)."""
+    ops = fused_ops(q, k, v) if q.shape[1] == 1 else None
+    if ops is None or ops.infllm_isa() not in DENSE_DECODE_ISAS:
+        return sdpa_attention_of_last_positions(q, k, v)
+    Hkv, S = k.shape[:2]
+    every_block = torch.arange(math.ceil(S / DENSE_DECODE_BLOCK), device=q.device).expand(Hkv, 1, -1)
+    return fused_block_attention(ops, q, k, v, every_block, DENSE_DECODE_BLOCK)
+
+
+def sdpa_attention_of_last_positions(q, k, v) -> torch.Tensor:
+    """``causal_attention_of_last_positions`` through SDPA (the fused kernel's specification and baseline).
 
     A decode step folds each KV group's query heads into the rows of one problem: SDPA's
     ``enable_gqa`` path measured 10x slower for a single query here (it expands K and V)."""
