@@ -47,8 +47,8 @@ def causal_attention_of_last_positions(q, k, v) -> torch.Tensor:
     """Causal attention of the last T positions (dense attention, and InfLLM v2 below ``dense_len``).
     q [Hq, T, d], k/v [Hkv, S, d] -> [Hq, T, d]. A decode step over a bf16 cache runs the fused block
     kernel over every block (``fused_ops``, built with AVX-512): with AVX-512-BF16, 1.2-2.9x faster than
-    SDPA from 256 keys on at the default model's and MiniCPM4.1-8B's head shapes
-    (``python -m quantkit.eval.bench.bench_decode_attention``); everything else runs SDPA
+    SDPA from 256 keys on at the default model's head shape and from 384 on at MiniCPM4.1-8B's, as fast
+    at 256 (``python -m quantkit.eval.bench.bench_decode_attention``); everything else runs SDPA
     (``sdpa_attention_of_last_positions``)."""
     ops = fused_ops(q, k, v) if q.shape[1] == 1 else None
     if ops is None or ops.infllm_isa() not in DENSE_DECODE_ISAS:
