@@ -141,8 +141,7 @@ def dense_paths(q, k, v, repeats: int) -> dict[str, float]:
     SDPA, and for one query (T = 1) over a bf16 cache, when the fused CPU operators build, the one-query
     operator (short contexts) and the block kernel over every block (longer ones)."""
     from quantkit.kernels import cpu_ops
-    from quantkit.kernels.infllm import causal_attention_of_last_positions
-    from quantkit.kernels.infllm.cpu import sdpa_attention_of_last_positions
+    from quantkit.kernels.infllm.cpu import every_block_attention, sdpa_attention_of_last_positions
 
     timings = {"SDPA": median_seconds(lambda: sdpa_attention_of_last_positions(q, k, v), repeats)}
     ops = cpu_ops.load()
@@ -150,7 +149,7 @@ def dense_paths(q, k, v, repeats: int) -> dict[str, float]:
         query = q.float().contiguous()
         timings["fused operator"] = median_seconds(
             lambda: ops.decode_attention(query, k, v, k.shape[1], q.shape[-1] ** -0.5), repeats)
-        timings["block kernel"] = median_seconds(lambda: causal_attention_of_last_positions(q, k, v), repeats)
+        timings["block kernel"] = median_seconds(lambda: every_block_attention(ops, q, k, v), repeats)
     return timings
 
 

@@ -37,10 +37,12 @@ STAGE2_CHUNK = 16
 
 
 # Keys a block of a decode step's dense attention by the fused block kernel (any size works; InfLLM v2's),
-# and the kernel's builds (``infllm_isa``) that run it faster than SDPA; built for a CPU without AVX-512
-# the kernel is plain C++ loops, and SDPA keeps the step.
+# the kernel's builds (``infllm_isa``) that run it faster than SDPA (built for a CPU without AVX-512 it is
+# plain C++ loops), and the keys from which it does: below 256, SDPA's fixed cost is lower at
+# MiniCPM4.1-8B's head shape (the default model's shorter contexts run the one-query operator anyway).
 DENSE_DECODE_BLOCK = 64
 DENSE_DECODE_ISAS = ("amx", "avx512_bf16", "avx512")
+DENSE_DECODE_MIN_KEYS = 256
 
 
 def causal_attention_of_last_positions(q, k, v) -> torch.Tensor:
@@ -48,11 +50,16 @@ def causal_attention_of_last_positions(q, k, v) -> torch.Tensor:
     q [Hq, T, d], k/v [Hkv, S, d] -> [Hq, T, d]. A decode step over a bf16 cache runs the fused block
     kernel over every block (``fused_ops``, built with AVX-512): with AVX-512-BF16, 1.2-2.9x faster than
     SDPA from 256 keys on at the default model's head shape and from 384 on at MiniCPM4.1-8B's, as fast
-    at 256 (``python -m quantkit.eval.bench.bench_decode_attention``); everything else runs SDPA
-    (``sdpa_attention_of_last_positions``)."""
-    ops = fused_ops(q, k, v) if q.shape[1] == 1 else None
+    at 256 (``python -m quantkit.eval.bench.bench_decode_attention``); everything else, and fewer than
+    ``DENSE_DECODE_MIN_KEYS`` keys, runs SDPA (``sdpa_attention_of_last_positions``)."""
+    ops = fused_ops(q, k, v) if q.shape[1] == 1 and k.shape[1] >= DENSE_DECODE_MIN_KEYS else None
     if ops is None or ops.infllm_isa() not in DENSE_DECODE_ISAS:
         return sdpa_attention_of_last_positions(q, k, v)
+    return every_block_attention(ops, q, k, v)
+
+
+def every_block_attention(ops, q, k, v) -> torch.Tensor:
+    """One query's attention over all S keys by the fused block kernel -> [Hq, 1, d] in q's dtype."""
     Hkv, S = k.shape[:2]
     every_block = torch.arange(math.ceil(S / DENSE_DECODE_BLOCK), device=q.device).expand(Hkv, 1, -1)
     return fused_block_attention(ops, q, k, v, every_block, DENSE_DECODE_BLOCK)
