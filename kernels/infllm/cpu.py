@@ -21,6 +21,7 @@ model's KV cache, makes the block gathers row copies; other strides cost one cop
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -53,9 +54,15 @@ def causal_attention_of_last_positions(q, k, v) -> torch.Tensor:
     at 256 (``python -m quantkit.eval.bench.bench_decode_attention``); everything else, and fewer than
     ``DENSE_DECODE_MIN_KEYS`` keys, runs SDPA (``sdpa_attention_of_last_positions``)."""
     ops = fused_ops(q, k, v) if q.shape[1] == 1 and k.shape[1] >= DENSE_DECODE_MIN_KEYS else None
-    if ops is None or ops.infllm_isa() not in DENSE_DECODE_ISAS:
+    if ops is None or not _block_kernel_beats_sdpa(ops):
         return sdpa_attention_of_last_positions(q, k, v)
     return every_block_attention(ops, q, k, v)
+
+
+@functools.cache
+def _block_kernel_beats_sdpa(ops) -> bool:
+    """Asked once per build, not in every layer of every step."""
+    return ops.infllm_isa() in DENSE_DECODE_ISAS
 
 
 def every_block_attention(ops, q, k, v) -> torch.Tensor:
