@@ -18,10 +18,11 @@ LM_HEADS = ("auto", "int8", "float")
 
 def load_runtime_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, linear_backend: str = "cpu",
                        device: str = "cpu", lm_head: str = "auto") -> MiniCPMForCausalLM:
-    """``lm_head``: "int8" quantizes the LM head per row (``Int8RowLinear``), "float" keeps it in
-    ``dtype``; "auto" is int8 for quantized artifacts run in bf16 on the CPU, float otherwise."""
+    """``lm_head``: "int8" quantizes the LM head to int8 codes per group of 128 columns (``Int8Linear``),
+    "float" keeps it in ``dtype``; "auto" is int8 for quantized artifacts run in bf16 on the CPU, float
+    otherwise."""
     from quantkit.kernels.linear import load_linears
-    from quantkit.kernels.linear.int8 import Int8RowLinear
+    from quantkit.kernels.linear.int8 import Int8Linear
 
     if lm_head not in LM_HEADS:
         raise ValueError(f"lm_head must be one of {LM_HEADS}, got {lm_head!r}")
@@ -54,5 +55,5 @@ def load_runtime_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat1
     if lm_head == "auto":
         lm_head = "int8" if quantized and dtype == torch.bfloat16 and device == "cpu" else "float"
     if lm_head == "int8":
-        model.lm_head = Int8RowLinear(model.lm_head.weight)
+        model.lm_head = Int8Linear(model.lm_head.weight)
     return model.eval()

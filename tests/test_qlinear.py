@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 from quantkit.kernels import cpu_ops
-from quantkit.kernels.linear import int4, load_linears
+from quantkit.kernels.linear import int4, int8, load_linears
 from quantkit.kernels.linear.int4 import Int4Linear, pack_group_size
-from quantkit.kernels.linear.int8 import Int8RowLinear
+from quantkit.kernels.linear.int8 import Int8Linear
 from quantkit.kernels.linear.ternary import TernaryLinear
 from quantkit.kernels.model import fuse_linears
 
@@ -90,14 +90,44 @@ def test_fused_quantized_linears_equal_the_separate_ones(recipe, kind, tiny_chec
         assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
 
 
-def test_int8_lm_head_error_is_half_a_step_per_row():
-    weight = torch.randn(300, 64)
-    head = Int8RowLinear(weight)
-    error = (head.dequantized(torch.float32) - weight).abs().amax(dim=1)
-    step = head.scales.float()
-    assert (error <= step * 0.51 + weight.abs().amax(dim=1) * 2**-8).all()  # half a step + bf16 scale rounding
-    x = torch.randn(1, 64).bfloat16()
-    assert torch.allclose(head(x).float(), x.float() @ head.dequantized(torch.float32).T, rtol=2e-2, atol=2e-2)
+@pytest.mark.parametrize("k", [576, 200], ids=["groups-of-64", "padded-columns"])
+def test_int8_lm_head_error_is_half_a_step_per_group(k):
+    """Each group's bf16 scale is rounded up, so every weight is within half a step of its code; the
+    decode kernel's rows and the dense path's agree with the dequantized weight to bf16 rounding."""
+    n = 300
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(6))
+    head = Int8Linear(weight)
+    assert head.group_size == (64 if k == 576 else 128) and head.padded_in == (576 if k == 576 else 256)
+    dequantized = head.dequantized(torch.float32)[:, :k]
+    step = head.scale_offset_bf16[:, :n, 0].float().T.repeat_interleave(head.group_size, 1)[:, :k]
+    assert ((dequantized - weight).abs() <= step / 2).all()
+    assert (head.scale_offset_bf16[..., 1] == 0).all()
+    for rows in (1, 3, 9):  # the integer kernel (int8 activations) up to DECODE_ROWS, then the bf16 weight
+        x = torch.randn(rows, k).bfloat16()
+        exact = x.double() @ dequantized.double().T
+        grouped = torch.nn.functional.pad(x.double(), (0, head.padded_in - k)).view(rows, -1, head.group_size)
+        half_steps = grouped.abs().amax(-1) / 127 / 2 * (rows <= 4)
+        weight_sums = torch.nn.functional.pad(dequantized.double().abs(), (0, head.padded_in - k))
+        # plus the bf16 roundings (of the dense path's weight, of the output): each under 2^-8 of sum |x w|
+        rounding = 2 ** -7 * (x.double().abs() @ dequantized.double().abs().T)
+        bound = half_steps @ weight_sums.view(n, -1, head.group_size).sum(-1).T + rounding
+        assert ((head(x).double() - exact).abs() <= bound).all()
+
+
+def test_int8_layout_puts_each_code_where_the_kernel_reads_it():
+    """Byte 4 r + c of the first 256 bytes of each 512-byte run (a panel of 64 rows, 8 columns) holds row
+    r's code of column c, of the next 256 its code of column c + 4; rows are padded with code 128."""
+    from quantkit.kernels.linear.int8 import codes_of_int8_layout, int8_layout
+
+    n, k = 80, 24
+    codes = torch.randint(0, 256, (n, k), generator=torch.Generator().manual_seed(4), dtype=torch.uint8)
+    packed = int8_layout(codes)
+    assert packed.numel() == 128 * k
+    padded = torch.nn.functional.pad(codes, (0, 0, 0, 128 - n), value=128)
+    for panel, run, half, row, c in ((0, 0, 0, 0, 0), (0, 2, 1, 63, 3), (1, 1, 0, 5, 2), (1, 2, 1, 40, 1)):
+        byte = int(packed[(panel * k // 8 + run) * 512 + half * 256 + 4 * row + c])
+        assert byte == int(padded[64 * panel + row, 8 * run + 4 * half + c])
+    assert torch.equal(codes_of_int8_layout(packed, 128, k), padded)
 
 
 def test_prepacked_bf16_linear_equals_f_linear_up_to_16_rows():
@@ -195,42 +225,53 @@ def test_int4_layout_puts_each_code_where_the_kernels_read_it():
     assert torch.equal(int4.codes_of_layout(packed, 128, k), padded)
 
 
-def _layout(codes: torch.Tensor, pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+# Bits -> (the kernel, the codes' layout): int4_int8_matmul and int8_int8_matmul share one implementation
+CODE_KERNELS = {4: ("int4_int8_matmul", int4.int4_layout), 8: ("int8_int8_matmul", int8.int8_layout)}
+
+
+def _random_codes(n: int, k: int, bits: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 1 << bits, (n, k), generator=generator, dtype=torch.uint8)
+
+
+def _layout(codes: torch.Tensor, pairs: torch.Tensor, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' codes and scale/offset pairs (rows padded to whole panels) of codes [N, K] and pairs [G, N, 2]."""
     padding = -codes.shape[0] % int4.PANEL
-    return int4.int4_layout(codes), torch.nn.functional.pad(pairs, (0, 0, 0, padding))
+    return CODE_KERNELS[bits][1](codes), torch.nn.functional.pad(pairs, (0, 0, 0, padding))
 
 
-def _int8_prefill_reference(x: torch.Tensor, codes: torch.Tensor, pairs: torch.Tensor, group: int) -> torch.Tensor:
-    """``int4_int8_matmul``'s result in float64: x quantized to int8 per row and group (alpha = max|x| / 127,
-    x * (127 / max|x|) rounded to even, each quotient rounded once to float32) times W = (q - 8) s + z."""
+def _int8_prefill_reference(x: torch.Tensor, codes: torch.Tensor, pairs: torch.Tensor, group: int,
+                            bits: int = 4) -> torch.Tensor:
+    """The kernels' result in float64: x quantized to int8 per row and group (alpha = max|x| / 127, x *
+    (127 / max|x|) rounded to even, each quotient rounded once to float32) times W = (q - mid) s + z,
+    mid = 8 for 4-bit codes and 128 for 8-bit ones."""
     m, k = x.shape
     xg = x.float().view(m, -1, group)
     top = xg.abs().amax(-1, keepdim=True)
     inverse = torch.where(top > 0, torch.full_like(top, 127.0).div(top), torch.zeros_like(top))
     quantized = ((xg * inverse).round().double() * top.div(127.0).double()).view(m, k)
     scales, offsets = (pairs[..., i].double().repeat_interleave(group, 0).T for i in (0, 1))
-    return quantized @ ((codes.double() - 8) * scales + offsets).T
+    return quantized @ ((codes.double() - (1 << bits - 1)) * scales + offsets).T
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 128])
-def test_int8_product_is_its_formula(group):
+def test_int8_product_is_its_formula(group, bits):
     """Against the formula in float64: float32 results to float32 rounding, bf16 ones to bf16 rounding;
     208 output rows (a last panel of 16), tiles of rows and a remainder, a row group of zeros."""
     n, k = 208, 512
     generator = torch.Generator().manual_seed(group)
-    codes = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
+    codes = _random_codes(n, k, bits, generator)
     pairs = (torch.randn(k // group, n, 2, generator=generator) * 0.01).bfloat16()
-    packed, padded_pairs = _layout(codes, pairs)
-    ops = cpu_ops.load()
+    packed, padded_pairs = _layout(codes, pairs, bits)
+    kernel = getattr(cpu_ops.load(), CODE_KERNELS[bits][0])
     for m in (1, 7, 13):
         x = torch.randn(m, k, generator=generator).bfloat16()
         x[0, :group] = 0
-        expected = _int8_prefill_reference(x, codes, pairs, group)
-        got = ops.int4_int8_matmul(x.float(), packed, padded_pairs, n, k, group)
+        expected = _int8_prefill_reference(x, codes, pairs, group, bits)
+        got = kernel(x.float(), packed, padded_pairs, n, k, group)
         assert got.dtype == torch.float32
         assert (got.double() - expected).abs().max() <= 1e-6 * expected.abs().max()
-        got = ops.int4_int8_matmul(x, packed, padded_pairs, n, k, group)
+        got = kernel(x, packed, padded_pairs, n, k, group)
         assert got.dtype == torch.bfloat16
         assert ((got.double() - expected).abs() <= 2 ** -8 * expected.abs() + 1e-6 * expected.abs().max()).all()
 
@@ -284,12 +325,16 @@ def test_prefill_kernel_follows_amx_and_the_override(monkeypatch):
         int4.prefill_kernel.cache_clear()
 
 
-@pytest.mark.parametrize("k,group", [(512, 128), (480, 24), (440, 40)], ids=["16-steps", "3-steps", "5-steps"])
-def test_int8_product_built_for_an_avx2_cpu_computes_the_same(tmp_path, k, group):
+@pytest.mark.parametrize("march,isa,k,group", [("haswell", "avx2", 512, 128), ("haswell", "avx2", 480, 24),
+                                               ("haswell", "avx2", 440, 40), ("x86-64", "scalar", 440, 40)],
+                         ids=["avx2-16-steps", "avx2-3-steps", "avx2-5-steps", "scalar"])
+def test_int8_product_built_for_another_cpu_computes_the_same(tmp_path, march, isa, k, group):
     """The AVX2 path (no AVX-512, no VNNI: many desktops) built with QUANTKIT_CPU_MARCH=haswell and run in
     a process of its own gives the reference's results to float32 rounding: 11 rows (a tile of 8, whose
-    8-column steps add in int16 two at a time, and one of 3, four at a time) and one row alone, on
-    groups whose steps divide evenly and groups that leave steps over (3 and 5 steps a group)."""
+    8-column steps add in int16 two at a time, and one of 3, four at a time) and one row alone (the
+    whole panel, two steps at a time), on groups whose steps divide evenly and groups that leave steps
+    over (3 and 5 steps a group); and 8-bit codes, whose products are taken signed (codes - 128), on the
+    same rows and groups. So does the plain loops' path of a CPU without AVX2 (x86-64)."""
     import subprocess
     import sys
 
@@ -297,24 +342,29 @@ def test_int8_product_built_for_an_avx2_cpu_computes_the_same(tmp_path, k, group
 
     generator = torch.Generator().manual_seed(3)
     n = 208
-    codes = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
-    pairs = (torch.randn(k // group, n, 2, generator=generator) * 0.01).bfloat16()
     x = torch.randn(11, k, generator=generator)
-    packed, padded_pairs = _layout(codes, pairs)
-    save_file({"x": x, "packed": packed, "pairs": padded_pairs}, tmp_path / "inputs.safetensors")
+    inputs, expected = {"x": x}, {}
+    for bits in CODE_KERNELS:
+        codes = _random_codes(n, k, bits, generator)
+        pairs = (torch.randn(k // group, n, 2, generator=generator) * 0.01).bfloat16()
+        inputs[f"packed{bits}"], inputs[f"pairs{bits}"] = _layout(codes, pairs, bits)
+        expected[bits] = _int8_prefill_reference(x, codes, pairs, group, bits)
+    save_file(inputs, tmp_path / "inputs.safetensors")
+    kernels = {bits: name for bits, (name, _) in CODE_KERNELS.items()}
     script = (f"import torch; from safetensors.torch import load_file, save_file; from quantkit.kernels import cpu_ops;"
               f"t = load_file({str(tmp_path / 'inputs.safetensors')!r}); ops = cpu_ops.load(); "
-              f"assert ops.int4_int8_isa() == 'avx2', ops.int4_int8_isa(); "
-              f"save_file({{f'y{{m}}': ops.int4_int8_matmul(t['x'][:m].contiguous(), t['packed'], t['pairs'], {n}, "
-              f"{k}, {group}) for m in (11, 1)}}, "
-              f"{str(tmp_path / 'y.safetensors')!r})")
-    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, cpu_ops.MARCH_OVERRIDE: "haswell"},
+              f"assert ops.int4_int8_isa() == {isa!r}, ops.int4_int8_isa(); "
+              f"save_file({{f'y{{bits}}_{{m}}': getattr(ops, kernel)(t['x'][:m].contiguous(), t[f'packed{{bits}}'], "
+              f"t[f'pairs{{bits}}'], {n}, {k}, {group}) for bits, kernel in {kernels!r}.items() "
+              f"for m in (11, 1)}}, {str(tmp_path / 'y.safetensors')!r})")
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, cpu_ops.MARCH_OVERRIDE: march},
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    expected = _int8_prefill_reference(x, codes, pairs, group)
     got = load_file(tmp_path / "y.safetensors")
-    for m in (11, 1):
-        assert (got[f"y{m}"].double() - expected[:m]).abs().max() <= 1e-6 * expected[:m].abs().max()
+    for bits in CODE_KERNELS:
+        for m in (11, 1):
+            reference = expected[bits][:m]
+            assert (got[f"y{bits}_{m}"].double() - reference).abs().max() <= 1e-6 * reference.abs().max()
 
 
 def test_a_weight_rebuilt_per_call_reuses_one_buffer_and_computes_the_same(monkeypatch):

@@ -4,6 +4,7 @@ Each replaces a run of small PyTorch operators whose dispatch costs more than th
 one token (see decode_ops.cpp), or is a kernel PyTorch lacks: ``ternary_gemv``, the ternary linear's
 decode path (kernels/linear/ternary.py), ``int4_int8_matmul``, an int4 linear's product on integer dot
 products (decode, verification, prefill without AMX: int4_int8_ops.cpp, kernels/linear/int4.py),
+``int8_int8_matmul``, the same on 8-bit codes (the int8 LM head's decode, kernels/linear/int8.py),
 ``int4_dequantize_t``, its bf16 weight rebuilt for a prefill chunk on AMX (int4_ops.cpp), and InfLLM
 v2's stages reading the bf16 caches in place (infllm_ops.cpp, used by kernels/infllm/cpu.py). One
 serves the quantization engine: ``bf16_gram_accumulate``, the Hessian update XᵀX of bf16 activations
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 EXTENSION = "quantkit_decode_ops"
 SOURCES = ["decode_ops.cpp", "int4_ops.cpp", "int4_int8_ops.cpp", "infllm_ops.cpp", "gram_ops.cpp"]
 FUNCTIONS = ["rms_norm_bf16", "rope_and_store", "decode_attention", "silu_mul", "ternary_gemv", "int4_dequantize_t",
-             "int4_int8_matmul", "int4_int8_isa",
+             "int4_int8_matmul", "int8_int8_matmul", "int4_int8_isa",
              "infllm_decode_scores", "infllm_decode_select", "infllm_block_attention", "infllm_isa",
              "bf16_gram_accumulate"]
 

@@ -1,18 +1,22 @@
-// An int4 linear's product on integer dot products: every decode step, speculative verification and,
-// on CPUs without AMX, prefill (kernels/linear/int4.py). The activations are quantized to int8 per
-// row and weight group (symmetric: alpha = max|x| / 127, rounded to nearest even) and each group's
-// products with the weight's 4-bit codes are summed exactly in int32 (VPDPBUSD: unsigned codes times
-// signed activations, 64 per instruction), then scaled in float32:
-//   y[m, n] = sum_g alpha[m, g] * (s[g, n] * D[m, n, g] + S[m, g] * (z[g, n] - 8 s[g, n]))
-// with w = (q - 8) s + z, D the integer dot product of a group and S the sum of its int8 activations,
-// as llama.cpp's Q4_0 x Q8_0 dot products do (there on blocks of 32).
+// A 4-bit or 8-bit linear's product on integer dot products: every decode step, speculative verification
+// and, on CPUs without AMX, prefill of the int4 linears (kernels/linear/int4.py), and the int8 LM head's
+// decode (kernels/linear/int8.py). The activations are quantized to int8 per row and weight group
+// (symmetric: alpha = max|x| / 127, rounded to nearest even) and each group's products with the
+// weight's unsigned codes are summed exactly in int32 (VPDPBUSD: unsigned codes times signed
+// activations, 64 per instruction), then scaled in float32:
+//   y[m, n] = sum_g alpha[m, g] * (s[g, n] * D[m, n, g] + S[m, g] * (z[g, n] - mid s[g, n]))
+// with w = (q - mid) s + z (mid = 8 for 4-bit codes, 128 for 8-bit ones), D the integer dot product of
+// a group and S the sum of its int8 activations, as llama.cpp's Q4_0 x Q8_0 dot products do (there on
+// blocks of 32).
 //
-// The codes are stored in the order the instruction reads them (int4_layout in kernels/linear/int4.py):
-// panels of 64 output rows; in a panel, for every 8 input columns, 256 bytes where byte 4 r + c holds
-// row r's code of column c in its low nibble and of column c + 4 in its high nibble. One 64-byte load,
-// an AND and a shift give two vectors of 16 rows x 4 codes, each row's 4 codes one 32-bit lane, so a
-// decode step does ~3 vector operations per 64 codes beside the dot products and reads its bytes near
-// the memory's speed (PyTorch's packed int4 kernel, which this replaced, converts every code to float).
+// The codes are stored in the order the instruction reads them (int4_layout and int8_layout in
+// kernels/linear/): panels of 64 output rows; in a panel, for every 8 input columns, 256 bytes (4-bit)
+// where byte 4 r + c holds row r's code of column c in its low nibble and of column c + 4 in its high
+// nibble, or 512 bytes (8-bit): the first 256 hold column c's code at byte 4 r + c, the next 256 column
+// c + 4's. One 64-byte load, an AND and a shift (or two loads) give two vectors of 16 rows x 4 codes,
+// each row's 4 codes one 32-bit lane, so a decode step does ~3 vector operations per 64 codes beside
+// the dot products and reads its bytes near the memory's speed (PyTorch's packed int4 and int8 kernels,
+// which these replaced, convert every code to float).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 #include <algorithm>
@@ -29,7 +33,7 @@ using torch::Tensor;
 namespace int4_int8 {
 
 constexpr int64_t kPanel = 64;         // output rows per panel
-constexpr int64_t kPairBytes = 256;    // one panel's codes of 8 input columns
+constexpr int64_t kHalfStep = 256;     // one panel's 4 columns of 8-bit codes
 constexpr uint32_t kHighHalf = 0xFFFF0000u;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -70,34 +74,53 @@ inline IntVec broadcast_word(const int8_t* p) { int32_t w; std::memcpy(&w, p, 4)
 inline IntVec dpbusd(IntVec acc, IntVec codes, IntVec a) { return _mm256_dpbusd_avx_epi32(acc, codes, a); }
 constexpr int kRowsPerTile = 2;  // half a panel at a time: 2 rows x 4 accumulators, 4 broadcasts, 3 for the codes
 template <int Rows>
-constexpr int kVectors = 4;
+constexpr int kVectors = Rows == 1 ? 8 : 4;  // one row: the whole panel in one pass (see tile)
 template <int Rows>
 constexpr int kSteps = 1;
-#else  // pairs of products in int16 (each at most 2 x 15 x 127), the 2 Steps pairs of a lane added in
-       // int16 (at most 8 x 3,810 for four steps: no saturation), then pairs of those in int32: 9
-       // instructions per 128 products and row at two steps, 17 per 256 at four, against 5 per 64 one
-       // step at a time
-template <int Steps>
+#else
+// 8-bit codes: D sums (q - 128) a (below), which the shift's mid accounts for
+template <int Bits>
+constexpr int kDotBias = Bits == 8 ? 128 : 0;
+template <int Bits, int Steps>
 inline IntVec dot_add(IntVec acc, const IntVec* low, const IntVec* high, const int8_t* a) {
-  static_assert(Steps <= 4, "8 pair sums of at most 3,810 fill an int16");
-  IntVec pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low[0], broadcast_word(a)),
-                                  _mm256_maddubs_epi16(high[0], broadcast_word(a + 4)));
-  for (int s = 1; s < Steps; ++s)
-    pairs = _mm256_add_epi16(_mm256_add_epi16(pairs, _mm256_maddubs_epi16(low[s], broadcast_word(a + 8 * s))),
-                             _mm256_maddubs_epi16(high[s], broadcast_word(a + 8 * s + 4)));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  if constexpr (Bits == 4) {
+    // pairs of products in int16 (each at most 2 x 15 x 127), the 2 Steps pairs of a lane added in
+    // int16 (at most 8 x 3,810 for four steps: no saturation), then pairs of those in int32: 9
+    // instructions per 128 products and row at two steps, 17 per 256 at four, against 5 per 64 one
+    // step at a time
+    static_assert(Steps <= 4, "8 pair sums of at most 3,810 fill an int16");
+    IntVec pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low[0], broadcast_word(a)),
+                                    _mm256_maddubs_epi16(high[0], broadcast_word(a + 4)));
+    for (int s = 1; s < Steps; ++s)
+      pairs = _mm256_add_epi16(_mm256_add_epi16(pairs, _mm256_maddubs_epi16(low[s], broadcast_word(a + 8 * s))),
+                               _mm256_maddubs_epi16(high[s], broadcast_word(a + 8 * s + 4)));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  } else {
+    // a pair of 8-bit codes (up to 255) times activations (up to 127) overflows int16, so each code q
+    // becomes w = q - 128 (a sign-bit flip) and the product is |w| times a with w's sign, at most
+    // 2 x 128 x 127 a pair, widened to int32 at once, as llama.cpp's AVX2 Q8_0 dot products do
+    const IntVec flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+    for (int s = 0; s < Steps; ++s)
+      for (int half = 0; half < 2; ++half) {
+        const IntVec w = _mm256_xor_si256(half ? high[s] : low[s], flip);
+        const IntVec signed_a = _mm256_sign_epi8(broadcast_word(a + 8 * s + 4 * half), w);
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), signed_a), ones));
+      }
+    return acc;
+  }
 }
 // Tiles of 8 rows x 1 accumulator: each split code vector serves 8 rows (the splitting, 3 instructions
 // per code vector, is 0.75 per 128 products and row) and each broadcast is used once, so none holds
-// one of the 16 registers. Fewer rows (a decode step's one, a verification's 4) keep 4 / Rows
+// one of the 16 registers. Paired in one process against 4-row tiles of two steps (gate_up [32768,
+// 4096], 2 threads): 8-12 % faster at 512 rows, bit-identical. A verification's 2-4 rows keep 4 / Rows
 // independent accumulators each and add four steps in int16 before widening, which their registers
-// allow. Paired in one process against 4-row tiles of two steps (gate_up [32768, 4096], 2 threads):
-// 8-12 % faster at 512 rows, 5-8 % at one row, bit-identical.
+// allow; a decode step's one row covers the whole panel in one pass (see tile) two steps at a
+// time (four spill registers: 1.2-1.6x slower, paired runs).
 constexpr int kRowsPerTile = 8;
 template <int Rows>
-constexpr int kVectors = Rows >= 4 ? 1 : 4 / Rows;
+constexpr int kVectors = Rows == 1 ? 8 : Rows >= 4 ? 1 : 4 / Rows;
 template <int Rows>
-constexpr int kSteps = Rows > 4 ? 2 : 4;
+constexpr int kSteps = Rows == 1 || Rows > 4 ? 2 : 4;
 #endif
 inline FloatVec low_bf16(IntVec v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
 inline FloatVec high_bf16(IntVec v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(kHighHalf)))); }
@@ -110,9 +133,11 @@ inline void store_float(float* p, FloatVec v) { _mm256_storeu_ps(p, v); }
 #endif
 
 #ifdef INT4_INT8_DPBUSD
+template <int Bits>
+constexpr int kDotBias = 0;  // D sums q a
 // acc + the dot products of each 32-bit lane's 4 codes of low[s] with a row's activations of columns
 // 8 s .. 8 s + 3 (``a`` the row's first column) and of high[s] with those of 8 s + 4 .. 8 s + 7
-template <int Steps>
+template <int Bits, int Steps>
 inline IntVec dot_add(IntVec acc, const IntVec* low, const IntVec* high, const int8_t* a) {
   for (int s = 0; s < Steps; ++s)
     acc = dpbusd(dpbusd(acc, low[s], broadcast_word(a + 8 * s)), high[s], broadcast_word(a + 8 * s + 4));
@@ -134,58 +159,97 @@ inline float bf16_to_float(uint16_t bits) {
   return value;
 }
 
-// Group g's scale s and shift z - 8 s of rows r0..r0+63, from the bf16 pairs [groups][rows][2] (each
-// pair one 32-bit word: s in the low half, z in the high one).
+// The layout of Bits-bit codes: the bytes of a panel's 8-column step, and the code every weight is
+// centred on (w = (q - mid) s + z).
+template <int Bits>
+struct Codes {
+  static_assert(Bits == 4 || Bits == 8, "4-bit or 8-bit codes");
+  static constexpr int64_t kStepBytes = kPanel * Bits;
+  static constexpr float kMid = 1 << (Bits - 1);
+  // row ``lane``'s code of column c (< 8) of a step
+  static uint8_t code(const uint8_t* step, int64_t lane, int64_t c) {
+    if constexpr (Bits == 4) {
+      const uint8_t byte = step[lane * 4 + c % 4];
+      return c < 4 ? byte & 15 : byte >> 4;
+    } else {
+      return step[c / 4 * kHalfStep + lane * 4 + c % 4];
+    }
+  }
+#ifdef __AVX2__
+  // the codes of columns 0..3 (low) and 4..7 (high) of kLanes rows from ``at`` (a step plus 4 bytes a row)
+  static void split(const uint8_t* at, IntVec& low, IntVec& high) {
+    if constexpr (Bits == 4) {
+      const IntVec bytes = load_int(at);
+      low = low_nibbles(bytes);
+      high = high_nibbles(bytes);
+    } else {
+      low = load_int(at);
+      high = load_int(at + kHalfStep);
+    }
+  }
+#endif
+};
+
+// Group g's scale s and shift z - (mid - bias) s of rows r0..r0+63 (bias: what the dot products take
+// off each code), from the bf16 pairs [groups][rows][2] (each pair one 32-bit word: s in the low half,
+// z in the high one).
+template <int Bits>
 void group_scales(const uint16_t* pairs, int64_t rows, int64_t r0, int64_t g, float* scale, float* shift) {
   const uint16_t* base = pairs + (g * rows + r0) * 2;
 #ifdef __AVX2__
+  constexpr float kCentre = Codes<Bits>::kMid - kDotBias<Bits>;
   for (int64_t i = 0; i < kPanel; i += kLanes) {
     const IntVec words = load_int(base + 2 * i);
     const FloatVec s = low_bf16(words);
     store_float(scale + i, s);
-    store_float(shift + i, fmadd(broadcast_float(-8.f), s, high_bf16(words)));
+    store_float(shift + i, fmadd(broadcast_float(-kCentre), s, high_bf16(words)));
   }
 #else
   for (int64_t i = 0; i < kPanel; ++i) {
     scale[i] = bf16_to_float(base[2 * i]);
-    shift[i] = std::fma(-8.f, scale[i], bf16_to_float(base[2 * i + 1]));
+    shift[i] = std::fma(-Codes<Bits>::kMid, scale[i], bf16_to_float(base[2 * i + 1]));
   }
 #endif
 }
 
 #ifdef __AVX2__
 // Steps 8-column steps of ``Rows`` activation rows (``a``: the first row's first column) times the
-// codes ``pair`` of a slice, added to ``acc``.
-template <int Rows, int Steps>
-inline void multiply_steps(IntVec (&acc)[Rows][kVectors<Rows>], const uint8_t* pair, const int8_t* a,
+// codes ``step`` of a slice, added to ``acc``.
+template <int Bits, int Rows, int Steps>
+inline void multiply_steps(IntVec (&acc)[Rows][kVectors<Rows>], const uint8_t* step, const int8_t* a,
                            int64_t columns) {
   for (int v = 0; v < kVectors<Rows>; ++v) {
     IntVec low[Steps], high[Steps];
-    for (int s = 0; s < Steps; ++s) {
-      const IntVec bytes = load_int(pair + s * kPairBytes + v * kLanes * 4);
-      low[s] = low_nibbles(bytes);
-      high[s] = high_nibbles(bytes);
-    }
-    for (int r = 0; r < Rows; ++r) acc[r][v] = dot_add<Steps>(acc[r][v], low, high, a + r * columns);
+    for (int s = 0; s < Steps; ++s) Codes<Bits>::split(step + s * Codes<Bits>::kStepBytes + v * kLanes * 4, low[s], high[s]);
+    for (int r = 0; r < Rows; ++r) acc[r][v] = dot_add<Bits, Steps>(acc[r][v], low, high, a + r * columns);
   }
 }
 
 // ``Rows`` (<= kRowsPerTile) activation rows from ``m0`` times group g of a panel (``codes``: the group's
 // bytes in the panel), added to ``out`` [Rows][64] float32; ``scale`` and ``shift`` [64]: the group's.
-template <int Rows>
+template <int Bits, int Rows>
 void tile(const Activations& x, int64_t m0, int64_t g, const uint8_t* codes, const float* scale, const float* shift,
           float* out) {
   constexpr int kSlice = kVectors<Rows> * kLanes;  // panel rows the accumulators cover
+  // A slice narrower than the panel reads part of every step's cache lines on each pass over the group,
+  // a strided stream the hardware prefetchers follow badly: a decode row's slice is the whole panel on
+  // every instruction set, so that it streams its codes in order. Paired in one process (4 layers of
+  // MiniCPM4.1-8B's int4 linears and its int8 LM head, one row, 2 threads, AMD EPYC), the AVX2 build
+  // went from 0.68x and 0.44x the AVX-512 VNNI build's speed with 32-row slices to 0.93-1.0x and
+  // 0.8-1.1x.
+  static_assert(Rows > 1 || kSlice == kPanel, "a decode row reads its panel in one pass");
+  constexpr int64_t kStepBytes = Codes<Bits>::kStepBytes;
   for (int64_t first = 0; first < kPanel; first += kSlice) {
     IntVec acc[Rows][kVectors<Rows>];
     for (int r = 0; r < Rows; ++r)
       for (int v = 0; v < kVectors<Rows>; ++v) acc[r][v] = zero_int();
-    const uint8_t* pair = codes + first * 4;
+    const uint8_t* slice = codes + first * 4;
     const int8_t* a = x.values + m0 * x.columns + g * x.group_size;
     const int64_t steps = x.group_size / 8;
     int64_t q = 0;
-    for (; q + kSteps<Rows> <= steps; q += kSteps<Rows>) multiply_steps<Rows, kSteps<Rows>>(acc, pair + q * kPairBytes, a + 8 * q, x.columns);
-    for (; q < steps; ++q) multiply_steps<Rows, 1>(acc, pair + q * kPairBytes, a + 8 * q, x.columns);
+    for (; q + kSteps<Rows> <= steps; q += kSteps<Rows>)
+      multiply_steps<Bits, Rows, kSteps<Rows>>(acc, slice + q * kStepBytes, a + 8 * q, x.columns);
+    for (; q < steps; ++q) multiply_steps<Bits, Rows, 1>(acc, slice + q * kStepBytes, a + 8 * q, x.columns);
     for (int r = 0; r < Rows; ++r) {
       const int64_t at = (m0 + r) * x.groups + g;
       const FloatVec alpha = broadcast_float(x.alpha[at]);
@@ -201,7 +265,7 @@ void tile(const Activations& x, int64_t m0, int64_t g, const uint8_t* codes, con
 }
 #else  // no vector extension: the same sums in plain loops
 constexpr int kRowsPerTile = 1;
-template <int Rows>
+template <int Bits, int Rows>
 void tile(const Activations& x, int64_t m0, int64_t g, const uint8_t* codes, const float* scale, const float* shift,
           float* out) {
   for (int r = 0; r < Rows; ++r) {
@@ -209,10 +273,8 @@ void tile(const Activations& x, int64_t m0, int64_t g, const uint8_t* codes, con
     const int8_t* a = x.values + (m0 + r) * x.columns + g * x.group_size;
     for (int64_t lane = 0; lane < kPanel; ++lane) {
       int32_t dot = 0;
-      for (int64_t c = 0; c < x.group_size; ++c) {
-        const uint8_t byte = codes[c / 8 * kPairBytes + lane * 4 + c % 4];
-        dot += (c % 8 < 4 ? byte & 15 : byte >> 4) * a[c];
-      }
+      for (int64_t c = 0; c < x.group_size; ++c)
+        dot += Codes<Bits>::code(codes + c / 8 * Codes<Bits>::kStepBytes, lane, c % 8) * a[c];
       const float partial = std::fma(shift[lane], x.alpha[at] * static_cast<float>(x.sums[at]), out[r * kPanel + lane]);
       out[r * kPanel + lane] = std::fma(static_cast<float>(dot), scale[lane] * x.alpha[at], partial);
     }
@@ -220,47 +282,33 @@ void tile(const Activations& x, int64_t m0, int64_t g, const uint8_t* codes, con
 }
 #endif
 
-template <int Rows>
+template <int Bits, int Rows>
 void tile_rows(int rows, const Activations& x, int64_t m0, int64_t g, const uint8_t* codes, const float* scale,
                const float* shift, float* out) {
   if constexpr (Rows > 1) {
-    if (rows < Rows) return tile_rows<Rows - 1>(rows, x, m0, g, codes, scale, shift, out);
+    if (rows < Rows) return tile_rows<Bits, Rows - 1>(rows, x, m0, g, codes, scale, shift, out);
   }
-  tile<Rows>(x, m0, g, codes, scale, shift, out);
+  tile<Bits, Rows>(x, m0, g, codes, scale, shift, out);
 }
 
-}  // namespace int4_int8
-
-// The instruction set the sums run on, for reports and for the runtime's choice of prefill.
-std::string int4_int8_isa() {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  return "avx512_vnni";
-#elif defined(__AVX2__) && defined(__AVXVNNI__)
-  return "avx_vnni";
-#elif defined(__AVX2__)
-  return "avx2";
-#else
-  return "scalar";
-#endif
-}
-
-// y = x W^T for x bf16 or float32 [M, columns]; W's codes in the layout above for ``padded`` rows (a
-// multiple of 64, of which the first ``rows`` are W's), groups of ``group_size`` columns (a multiple
-// of 8), scale_offset bf16 [columns / group_size, padded, 2]; y [M, rows] in x's dtype.
-Tensor int4_int8_matmul(Tensor x, Tensor packed, Tensor scale_offset, int64_t rows, int64_t columns,
-                        int64_t group_size) {
-  using namespace int4_int8;
+// y = x W^T for x bf16 or float32 [M, columns]; W's Bits-bit codes in the layout above for ``padded``
+// rows (a multiple of 64, of which the first ``rows`` are W's), groups of ``group_size`` columns (a
+// multiple of 8), scale_offset bf16 [columns / group_size, padded, 2]; y [M, rows] in x's dtype.
+template <int Bits>
+Tensor codes_matmul(const char* name, Tensor x, Tensor packed, Tensor scale_offset, int64_t rows, int64_t columns,
+                    int64_t group_size) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == columns && x.is_contiguous() &&
                   (x.dtype() == torch::kBFloat16 || x.dtype() == torch::kFloat32),
-              "x: contiguous bf16 or float32 [M, columns]");
-  TORCH_CHECK(group_size % 8 == 0 && columns % group_size == 0, "group_size: a multiple of 8 dividing columns");
+              name, ": x must be contiguous bf16 or float32 [M, columns]");
+  TORCH_CHECK(group_size % 8 == 0 && columns % group_size == 0,
+              name, ": group_size must be a multiple of 8 dividing columns");
   TORCH_CHECK(scale_offset.dtype() == torch::kBFloat16 && scale_offset.is_contiguous() &&
                   scale_offset.dim() == 3 && scale_offset.size(0) * group_size == columns &&
                   scale_offset.size(1) % kPanel == 0 && scale_offset.size(1) >= rows && scale_offset.size(2) == 2,
-              "scale_offset: contiguous bf16 [columns / group_size, rows padded to 64, 2]");
+              name, ": scale_offset must be contiguous bf16 [columns / group_size, rows padded to 64, 2]");
   const int64_t padded = scale_offset.size(1);
-  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous() && packed.numel() * 2 == padded * columns,
-              "packed: contiguous uint8 holding the padded rows x columns codes");
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous() && packed.numel() * 8 == padded * columns * Bits,
+              name, ": packed must be contiguous uint8 holding the padded rows x columns codes");
   const int64_t m = x.size(0), groups = columns / group_size;
 
   // int8 activations, per row and group
@@ -293,20 +341,20 @@ Tensor int4_int8_matmul(Tensor x, Tensor packed, Tensor scale_offset, int64_t ro
   const uint8_t* codes = packed.data_ptr<uint8_t>();
   const auto* pairs = reinterpret_cast<const uint16_t*>(scale_offset.data_ptr<at::BFloat16>());
   const bool bf16 = x.dtype() == torch::kBFloat16;
-  // A panel of 64 output rows at a time, group by group (its 4 KB of codes at group size 128 stay in
-  // L1 while every row of x is multiplied by them); the float32 sums of all rows in a buffer.
+  // A panel of 64 output rows at a time, group by group (its 4 KB of 4-bit codes at group size 128 stay
+  // in L1 while every row of x is multiplied by them); the float32 sums of all rows in a buffer.
   at::parallel_for(0, padded / kPanel, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scale(kPanel), shift(kPanel), sums_of_rows(m * kPanel);
     for (int64_t p = begin; p < end; ++p) {
       const int64_t r0 = p * kPanel, panel_rows = std::min(kPanel, rows - r0);
-      const uint8_t* panel = codes + r0 * columns / 2;
+      const uint8_t* panel = codes + r0 * columns * Bits / 8;
       std::fill(sums_of_rows.begin(), sums_of_rows.end(), 0.f);
       for (int64_t g = 0; g < groups; ++g) {
-        group_scales(pairs, padded, r0, g, scale.data(), shift.data());
-        const uint8_t* group_codes = panel + g * group_size / 8 * kPairBytes;
+        group_scales<Bits>(pairs, padded, r0, g, scale.data(), shift.data());
+        const uint8_t* group_codes = panel + g * group_size / 8 * Codes<Bits>::kStepBytes;
         for (int64_t m0 = 0; m0 < m; m0 += kRowsPerTile)
-          tile_rows<kRowsPerTile>(static_cast<int>(std::min<int64_t>(kRowsPerTile, m - m0)), act, m0, g, group_codes,
-                                  scale.data(), shift.data(), sums_of_rows.data() + m0 * kPanel);
+          tile_rows<Bits, kRowsPerTile>(static_cast<int>(std::min<int64_t>(kRowsPerTile, m - m0)), act, m0, g,
+                                        group_codes, scale.data(), shift.data(), sums_of_rows.data() + m0 * kPanel);
       }
       for (int64_t r = 0; r < m && panel_rows > 0; ++r) {
         const float* result = sums_of_rows.data() + r * kPanel;
@@ -320,4 +368,31 @@ Tensor int4_int8_matmul(Tensor x, Tensor packed, Tensor scale_offset, int64_t ro
     }
   });
   return out;
+}
+
+}  // namespace int4_int8
+
+// The instruction set the sums run on, for reports and for the runtime's choice of prefill.
+std::string int4_int8_isa() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return "avx512_vnni";
+#elif defined(__AVX2__) && defined(__AVXVNNI__)
+  return "avx_vnni";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+// y = x W^T, W = (q - 8) s + z with 4-bit codes q in int4_layout's order (codes_matmul above)
+Tensor int4_int8_matmul(Tensor x, Tensor packed, Tensor scale_offset, int64_t rows, int64_t columns,
+                        int64_t group_size) {
+  return int4_int8::codes_matmul<4>("int4_int8_matmul", x, packed, scale_offset, rows, columns, group_size);
+}
+
+// y = x W^T, W = (q - 128) s + z with 8-bit codes q in int8_layout's order (codes_matmul above)
+Tensor int8_int8_matmul(Tensor x, Tensor packed, Tensor scale_offset, int64_t rows, int64_t columns,
+                        int64_t group_size) {
+  return int4_int8::codes_matmul<8>("int8_int8_matmul", x, packed, scale_offset, rows, columns, group_size);
 }

@@ -1,35 +1,90 @@
-"""Weight-only int8 with one scale per output row, for the LM head of a quantized model.
+"""Weight-only int8 for the LM head of a quantized model: symmetric codes per group of input columns
+(128 where they divide the width) with a bf16 scale, w = (q - 128) * s.
 
 The head is the largest single matrix a decode step reads (49152 x 576 on the default model,
 73448 x 4096 on MiniCPM4.1-8B) and quantizing it is what llama.cpp does too (its Q4_0 files store
-``output.weight`` as Q6_K). Decode uses PyTorch's int8 weight-only kernel; more rows multiply by
-the bf16 dequantized weight.
+``output.weight`` as Q6_K). Decode multiplies int8 activations by the codes on integer dot products,
+``int8_int8_matmul`` (kernels/cpu_ops/int4_int8_ops.cpp, the int4 linears' kernel on 8-bit codes, stored
+in the order it reads them: ``int8_layout``); more rows multiply by the bf16 dequantized weight. At
+the 8B head, 2 threads, this project's AMD EPYC: 11.5 ms a row against 14.3 ms for PyTorch's int8
+weight-only kernel, which it replaced (docs/results.md, "CPU linears at MiniCPM4.1-8B's shapes").
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from quantkit.kernels import cpu_ops
+from quantkit.kernels.linear.int4 import PANEL, pack_group_size
 from quantkit.kernels.linear.packed import PackedLinear
 
+GROUP_SIZE = 128
+CENTRE = 128  # the code of a zero weight
 
-class Int8RowLinear(PackedLinear):
-    def __init__(self, weight: torch.Tensor):
+
+def int8_layout(codes: torch.Tensor) -> torch.Tensor:
+    """codes uint8 [N, K] (K a multiple of 8) as the kernel reads them: rows padded with code 128 to a
+    multiple of 64; for each panel of 64 rows and each 8 columns, 512 bytes where byte 4 r + c of the
+    first 256 holds row r's code of column c and of the next 256 its code of column c + 4."""
+    n, k = codes.shape
+    padded = -(-n // PANEL) * PANEL
+    codes = F.pad(codes.to(torch.uint8), (0, 0, 0, padded - n), value=CENTRE)
+    # panel, 8 columns, half, row, c
+    return codes.view(padded // PANEL, PANEL, k // 8, 2, 4).permute(0, 2, 3, 1, 4).contiguous().view(-1)
+
+
+def codes_of_int8_layout(packed: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """``int8_layout``'s inverse: codes uint8 [rows, columns] from the bytes of ``rows`` (a multiple of 64)."""
+    return packed.view(rows // PANEL, columns // 8, 2, PANEL, 4).permute(0, 3, 1, 2, 4).reshape(rows, columns)
+
+
+def bf16_at_least(values: torch.Tensor) -> torch.Tensor:
+    """The smallest bf16 number not below each positive float32 value (as float32): a scale rounded
+    up, so that no weight's quotient leaves [-127, 127]."""
+    rounded = values.bfloat16()
+    below = rounded.float() < values
+    return (rounded.view(torch.int16) + below.to(torch.int16)).view(torch.bfloat16).float()
+
+
+class Int8Linear(PackedLinear):
+    def __init__(self, weight: torch.Tensor, group_size: int = GROUP_SIZE):
         super().__init__()
-        weight = weight.float()
-        scales = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
-        self.register_buffer("codes", torch.round(weight / scales[:, None]).to(torch.int8))
-        self.register_buffer("scales", scales.bfloat16())
         self.out_features, self.in_features = weight.shape
+        self.group_size = pack_group_size(group_size, self.in_features)
+        self.padded_in = -(-self.in_features // self.group_size) * self.group_size
+        grouped = F.pad(weight.float(), (0, self.padded_in - self.in_features)).view(self.out_features, -1,
+                                                                                  self.group_size)
+        scales = bf16_at_least(grouped.abs().amax(-1).clamp(min=torch.finfo(torch.float32).tiny) / 127)  # [N, G]
+        codes = torch.round(grouped / scales[..., None]).add_(CENTRE).to(torch.uint8).view(self.out_features, -1)
+        self.register_buffer("packed", int8_layout(codes))
+        # (scale, offset) pairs in bf16 [G, padded rows, 2], the kernels' form; offsets are 0 (symmetric)
+        pairs = torch.stack((scales.T, torch.zeros_like(scales.T)), dim=-1)
+        self.register_buffer("scale_offset_bf16", F.pad(pairs, (0, 0, 0, self.padded_out - self.out_features))
+                             .bfloat16())
         self.bias = None
         self.keep_dequantized = True
 
     @property
+    def padded_out(self) -> int:
+        return -(-self.out_features // PANEL) * PANEL
+
+    @property
     def weight_bytes(self) -> int:
-        return self.codes.numel() + self.scales.numel() * 2
+        """Bytes a decode step reads: the codes and the bf16 scale/offset pairs."""
+        return self.packed.numel() + self.scale_offset_bf16.numel() * 2
+
+    def prepare(self, x: torch.Tensor) -> torch.Tensor:
+        return F.pad(x, (0, self.padded_in - self.in_features)) if self.padded_in != self.in_features else x
 
     def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return (self.codes.float() * self.scales.float()[:, None]).to(dtype)
+        """W [N, padded columns] = (q - 128) * s."""
+        codes = codes_of_int8_layout(self.packed, self.padded_out, self.padded_in)[:self.out_features]
+        scales = self.scale_offset_bf16[:, :self.out_features, 0].T.float()
+        grouped = (codes.float() - CENTRE).view(self.out_features, -1, self.group_size) * scales[..., None]
+        return grouped.view(self.out_features, self.padded_in).to(dtype)
 
     def decode(self, rows: torch.Tensor) -> torch.Tensor | None:
-        if rows.dtype != torch.bfloat16:
+        ops = cpu_ops.load() if rows.dtype == torch.bfloat16 and rows.device.type == "cpu" else None
+        if ops is None:
             return None
-        return torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
+        return ops.int8_int8_matmul(rows.contiguous(), self.packed, self.scale_offset_bf16, self.out_features,
+                                    self.padded_in, self.group_size)
