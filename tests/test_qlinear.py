@@ -9,8 +9,9 @@ import pytest
 import torch
 from quantkit.kernels import cpu_ops
 from quantkit.kernels.linear import int4, int8, load_linears
-from quantkit.kernels.linear.int4 import Int4Linear, pack_group_size
+from quantkit.kernels.linear.int4 import Int4Linear
 from quantkit.kernels.linear.int8 import Int8Linear
+from quantkit.kernels.linear.panel import PANEL, pack_group_size
 from quantkit.kernels.linear.ternary import TernaryLinear
 from quantkit.kernels.model import fuse_linears
 
@@ -235,7 +236,7 @@ def _random_codes(n: int, k: int, bits: int, generator: torch.Generator) -> torc
 
 def _layout(codes: torch.Tensor, pairs: torch.Tensor, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' codes and scale/offset pairs (rows padded to whole panels) of codes [N, K] and pairs [G, N, 2]."""
-    padding = -codes.shape[0] % int4.PANEL
+    padding = -codes.shape[0] % PANEL
     return CODE_KERNELS[bits][1](codes), torch.nn.functional.pad(pairs, (0, 0, 0, padding))
 
 

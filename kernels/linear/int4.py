@@ -26,31 +26,16 @@ monotonic) becomes a column permutation applied to the input; a ragged last grou
 from __future__ import annotations
 
 import functools
-import math
 import os
 import threading
 
 import torch
 import torch.nn.functional as F
 from quantkit.kernels import cpu_ops
-from quantkit.kernels.linear.packed import PackedLinear, fused_bias
+from quantkit.kernels.linear.packed import fused_bias
+from quantkit.kernels.linear.panel import PANEL, PanelLinear, pack_group_size
 
 from quantkit.quant import QuantizedTensor
-
-PACK_GROUP_SIZES = (256, 128, 64, 32)  # the groups a module packs, largest first
-PANEL = 64  # output rows per panel of the codes' layout (kernels/cpu_ops/int4_int8_ops.cpp)
-
-
-def pack_group_size(group_size: int, in_features: int) -> int:
-    """The largest packed-kernel group that tiles the record's groups and K, so that no zero columns
-    are needed (K = 576 with group 128 packs as groups of 64, each with its group-128 scale); a K
-    that no size divides is padded to the record's own group size (or 256 when per-channel)."""
-    span = in_features if group_size == -1 else math.gcd(group_size, in_features)
-    fitting = [size for size in PACK_GROUP_SIZES if span % size == 0]
-    if fitting:
-        return fitting[0]
-    return 256 if group_size == -1 else group_size
-
 
 # Elements of the weight dequantized at a time: a float32 chunk of 4 MB stays in cache (measured: 256
 # rows of K = 4096 ran 1.3x faster than 64 rows or 1024)
@@ -118,8 +103,10 @@ def prefill_kernel() -> str:
     return "int8"
 
 
-class Int4Linear(PackedLinear):
+class Int4Linear(PanelLinear):
     """y = x W^T (+ bias) with W = (q - 8) * s + z per group; q in natural column order after ``perm``."""
+
+    integer_kernel = "int4_int8_matmul"
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int,
                  in_features: int, perm: torch.Tensor | None = None, bias: torch.Tensor | None = None,
@@ -162,15 +149,6 @@ class Int4Linear(PackedLinear):
         codes = F.pad(codes, (0, padded - k), value=8)
         return cls(codes, scales, offsets, pack_group, k, perm, bias, keep_dequantized)
 
-    @property
-    def weight_bytes(self) -> int:
-        """Bytes a decode step reads: the codes and the bf16 scale/offset pairs."""
-        return self.packed.numel() * self.packed.element_size() + self.scale_offset_bf16.numel() * 2
-
-    @property
-    def padded_out(self) -> int:
-        return self.scale_offset_bf16.shape[1]
-
     def _codes(self, start: int = 0, end: int | None = None) -> torch.Tensor:
         """The codes uint8 [end - start, Kp] of rows start..end (``start`` a multiple of ``PANEL``)."""
         end = self.out_features if end is None else end
@@ -204,23 +182,7 @@ class Int4Linear(PackedLinear):
         return out
 
     def prepare(self, x: torch.Tensor) -> torch.Tensor:
-        if self.perm is not None:
-            x = x.index_select(-1, self.perm)
-        if self.padded_in != self.in_features:
-            x = F.pad(x, (0, self.padded_in - self.in_features))
-        return x
-
-    def _integer_product(self, rows: torch.Tensor) -> torch.Tensor | None:
-        """rows W^T by ``int4_int8_matmul`` for bf16 rows on the CPU when the operators are compiled, else None
-        (float32 rows, what the evaluation's engines run, keep the exact product of the dequantized weight)."""
-        ops = cpu_ops.load() if rows.dtype == torch.bfloat16 and rows.device.type == "cpu" else None
-        if ops is None:
-            return None
-        return ops.int4_int8_matmul(rows.contiguous(), self.packed, self.scale_offset_bf16, self.out_features,
-                                    self.padded_in, self.group_size)
-
-    def decode(self, rows: torch.Tensor) -> torch.Tensor | None:
-        return self._integer_product(rows)
+        return super().prepare(x if self.perm is None else x.index_select(-1, self.perm))
 
     def _dense(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows beyond the decode rows: on integer dot products when ``prefill_kernel`` says so, else by the

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from quantkit.kernels import cpu_ops
-from quantkit.kernels.linear.int4 import PANEL, pack_group_size
-from quantkit.kernels.linear.packed import PackedLinear
+from quantkit.kernels.linear.panel import PANEL, PanelLinear, pack_group_size
 
 GROUP_SIZE = 128
 CENTRE = 128  # the code of a zero weight
@@ -45,7 +43,9 @@ def bf16_at_least(values: torch.Tensor) -> torch.Tensor:
     return (rounded.view(torch.int16) + below.to(torch.int16)).view(torch.bfloat16).float()
 
 
-class Int8Linear(PackedLinear):
+class Int8Linear(PanelLinear):
+    integer_kernel = "int8_int8_matmul"
+
     def __init__(self, weight: torch.Tensor, group_size: int = GROUP_SIZE):
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -58,22 +58,10 @@ class Int8Linear(PackedLinear):
         self.register_buffer("packed", int8_layout(codes))
         # (scale, offset) pairs in bf16 [G, padded rows, 2], the kernels' form; offsets are 0 (symmetric)
         pairs = torch.stack((scales.T, torch.zeros_like(scales.T)), dim=-1)
-        self.register_buffer("scale_offset_bf16", F.pad(pairs, (0, 0, 0, self.padded_out - self.out_features))
-                             .bfloat16())
+        padding = -self.out_features % PANEL
+        self.register_buffer("scale_offset_bf16", F.pad(pairs, (0, 0, 0, padding)).bfloat16())
         self.bias = None
         self.keep_dequantized = True
-
-    @property
-    def padded_out(self) -> int:
-        return -(-self.out_features // PANEL) * PANEL
-
-    @property
-    def weight_bytes(self) -> int:
-        """Bytes a decode step reads: the codes and the bf16 scale/offset pairs."""
-        return self.packed.numel() + self.scale_offset_bf16.numel() * 2
-
-    def prepare(self, x: torch.Tensor) -> torch.Tensor:
-        return F.pad(x, (0, self.padded_in - self.in_features)) if self.padded_in != self.in_features else x
 
     def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """W [N, padded columns] = (q - 128) * s."""
@@ -81,10 +69,3 @@ class Int8Linear(PackedLinear):
         scales = self.scale_offset_bf16[:, :self.out_features, 0].T.float()
         grouped = (codes.float() - CENTRE).view(self.out_features, -1, self.group_size) * scales[..., None]
         return grouped.view(self.out_features, self.padded_in).to(dtype)
-
-    def decode(self, rows: torch.Tensor) -> torch.Tensor | None:
-        ops = cpu_ops.load() if rows.dtype == torch.bfloat16 and rows.device.type == "cpu" else None
-        if ops is None:
-            return None
-        return ops.int8_int8_matmul(rows.contiguous(), self.packed, self.scale_offset_bf16, self.out_features,
-                                    self.padded_in, self.group_size)
