@@ -66,6 +66,42 @@ def test_bench_8b_runs_the_runtime_as_an_avx2_desktop(tiny_checkpoint, tmp_path)
     assert run["prefill_tok_s"] > 0 and run["decode_tok_s"] > 0
 
 
+def test_bench_8b_emulated_times_llama_bench_in_rounds_with_quantkit(tiny_checkpoint, tmp_path):
+    """With a llama-bench, the emulating process alternates: each round a prefill test then a decode test
+    of one repetition, and the ratios are the median of the rounds' (here a stand-in llama-bench that
+    logs its arguments and answers 10, 20, 30, ... tokens per second)."""
+    import json
+    import subprocess
+    import sys
+
+    from quantkit.engine import quantize
+    from quantkit.recipe import load_recipe
+
+    artifact = tmp_path / "w4"
+    quantize(tiny_checkpoint, load_recipe("rtn-w4g128", {"calibration.n_samples": 2, "calibration.seq_len": 32}),
+             artifact, progress=False)
+    calls, gguf = tmp_path / "calls.jsonl", tmp_path / "q4_0.gguf"
+    gguf.write_bytes(b"GGUF")
+    stand_in = tmp_path / "llama-bench"
+    stand_in.write_text(f"#!{sys.executable}\nimport json, sys\nlog = open({str(calls)!r}, 'a+')\n"
+                        "log.seek(0); n = len(log.readlines()) + 1\nlog.write(json.dumps(sys.argv[1:]) + '\\n')\n"
+                        "print(json.dumps([{'samples_ts': [10.0 * n]}]))\n")
+    stand_in.chmod(0o755)
+    done = subprocess.run([sys.executable, "-m", "quantkit.eval.bench.bench_8b_emulated", "--artifact", str(artifact),
+                           "--layers", "2", "--prompt-tokens", "40", "--new-tokens", "4", "--repeats", "3",
+                           "--threads", "1", "--llama-bench", str(stand_in), "--gguf", str(gguf)],
+                          capture_output=True, text=True, check=True)
+    run = json.loads(done.stdout.strip().splitlines()[-1])
+    tests = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert [t[t.index("-p") + 1] for t in tests] == ["40", "0"] * 3
+    assert all(t[t.index("-r") + 1] == "1" and t[t.index("-m") + 1] == str(gguf) for t in tests)
+    assert run["rounds"]["llama_prefill"] == [10.0, 30.0, 50.0] and run["rounds"]["llama_decode"] == [20.0, 40.0, 60.0]
+    assert run["llama_cpp"]["prefill_tok_s"] == 30.0 and run["llama_cpp"]["decode_tok_s"] == 40.0
+    for step in ("prefill", "decode"):
+        ratios = sorted(ours / theirs for ours, theirs in zip(run["rounds"][step], run["rounds"][f"llama_{step}"]))
+        assert run["paired_ratios"][step] == ratios[1]
+
+
 def test_bench_8b_layer_floor_counts_each_phase_of_an_8b_layer():
     from quantkit.eval.bench.bench_8b_layer import floor_multiply_adds
 

@@ -10,13 +10,16 @@ class). The emulation is of instruction sets only: clock, caches and memory stay
 
 Where a class has a llama.cpp build (``CpuClass.llama_cpp``), its llama.cpp figures come from
 llama-bench compiled for that class (``llama_build``) on the same Q4_0 file, with llama.cpp's defaults
-(weight repacking on, as a user of that CPU gets it): ``llama_cpp_speed``. Without one, llama.cpp's
-figures on this CPU stand for the class.
+(weight repacking on, as a user of that CPU gets it), run by the emulating process in alternation with
+its own timings: each round times quantkit's prefill, llama.cpp's, quantkit's decode, llama.cpp's, so
+that both see the same phase of a shared machine (here a VM's speed moved by 40 % within minutes,
+which two runs one after the other turn into a ratio). The ratios are the median of the rounds'.
+Without a build, llama.cpp's figures on this CPU stand for the class.
 
-Prints one JSON line: the prompt's tokens per second (median of ``--repeats`` prefills from an empty
-cache) and the decode's after it (``--new-tokens`` greedy steps, median of ``--repeats``), as bench_8b's
-own rows; the prefill kernel the runtime chose, the instruction set of the compiled integer kernel and
-PyTorch's.
+Prints one JSON line: the prompt's tokens per second (prefills from an empty cache) and the decode's
+after it (``--new-tokens`` greedy steps), medians of ``--repeats`` rounds after a warm-up, as bench_8b's
+own rows; llama.cpp's and the paired ratios when it ran; the prefill kernel the runtime chose, the
+instruction set of the compiled integer kernel and PyTorch's.
 
     python -m quantkit.eval.bench.bench_8b_emulated --artifact out/bench-8b/w4-rtn-w4g128-32-layer --layers 32
 """
@@ -27,6 +30,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,42 +62,34 @@ def emulated_classes(flags: list[str]) -> list[str]:
 
 
 def measure(cpu_class: str, artifact: Path, layers: int, prompt_tokens: int, new_tokens: int, repeats: int,
-            threads: int) -> dict:
-    """This module's command in a process with ``cpu_class``'s environment; its result."""
-    environment = CPU_CLASSES[cpu_class].environment
+            threads: int, gguf: Path | None = None) -> dict:
+    """This module's command in a process with ``cpu_class``'s environment, alternating with llama-bench built
+    for the class on ``gguf`` when the class has a build (compiled here on first use); its result."""
+    from quantkit.eval.bench.llama_build import llama_cpp_programs
+
+    emulated = CPU_CLASSES[cpu_class]
     command = [sys.executable, "-m", "quantkit.eval.bench.bench_8b_emulated", "--artifact", str(artifact),
                "--layers", str(layers), "--prompt-tokens", str(prompt_tokens), "--new-tokens", str(new_tokens),
                "--repeats", str(repeats), "--threads", str(threads)]
-    done = subprocess.run(command, env={**os.environ, **environment}, capture_output=True, text=True)
+    if gguf is not None and emulated.llama_cpp is not None:
+        name, flags = emulated.llama_cpp
+        bench = llama_cpp_programs(name, ("llama-bench",), flags, jobs=threads) / "llama-bench"
+        command += ["--llama-bench", str(bench), "--llama-build", f"llama.cpp {name} ({' '.join(flags)})",
+                    "--gguf", str(gguf)]
+    done = subprocess.run(command, env={**os.environ, **emulated.environment}, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"the runtime as {cpu_class} failed:\n{done.stderr[-3000:]}")
-    return {"cpu_class": cpu_class, "environment": environment, **json.loads(done.stdout.strip().splitlines()[-1])}
+    return {"cpu_class": cpu_class, "environment": emulated.environment,
+            **json.loads(done.stdout.strip().splitlines()[-1])}
 
 
-def llama_cpp_speed(cpu_class: str, gguf: Path, prompt_tokens: int, new_tokens: int, repeats: int,
-                    threads: int) -> dict | None:
-    """llama-bench compiled for ``cpu_class`` on ``gguf`` (built on first use), or None if the class has no
-    llama.cpp build: prefill tok/s of a ``prompt_tokens`` prompt from an empty cache, and decode tok/s of
-    ``new_tokens`` steps ``prompt_tokens`` positions in (llama-bench ``-d``: that prompt is prefilled once),
-    each the median of ``repeats`` runs after llama-bench's warm-up."""
-    from quantkit.eval.bench.llama_build import llama_cpp_programs
-
-    build = CPU_CLASSES[cpu_class].llama_cpp
-    if build is None:
-        return None
-    name, flags = build
-    bench = llama_cpp_programs(name, ("llama-bench",), flags, jobs=threads) / "llama-bench"
-
-    def tokens_per_second(*test: str) -> float:
-        command = [str(bench), "-m", str(gguf), "-t", str(threads), "-r", str(repeats), "-o", "json", *test]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-        return statistics.median(json.loads(done.stdout)[0]["samples_ts"])
-
-    return {"build": f"llama.cpp {name} ({' '.join(flags)})",
-            "prefill_tok_s": tokens_per_second("-p", str(prompt_tokens), "-n", "0"),
-            "decode_tok_s": tokens_per_second("-p", "0", "-n", str(new_tokens), "-d", str(prompt_tokens))}
+def llama_bench_tok_s(bench: Path, gguf: Path, threads: int, *test: str) -> float:
+    """Tokens per second of one llama-bench repetition of ``test`` (after its warm-up) on ``gguf``."""
+    command = [str(bench), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json", *test]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout)[0]["samples_ts"][0]
 
 
 @click.command()
@@ -101,26 +97,66 @@ def llama_cpp_speed(cpu_class: str, gguf: Path, prompt_tokens: int, new_tokens: 
 @click.option("--layers", required=True, type=int, help="Decoder layers of the artifact (32: the whole model).")
 @click.option("--prompt-tokens", default=512, show_default=True)
 @click.option("--new-tokens", default=32, show_default=True, help="Decode steps per timed run.")
-@click.option("--repeats", default=3, show_default=True)
+@click.option("--repeats", default=3, show_default=True, help="Rounds; the medians are kept.")
 @click.option("--threads", default=2, show_default=True)
-def main(artifact, layers, prompt_tokens, new_tokens, repeats, threads):
-    """Prefill and decode tok/s of ``artifact`` in this process's instruction sets, as one JSON line."""
+@click.option("--llama-bench", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="llama-bench to alternate with (prefill of the prompt from an empty cache; decode "
+                   "--prompt-tokens positions in).")
+@click.option("--llama-build", default="", help="How that llama-bench was built, for the report.")
+@click.option("--gguf", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The Q4_0 file of the artifact's weights, for --llama-bench.")
+def main(artifact, layers, prompt_tokens, new_tokens, repeats, threads, llama_bench, llama_build, gguf):
+    """Prefill and decode tok/s of ``artifact`` in this process's instruction sets (and llama-bench's, in
+    alternation), as one JSON line."""
     import torch
     from quantkit.eval.bench.bench_8b import as_full_model, random_prompt
-    from quantkit.eval.bench.bench_runtime import bench_quantkit
+    from quantkit.eval.bench.bench_runtime import greedy_steps
     from quantkit.kernels import cpu_ops
     from quantkit.kernels.generate import load_engine
     from quantkit.kernels.linear.int4 import prefill_kernel
 
+    if (llama_bench is None) != (gguf is None):
+        raise click.UsageError("--llama-bench and --gguf go together")
     torch.set_num_threads(threads)
     with as_full_model(layers):
         engine = load_engine(artifact, sparse="off")
     prompt = random_prompt(prompt_tokens, engine.runtime.config.vocab_size, seed=prompt_tokens)
-    _, prefill, decode = bench_quantkit(artifact, prompt, new_tokens, repeats, engine=engine)
+    cache = engine.new_cache()
+
+    def prefill() -> tuple[float, int]:
+        cache.crop(0)
+        start = time.perf_counter()
+        first = int(engine.prefill(prompt, cache).argmax())
+        return prompt_tokens / (time.perf_counter() - start), first
+
+    def decode(first: int) -> float:
+        cache.crop(prompt_tokens)
+        return new_tokens / greedy_steps(engine.runtime, cache, first, new_tokens)
+
+    first = prefill()[1]  # warm-up
+    decode(first)
+    rounds = {"prefill": [], "decode": [], "llama_prefill": [], "llama_decode": []}
+    for _ in range(repeats):
+        rounds["prefill"].append(prefill()[0])
+        if llama_bench:
+            rounds["llama_prefill"].append(llama_bench_tok_s(llama_bench, gguf, threads, "-p", str(prompt_tokens),
+                                                             "-n", "0"))
+        rounds["decode"].append(decode(first))
+        if llama_bench:
+            rounds["llama_decode"].append(llama_bench_tok_s(llama_bench, gguf, threads, "-p", "0", "-n",
+                                                            str(new_tokens), "-d", str(prompt_tokens)))
     ops = cpu_ops.load()
-    click.echo(json.dumps({"prefill_tok_s": prefill, "decode_tok_s": decode, "prefill_kernel": prefill_kernel(),
-                           "int8_isa": ops.int4_int8_isa() if ops else None,
-                           "aten_capability": torch.backends.cpu.get_cpu_capability()}))
+    result = {"prefill_tok_s": statistics.median(rounds["prefill"]),
+              "decode_tok_s": statistics.median(rounds["decode"]), "prefill_kernel": prefill_kernel(),
+              "int8_isa": ops.int4_int8_isa() if ops else None,
+              "aten_capability": torch.backends.cpu.get_cpu_capability(), "rounds": rounds}
+    if llama_bench:
+        result["llama_cpp"] = {"build": llama_build, "prefill_tok_s": statistics.median(rounds["llama_prefill"]),
+                               "decode_tok_s": statistics.median(rounds["llama_decode"])}
+        result["paired_ratios"] = {
+            step: statistics.median(ours / theirs for ours, theirs in zip(rounds[step], rounds[f"llama_{step}"]))
+            for step in ("prefill", "decode")}
+    click.echo(json.dumps(result))
 
 
 if __name__ == "__main__":
