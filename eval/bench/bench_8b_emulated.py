@@ -57,6 +57,9 @@ CPU_CLASSES = {
 }
 
 
+SETTLE_STEPS = 8  # untimed decode steps before each timed run
+
+
 def emulated_classes(flags: list[str]) -> list[str]:
     return [name for name, cpu_class in CPU_CLASSES.items() if cpu_class.above in flags]
 
@@ -133,14 +136,22 @@ def main(artifact, layers, prompt_tokens, new_tokens, repeats, threads, llama_be
         cache.crop(prompt_tokens)
         return new_tokens / greedy_steps(engine.runtime, cache, first, new_tokens)
 
+    def settle() -> None:
+        """A few untimed steps before each timed run, as llama-bench warms up before its own: the first
+        run after a llama-bench process lost ~1 s (decode 5.1 tok/s, then 6.8-7.0; scratch measurement)."""
+        cache.crop(prompt_tokens)
+        greedy_steps(engine.runtime, cache, first, SETTLE_STEPS)
+
     first = prefill()[1]  # warm-up
     decode(first)
     rounds = {"prefill": [], "decode": [], "llama_prefill": [], "llama_decode": []}
     for _ in range(repeats):
+        settle()
         rounds["prefill"].append(prefill()[0])
         if llama_bench:
             rounds["llama_prefill"].append(llama_bench_tok_s(llama_bench, gguf, threads, "-p", str(prompt_tokens),
                                                              "-n", "0"))
+        settle()
         rounds["decode"].append(decode(first))
         if llama_bench:
             rounds["llama_decode"].append(llama_bench_tok_s(llama_bench, gguf, threads, "-p", "0", "-n",

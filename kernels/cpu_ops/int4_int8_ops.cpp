@@ -315,12 +315,23 @@ Tensor codes_matmul(const char* name, Tensor x, Tensor packed, Tensor scale_offs
   std::vector<int8_t> values(m * columns);
   std::vector<float> alpha(m * groups);
   std::vector<int32_t> sums(m * groups);
-  const Tensor xf = x.dtype() == torch::kFloat32 ? x : x.to(torch::kFloat32);
-  const float* src = xf.data_ptr<float>();
+  // read in x's own dtype rather than from a float32 copy (an allocation and an operator call per linear):
+  // MiniCPM4.1-8B's decode step, paired in one process, took 0.97x (AVX2 build) and 0.99x (AVX-512) the
+  // time it took with the copy
+  const bool bf16 = x.dtype() == torch::kBFloat16;
+  const float* src_float = bf16 ? nullptr : x.data_ptr<float>();
+  const auto* src_bf16 = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
   at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> group(group_size);
+    float* v = group.data();
     for (int64_t i = begin; i < end; ++i) {
-      const float* v = src + i / groups * columns + i % groups * group_size;
-      int8_t* q = values.data() + i / groups * columns + i % groups * group_size;
+      const int64_t first = i / groups * columns + i % groups * group_size;
+      if (bf16) {
+        for (int64_t c = 0; c < group_size; ++c) v[c] = bf16_to_float(src_bf16[first + c]);
+      } else {
+        std::copy(src_float + first, src_float + first + group_size, v);
+      }
+      int8_t* q = values.data() + first;
       float top = 0.f;
       for (int64_t c = 0; c < group_size; ++c) top = std::max(top, std::fabs(v[c]));
       // in double, so that -ffast-math's reciprocals cannot move a value across a rounding tie: this
@@ -340,7 +351,6 @@ Tensor codes_matmul(const char* name, Tensor x, Tensor packed, Tensor scale_offs
   Tensor out = torch::empty({m, rows}, x.options());
   const uint8_t* codes = packed.data_ptr<uint8_t>();
   const auto* pairs = reinterpret_cast<const uint16_t*>(scale_offset.data_ptr<at::BFloat16>());
-  const bool bf16 = x.dtype() == torch::kBFloat16;
   // A panel of 64 output rows at a time, group by group (its 4 KB of 4-bit codes at group size 128 stay
   // in L1 while every row of x is multiplied by them); the float32 sums of all rows in a buffer.
   at::parallel_for(0, padded / kPanel, 1, [&](int64_t begin, int64_t end) {
