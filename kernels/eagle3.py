@@ -11,6 +11,7 @@ appends the verified positions computed from the target's real states.
 from __future__ import annotations
 
 import torch
+from quantkit.kernels import cpu_ops
 from quantkit.kernels.infllm import causal_attention_of_last_positions
 from quantkit.kernels.kv_cache import KVCache
 from quantkit.kernels.linear.prepacked import prepacked
@@ -32,10 +33,13 @@ class _DenseAttention:
 class Eagle3Drafter(DecoderRunner):
     def __init__(self, head: Eagle3Head, embedding: nn.Embedding, window: int | None = None):
         config = head.config
-        dtype = embedding.weight.dtype
-        kv_dtype = torch.float32 if embedding.weight.device.type == "cpu" else dtype
+        dtype, device = embedding.weight.dtype, embedding.weight.device
+        # as the target's runtime (``RuntimeModel``): bf16 on the CPU runs the layer in the fused operators
+        # over a bf16 cache; without them PyTorch's one-query attention is faster on float32 keys
+        ops = cpu_ops.load() if device.type == "cpu" and dtype == torch.bfloat16 else None
+        kv_dtype = torch.float32 if device.type == "cpu" and ops is None else dtype
         super().__init__((config.num_attention_heads, config.num_key_value_heads, config.head_dim),
-                         config.rms_norm_eps, head.midlayer.residual_scale, dtype, kv_dtype, _DenseAttention())
+                         config.rms_norm_eps, head.midlayer.residual_scale, dtype, kv_dtype, _DenseAttention(), ops)
         self.head = head.to(dtype).eval()
         self.aux_layers = head.aux_layers
         self._embedding, self._scale_emb = embedding, head.target.scale_emb
@@ -145,8 +149,7 @@ class Eagle3Drafter(DecoderRunner):
             mask = self._windowed(positions, mask, verified)
         cos, signed_sin = rope_tables(self.head.rotary_emb, positions)
         embeds = self._embedding(tokens).float() * self._scale_emb
-        both = torch.cat([rms_norm(embeds, self._embedding_norm, self.eps, self.dtype),
-                          rms_norm(hidden, self._hidden_norm, self.eps, self.dtype)], dim=-1)
+        both = torch.cat([self.norm(embeds, self._embedding_norm), self.norm(hidden, self._hidden_norm)], dim=-1)
         attention = self.forward_attention(mask, tokens.shape[0], self._cache)
         hidden = self.layer_from_input(0, self._layer, both, hidden, cos, signed_sin, self._cache, attention)
         self._cache.advance(tokens.shape[0])

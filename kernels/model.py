@@ -135,10 +135,19 @@ class DecoderRunner:
     cache in ``kv_dtype``): what the target model and an EAGLE-3 draft layer share."""
 
     def __init__(self, heads: tuple[int, int, int], eps: float, residual_scale: float, dtype: torch.dtype,
-                 kv_dtype: torch.dtype, attention: Attention):
+                 kv_dtype: torch.dtype, attention: Attention, ops=None):
+        """``ops``: the fused CPU operators (kernels/cpu_ops) for bf16 matmuls over a bf16 cache, or None."""
         self._heads, self.eps, self.residual_scale = heads, eps, residual_scale
         self.dtype, self.kv_dtype, self.attention = dtype, kv_dtype, attention
         self.scores_pre_rope = getattr(attention, "scores_pre_rope", False)
+        # the fused RoPE + KV write keeps no pre-RoPE keys
+        self._ops = ops if not self.scores_pre_rope else None
+
+    def norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of the float32 stream, rounded to the matmuls' dtype (in the fused operator when there is one)."""
+        if self._ops is not None:
+            return self._ops.rms_norm_bf16(hidden, weight, self.eps)
+        return rms_norm(hidden, weight, self.eps, self.dtype)
 
     def forward_attention(self, mask: torch.Tensor | None, length: int, cache: KVCache) -> Attention:
         """The attention every layer of a forward of ``length`` new positions runs: the runtime's own, or
@@ -173,8 +182,11 @@ class DecoderRunner:
         """The layer given what its q/k/v read (the normed residual; in a draft head, the normed
         embedding beside the normed hidden state) and the residual ``hidden`` [T, H] it adds onto.
         ``attention``: the forward's (``forward_attention``), else the runtime's own."""
-        (q_heads, kv_heads, head_dim), length = self._heads, hidden.shape[0]
         attention = attention or self.attention
+        if self._ops is not None:
+            return self._fused_layer_from_input(index, layer, attention_input, hidden, cos, signed_sin, cache,
+                                                attention)
+        (q_heads, kv_heads, head_dim), length = self._heads, hidden.shape[0]
         qkv = layer.qkv(attention_input)
         qkv = qkv.view(length, -1, head_dim).transpose(0, 1)
         rotated = rotate(qkv[:q_heads + kv_heads], cos, signed_sin, self.kv_dtype)
@@ -189,6 +201,24 @@ class DecoderRunner:
         hidden = torch.add(hidden, layer.o_proj(mixed), alpha=self.residual_scale)
         gate, up = layer.gate_up(rms_norm(hidden, layer.post_norm, self.eps, self.dtype)).chunk(2, dim=-1)
         return torch.add(hidden, layer.down_proj(F.silu(gate) * up), alpha=self.residual_scale)
+
+    def _fused_layer_from_input(self, index, layer: "RuntimeLayer", attention_input, hidden, cos, signed_sin,
+                                cache: KVCache, attention: Attention) -> torch.Tensor:
+        """``layer_from_input`` with its glue in the fused CPU operators (kernels/cpu_ops)."""
+        ops, (q_heads, kv_heads, head_dim), length = self._ops, self._heads, hidden.shape[0]
+        qkv = layer.qkv(attention_input).contiguous()
+        end = cache.length + length
+        key_buffer, value_buffer = cache.buffers(index, end)
+        query = ops.rope_and_store(qkv, cos, signed_sin, key_buffer, value_buffer, cache.length, q_heads, kv_heads)
+        if (attention is self.attention and length == 1 and getattr(attention, "dense", False)
+                and end * (q_heads // kv_heads) <= FUSED_ATTENTION_MAX_SCORES):
+            mixed = ops.decode_attention(query, key_buffer, value_buffer, end, head_dim ** -0.5)
+        else:
+            mixed = attention(query.to(self.kv_dtype), key_buffer[:, :end], value_buffer[:, :end], index, cache)
+            mixed = mixed.to(self.dtype).transpose(0, 1).reshape(length, -1)
+        hidden = torch.add(hidden, layer.o_proj(mixed), alpha=self.residual_scale)
+        gate_up = layer.gate_up(ops.rms_norm_bf16(hidden, layer.post_norm, self.eps)).contiguous()
+        return torch.add(hidden, layer.down_proj(ops.silu_mul(gate_up)), alpha=self.residual_scale)
 
 
 class RuntimeModel(DecoderRunner):
@@ -206,11 +236,11 @@ class RuntimeModel(DecoderRunner):
         embeddings = model.model.embed_tokens.weight
         dtype, self.device = embeddings.dtype, embeddings.device
         fusable = self.device.type == "cpu" and dtype == torch.bfloat16 and kv_dtype in (None, torch.bfloat16)
-        self._ops = cpu_ops.load() if fusable else None
+        ops = cpu_ops.load() if fusable else None
         if kv_dtype is None:
-            kv_dtype = dtype if self._ops is not None or self.device.type != "cpu" else torch.float32
+            kv_dtype = dtype if ops is not None or self.device.type != "cpu" else torch.float32
         super().__init__((config.num_attention_heads, config.num_key_value_heads, config.head_dim),
-                         config.rms_norm_eps, config.residual_scale, dtype, kv_dtype, attention)
+                         config.rms_norm_eps, config.residual_scale, dtype, kv_dtype, attention, ops)
         self._rotary = model.model.rotary_emb
         self.final_norm = model.model.norm.weight.float()
         self.layers = [RuntimeLayer.of(layer, release=True) for layer in model.model.layers]
@@ -264,28 +294,8 @@ class RuntimeModel(DecoderRunner):
 
     def _layer(self, index, layer: "RuntimeLayer", hidden, cos, signed_sin, cache: KVCache,
                attention: Attention) -> torch.Tensor:
-        if self._ops is not None and not self.scores_pre_rope:  # the fused RoPE + KV write keeps no pre-RoPE keys
-            return self._fused_layer(index, layer, hidden, cos, signed_sin, cache, attention)
-        return self.layer_from_input(index, layer, rms_norm(hidden, layer.input_norm, self.eps, self.dtype), hidden,
-                                     cos, signed_sin, cache, attention)
-
-    def _fused_layer(self, index, layer: "RuntimeLayer", hidden, cos, signed_sin, cache: KVCache,
-                     attention: Attention) -> torch.Tensor:
-        """``layer_from_input`` on the normed stream, with its glue in the fused CPU operators (kernels/cpu_ops)."""
-        ops, (q_heads, kv_heads, head_dim), length = self._ops, self._heads, hidden.shape[0]
-        qkv = layer.qkv(ops.rms_norm_bf16(hidden, layer.input_norm, self.eps)).contiguous()
-        end = cache.length + length
-        key_buffer, value_buffer = cache.buffers(index, end)
-        query = ops.rope_and_store(qkv, cos, signed_sin, key_buffer, value_buffer, cache.length, q_heads, kv_heads)
-        if (attention is self.attention and length == 1 and getattr(attention, "dense", False)
-                and end * (q_heads // kv_heads) <= FUSED_ATTENTION_MAX_SCORES):
-            mixed = ops.decode_attention(query, key_buffer, value_buffer, end, head_dim ** -0.5)
-        else:
-            mixed = attention(query.to(self.kv_dtype), key_buffer[:, :end], value_buffer[:, :end], index, cache)
-            mixed = mixed.to(self.dtype).transpose(0, 1).reshape(length, -1)
-        hidden = torch.add(hidden, layer.o_proj(mixed), alpha=self.residual_scale)
-        gate_up = layer.gate_up(ops.rms_norm_bf16(hidden, layer.post_norm, self.eps)).contiguous()
-        return torch.add(hidden, layer.down_proj(ops.silu_mul(gate_up)), alpha=self.residual_scale)
+        return self.layer_from_input(index, layer, self.norm(hidden, layer.input_norm), hidden, cos, signed_sin, cache,
+                                     attention)
 
 
 class RuntimeLayer:

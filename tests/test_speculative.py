@@ -113,6 +113,37 @@ def test_greedy_with_an_eagle3_head_equals_plain_greedy(target_dir, w4_target, t
     assert got.acceptance["rounds"] >= 32 // 5 and 1.0 <= got.acceptance["tau"] <= 5.0
 
 
+def test_eagle3_drafter_in_bf16_runs_its_layer_in_the_fused_operators(target_dir, tmp_path):
+    """In bf16 on the CPU (how `quantkit generate` runs a head) the midlayer runs in the fused operators
+    over a bf16 cache, as the target's layers do: within bf16 rounding of the same head on PyTorch's
+    operators over a float32 cache, observing and drafting."""
+    from quantkit.kernels import cpu_ops
+    from torch import nn
+
+    runtime = _runtime(target_dir)
+    head = load_head(write_tiny_eagle3_head(tmp_path / "head", target_dir), runtime.config)
+    embedding = nn.Embedding.from_pretrained(runtime.model.model.embed_tokens.weight.bfloat16())
+    fused, reference = Eagle3Drafter(head, embedding), Eagle3Drafter(head, embedding)
+    assert cpu_ops.load() is not None and fused._ops is not None and fused.kv_dtype == torch.bfloat16
+    reference._ops, reference.kv_dtype = None, torch.float32
+    reference.crop(0)
+    logits, states = runtime.forward_capturing(torch.tensor(PROMPT), runtime.new_cache(), fused.aux_layers)
+    next_tokens = torch.tensor(PROMPT[1:] + [int(logits[-1].argmax())])
+
+    def relative(a, b):
+        return float((a - b).norm() / b.norm())
+
+    for drafter in (fused, reference):
+        drafter.observe(torch.tensor(PROMPT), states, next_tokens)
+    assert relative(fused._last, reference._last) < 1e-2
+    ours, theirs = fused._last, reference._last
+    with torch.inference_mode():
+        for token in (3, 7, 11):
+            ours, theirs = fused._step(ours, torch.tensor([token])), reference._step(theirs, torch.tensor([token]))
+            assert relative(ours, theirs) < 1e-2
+    assert fused._cache.length == reference._cache.length == len(PROMPT) + 3
+
+
 def test_eagle3_drafter_observes_verified_positions_only(target_dir, tmp_path):
     """Proposing grows the head's cache; the next observation drops those entries first."""
     head = load_head(write_tiny_eagle3_head(tmp_path / "head", target_dir), _runtime(target_dir).config)
