@@ -1,7 +1,7 @@
 """The benchmarks' pure logic (no timing): what `make bench-8b` prints as its targets and floor."""
 from __future__ import annotations
 
-from quantkit.eval.bench.bench_8b import Measured, export_targets, targets
+from quantkit.eval.bench.bench_8b import Measured, export_targets, fastest_read_gb_s, targets
 
 
 def test_bench_8b_targets():
@@ -29,6 +29,16 @@ def test_bench_8b_targets():
         "prefill of 512 as no AMX (emulated): quantkit / llama.cpp Q4_0 (llama.cpp noamx)": (4.0, 2.0, True),
         "decode at 512 as no AMX (emulated): quantkit / llama.cpp Q4_0 (llama.cpp noamx)": (0.9, 1.0, False),
     }
+
+
+def test_bench_8b_ceiling_is_at_least_the_fastest_read_of_the_run():
+    """Every decode's tok/s x bytes per token counts: the contenders', the ternary rows' and the emulated
+    classes' (these at the W4 artifact's bytes)."""
+    ours = Measured("quantkit", 0, decode={512: 2.0, 8192: 1.0}, bytes_per_token={512: 4e9, 8192: 5e9})
+    llama = Measured("llama.cpp Q4_0", 0, decode={512: 1.0}, bytes_per_token={512: 4.5e9})
+    widths = [{"tok_s": 1.5, "mb_per_token": 4000.0}, {"tok_s": 3.0, "mb_per_token": 2000.0}]
+    assert fastest_read_gb_s([ours, llama], widths, [], 4e9) == 8.0
+    assert fastest_read_gb_s([ours, llama], widths, [{"decode_tok_s": 2.5}], 4e9) == 10.0
 
 
 def test_bench_8b_export_targets_need_the_ratio_and_identical_tensors():
