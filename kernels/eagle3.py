@@ -11,11 +11,10 @@ appends the verified positions computed from the target's real states.
 from __future__ import annotations
 
 import torch
-from quantkit.kernels import cpu_ops
 from quantkit.kernels.infllm import causal_attention_of_last_positions
 from quantkit.kernels.kv_cache import KVCache
 from quantkit.kernels.linear.prepacked import prepacked
-from quantkit.kernels.model import DecoderRunner, RuntimeLayer, rms_norm, rope_tables
+from quantkit.kernels.model import DecoderRunner, RuntimeLayer, fused_ops_and_kv_dtype, rms_norm, rope_tables
 from quantkit.kernels.sampling import Sampler
 from quantkit.kernels.speculative import DraftTree, TreeShape, draft_children, grow_tree, tree_attention_mask
 from torch import nn
@@ -33,11 +32,8 @@ class _DenseAttention:
 class Eagle3Drafter(DecoderRunner):
     def __init__(self, head: Eagle3Head, embedding: nn.Embedding, window: int | None = None):
         config = head.config
-        dtype, device = embedding.weight.dtype, embedding.weight.device
-        # as the target's runtime (``RuntimeModel``): bf16 on the CPU runs the layer in the fused operators
-        # over a bf16 cache; without them PyTorch's one-query attention is faster on float32 keys
-        ops = cpu_ops.load() if device.type == "cpu" and dtype == torch.bfloat16 else None
-        kv_dtype = torch.float32 if device.type == "cpu" and ops is None else dtype
+        dtype = embedding.weight.dtype
+        ops, kv_dtype = fused_ops_and_kv_dtype(dtype, embedding.weight.device)  # as the target's runtime
         super().__init__((config.num_attention_heads, config.num_key_value_heads, config.head_dim),
                          config.rms_norm_eps, head.midlayer.residual_scale, dtype, kv_dtype, _DenseAttention(), ops)
         self.head = head.to(dtype).eval()

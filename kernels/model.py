@@ -130,6 +130,18 @@ def _release(parent: nn.Module, names: tuple[str, ...], fused: nn.Module) -> Non
         start += width
 
 
+def fused_ops_and_kv_dtype(dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | None = None):
+    """(the fused CPU operators or None, the KV cache's dtype) for matmuls in ``dtype`` on ``device``: bf16 on
+    the CPU with a bf16 cache runs a layer in the fused operators; by default the cache takes ``dtype``,
+    except on the CPU without the fused operators, where PyTorch's attention for one query runs ~1.7x faster
+    on float32 than on bf16 keys (measured)."""
+    fusable = device.type == "cpu" and dtype == torch.bfloat16 and kv_dtype in (None, torch.bfloat16)
+    ops = cpu_ops.load() if fusable else None
+    if kv_dtype is None:
+        kv_dtype = dtype if ops is not None or device.type != "cpu" else torch.float32
+    return ops, kv_dtype
+
+
 class DecoderRunner:
     """A MiniCPM decoder layer on the runtime's conventions (float32 residual, matmuls in ``dtype``, the
     cache in ``kv_dtype``): what the target model and an EAGLE-3 draft layer share."""
@@ -228,17 +240,12 @@ class RuntimeModel(DecoderRunner):
     norms ~2x cheaper per token here. q/k/v and gate/up are fused into one matmul each."""
 
     def __init__(self, model: MiniCPMForCausalLM, attention: Attention, kv_dtype: torch.dtype | None = None):
-        """``kv_dtype``: the KV cache's (and attention's) dtype. By default the activation dtype, except
-        when the fused CPU operators are unavailable: PyTorch's attention for one query runs ~1.7x
-        faster on float32 than on bf16 keys here (measured), while the fused one reads bf16."""
+        """``kv_dtype``: the KV cache's (and attention's) dtype; by default ``fused_ops_and_kv_dtype``'s."""
         self.model = model.eval()
         self.config = config = model.config
         embeddings = model.model.embed_tokens.weight
         dtype, self.device = embeddings.dtype, embeddings.device
-        fusable = self.device.type == "cpu" and dtype == torch.bfloat16 and kv_dtype in (None, torch.bfloat16)
-        ops = cpu_ops.load() if fusable else None
-        if kv_dtype is None:
-            kv_dtype = dtype if ops is not None or self.device.type != "cpu" else torch.float32
+        ops, kv_dtype = fused_ops_and_kv_dtype(dtype, self.device, kv_dtype)
         super().__init__((config.num_attention_heads, config.num_key_value_heads, config.head_dim),
                          config.rms_norm_eps, config.residual_scale, dtype, kv_dtype, attention, ops)
         self._rotary = model.model.rotary_emb
