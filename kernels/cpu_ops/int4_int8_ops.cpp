@@ -351,28 +351,36 @@ Tensor codes_matmul(const char* name, Tensor x, Tensor packed, Tensor scale_offs
   Tensor out = torch::empty({m, rows}, x.options());
   const uint8_t* codes = packed.data_ptr<uint8_t>();
   const auto* pairs = reinterpret_cast<const uint16_t*>(scale_offset.data_ptr<at::BFloat16>());
-  // A panel of 64 output rows at a time, group by group (its 4 KB of 4-bit codes at group size 128 stay
-  // in L1 while every row of x is multiplied by them); the float32 sums of all rows in a buffer.
+  // A panel of 64 output rows at a time (its codes: 128 KB for 4096 columns at 4 bits, held in L2), and in
+  // it kRowsPerTile rows of x at a time through every group (their int8 values stay in L1 and stream in
+  // order, as do the codes): the float32 sums of a tile's rows in a small buffer. The earlier order, every
+  // row of x per group, re-read all of x per group from L2 or beyond; paired in one process on 512 rows
+  // (2 threads, AMD EPYC, AVX2 build), this order took 0.76-0.99x its time on MiniCPM4.1-8B's shapes, the
+  // most on down_proj's 16,384 columns, and 0.97-0.99x on the AVX-512 VNNI build.
   at::parallel_for(0, padded / kPanel, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scale(kPanel), shift(kPanel), sums_of_rows(m * kPanel);
+    std::vector<float> scale(kPanel), shift(kPanel), tile_sums(kRowsPerTile * kPanel);
     for (int64_t p = begin; p < end; ++p) {
       const int64_t r0 = p * kPanel, panel_rows = std::min(kPanel, rows - r0);
+      if (panel_rows <= 0) continue;
       const uint8_t* panel = codes + r0 * columns * Bits / 8;
-      std::fill(sums_of_rows.begin(), sums_of_rows.end(), 0.f);
-      for (int64_t g = 0; g < groups; ++g) {
-        group_scales<Bits>(pairs, padded, r0, g, scale.data(), shift.data());
-        const uint8_t* group_codes = panel + g * group_size / 8 * Codes<Bits>::kStepBytes;
-        for (int64_t m0 = 0; m0 < m; m0 += kRowsPerTile)
-          tile_rows<Bits, kRowsPerTile>(static_cast<int>(std::min<int64_t>(kRowsPerTile, m - m0)), act, m0, g,
-                                        group_codes, scale.data(), shift.data(), sums_of_rows.data() + m0 * kPanel);
-      }
-      for (int64_t r = 0; r < m && panel_rows > 0; ++r) {
-        const float* result = sums_of_rows.data() + r * kPanel;
-        if (bf16) {
-          auto* y = out.data_ptr<at::BFloat16>() + r * rows + r0;
-          for (int64_t i = 0; i < panel_rows; ++i) y[i] = at::BFloat16(result[i]);
-        } else {
-          std::copy(result, result + panel_rows, out.data_ptr<float>() + r * rows + r0);
+      for (int64_t m0 = 0; m0 < m; m0 += kRowsPerTile) {
+        const int tile_rows_here = static_cast<int>(std::min<int64_t>(kRowsPerTile, m - m0));
+        std::fill(tile_sums.begin(), tile_sums.end(), 0.f);
+        for (int64_t g = 0; g < groups; ++g) {
+          // a group's 64 scales and shifts cost less to rebuild per tile than a buffer of all of them
+          // costs a decode step, which reads every group once
+          group_scales<Bits>(pairs, padded, r0, g, scale.data(), shift.data());
+          tile_rows<Bits, kRowsPerTile>(tile_rows_here, act, m0, g, panel + g * group_size / 8 * Codes<Bits>::kStepBytes,
+                                        scale.data(), shift.data(), tile_sums.data());
+        }
+        for (int r = 0; r < tile_rows_here; ++r) {
+          const float* result = tile_sums.data() + r * kPanel;
+          if (bf16) {
+            auto* y = out.data_ptr<at::BFloat16>() + (m0 + r) * rows + r0;
+            for (int64_t i = 0; i < panel_rows; ++i) y[i] = at::BFloat16(result[i]);
+          } else {
+            std::copy(result, result + panel_rows, out.data_ptr<float>() + (m0 + r) * rows + r0);
+          }
         }
       }
     }
