@@ -9,12 +9,14 @@ no Cache object, cos/sin computed once per step, KV heads never repeated.
 """
 from __future__ import annotations
 
+import functools
 from functools import partial
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from quantkit.kernels import cpu_ops
+from quantkit.kernels.infllm.cpu import verify_attention
 from quantkit.kernels.kv_cache import KVCache
 from quantkit.kernels.linear.prepacked import prepacked
 from torch import nn
@@ -27,9 +29,9 @@ from quantkit.models.minicpm import MiniCPMForCausalLM
 # ~300 keys for the default model's group of 3, ~100 for MiniCPM4.1-8B's group of 16.
 FUSED_ATTENTION_MAX_SCORES = 1024
 
-# Rows after a cache up to which dense causal attention takes one bias made per forward (a speculative
-# round's verification); longer chunks keep the attention's own masking, since the bias, repeated for
-# each query head of a KV head, grows with rows x keys x group.
+# Rows after a cache up to which dense causal attention runs as a speculative round's verification
+# (``VerificationAttention``); longer chunks keep the attention's own masking, since SDPA's bias, repeated
+# for each query head of a KV head, grows with rows x keys x group.
 BIAS_MAX_ROWS = 64
 
 # (q [Hq, T, d], keys [Hkv, S, d], values [Hkv, S, d], layer index, cache) -> [Hq, T, d]; an attention
@@ -58,12 +60,37 @@ def rope_tables(rotary: nn.Module, positions: torch.Tensor) -> tuple[torch.Tenso
 
 def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      bias: torch.Tensor) -> torch.Tensor:
-    """q [Hq, T, d], k/v [Hkv, S, d], an additive bias [Hq/Hkv·T, S] (``DecoderRunner.attention_bias``)
+    """q [Hq, T, d], k/v [Hkv, S, d], an additive bias [Hq/Hkv·T, S] (``VerificationAttention.bias``)
     -> [Hq, T, d]. Each KV head's query heads are the rows of one problem, as in a decode step: SDPA's
     enable_gqa expands K and V instead, ~2x slower for a few rows (bit-identical)."""
     (q_heads, length, head_dim), kv_heads = query.shape, keys.shape[0]
     folded = query.reshape(1, kv_heads, q_heads // kv_heads * length, head_dim)
     return F.scaled_dot_product_attention(folded, keys[None], values[None], attn_mask=bias).view(query.shape)
+
+
+class VerificationAttention:
+    """Dense attention of a forward's T new positions that each see what their row of ``visible`` [T, all
+    keys] allows (a speculative round's chain or draft tree; every row sees all cached keys): over bf16
+    caches the fused kernel (``verify_attention``, kernels/infllm/cpu.py), else SDPA with an additive bias
+    made once for the forward (``masked_attention``, the kernel's specification)."""
+
+    def __init__(self, visible: torch.Tensor, cached: int, heads: tuple[int, int, int], kv_dtype: torch.dtype,
+                 ops=None):
+        self._visible, self._ops = visible, ops
+        self._new = visible[:, cached:].contiguous()  # what the kernel takes: the new positions' mask
+        self._rows_per_kv = heads[0] // heads[1]
+        self._kv_dtype = kv_dtype
+
+    @functools.cached_property
+    def bias(self) -> torch.Tensor:
+        """``masked_attention``'s bias [Hq/Hkv·T, all keys]: SDPA would convert a boolean mask in every layer."""
+        bias = torch.zeros(self._visible.shape, dtype=self._kv_dtype, device=self._visible.device)
+        bias.masked_fill_(~self._visible, float("-inf"))
+        return bias.repeat(self._rows_per_kv, 1)  # the rows of each KV head's query heads, one after another
+
+    def __call__(self, query, keys, values, layer: int, cache: KVCache, **_) -> torch.Tensor:
+        fused = verify_attention(self._ops, query, keys, values, self._new) if self._ops is not None else None
+        return fused if fused is not None else masked_attention(query, keys, values, self.bias)
 
 
 def fuse_linears(modules: list[nn.Module]) -> nn.Module | None:
@@ -164,20 +191,19 @@ class DecoderRunner:
     def forward_attention(self, mask: torch.Tensor | None, length: int, cache: KVCache) -> Attention:
         """The attention every layer of a forward of ``length`` new positions runs: the runtime's own, or
         for a draft tree's ``mask`` [T, all keys] (True: attend) and for a few dense rows after a cache
-        (a speculative round's verification), the masked forms made once for the forward."""
-        bias = self.attention_bias(mask, length, cache)
-        if bias is not None:
-            return lambda query, keys, values, layer, cache, **_: masked_attention(query, keys, values, bias)
+        (a speculative round's verification), ``VerificationAttention``, made once for the forward."""
+        visible = self.verification_mask(mask, length, cache)
+        if visible is not None:
+            return VerificationAttention(visible, cache.length, self._heads, self.kv_dtype, self._ops)
         if mask is not None:
             return partial(self.attention, tree_mask=mask)  # InfLLM v2 (``sparse_tree_attention``)
         return self.attention
 
-    def attention_bias(self, mask: torch.Tensor | None, length: int, cache: KVCache) -> torch.Tensor | None:
-        """``masked_attention``'s bias for ``length`` new positions after the cached ones: ``mask``'s (a draft
-        tree's: True where a row attends), or causal attention's when a dense attention runs a few rows
-        after a cache (a speculative round's verification); None for the attention's own path (one row,
-        a prefill chunk) and for InfLLM v2. Made once per forward: SDPA would convert a boolean mask in
-        every layer."""
+    def verification_mask(self, mask: torch.Tensor | None, length: int, cache: KVCache) -> torch.Tensor | None:
+        """What each of ``length`` new positions after the cached ones attends, bool [T, all keys]: ``mask``
+        (a draft tree's), or causal attention's when a dense attention runs a few rows after a cache (a
+        speculative round's verification); None for the attention's own path (one row, a prefill chunk)
+        and for InfLLM v2."""
         if not getattr(self.attention, "dense", False) or self.scores_pre_rope:
             return None
         if mask is None:
@@ -185,9 +211,7 @@ class DecoderRunner:
                 return None
             slots = torch.arange(cache.length + length, device=cache.device)
             mask = slots[None, :] <= slots[cache.length:, None]
-        q_heads, kv_heads, _ = self._heads
-        bias = torch.zeros(mask.shape, dtype=self.kv_dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-        return bias.repeat(q_heads // kv_heads, 1)  # the rows of each KV head's query heads, one after another
+        return mask
 
     def layer_from_input(self, index, layer: "RuntimeLayer", attention_input, hidden, cos, signed_sin,
                          cache: KVCache, attention: Attention | None = None) -> torch.Tensor:

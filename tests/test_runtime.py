@@ -300,29 +300,77 @@ def test_fused_and_plain_runtime_paths_agree(tiny_checkpoint):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_masked_attention_equals_sdpa_with_the_boolean_mask(dtype):
-    """A forward's attention bias (made once, each KV head's query heads folded into rows) gives SDPA's
-    own result bit for bit: causal attention for a verification after a cache, and a tree's mask."""
+    """A verification's attention bias (made once per forward, each KV head's query heads folded into
+    rows) gives SDPA's own result bit for bit: causal attention for a verification after a cache, and a
+    tree's mask."""
     import torch.nn.functional as F
     from quantkit.kernels.attention import DenseAttention
     from quantkit.kernels.infllm import causal_attention_of_last_positions
-    from quantkit.kernels.model import DecoderRunner, masked_attention
+    from quantkit.kernels.model import DecoderRunner, VerificationAttention, masked_attention
 
     g = torch.Generator().manual_seed(0)
     runner = DecoderRunner((9, 3, 16), 1e-5, 1.0, dtype, dtype, DenseAttention())
     cache = KVCache(1, 3, 16, dtype)
     cache.length = 10
-    assert runner.attention_bias(None, 1, cache) is None  # one row: the attention's own decode path
+    assert runner.verification_mask(None, 1, cache) is None  # one row: the attention's own decode path
+
+    def bias(mask):
+        return VerificationAttention(mask, cache.length, (9, 3, 16), dtype).bias
+
     for length in (4, 13):
         q = torch.randn(9, length, 16, generator=g).to(dtype)
         k, v = torch.randn(2, 3, 10 + length, 16, generator=g).to(dtype)
-        got = masked_attention(q, k, v, runner.attention_bias(None, length, cache))
+        got = masked_attention(q, k, v, bias(runner.verification_mask(None, length, cache)))
         assert torch.equal(got, causal_attention_of_last_positions(q, k, v))
         mask = torch.rand(length, 10 + length, generator=g) < 0.5
         mask[:, 0] = True
-        got = masked_attention(q, k, v, runner.attention_bias(mask, length, cache))
+        got = masked_attention(q, k, v, bias(runner.verification_mask(mask, length, cache)))
         want = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)[0]
         assert torch.equal(got, want)
 
+
+@pytest.mark.parametrize("heads,dim,cached,tokens", [((9, 3), 64, 517, 4), ((9, 3), 64, 517, 13),
+                                                      ((32, 2), 128, 130, 13), ((9, 3), 64, 64, 1)],
+                         ids=["default-chain", "default-tree", "8b-tree", "one-row"])
+def test_fused_verification_attention_equals_masked_sdpa(heads, dim, cached, tokens):
+    """The fused kernel of a speculative round's attention (every cached key, and of the new ones what
+    each row's mask allows) against its specification, SDPA with the additive bias, on bf16 caches: the
+    default model's head shape (3 query heads a KV head: 12 / 39 rows a problem) and MiniCPM4.1-8B's
+    (16: 208 rows), a chain's causal mask and a tree's random lineages, a cache that ends inside a block
+    and one that fills its last. bf16 probabilities (as SDPA's bf16 path): within 1 % of the output's
+    scale."""
+    from quantkit.kernels import cpu_ops
+    from quantkit.kernels.infllm import cpu as infllm_cpu
+    from quantkit.kernels.model import VerificationAttention, masked_attention
+
+    ops = cpu_ops.load()
+    if ops is None or ops.infllm_isa() not in infllm_cpu.DENSE_DECODE_ISAS:
+        pytest.fail(f"the fused kernels must build with AVX-512 here (got {ops and ops.infllm_isa()})")
+    g = torch.Generator().manual_seed(tokens)
+    (q_heads, kv_heads), total = heads, cached + tokens
+    q = torch.randn(q_heads, tokens, dim, generator=g).bfloat16()
+    k, v = torch.randn(2, kv_heads, total, dim, generator=g).bfloat16()
+    parents = [-1] + [int(torch.randint(-1, t, (1,), generator=g)) for t in range(1, tokens)]
+    new = torch.eye(tokens, dtype=torch.bool)
+    for t, parent in enumerate(parents):
+        if parent >= 0:
+            new[t] |= new[parent]
+    for visible in (torch.ones(tokens, tokens, dtype=torch.bool).tril(), new):
+        mask = torch.cat([torch.ones(tokens, cached, dtype=torch.bool), visible], dim=1)
+        attention = VerificationAttention(mask, cached, (q_heads, kv_heads, dim), torch.bfloat16, ops)
+        got = attention(q, k, v, 0, None).float()
+        want = masked_attention(q, k, v, attention.bias).float()
+        assert (got - want).abs().max() <= 0.01 * want.abs().max()
+
+
+def test_fused_verification_attention_rejects_a_row_that_does_not_see_itself():
+    from quantkit.kernels import cpu_ops
+
+    ops = cpu_ops.load()
+    q = torch.randn(3, 2, 64).bfloat16()
+    k = v = torch.randn(1, 10, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="token 1 must see itself"):
+        ops.verify_attention(q, k, v, 8, torch.tensor([[True, False], [True, False]]), 64, 0.125)
 
 
 def test_a_build_lock_left_by_a_killed_process_does_not_block_the_next_load():

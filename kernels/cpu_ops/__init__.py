@@ -6,7 +6,8 @@ decode path (kernels/linear/ternary.py), ``int4_int8_matmul``, an int4 linear's 
 products (decode, verification, prefill without AMX: int4_int8_ops.cpp, kernels/linear/int4.py),
 ``int8_int8_matmul``, the same on 8-bit codes (the int8 LM head's decode, kernels/linear/int8.py),
 ``int4_dequantize_t``, its bf16 weight rebuilt for a prefill chunk on AMX (int4_ops.cpp), and InfLLM
-v2's stages reading the bf16 caches in place (infllm_ops.cpp, used by kernels/infllm/cpu.py). One
+v2's stages reading the bf16 caches in place and ``verify_attention``, the dense attention of a
+speculative round's chain or draft tree over them (infllm_ops.cpp, used by kernels/infllm/cpu.py). One
 serves the quantization engine: ``bf16_gram_accumulate``, the Hessian update XᵀX of bf16 activations
 with float32 sums (gram_ops.cpp, used by quantkit/stats.py). ``load()`` returns None when no compiler
 is available, and the runtime then uses the PyTorch operators, which are also the specification the
@@ -26,6 +27,7 @@ SOURCES = ["decode_ops.cpp", "int4_ops.cpp", "int4_int8_ops.cpp", "infllm_ops.cp
 FUNCTIONS = ["rms_norm_bf16", "rope_and_store", "decode_attention", "silu_mul", "ternary_gemv", "int4_dequantize_t",
              "int4_int8_matmul", "int8_int8_matmul", "int4_int8_isa",
              "infllm_decode_scores", "infllm_decode_select", "infllm_block_attention", "infllm_isa",
+             "verify_attention",
              "bf16_gram_accumulate"]
 
 

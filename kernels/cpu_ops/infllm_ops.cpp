@@ -497,6 +497,18 @@ static void check_rows(const Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.stride(2) == 1 && (t.size(1) <= 1 || t.stride(1) == dim), name, ": rows of d contiguous elements");
 }
 
+// `heads` float32 query rows [heads, dim] at `values` (kept alive by the caller), in the form the products take.
+static Queries make_queries(const float* values, int64_t heads, int64_t dim, double scale) {
+  Queries q{values, heads, dim, static_cast<float>(scale), {}, {}};
+#ifdef INFLLM_AMX
+  if (use_amx(heads)) q.tiles = amx_query_tiles(values, heads, dim);
+#endif
+#ifdef INFLLM_DP
+  if (q.tiles.empty()) q.pairs = dp_query_pairs(values, heads, dim);
+#endif
+  return q;
+}
+
 // The query heads of each (token, KV group) of query [Hq, T, d], at [t * Hkv + g]; `storage` keeps
 // the float32 copy [T, Hq, d] they point into alive.
 static std::vector<Queries> group_queries(const Tensor& query, int64_t kv_heads, int64_t dim, double scale,
@@ -508,16 +520,8 @@ static std::vector<Queries> group_queries(const Tensor& query, int64_t kv_heads,
   const int64_t heads = query.size(0), group = heads / kv_heads;
   std::vector<Queries> groups;
   for (int64_t t = 0; t < query.size(1); ++t)
-    for (int64_t kv = 0; kv < kv_heads; ++kv) {
-      const float* values = storage.data_ptr<float>() + (t * heads + kv * group) * dim;
-      groups.push_back({values, group, dim, static_cast<float>(scale), {}});
-#ifdef INFLLM_AMX
-      if (use_amx(group)) groups.back().tiles = amx_query_tiles(values, group, dim);
-#endif
-#ifdef INFLLM_DP
-      if (groups.back().tiles.empty()) groups.back().pairs = dp_query_pairs(values, group, dim);
-#endif
-    }
+    for (int64_t kv = 0; kv < kv_heads; ++kv)
+      groups.push_back(make_queries(storage.data_ptr<float>() + (t * heads + kv * group) * dim, group, dim, scale));
   return groups;
 }
 
@@ -662,6 +666,80 @@ Tensor infllm_block_attention(Tensor query, Tensor keys, Tensor values, Tensor b
         const float total = merge_head(parts.data() + item * ranges, ranges, h, dst).second;
         for (int64_t i = 0; i < dim; ++i) dst[i] /= total;
       }
+    }
+  });
+  return out;
+}
+
+// Dense attention of a speculative round's T new tokens (a chain of drafts or a draft tree), written to the
+// caches at slots first..first+T-1: each token attends all `first` cached keys, and of the T new ones those
+// its row of `visible` [T, T] (bool: its ancestors and itself) allows. query [Hq, T, d]; returns float32
+// [Hq, T, d]. All T tokens of a KV group are the rows of one problem (G x T query rows), so each cached key
+// is read once for all of them, where SDPA with an additive mask over every key (the specification,
+// kernels/model.py masked_attention) pays for the mask's adds and a dispatch per layer; tasks are
+// (KV head, range of cached blocks), the new keys going to each head's last range.
+Tensor verify_attention(Tensor query, Tensor keys, Tensor values, int64_t first, Tensor visible, int64_t block_size,
+                        double scale) {
+  using namespace infllm;
+  const int64_t dim = query.size(-1), kv_heads = keys.size(0), tokens = query.size(1);
+  check_rows(keys, "keys", dim);
+  check_rows(values, "values", dim);
+  TORCH_CHECK(query.dim() == 3 && query.size(0) % kv_heads == 0, "query: [Hq, T, d], Hq a multiple of the ",
+              kv_heads, " KV heads");
+  TORCH_CHECK(dim % 32 == 0 && dim <= kMaxDim, "head dim must be a multiple of 32, at most ", kMaxDim, ", got ", dim);
+  TORCH_CHECK(keys.size(1) >= first + tokens && values.size(1) >= first + tokens, "the caches hold fewer than ",
+              first + tokens, " keys");
+  TORCH_CHECK(visible.dtype() == torch::kBool && visible.dim() == 2 && visible.size(0) == tokens &&
+              visible.size(1) == tokens, "visible: bool [T, T]");
+  const Tensor allowed = visible.contiguous();
+  const bool* sees = allowed.data_ptr<bool>();
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(sees[t * tokens + t], "token ", t, " must see itself");
+  const Tensor storage = query.to(torch::kFloat32).contiguous();  // [Hkv][G][T][d]: row h T + t of a group
+  const int64_t rows = query.size(0) / kv_heads * tokens;
+  std::vector<Queries> groups;
+  for (int64_t kv = 0; kv < kv_heads; ++kv)
+    groups.push_back(make_queries(storage.data_ptr<float>() + kv * rows * dim, rows, dim, scale));
+
+  const int64_t blocks = (first + block_size - 1) / block_size;
+  const int64_t ranges = ranges_per_head(kv_heads, std::max<int64_t>(blocks, 1)), tasks = kv_heads * ranges;
+  std::vector<Partial> parts(tasks, Partial(rows, dim));
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(rows * std::max(block_size, tokens));
+    const TileScope tiles(!groups[0].tiles.empty());
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t kv = task / ranges, r = task % ranges;
+      const Queries& q = groups[kv];
+      Partial& part = parts[task];
+      const Bf16* k = keys.data_ptr<Bf16>() + kv * keys.stride(0);
+      const Bf16* v = values.data_ptr<Bf16>() + kv * values.stride(0);
+      for (int64_t block = blocks * r / ranges; block < blocks * (r + 1) / ranges; ++block) {
+        const int64_t start = block * block_size, n = std::min(block_size, first - start);
+        score_keys(q, k + start * dim, n, p.data(), block_size);
+        for (int64_t i = 0; i < rows; ++i) part.absorb(i, p.data() + i * block_size, n);
+        accumulate_values(q, p.data(), block_size, v + start * dim, n, part.acc.data());
+      }
+      if (r == ranges - 1) {
+        score_keys(q, k + first * dim, tokens, p.data(), tokens);
+        for (int64_t i = 0; i < rows; ++i) {
+          const bool* row_sees = sees + i % tokens * tokens;
+          for (int64_t j = 0; j < tokens; ++j)
+            if (!row_sees[j]) p[i * tokens + j] = kMinusHuge;
+          part.absorb(i, p.data() + i * tokens, tokens);
+          for (int64_t j = 0; j < tokens; ++j)  // exactly nothing from keys it does not see
+            if (!row_sees[j]) p[i * tokens + j] = 0.f;
+        }
+        accumulate_values(q, p.data(), tokens, v + first * dim, tokens, part.acc.data());
+      }
+    }
+  });
+  auto out = torch::empty({query.size(0), tokens, dim}, storage.options());
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, kv_heads * rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t kv = item / rows, i = item % rows;
+      float* dst = o + item * dim;
+      const float total = merge_head(parts.data() + kv * ranges, ranges, i, dst).second;
+      for (int64_t c = 0; c < dim; ++c) dst[c] /= total;
     }
   });
   return out;
