@@ -138,11 +138,14 @@ def test_dense_decode_runs_the_block_kernel_within_bf16_rounding_of_sdpa(heads_q
 
 def test_fused_kernels_built_without_avx512_bf16_compute_the_same(tmp_path):
     """The float32 FMA paths, as a CPU with AVX-512 but no BF16 runs them (QUANTKIT_CPU_MARCH=skylake-avx512,
-    a process of its own), against the reference on every fused shape: a decode step and a prefill chunk."""
+    a process of its own), against the reference on every fused shape: a prefill chunk's block-sparse
+    attention, and a speculative round's verification over the same cache (``verify_attention``: every
+    cached key, and of the last 5 a tree's lineages) against SDPA with that mask."""
     import os
     import subprocess
     import sys
 
+    import torch.nn.functional as F
     from quantkit.kernels import cpu_ops
     from safetensors.torch import load_file, save_file
 
@@ -151,25 +154,37 @@ def test_fused_kernels_built_without_avx512_bf16_compute_the_same(tmp_path):
     for i, (heads_q, heads_kv, dim, length) in enumerate(FUSED_SHAPES):
         q, k, v = (t.bfloat16() for t in qkv(heads_q, heads_kv, length, dim, seed=length + 2))
         blocks = reference_block_selection(q[:, -5:], k, config)
+        visible = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                               dtype=torch.bool)
         inputs.update({f"q{i}": q[:, -5:].contiguous(), f"k{i}": k, f"v{i}": v, f"blocks{i}": blocks,
-                       f"first{i}": torch.tensor(length - 5)})
+                       f"first{i}": torch.tensor(length - 5), f"visible{i}": visible})
         wanted[i] = reference.block_sparse_attention(q[:, -5:].float(), k.float(), v.float(), blocks,
                                                      query_positions(5, length), 64)
+        mask = torch.cat([torch.ones(5, length - 5, dtype=torch.bool), visible], dim=1)
+        group = heads_q // heads_kv
+        wanted[f"verify{i}"] = F.scaled_dot_product_attention(
+            q[None, :, -5:].float(), k.float().repeat_interleave(group, 0)[None],
+            v.float().repeat_interleave(group, 0)[None], attn_mask=mask)[0]
         limits[i] = fused_tolerance(v)
     save_file(inputs, tmp_path / "inputs.safetensors")
     script = (f"import torch; from safetensors.torch import load_file, save_file; from quantkit.kernels import cpu_ops;"
               f"t = load_file({str(tmp_path / 'inputs.safetensors')!r}); ops = cpu_ops.load(); "
               f"assert ops.infllm_isa() == 'avx512', ops.infllm_isa(); "
-              f"save_file({{f'out{{i}}': ops.infllm_block_attention(t[f'q{{i}}'], t[f'k{{i}}'], t[f'v{{i}}'], "
+              f"out = {{f'out{{i}}': ops.infllm_block_attention(t[f'q{{i}}'], t[f'k{{i}}'], t[f'v{{i}}'], "
               f"t[f'blocks{{i}}'], int(t[f'first{{i}}']), 64, t[f'q{{i}}'].shape[-1] ** -0.5) "
-              f"for i in range({len(FUSED_SHAPES)})}}, {str(tmp_path / 'out.safetensors')!r})")
+              f"for i in range({len(FUSED_SHAPES)})}}; "
+              f"out.update({{f'verify{{i}}': ops.verify_attention(t[f'q{{i}}'], t[f'k{{i}}'], t[f'v{{i}}'], "
+              f"int(t[f'first{{i}}']), t[f'visible{{i}}'], 64, t[f'q{{i}}'].shape[-1] ** -0.5) "
+              f"for i in range({len(FUSED_SHAPES)})}}); save_file(out, {str(tmp_path / 'out.safetensors')!r})")
     done = subprocess.run([sys.executable, "-c", script],
                           env={**os.environ, cpu_ops.MARCH_OVERRIDE: "skylake-avx512"},
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     got = load_file(tmp_path / "out.safetensors")
-    for i in wanted:
+    for i in range(len(FUSED_SHAPES)):
         assert (got[f"out{i}"] - wanted[i]).abs().max() < limits[i], FUSED_SHAPES[i]
+        # float32 products throughout (no bf16 probabilities): float32 reordering apart
+        assert (got[f"verify{i}"] - wanted[f"verify{i}"]).abs().max() < FP32_TOL, FUSED_SHAPES[i]
 
 
 @pytest.mark.parametrize("heads_q, heads_kv, dim, length", FUSED_SHAPES)
