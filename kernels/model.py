@@ -74,9 +74,8 @@ class VerificationAttention:
     caches the fused kernel (``verify_attention``, kernels/infllm/cpu.py), else SDPA with an additive bias
     made once for the forward (``masked_attention``, the kernel's specification)."""
 
-    def __init__(self, visible: torch.Tensor, cached: int, heads: tuple[int, int, int], kv_dtype: torch.dtype,
-                 ops=None):
-        self._visible, self._ops = visible, ops
+    def __init__(self, visible: torch.Tensor, cached: int, heads: tuple[int, int, int], kv_dtype: torch.dtype):
+        self._visible = visible
         self._new = visible[:, cached:].contiguous()  # what the kernel takes: the new positions' mask
         self._rows_per_kv = heads[0] // heads[1]
         self._kv_dtype = kv_dtype
@@ -89,7 +88,7 @@ class VerificationAttention:
         return bias.repeat(self._rows_per_kv, 1)  # the rows of each KV head's query heads, one after another
 
     def __call__(self, query, keys, values, layer: int, cache: KVCache, **_) -> torch.Tensor:
-        fused = verify_attention(self._ops, query, keys, values, self._new) if self._ops is not None else None
+        fused = verify_attention(query, keys, values, self._new)
         return fused if fused is not None else masked_attention(query, keys, values, self.bias)
 
 
@@ -194,7 +193,7 @@ class DecoderRunner:
         (a speculative round's verification), ``VerificationAttention``, made once for the forward."""
         visible = self.verification_mask(mask, length, cache)
         if visible is not None:
-            return VerificationAttention(visible, cache.length, self._heads, self.kv_dtype, self._ops)
+            return VerificationAttention(visible, cache.length, self._heads, self.kv_dtype)
         if mask is not None:
             return partial(self.attention, tree_mask=mask)  # InfLLM v2 (``sparse_tree_attention``)
         return self.attention

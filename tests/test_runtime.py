@@ -357,7 +357,7 @@ def test_fused_verification_attention_equals_masked_sdpa(heads, dim, cached, tok
             new[t] |= new[parent]
     for visible in (torch.ones(tokens, tokens, dtype=torch.bool).tril(), new):
         mask = torch.cat([torch.ones(tokens, cached, dtype=torch.bool), visible], dim=1)
-        attention = VerificationAttention(mask, cached, (q_heads, kv_heads, dim), torch.bfloat16, ops)
+        attention = VerificationAttention(mask, cached, (q_heads, kv_heads, dim), torch.bfloat16)
         got = attention(q, k, v, 0, None).float()
         want = masked_attention(q, k, v, attention.bias).float()
         assert (got - want).abs().max() <= 0.01 * want.abs().max()

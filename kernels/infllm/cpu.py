@@ -72,13 +72,13 @@ def every_block_attention(ops, q, k, v) -> torch.Tensor:
     return fused_block_attention(ops, q, k, v, every_block, DENSE_DECODE_BLOCK)
 
 
-def verify_attention(ops, q, k, v, visible) -> torch.Tensor | None:
+def verify_attention(q, k, v, visible) -> torch.Tensor | None:
     """A speculative round's dense attention by the fused kernel (``verify_attention``,
     kernels/cpu_ops/infllm_ops.cpp): q [Hq, T, d], the T tokens being the last T of the bf16 caches k/v,
     each seeing every earlier key and those of the T that ``visible`` [T, T] (bool) allows -> [Hq, T, d]
     in q's dtype; None where the kernel does not apply or would not beat SDPA (``_block_kernel_beats_sdpa``),
     for ``masked_attention`` (kernels/model.py), its specification."""
-    ops = fused_ops(q, k, v) if ops is not None else None
+    ops = fused_ops(q, k, v)
     if ops is None or not _block_kernel_beats_sdpa(ops):
         return None
     first = k.shape[1] - q.shape[1]
