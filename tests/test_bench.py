@@ -1,22 +1,23 @@
 """The benchmarks' pure logic (no timing): what `make bench-8b` prints as its targets and floor."""
 from __future__ import annotations
 
-from quantkit.eval.bench.bench_8b import Measured, export_targets, fastest_read_gb_s, targets
+from quantkit.eval.bench.bench_8b import Measured, between_probes, export_targets, targets
 
 
 def test_bench_8b_targets():
-    # bandwidth 10 GB/s; quantkit reads 4 GB a token at 512 (ceiling 2.5 tok/s), 5 GB at 8192 (2.0)
+    # probes of 10 GB/s around each decode; quantkit reads 4 GB a token at 512 (ceiling 2.5 tok/s), 5 GB at
+    # 8192 (2.0)
     ours = Measured("quantkit", 0, prefill={512: 30.0}, decode={512: 2.0, 8192: 1.0},
-                    bytes_per_token={512: 4_000_000_000, 8192: 5_000_000_000})
+                    bytes_per_token={512: 4_000_000_000, 8192: 5_000_000_000}, probed={512: 10.0, 8192: 10.0})
     q4_0 = Measured("llama.cpp Q4_0", 0, prefill={512: 10.0, 8192: 8.0}, decode={512: 1.6, 8192: 1.25},
-                    bytes_per_token={512: 4_500_000_000, 8192: 5_500_000_000})
-    assert ours.ceiling(512, 10.0) == 2.5 and ours.share(8192, 10.0) == 0.5
+                    bytes_per_token={512: 4_500_000_000, 8192: 5_500_000_000}, probed={512: 10.0, 8192: 10.0})
+    assert ours.ceiling(512) == 2.5 and ours.share(8192) == 0.5
     # one class held against llama.cpp on this CPU, the other against llama.cpp built for it
     emulated = [{"cpu_class": "AVX2 desktop", "prefill_tok_s": 15.0, "decode_tok_s": 1.7, "llama_cpp": None},
                 {"cpu_class": "no AMX", "prefill_tok_s": 16.0, "decode_tok_s": 1.8,
                  "llama_cpp": {"build": "llama.cpp noamx", "prefill_tok_s": 4.0, "decode_tok_s": 2.0}}]
     checked = {row["target"]: (round(row["measured"], 6), row["goal"], row["met"])
-               for row in targets(ours, q4_0, 10.0, emulated)}
+               for row in targets(ours, q4_0, emulated)}
     assert checked == {
         "decode at 512: quantkit / llama.cpp Q4_0": (1.25, 1.0, True),
         "decode at 512: share of the bandwidth ceiling": (0.8, 0.6, True),
@@ -31,14 +32,22 @@ def test_bench_8b_targets():
     }
 
 
-def test_bench_8b_ceiling_is_at_least_the_fastest_read_of_the_run():
-    """Every decode's tok/s x bytes per token counts: the contenders', the ternary rows' and the emulated
-    classes' (these at the W4 artifact's bytes)."""
-    ours = Measured("quantkit", 0, decode={512: 2.0, 8192: 1.0}, bytes_per_token={512: 4e9, 8192: 5e9})
-    llama = Measured("llama.cpp Q4_0", 0, decode={512: 1.0}, bytes_per_token={512: 4.5e9})
-    widths = [{"tok_s": 1.5, "mb_per_token": 4000.0}, {"tok_s": 3.0, "mb_per_token": 2000.0}]
-    assert fastest_read_gb_s([ours, llama], widths, [], 4e9) == 8.0
-    assert fastest_read_gb_s([ours, llama], widths, [{"decode_tok_s": 2.5}], 4e9) == 10.0
+def test_bench_8b_ceiling_is_its_own_minutes_bandwidth():
+    """Each decode's ceiling is the mean of the probes around it, or its own read where that is more (a
+    probe can land in a slower moment than the decode it brackets)."""
+    ours = Measured("quantkit", 0, decode={512: 2.0, 8192: 1.0}, bytes_per_token={512: 4e9, 8192: 5e9},
+                    probed={512: 10.0, 8192: 4.0})
+    assert ours.bandwidth(512) == 10.0 and ours.share(512) == 0.8
+    assert ours.bandwidth(8192) == 5.0 and ours.share(8192) == 1.0  # read 5 GB/s against probes of 4
+
+
+def test_between_probes_brackets_the_measurement(monkeypatch):
+    from quantkit.eval.bench import bench_8b
+
+    order, probes = [], iter([30.0, 50.0])
+    monkeypatch.setattr(bench_8b, "memory_bandwidth_gb_s", lambda: order.append("probe") or next(probes))
+    assert between_probes(lambda: order.append("measure") or 7) == (7, 40.0)
+    assert order == ["probe", "measure", "probe"]
 
 
 def test_bench_8b_export_targets_need_the_ratio_and_identical_tensors():

@@ -223,21 +223,22 @@ def test_metadata_arrays_pack_as_gguf_py_packs_them(value):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("heads", [None, 3], ids=["rows", "rope-permuted"])
-def test_widening_equals_torch_conversion(dtype, heads):
-    """The exporter widens tensors with NumPy (bfloat16 by a 16-bit shift) into a reused buffer: the same
-    float32 values, in the same row order, as torch's conversion of ``permute_rows``, NaN and ±inf
-    included."""
-    from quantkit.gguf.export import _widen
+def test_row_blocks_equal_torch_conversion(dtype, heads):
+    """The exporter widens tensors with NumPy (bfloat16 by a 16-bit shift) block by block into a reused
+    buffer: the blocks, joined, are the same float32 values in the same row order as torch's conversion
+    of ``permute_rows``, NaN and ±inf included, and each block holds at most the bound's whole rows (or
+    one head's)."""
+    from quantkit.gguf.export import _RowBlocks
     from quantkit.gguf.names import permute_rows
 
     weight = torch.randn(96, 64, generator=torch.Generator().manual_seed(0)) * 1e3
     weight[5, 7], weight[40, 0], weight[90, 63] = float("nan"), float("inf"), -float("inf")
     weight = weight.to(dtype)
-    out = np.full(weight.numel() + 8, 7.0, dtype=np.float32)  # a buffer longer than the tensor
-    _widen(weight, heads, out[:weight.numel()])
-    expected = (permute_rows(weight, heads) if heads else weight).float().numpy().ravel()
-    assert np.array_equal(out[:weight.numel()], expected, equal_nan=True)
-    assert (out[weight.numel():] == 7.0).all()
+    blocks = [block.copy() for block in _RowBlocks(block_elements=1000)(weight, heads)]
+    rows_per_block = 32 if heads else 1000 // 64  # a head is 32 rows, more than the bound
+    assert [len(block) for block in blocks[:-1]] == [rows_per_block] * (len(blocks) - 1)
+    expected = (permute_rows(weight, heads) if heads else weight).float().numpy()
+    assert np.array_equal(np.concatenate(blocks), expected, equal_nan=True)
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

@@ -27,10 +27,12 @@ llama.cpp file (``x Q4_0``, ``x Q4_K_M``):
   quantized weights as stored, its other parameters but the embedding table (one row of it is read)
   and its bf16 KV cache (``bench_runtime.decode_bytes``); llama.cpp's GGUF tensors but
   ``token_embd``, and its F16 KV cache.
-- ``ceiling tok/s at C``: the read bandwidth / those bytes: no decode can go faster. The bandwidth is the
-  higher of a read probe at the start (``memory_bandwidth_gb_s``) and the fastest any decode in the run
-  read (tok/s x bytes per token, the emulated classes' included): on a shared VM whose memory speed moves
-  by 40 % within minutes, a probe in a slow phase gave a "ceiling" below what a decode then moved.
+- ``read GB/s around decode at C``: the memory bandwidth of that decode's own minute: the mean of a read
+  probe (``memory_bandwidth_gb_s``) just before the measurement and one just after, or what the decode
+  itself read (tok/s x bytes per token) if that is more. On a shared VM whose memory speed moves by 40 %
+  within minutes, one probe at the start of the run met later decodes in other phases (a share of 77 % in
+  one run and 59 % in the same command's run twenty minutes later).
+- ``ceiling tok/s at C``: that bandwidth / the bytes per token: no decode can go faster.
 - ``share of ceiling at C``: decode tok/s / that ceiling.
 
 The second table is InfLLM v2 end to end at each of ``--long-contexts``: the runtime's whole decode
@@ -57,7 +59,7 @@ First, before the files are made, one decoder layer is quantized with the full c
 The third table puts ternary weights (``rtn-ternary-g32``: BitCPM4's grid by rounding, since a step's
 speed does not depend on training) beside W4 in quantkit's runtime: decode tok/s at the first context
 on a random-filled cache (both rows measured that way), MB read per token and the share of the
-bandwidth ceiling.
+bandwidth ceiling (each row between its own probes, as above).
 
 GGUF export speed (``--export-speed``, ``bench_gguf_speed``): ``quantkit export gguf`` against
 llama.cpp's own quantizer of its F32 export, per type, on the default model and the 8B-shaped
@@ -87,6 +89,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import click
 import torch
@@ -144,23 +147,29 @@ class Measured:
     prefill: dict[int, float] = field(default_factory=dict)  # prompt tokens -> tok/s
     decode: dict[int, float] = field(default_factory=dict)  # context -> tok/s
     bytes_per_token: dict[int, int] = field(default_factory=dict)  # context -> bytes a decode step reads
+    probed: dict[int, float] = field(default_factory=dict)  # context -> GB/s of the probes around its decode
 
-    def ceiling(self, context: int, bandwidth_gb_s: float) -> float:
+    def bandwidth(self, context: int) -> float:
+        """GB/s the decode at ``context`` had: its probes' mean, or its own read if that was more."""
+        return max(self.probed[context], self.decode[context] * self.bytes_per_token[context] / 1e9)
+
+    def ceiling(self, context: int) -> float:
         """Decode tok/s no run can exceed: bandwidth / bytes read per token."""
-        return bandwidth_gb_s * 1e9 / self.bytes_per_token[context]
+        return self.bandwidth(context) * 1e9 / self.bytes_per_token[context]
 
-    def share(self, context: int, bandwidth_gb_s: float) -> float:
-        return self.decode[context] / self.ceiling(context, bandwidth_gb_s)
+    def share(self, context: int) -> float:
+        return self.decode[context] / self.ceiling(context)
 
 
-def fastest_read_gb_s(contenders: list[Measured], widths: list[dict], emulated: list[dict],
-                      emulated_bytes: float) -> float:
-    """The fastest read any decode of the run achieved, GB/s: tok/s x bytes per token of each contender at each
-    context, of the ternary-beside-W4 rows and of the emulated classes (``emulated_bytes`` a token: they run
-    the W4 artifact at the first context). A bandwidth ceiling is at least this."""
-    return max([c.decode[context] * c.bytes_per_token[context] / 1e9 for c in contenders for context in c.decode]
-               + [w["tok_s"] * w["mb_per_token"] / 1e3 for w in widths]
-               + [run["decode_tok_s"] * emulated_bytes / 1e9 for run in emulated])
+Result = TypeVar("Result")
+
+
+def between_probes(measure: Callable[[], Result]) -> tuple[Result, float]:
+    """``measure()`` and the read bandwidth of its minute, GB/s: the mean of a probe just before and one
+    just after (this VM's memory speed moves by up to 40 % within minutes)."""
+    before = memory_bandwidth_gb_s()
+    result = measure()
+    return result, (before + memory_bandwidth_gb_s()) / 2
 
 
 def emulated_llama_cpp(run: dict, q4_0: Measured, prompt: int) -> dict:
@@ -177,7 +186,7 @@ def emulated_ratio(run: dict, llama: dict, step: str) -> float:
     return paired[step] if paired else run[f"{step}_tok_s"] / llama[f"{step}_tok_s"]
 
 
-def targets(ours: Measured, q4_0: Measured, bandwidth_gb_s: float, emulated: list[dict]) -> list[dict]:
+def targets(ours: Measured, q4_0: Measured, emulated: list[dict]) -> list[dict]:
     """The printed targets, one per context and measure (and per emulated CPU class for prefill): what,
     the measured value, the target, met."""
     rows = []
@@ -185,7 +194,7 @@ def targets(ours: Measured, q4_0: Measured, bandwidth_gb_s: float, emulated: lis
         rows.append({"target": f"decode at {context}: quantkit / llama.cpp Q4_0",
                      "measured": ours.decode[context] / q4_0.decode[context], "goal": DECODE_VS_Q4_0})
         rows.append({"target": f"decode at {context}: share of the bandwidth ceiling",
-                     "measured": ours.share(context, bandwidth_gb_s), "goal": CEILING_SHARE})
+                     "measured": ours.share(context), "goal": CEILING_SHARE})
     for prompt in ours.prefill:
         rows.append({"target": f"prefill of {prompt}: quantkit / llama.cpp Q4_0",
                      "measured": ours.prefill[prompt] / q4_0.prefill[prompt], "goal": PREFILL_VS_Q4_0})
@@ -281,10 +290,13 @@ def sparse_step_bytes(engine, context: int) -> int:
 
 def bit_width_row(weights: str, recipe: str, artifact: Path, engine, context: int, new_tokens: int,
                   repeats: int) -> dict:
-    """One row of the ternary-beside-W4 table: ``engine``'s decode at ``context`` on a random cache."""
+    """One row of the ternary-beside-W4 table: ``engine``'s decode at ``context`` on a random cache, and the
+    bandwidth ceiling of its own minute (as ``Measured.bandwidth``)."""
     read = decode_bytes(engine, context + new_tokens // 2)
-    return {"weights": weights, "recipe": recipe, "file_gb": size_of(artifact) / 1e9,
-            "tok_s": random_cache_decode(engine, context, new_tokens, repeats), "mb_per_token": read / 1e6}
+    tok_s, probed = between_probes(lambda: random_cache_decode(engine, context, new_tokens, repeats))
+    bandwidth = max(probed, tok_s * read / 1e9)
+    return {"weights": weights, "recipe": recipe, "file_gb": size_of(artifact) / 1e9, "tok_s": tok_s,
+            "mb_per_token": read / 1e6, "bandwidth_gb_s": bandwidth, "ceiling_tok_s": bandwidth * 1e9 / read}
 
 
 def random_prompt(tokens: int, vocab: int, seed: int) -> list[int]:
@@ -389,17 +401,16 @@ def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibrat
     artifact = artifacts["w4"]
     config = MiniCPMConfig.from_pretrained(checkpoint)
     prompts = {c: random_prompt(c, config.vocab_size, seed=c) for c in contexts}
-    progress("read bandwidth")
-    probed = memory_bandwidth_gb_s()
 
     contenders = []
     for file_type, gguf in ggufs.items():
         measured = Measured(f"llama.cpp {file_type.upper()}", size_of(gguf))
         for i, context in enumerate(contexts):
             progress(f"{measured.name}: prefill and decode at {context}")
-            measured.prefill[context], measured.decode[context] = bench_llamacpp(
-                gguf, prompts[context], new_tokens, repeats, threads, prefill_repeats=None if i == 0 else 0,
-                cache_file=None if i == 0 else out / f"llamacpp-cache-{layers}-layer-{context}.session")
+            (measured.prefill[context], measured.decode[context]), measured.probed[context] = between_probes(
+                lambda: bench_llamacpp(
+                    gguf, prompts[context], new_tokens, repeats, threads, prefill_repeats=None if i == 0 else 0,
+                    cache_file=None if i == 0 else out / f"llamacpp-cache-{layers}-layer-{context}.session"))
             measured.bytes_per_token[context] = gguf_decode_bytes(gguf, config, context + new_tokens // 2)
         contenders.append(measured)
 
@@ -410,11 +421,12 @@ def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibrat
     for i, context in enumerate(contexts):
         if i == 0:
             progress(f"{ours.name}: prefill and decode at {context}")
-            _, ours.prefill[context], ours.decode[context] = bench_quantkit(
-                artifact, prompts[context], new_tokens, repeats, engine=engine)
+            (_, ours.prefill[context], ours.decode[context]), ours.probed[context] = between_probes(
+                lambda: bench_quantkit(artifact, prompts[context], new_tokens, repeats, engine=engine))
         else:
             progress(f"{ours.name}: decode at {context} (random cache)")
-            ours.decode[context] = random_cache_decode(engine, context, new_tokens, repeats)
+            ours.decode[context], ours.probed[context] = between_probes(
+                lambda: random_cache_decode(engine, context, new_tokens, repeats))
         ours.bytes_per_token[context] = decode_bytes(engine, context + new_tokens // 2)
     contenders.insert(0, ours)
     progress("quantkit: decode profile")
@@ -458,11 +470,6 @@ def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibrat
         emulated.append(measure_emulated(cpu_class, artifact, layers, first, new_tokens, repeats, threads,
                                          ggufs["q4_0"]))
 
-    fastest_read = fastest_read_gb_s(contenders, widths, emulated, ours.bytes_per_token[first])
-    bandwidth = max(probed, fastest_read)
-    for w in widths:
-        w["ceiling_tok_s"] = bandwidth * 1e3 / w["mb_per_token"]
-
     export_rows, export_memory, export_text = [], None, ""
     if export_speed:
         progress("GGUF export: quantkit against llama.cpp's quantizer, the default model and the 8B-shaped slice")
@@ -491,9 +498,9 @@ def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibrat
     for context in contexts:
         rows.append(line(f"decode tok/s at {context}", [c.decode[context] for c in contenders]))
         rows.append(line(f"MB read per token at {context}", [c.bytes_per_token[context] / 1e6 for c in contenders]))
-        rows.append(line(f"ceiling tok/s at {context}", [c.ceiling(context, bandwidth) for c in contenders], False))
-        rows.append(line(f"share of ceiling at {context}", [c.share(context, bandwidth) for c in contenders], False,
-                         percent))
+        rows.append(line(f"read GB/s around decode at {context}", [c.bandwidth(context) for c in contenders], False))
+        rows.append(line(f"ceiling tok/s at {context}", [c.ceiling(context) for c in contenders], False))
+        rows.append(line(f"share of ceiling at {context}", [c.share(context) for c in contenders], False, percent))
     table = format_table(["measure", *names, *ratio_headers], rows)
     emulated_table = ""
     if emulated:
@@ -522,9 +529,9 @@ def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibrat
     widths_table = (f"Ternary beside W4 in quantkit's runtime: decode at {first} on a cache filled with random keys "
                     f"and values, {new_tokens} steps, median of {repeats} after a warm-up; bytes and ceiling as above\n"
                     + format_table(["weights", "recipe", "file GB", "decode tok/s", "MB read per token",
-                                    "ceiling tok/s", "share of ceiling", "x W4 tok/s"],
+                                    "read GB/s around", "ceiling tok/s", "share of ceiling", "x W4 tok/s"],
                                    [[w["weights"], w["recipe"], w["file_gb"], w["tok_s"], w["mb_per_token"],
-                                     w["ceiling_tok_s"], f"{w['tok_s'] / w['ceiling_tok_s']:.0%}",
+                                     w["bandwidth_gb_s"], w["ceiling_tok_s"], f"{w['tok_s'] / w['ceiling_tok_s']:.0%}",
                                      w["tok_s"] / widths[0]["tok_s"]] for w in widths]))
     fills = "; ".join(f"{c.name} " + (f"{c.prefill[context]:.4g} tok/s" if c.prefill[context] else "loaded")
                       for c in others for context in contexts[1:])
@@ -533,7 +540,7 @@ def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibrat
                  f"(no prefill); llama.cpp's prefill of that prompt, one run, or its cache loaded from the session "
                  f"file an earlier prefill of the same prompt saved under {out} (by any of the GGUFs: a decode step "
                  f"reads the cached keys and values whatever they hold): {fills}")
-    checked = targets(ours, contenders[1], bandwidth, emulated) + export_targets(export_rows)
+    checked = targets(ours, contenders[1], emulated) + export_targets(export_rows)
     target_lines = "\n".join(f"  {t['target']}: {t['measured']:.2f} (target {'<=' if t['at_most'] else '>='} "
                              f"{t['goal']:g}) "
                              f"{'met' if t['met'] else 'NOT met'}" for t in checked)
@@ -547,8 +554,8 @@ def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibrat
              f"a slice: {layers} of its {FULL_LAYERS} layers, so the LM head weighs more than in the full model")
     setup = (f"MiniCPM4.1-8B's shape, random weights, {layers} decoder layers ({scope}); random prompts; "
              f"{new_tokens} greedy decode steps per run, median of {repeats}; {threads} threads each; "
-             f"bandwidth ceiling {bandwidth:.1f} GB/s (the higher of the read probe's {probed:.1f} GB/s at the "
-             f"start and the fastest read of any decode in the run, {fastest_read:.1f} GB/s); quantkit's W4 prefill "
+             f"each decode's bandwidth ceiling from read probes just before and after it (or its own read if "
+             f"more); quantkit's W4 prefill "
              f"rebuilds each bf16 dequantized weight per chunk, as the full model does (KEEP_DEQUANTIZED_BYTES); "
              f"machine: {machine()}")
     notes = "\n\n".join(part for part in (
@@ -565,8 +572,9 @@ def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibrat
         f"wall time of this run: {elapsed:.0f} s",
     ) if part)
     report(setup, table, contenders, json_path=json_path or out / "bench.json", markdown_path=out / "bench.md",
-           notes=notes, extra={"bandwidth_gb_s": bandwidth, "probed_bandwidth_gb_s": probed,
-                               "fastest_read_gb_s": fastest_read, "long_contexts": list(long_rows.values()),
+           notes=notes, extra={"read_gb_s_around_decode": {
+                                   c.name: {context: c.bandwidth(context) for context in c.decode} for c in contenders},
+                               "long_contexts": list(long_rows.values()),
                                "targets": checked, "ternary_vs_w4": widths, "layer_quantization": layer_results,
                                "cpu_flags": flags, "files": files, "decode_profile": profile,
                                "emulated": emulated, "gguf_export": export_rows,

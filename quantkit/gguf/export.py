@@ -39,7 +39,7 @@ from quantkit.quant import QuantizedTensor
 from quantkit.reader import ArtifactReader
 
 ARCH = "minicpm"
-QUANTIZE_CHUNK_ELEMENTS = 1 << 22  # weights per quantizer call: 16 MB of float32 and its temporaries
+QUANTIZE_CHUNK_ELEMENTS = 1 << 22  # weights per quantizer call: 16 MB of float32 (and the NumPy codecs' temporaries)
 AHEAD_BYTES = 1 << 28  # finished tensors the export may hold before writing them (an 8B's largest is ~300 MB)
 SPARSE_CONFIG_KEY = "quantkit.sparse_config"
 
@@ -68,10 +68,11 @@ class _Planned:
 
 
 class _LayerTensors:
-    """The checkpoint's tensors one layer at a time, widened to float32, and the quantized linears'
-    records. One thread reads it: ``widened`` fills a buffer reused for every tensor, since a fresh float32
-    array per tensor paid its page faults each time (the default model's embedding widened into a fresh
-    tensor in 42 ms, into a reused one in 9)."""
+    """The checkpoint's tensors one layer at a time, as float32 blocks of rows, and the quantized linears'
+    records. One thread reads it: ``row_blocks`` widens into one small buffer reused for every block of
+    every tensor (``_RowBlocks``). A float32 copy of a whole tensor cost more than quantizing it: an 8B's
+    1.2 GB embedding paid 1.7 s of first page faults for its buffer, against 5.3 s of Q4_0 quantization
+    for the whole slice of the 8B, where a 16 MB block stays mapped and in cache for the quantizer."""
 
     def __init__(self, model_dir: Path):
         self.artifact = ArtifactReader(model_dir)
@@ -81,7 +82,7 @@ class _LayerTensors:
         self._index: int | None = None
         self._plain: dict[str, torch.Tensor] = {}
         self._records: dict[str, QuantizedTensor] = {}
-        self._buffer = np.empty(0, dtype=np.float32)
+        self._blocks = _RowBlocks()
 
     def _load(self, key: str) -> None:
         index = int(key.split(".")[2])
@@ -109,35 +110,53 @@ class _LayerTensors:
             raise CheckpointError(f"{self.artifact.dir} lacks tensor '{key}'")
         return self._plain[key]
 
-    def widened(self, key: str, heads: int | None) -> np.ndarray:
-        """``key`` as float32, its rows permuted for GGML's rope over ``heads`` heads if given. The array
-        is the stored tensor itself when that is already float32 in row order (copying the default
-        model's float32 weights was a quarter of its export), else it lives in the reused buffer: valid
-        until the next call."""
-        value = self._stored_value(key)
+    def row_blocks(self, key: str, heads: int | None) -> Iterator[np.ndarray]:
+        """``key`` as ``_RowBlocks`` yields it."""
+        return self._blocks(self._stored_value(key), heads)
+
+
+class _RowBlocks:
+    """Tensors as float32 in consecutive blocks of whole rows ([rows, K]; a 1-D tensor is one row) of
+    about ``block_elements`` weights, rows permuted for GGML's rope over ``heads`` heads if given. A block
+    is the tensor's own rows when it is float32 in row order (copying the default model's float32 weights
+    was a quarter of its export), else it lives in one buffer reused for every block: valid until the
+    next block."""
+
+    def __init__(self, block_elements: int = QUANTIZE_CHUNK_ELEMENTS):
+        self.block_elements = block_elements
+        self._buffer = np.empty(0, dtype=np.float32)
+
+    def __call__(self, value: torch.Tensor, heads: int | None) -> Iterator[np.ndarray]:
+        value = value.reshape(1, -1) if value.ndim == 1 else value
+        k = value.shape[-1]
         if value.dtype == torch.float32 and not heads:
-            return value.numpy()
-        shape = value.shape
-        if self._buffer.size < value.numel():
-            self._buffer = np.empty(value.numel(), dtype=np.float32)
-        out = self._buffer[:value.numel()]
-        _widen(value, heads, out)
-        return out.reshape(shape)
+            array = value.numpy()
+            step = max(1, self.block_elements // k)
+            for start in range(0, len(array), step):
+                yield array[start:start + step]
+            return
+        bfloat16 = value.dtype == torch.bfloat16
+        source = value.view(torch.int16).numpy().view(np.uint16) if bfloat16 else value.numpy()
+        if heads:  # axis 0 is then the heads, each a run of whole output rows
+            source = permuted_view(source, heads)
+        step = max(1, self.block_elements // source[0].size)
+        if self._buffer.size < step * source[0].size:
+            self._buffer = np.empty(step * source[0].size, dtype=np.float32)
+        for start in range(0, len(source), step):
+            part = source[start:start + step]
+            out = self._buffer[:part.size]
+            _widen(part, bfloat16, out.reshape(part.shape))
+            yield out.reshape(-1, k)
 
 
-def _widen(value: torch.Tensor, heads: int | None, out: np.ndarray) -> None:
-    """``value`` (float32, float16 or bfloat16) into the float32 array ``out``, rows permuted over
-    ``heads`` if given. NumPy on this thread, not torch: torch's OpenMP threads spin after each op,
-    and on two cores that starved the ggml quantizer threads that run next (0.3 s of the default
-    model's Q8_0 export)."""
-    bfloat16 = value.dtype == torch.bfloat16
-    source = value.view(torch.int16).numpy().view(np.uint16) if bfloat16 else value.numpy()
-    if heads:
-        source = permuted_view(source, heads)
+def _widen(source: np.ndarray, bfloat16: bool, out: np.ndarray) -> None:
+    """``source`` (float32, float16, or bfloat16 as its uint16 bits) into the float32 array ``out`` of its
+    shape. NumPy on this thread, not torch: torch's OpenMP threads spin after each op, and on two cores
+    that starved the ggml quantizer threads that run next (0.3 s of the default model's Q8_0 export)."""
     if bfloat16:  # a bfloat16 is the upper half of the float32 it stands for
-        np.left_shift(source, 16, out=out.view(np.uint32).reshape(source.shape), dtype=np.uint32)
+        np.left_shift(source, 16, out=out.view(np.uint32), dtype=np.uint32)
     else:
-        np.copyto(out.reshape(source.shape), source)
+        np.copyto(out, source)
 
 
 class _Writer(gguf.GGUFWriter):
@@ -265,12 +284,23 @@ def _stored(item: _Planned, source: _LayerTensors, config: MiniCPMConfig) -> tup
         rows = torch.from_numpy(blocks)
         return (permute_rows(rows, heads) if heads else rows).numpy(), True
     if item.name.startswith("rope_factors_"):
-        array = np.asarray(_rope_factors(config)[item.name], dtype=np.float32)
+        float_blocks = iter([np.asarray(_rope_factors(config)[item.name], dtype=np.float32)])
     else:
-        array = source.widened(item.source, heads)
-    if not _all_finite(array):
-        raise ValueError(f"tensor '{item.source}' contains NaN or Inf values")
-    return _quantize_rows(item.tensor_type, array), False
+        float_blocks = source.row_blocks(item.source, heads)
+    k = item.shape[-1]
+    out = np.empty((*item.shape[:-1], item.tensor_type.row_bytes(k)), dtype=np.uint8)
+    rows_out = out.reshape(-1, out.shape[-1])
+    done = 0
+    for block in float_blocks:
+        if not _all_finite(block):
+            raise ValueError(f"tensor '{item.source}' contains NaN or Inf values")
+        block = block.reshape(-1, k)
+        item.tensor_type.quantize_fast(block, out=rows_out[done:done + len(block)])
+        done += len(block)
+    if done != len(rows_out):
+        raise CheckpointError(f"tensor '{item.source}' has {done * k} values, the model's shape {item.shape} "
+                              f"needs {math.prod(item.shape)}")
+    return out, False
 
 
 def _all_finite(array: np.ndarray) -> bool:
@@ -278,18 +308,6 @@ def _all_finite(array: np.ndarray) -> bool:
     boolean temporary, which np.isfinite(array).all() made (0.3 s of the default model's export). NumPy,
     not torch, for the reason ``_widen`` gives."""
     return array.size == 0 or bool(np.isfinite(array.min()) and np.isfinite(array.max()))
-
-
-def _quantize_rows(tensor_type: TensorType, array: np.ndarray) -> np.ndarray:
-    """The type's fastest exact quantizer, the NumPy fallback over a few rows at a time: it makes several
-    full-size float32 temporaries, which for an 8B model's [73448, 4096] embedding alone came to 10 GB."""
-    if array.ndim == 1 or tensor_type.quantized_by_ggml:
-        return tensor_type.quantize_fast(array)
-    out = np.empty((len(array), tensor_type.row_bytes(array.shape[-1])), dtype=np.uint8)
-    rows = max(1, QUANTIZE_CHUNK_ELEMENTS // array.shape[-1])
-    for start in range(0, len(array), rows):
-        out[start:start + rows] = tensor_type.quantize_fast(array[start:start + rows])
-    return out
 
 
 def _stored_ahead(planned: list[_Planned], source: _LayerTensors, config: MiniCPMConfig,

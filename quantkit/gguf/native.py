@@ -60,10 +60,10 @@ def _row_spans(rows: int, k: int) -> list[tuple[int, int]]:
 
 
 def quantize(lib: ctypes.CDLL, ggml_type: int, block_size: int, x: np.ndarray,
-             importance: np.ndarray | None = None) -> np.ndarray:
-    """``ggml_quantize_chunk`` of float32 rows x [..., K]: uint8 [..., row bytes], with ``importance``
-    (float32 [K]) ggml's weighted search where the type has one. Rows are split across threads
-    (ctypes releases the GIL for the call)."""
+             importance: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """``ggml_quantize_chunk`` of float32 rows x [..., K]: uint8 [..., row bytes] (into ``out`` if given),
+    with ``importance`` (float32 [K]) ggml's weighted search where the type has one. Rows are split
+    across threads (ctypes releases the GIL for the call)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     k = x.shape[-1]
     # ggml_quantize_chunk aborts the process on a partial block: refuse it as the NumPy codecs do
@@ -71,7 +71,11 @@ def quantize(lib: ctypes.CDLL, ggml_type: int, block_size: int, x: np.ndarray,
         raise ValueError(f"rows of {k} values are not whole blocks of {block_size}")
     weights = None if importance is None else np.ascontiguousarray(importance_vector(importance, k))
     rows = x.size // k
-    out = np.empty((*x.shape[:-1], lib.ggml_row_size(int(ggml_type), k)), dtype=np.uint8)
+    shape = (*x.shape[:-1], lib.ggml_row_size(int(ggml_type), k))
+    if out is None:
+        out = np.empty(shape, dtype=np.uint8)
+    elif out.shape != shape or out.dtype != np.uint8 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be contiguous uint8 {shape}, not {out.dtype} {out.shape}")
 
     def run(span: tuple[int, int]) -> int:
         first, count = span

@@ -37,13 +37,18 @@ class TensorType:
         """Whether ``quantize_fast`` runs ggml's quantizer here (which makes no temporaries)."""
         return self.ggml_quantizes and native.load_libggml() is not None
 
-    def quantize_fast(self, x: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
+    def quantize_fast(self, x: np.ndarray, importance: np.ndarray | None = None,
+                      out: np.ndarray | None = None) -> np.ndarray:
         """``quantize_with(x, importance)``'s bytes for whole rows x, by ggml's own quantizer where this
-        type has it and the library loads (native.py), else by the NumPy codec."""
+        type has it and the library loads (native.py), else by the NumPy codec; written into ``out``
+        (uint8 [..., row bytes]) if given."""
         lib = native.load_libggml() if self.ggml_quantizes else None
-        if lib is None:
+        if lib is not None:
+            return native.quantize(lib, self.ggml, self.block_size, x, importance, out)
+        if out is None:
             return self.quantize_with(x, importance)
-        return native.quantize(lib, self.ggml, self.block_size, x, importance)
+        out[...] = self.quantize_with(x, importance)
+        return out
 
     def quantize_with(self, x: np.ndarray, importance: np.ndarray | None = None,
                       row_sigma2: np.ndarray | None = None) -> np.ndarray:
