@@ -22,6 +22,21 @@ from torch import nn
 from quantkit.models.eagle3 import Eagle3Head
 
 
+def drafting_lm_head(module: nn.Module) -> nn.Module:
+    """The head's LM head as drafting runs it: a bf16 one on the CPU as int8 codes per group of 128
+    columns (``Int8Linear``, what a quantized target's own LM head runs as), else as it is (prepacked
+    for oneDNN where that applies). Each draft token reads the whole matrix (12,288 x H over a typical
+    draft vocabulary: three of them were half a chain round's drafting on the default model), and its
+    precision can only change which tokens are proposed: the target's verification decides the output."""
+    from quantkit.kernels.linear.int8 import Int8Linear
+
+    weight = module.weight
+    if (type(module) is nn.Linear and module.bias is None and weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu"):
+        return Int8Linear(weight)
+    return prepacked(module)
+
+
 class _DenseAttention:
     dense = True  # draft trees may pass their own mask
 
@@ -41,7 +56,7 @@ class Eagle3Drafter(DecoderRunner):
         self._embedding, self._scale_emb = embedding, head.target.scale_emb
         midlayer = head.midlayer
         self._layer = RuntimeLayer.of(midlayer)
-        self._fc, self._lm_head = prepacked(head.fc), prepacked(head.lm_head)
+        self._fc, self._lm_head = prepacked(head.fc), drafting_lm_head(head.lm_head)
         self._final_norm = head.norm.weight.float()
         self._embedding_norm = midlayer.input_layernorm.weight.float()
         self._hidden_norm = midlayer.hidden_norm.weight.float()

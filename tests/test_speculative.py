@@ -144,6 +144,25 @@ def test_eagle3_drafter_in_bf16_runs_its_layer_in_the_fused_operators(target_dir
     assert fused._cache.length == reference._cache.length == len(PROMPT) + 3
 
 
+def test_a_bf16_heads_lm_head_drafts_from_int8_codes(target_dir, tmp_path):
+    """In bf16 on the CPU the head's LM head drafts from int8 codes (``drafting_lm_head``): its logits
+    within int8 rounding of the bf16 product (0.5 % here; a wrong code layout or scale is off by 100 %); a
+    float32 head, the evaluation's, keeps its own."""
+    from quantkit.kernels.eagle3 import drafting_lm_head
+    from quantkit.kernels.linear.int8 import Int8Linear
+
+    head = load_head(write_tiny_eagle3_head(tmp_path / "head", target_dir), _runtime(target_dir).config)
+    lm_head = head.lm_head
+    assert drafting_lm_head(lm_head) is lm_head
+    lm_head = lm_head.to(torch.bfloat16)
+    drafting = drafting_lm_head(lm_head)
+    assert isinstance(drafting, Int8Linear)
+    hidden = torch.randn(3, lm_head.in_features, generator=torch.Generator().manual_seed(0)).bfloat16()
+    with torch.inference_mode():
+        got, want = drafting(hidden).float(), lm_head(hidden).float()
+    assert float((got - want).norm() / want.norm()) < 2e-2
+
+
 def test_eagle3_drafter_observes_verified_positions_only(target_dir, tmp_path):
     """Proposing grows the head's cache; the next observation drops those entries first."""
     head = load_head(write_tiny_eagle3_head(tmp_path / "head", target_dir), _runtime(target_dir).config)
