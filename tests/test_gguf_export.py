@@ -235,10 +235,12 @@ def test_row_blocks_equal_torch_conversion(dtype, heads):
     weight[5, 7], weight[40, 0], weight[90, 63] = float("nan"), float("inf"), -float("inf")
     weight = weight.to(dtype)
     blocks = [block.copy() for block in _RowBlocks(block_elements=1000)(weight, heads)]
-    # a head is 32 rows, more than the bound; a float32 tensor in row order is read in place, whole
-    rows_per_block = 32 if heads else 96 if dtype == torch.float32 else 1000 // 64
+    rows_per_block = 32 if heads else 1000 // 64  # a head is 32 rows, more than the bound
     assert [len(block) for block in blocks[:-1]] == [rows_per_block] * (len(blocks) - 1)
     assert len(blocks[-1]) <= rows_per_block
+    # for ggml's quantizer a float32 tensor in row order is one block, read in place
+    whole = list(_RowBlocks(block_elements=1000)(weight, heads, whole=True))
+    assert len(whole) == (len(blocks) if heads or dtype != torch.float32 else 1)
     expected = (permute_rows(weight, heads) if heads else weight).float().numpy()
     assert np.array_equal(np.concatenate(blocks), expected, equal_nan=True)
 

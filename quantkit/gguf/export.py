@@ -110,27 +110,31 @@ class _LayerTensors:
             raise CheckpointError(f"{self.artifact.dir} lacks tensor '{key}'")
         return self._plain[key]
 
-    def row_blocks(self, key: str, heads: int | None) -> Iterator[np.ndarray]:
+    def row_blocks(self, key: str, heads: int | None, whole: bool) -> Iterator[np.ndarray]:
         """``key`` as ``_RowBlocks`` yields it."""
-        return self._blocks(self._stored_value(key), heads)
+        return self._blocks(self._stored_value(key), heads, whole)
 
 
 class _RowBlocks:
     """Tensors as float32 in consecutive blocks of whole rows ([rows, K]; a 1-D tensor is one row), rows
-    permuted for GGML's rope over ``heads`` heads if given. A tensor already float32 in row order is one
-    block, the tensor itself (copying the default model's float32 weights was a quarter of its export;
-    splitting its embedding into 4 M-weight quantizer calls cost 9 %); any other is widened into one
-    buffer reused for every block, blocks of about ``block_elements`` weights, each valid until the next."""
+    permuted for GGML's rope over ``heads`` heads if given, in blocks of about ``block_elements`` weights.
+    A tensor already float32 in row order is read in place (copying the default model's float32 weights
+    was a quarter of its export), and is one block when ``whole`` (ggml's quantizer makes no temporaries,
+    and splitting the default model's embedding into 4 M-weight calls cost 9 %); any other is widened
+    into one buffer reused for every block, each valid until the next."""
 
     def __init__(self, block_elements: int = QUANTIZE_CHUNK_ELEMENTS):
         self.block_elements = block_elements
         self._buffer = np.empty(0, dtype=np.float32)
 
-    def __call__(self, value: torch.Tensor, heads: int | None) -> Iterator[np.ndarray]:
+    def __call__(self, value: torch.Tensor, heads: int | None, whole: bool = False) -> Iterator[np.ndarray]:
         value = value.reshape(1, -1) if value.ndim == 1 else value
         k = value.shape[-1]
-        if value.dtype == torch.float32 and not heads:  # one block: each quantizer call has its cost
-            yield value.numpy()
+        if value.dtype == torch.float32 and not heads:
+            array = value.numpy()
+            step = len(array) if whole else max(1, self.block_elements // k)
+            for start in range(0, len(array), step):
+                yield array[start:start + step]
             return
         bfloat16 = value.dtype == torch.bfloat16
         source = value.view(torch.int16).numpy().view(np.uint16) if bfloat16 else value.numpy()
@@ -283,7 +287,8 @@ def _stored(item: _Planned, source: _LayerTensors, config: MiniCPMConfig) -> tup
     if item.name.startswith("rope_factors_"):
         float_blocks = iter([np.asarray(_rope_factors(config)[item.name], dtype=np.float32)])
     else:
-        float_blocks = source.row_blocks(item.source, heads)
+        # the NumPy codecs' temporaries grow with their input: ggml's quantizer alone takes a tensor whole
+        float_blocks = source.row_blocks(item.source, heads, whole=item.tensor_type.quantized_by_ggml)
     k = item.shape[-1]
     out = np.empty((*item.shape[:-1], item.tensor_type.row_bytes(k)), dtype=np.uint8)
     rows_out = out.reshape(-1, out.shape[-1])
