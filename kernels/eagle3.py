@@ -30,10 +30,9 @@ def drafting_lm_head(module: nn.Module) -> nn.Module:
     precision can only change which tokens are proposed: the target's verification decides the output."""
     from quantkit.kernels.linear.int8 import Int8Linear
 
-    weight = module.weight
-    if (type(module) is nn.Linear and module.bias is None and weight.dtype == torch.bfloat16
-            and weight.device.type == "cpu"):
-        return Int8Linear(weight)
+    if (type(module) is nn.Linear and module.bias is None and module.weight.dtype == torch.bfloat16
+            and module.weight.device.type == "cpu"):  # a quantized head's LM head has no ``weight``
+        return Int8Linear(module.weight)
     return prepacked(module)
 
 

@@ -150,8 +150,7 @@ class Measured:
     probed: dict[int, float] = field(default_factory=dict)  # context -> GB/s of the probes around its decode
 
     def bandwidth(self, context: int) -> float:
-        """GB/s the decode at ``context`` had: its probes' mean, or its own read if that was more."""
-        return max(self.probed[context], self.decode[context] * self.bytes_per_token[context] / 1e9)
+        return decode_bandwidth(self.probed[context], self.decode[context], self.bytes_per_token[context])
 
     def ceiling(self, context: int) -> float:
         """Decode tok/s no run can exceed: bandwidth / bytes read per token."""
@@ -159,6 +158,11 @@ class Measured:
 
     def share(self, context: int) -> float:
         return self.decode[context] / self.ceiling(context)
+
+
+def decode_bandwidth(probed_gb_s: float, tok_s: float, bytes_per_token: float) -> float:
+    """GB/s a decode had: the mean of its probes, or its own read if that was more."""
+    return max(probed_gb_s, tok_s * bytes_per_token / 1e9)
 
 
 Result = TypeVar("Result")
@@ -294,7 +298,7 @@ def bit_width_row(weights: str, recipe: str, artifact: Path, engine, context: in
     bandwidth ceiling of its own minute (as ``Measured.bandwidth``)."""
     read = decode_bytes(engine, context + new_tokens // 2)
     tok_s, probed = between_probes(lambda: random_cache_decode(engine, context, new_tokens, repeats))
-    bandwidth = max(probed, tok_s * read / 1e9)
+    bandwidth = decode_bandwidth(probed, tok_s, read)
     return {"weights": weights, "recipe": recipe, "file_gb": size_of(artifact) / 1e9, "tok_s": tok_s,
             "mb_per_token": read / 1e6, "bandwidth_gb_s": bandwidth, "ceiling_tok_s": bandwidth * 1e9 / read}
 
