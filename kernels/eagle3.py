@@ -14,7 +14,7 @@ import torch
 from quantkit.kernels.infllm import causal_attention_of_last_positions
 from quantkit.kernels.kv_cache import KVCache
 from quantkit.kernels.linear.prepacked import prepacked
-from quantkit.kernels.model import DecoderRunner, RuntimeLayer, fused_ops_and_kv_dtype, rms_norm, rope_tables
+from quantkit.kernels.model import DecoderRunner, RopeTables, RuntimeLayer, fused_ops_and_kv_dtype
 from quantkit.kernels.sampling import Sampler
 from quantkit.kernels.speculative import DraftTree, TreeShape, draft_children, grow_tree, tree_attention_mask
 from torch import nn
@@ -22,16 +22,17 @@ from torch import nn
 from quantkit.models.eagle3 import Eagle3Head
 
 
-def drafting_lm_head(module: nn.Module) -> nn.Module:
-    """The head's LM head as drafting runs it: a bf16 one on the CPU as int8 codes per group of 128
-    columns (``Int8Linear``, what a quantized target's own LM head runs as), else as it is (prepacked
-    for oneDNN where that applies). Each draft token reads the whole matrix (12,288 x H over a typical
-    draft vocabulary: three of them were half a chain round's drafting on the default model), and its
-    precision can only change which tokens are proposed: the target's verification decides the output."""
+def drafting_linear(module: nn.Module) -> nn.Module:
+    """One of the head's linears as drafting runs it: a bf16 one on the CPU as int8 codes per group of 128
+    columns (``Int8Linear``, what a quantized target's own LM head runs as), else as it is (prepacked for
+    oneDNN where that applies). The target's forward evicts the head's weights from the caches every
+    round, so each round reads them from memory again (22 MB of bf16 on the default model, 14 MB of it
+    the 12,288-row LM head every draft token reads); int8 halves that. A draft's precision can only
+    change which tokens are proposed: the target's verification decides the output."""
     from quantkit.kernels.linear.int8 import Int8Linear
 
     if (type(module) is nn.Linear and module.bias is None and module.weight.dtype == torch.bfloat16
-            and module.weight.device.type == "cpu"):  # a quantized head's LM head has no ``weight``
+            and module.weight.device.type == "cpu"):  # a quantized head's linears have no ``weight``
         return Int8Linear(module.weight)
     return prepacked(module)
 
@@ -54,8 +55,9 @@ class Eagle3Drafter(DecoderRunner):
         self.aux_layers = head.aux_layers
         self._embedding, self._scale_emb = embedding, head.target.scale_emb
         midlayer = head.midlayer
-        self._layer = RuntimeLayer.of(midlayer)
-        self._fc, self._lm_head = prepacked(head.fc), drafting_lm_head(head.lm_head)
+        self._layer = RuntimeLayer.of(midlayer, linear=drafting_linear)
+        self._rope = RopeTables(head.rotary_emb)
+        self._fc, self._lm_head = drafting_linear(head.fc), drafting_linear(head.lm_head)
         self._final_norm = head.norm.weight.float()
         self._embedding_norm = midlayer.input_layernorm.weight.float()
         self._hidden_norm = midlayer.hidden_norm.weight.float()
@@ -145,7 +147,7 @@ class Eagle3Drafter(DecoderRunner):
         return mask & ~(old & (slots[None, :] <= positions[:, None] - self.window))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._lm_head(rms_norm(hidden, self._final_norm, self.eps, self.dtype)).float()
+        return self._lm_head(self.norm(hidden, self._final_norm)).float()
 
     def _step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor | None = None,
               mask: torch.Tensor | None = None, verified: int | None = None) -> torch.Tensor:
@@ -157,7 +159,7 @@ class Eagle3Drafter(DecoderRunner):
             positions = torch.arange(self._cache.length, self._cache.length + tokens.shape[0], device=self._device)
         if self.window is not None:
             mask = self._windowed(positions, mask, verified)
-        cos, signed_sin = rope_tables(self.head.rotary_emb, positions)
+        cos, signed_sin = self._rope(positions)
         embeds = self._embedding(tokens).float() * self._scale_emb
         both = torch.cat([self.norm(embeds, self._embedding_norm), self.norm(hidden, self._hidden_norm)], dim=-1)
         attention = self.forward_attention(mask, tokens.shape[0], self._cache)

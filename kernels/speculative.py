@@ -162,6 +162,13 @@ class DraftTree:
         return torch.cat((torch.tensor([start]), start + lineages.sum(1))), mask  # a node's depth: its lineage's length
 
 
+def chain_verification(start: int, drafts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``DraftTree.verification`` of a chain (each of ``drafts`` nodes the child of the one before), made
+    directly: causal attention after ``start`` cached positions, in three tensor operations a round."""
+    positions = torch.arange(start, start + drafts + 1)
+    return positions, torch.arange(start + drafts + 1)[None, :] <= positions[:, None]
+
+
 def grow_tree(shape: TreeShape, children_of, sampled: bool = False) -> DraftTree:
     """EAGLE-2's tree: ``children_of(frontier, tree)`` runs the drafter on the frontier nodes (−1: the
     root) and returns, per node, its children's (log-probabilities, token ids, and for a ``sampled``
@@ -421,8 +428,7 @@ def speculative_tokens(runtime: RuntimeModel, drafter: Drafter, prompt: list[int
         block = torch.tensor([token, *drafts], dtype=torch.long)
         # verified as a one-branch tree: each row then attends as a decode step at its position would,
         # also where InfLLM v2 would run a whole forward crossing dense_len sparse
-        chain = DraftTree(drafts, list(range(-1, len(drafts) - 1)), [0.0] * len(drafts))
-        logits, states = runtime.forward_capturing(block, cache, layers, chain.verification(position))
+        logits, states = runtime.forward_capturing(block, cache, layers, chain_verification(position, len(drafts)))
         if draft_probs is None:
             kept, after = verify_greedy(drafts, logits)
         else:

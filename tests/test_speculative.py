@@ -19,6 +19,7 @@ from quantkit.kernels.speculative import (
     DraftTree,
     ModelDrafter,
     TreeShape,
+    chain_verification,
     draft_children,
     grow_tree,
     tree_attention_mask,
@@ -144,23 +145,28 @@ def test_eagle3_drafter_in_bf16_runs_its_layer_in_the_fused_operators(target_dir
     assert fused._cache.length == reference._cache.length == len(PROMPT) + 3
 
 
-def test_a_bf16_heads_lm_head_drafts_from_int8_codes(target_dir, tmp_path):
-    """In bf16 on the CPU the head's LM head drafts from int8 codes (``drafting_lm_head``): its logits
-    within int8 rounding of the bf16 product (0.5 % here; a wrong code layout or scale is off by 100 %); a
-    float32 head, the evaluation's, keeps its own."""
-    from quantkit.kernels.eagle3 import drafting_lm_head
+def test_a_bf16_head_drafts_from_int8_codes(target_dir, tmp_path):
+    """In bf16 on the CPU every linear of the head drafts from int8 codes (``drafting_linear``): fc, the
+    midlayer's and the LM head, each within int8 rounding of the bf16 product (0.5 % here; a wrong code
+    layout or scale is off by 100 %); a float32 head, the evaluation's, keeps its own."""
+    from quantkit.kernels.eagle3 import drafting_linear
     from quantkit.kernels.linear.int8 import Int8Linear
 
     head = load_head(write_tiny_eagle3_head(tmp_path / "head", target_dir), _runtime(target_dir).config)
     lm_head = head.lm_head
-    assert drafting_lm_head(lm_head) is lm_head
+    assert drafting_linear(lm_head) is lm_head
     lm_head = lm_head.to(torch.bfloat16)
-    drafting = drafting_lm_head(lm_head)
+    drafting = drafting_linear(lm_head)
     assert isinstance(drafting, Int8Linear)
     hidden = torch.randn(3, lm_head.in_features, generator=torch.Generator().manual_seed(0)).bfloat16()
     with torch.inference_mode():
         got, want = drafting(hidden).float(), lm_head(hidden).float()
     assert float((got - want).norm() / want.norm()) < 2e-2
+    runtime = load_runtime_model(target_dir, torch.bfloat16)
+    drafter = Eagle3Drafter(head, runtime.model.embed_tokens)
+    layer = drafter._layer
+    assert all(isinstance(linear, Int8Linear) for linear in (drafter._fc, drafter._lm_head, layer.qkv, layer.gate_up,
+                                                                layer.o_proj, layer.down_proj))
 
 
 def test_eagle3_drafter_observes_verified_positions_only(target_dir, tmp_path):
@@ -447,6 +453,13 @@ def test_tree_masks_follow_each_nodes_lineage():
     assert drafter_mask[0].nonzero().flatten().tolist() == [*range(8), 20, 23, 25]  # nodes 0, 3, then 5 itself
     assert drafter_mask[1].nonzero().flatten().tolist() == [*range(8), 20, 26]
 
+
+@pytest.mark.parametrize("drafts", [0, 1, 3, 5])
+def test_a_chains_verification_is_its_one_branch_trees(drafts):
+    """A chain round's positions and mask, made directly, equal those of the chain as a draft tree."""
+    chain = DraftTree(list(range(drafts)), list(range(-1, drafts - 1)), [0.0] * drafts)
+    for got, want in zip(chain_verification(7, drafts), chain.verification(7)):
+        assert torch.equal(got, want)
 
 
 def test_a_chat_keeps_the_drafts_context_across_turns(target_dir, tmp_path):
