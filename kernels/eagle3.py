@@ -26,7 +26,7 @@ def drafting_linear(module: nn.Module) -> nn.Module:
     """One of the head's linears as drafting runs it: a bf16 one on the CPU as int8 codes per group of 128
     columns (``Int8Linear``, what a quantized target's own LM head runs as), else as it is (prepacked for
     oneDNN where that applies). The target's forward evicts the head's weights from the caches every
-    round, so each round reads them from memory again (22 MB of bf16 on the default model, 14 MB of it
+    round, so each round reads them from memory again (24 MB of bf16 on the default model, 14 MB of it
     the 12,288-row LM head every draft token reads); int8 halves that. A draft's precision can only
     change which tokens are proposed: the target's verification decides the output."""
     from quantkit.kernels.linear.int8 import Int8Linear
