@@ -52,6 +52,32 @@ def test_forward_equals_the_model_in_prefill_chunks_and_decode(tiny_checkpoint_f
     assert (got - want).abs().max() < FP32_LOGIT_TOLERANCE
 
 
+def test_rope_tables_read_what_the_rotary_module_computes():
+    """Rows of ``RopeTables`` (made at the first call, doubled as positions pass them, at most the model's
+    max_position_embeddings) equal the rotary module's cos and sign-flipped sin; past that length, where
+    LongRoPE takes its long factors for every position, they are computed with those."""
+    from quantkit.kernels.model import RopeTables
+
+    from quantkit.models.minicpm import MiniCPMRotaryEmbedding
+
+    frequencies, limit = 8, 1500  # tables of 1024 rows, then of 1500 (not 2048)
+    config = SimpleNamespace(head_dim=2 * frequencies, rope_theta=10000.0, max_position_embeddings=limit,
+                             rope_scaling={"short_factor": [1.0 + 0.5 * i for i in range(frequencies)],
+                                           "long_factor": [1.0 + 2.0 * i for i in range(frequencies)],
+                                           "original_max_position_embeddings": limit})
+    rotary = MiniCPMRotaryEmbedding(config)
+    tables = RopeTables(rotary)
+    for positions, rows in (([0, 1, 2], 1024), ([1023], 1024), ([7, 1024, 1499], limit), ([5, 1500], limit)):
+        positions = torch.tensor(positions)
+        cos, sin = (t[0] for t in rotary(positions.float(), positions[None]))
+        got_cos, got_signed_sin = tables(positions)
+        assert torch.equal(got_cos, cos)
+        assert torch.equal(got_signed_sin, torch.cat((-sin[:, :frequencies], sin[:, frequencies:]), dim=-1))
+        assert len(tables._cos) == rows
+    short = tables(torch.tensor([5]))[0]
+    assert not torch.equal(short, tables(torch.tensor([5, 1500]))[0][:1])  # the long factors past the limit
+
+
 def test_greedy_generation_equals_transformers_generate(tiny_checkpoint):
     reference = load_model(tiny_checkpoint)
     prompt = [5, 17, 99, 3, 250, 41]
