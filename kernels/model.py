@@ -53,10 +53,10 @@ def rotate(states: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, dt
 
 class RopeTables:
     """A model's RoPE at positions: cos [T, d] and sin with its first half negated (``rotate``). Rows
-    come from tables made once for positions 0 .. n - 1 and doubled when a position passes them: a
-    decode step, a verification and each draft step read rows instead of running the rotary module
-    (0.15 ms a call on the default model; a chain round of three drafts makes four calls). Past the
-    model's max_position_embeddings, where LongRoPE's factors depend on the length, it computes them."""
+    come from tables made once for positions 0 .. n - 1 and doubled (up to max_position_embeddings) when
+    a position passes them: a decode step, a verification and each draft step read rows in ~8 µs instead
+    of running the rotary module in ~67 µs (default model; a chain round of three drafts makes four
+    calls). Past max_position_embeddings, where LongRoPE's factors depend on the length, it computes them."""
 
     FIRST_SIZE = 1024
 
