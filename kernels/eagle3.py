@@ -14,7 +14,7 @@ import torch
 from quantkit.kernels.infllm import causal_attention_of_last_positions
 from quantkit.kernels.kv_cache import KVCache
 from quantkit.kernels.linear.prepacked import prepacked
-from quantkit.kernels.model import DecoderRunner, RopeTables, RuntimeLayer, fused_ops_and_kv_dtype
+from quantkit.kernels.model import DecoderRunner, RopeTables, RuntimeLayer, causal_mask, fused_ops_and_kv_dtype
 from quantkit.kernels.sampling import Sampler
 from quantkit.kernels.speculative import DraftTree, TreeShape, draft_children, grow_tree, tree_attention_mask
 from torch import nn
@@ -142,7 +142,7 @@ class Eagle3Drafter(DecoderRunner):
         entries (draft tokens) are the query's own chain or lineage: always within reach."""
         slots = torch.arange(self._cache.length + len(positions), device=self._device)
         if mask is None:
-            mask = slots[None, :] <= (self._cache.length + torch.arange(len(positions), device=self._device))[:, None]
+            mask = causal_mask(self._cache.length, len(positions), self._device)
         old = slots[None, :] < (self._observed if verified is None else verified)
         return mask & ~(old & (slots[None, :] <= positions[:, None] - self.window))
 

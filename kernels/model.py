@@ -51,6 +51,13 @@ def rotate(states: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, dt
     return torch.addcmul(states32 * cos, states32.roll(states.shape[-1] // 2, -1), signed_sin).to(dtype)
 
 
+def causal_mask(cached: int, new: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """bool [new, cached + new]: each of ``new`` positions after ``cached`` cached ones attends the cache,
+    the new positions before it and itself."""
+    slots = torch.arange(cached + new, device=device)
+    return slots[None, :] <= slots[cached:, None]
+
+
 class RopeTables:
     """A model's RoPE at positions: cos [T, d] and sin with its first half negated (``rotate``). Rows
     come from tables made once for positions 0 .. n - 1 and doubled (up to max_position_embeddings) when
@@ -229,8 +236,7 @@ class DecoderRunner:
         if mask is None:
             if not 1 < length <= BIAS_MAX_ROWS or cache.length == 0:
                 return None
-            slots = torch.arange(cache.length + length, device=cache.device)
-            mask = slots[None, :] <= slots[cache.length:, None]
+            mask = causal_mask(cache.length, length, cache.device)
         return mask
 
     def layer_from_input(self, index, layer: "RuntimeLayer", attention_input, hidden, cos, signed_sin,

@@ -39,7 +39,7 @@ from typing import Iterator, Protocol
 
 import torch
 from quantkit.kernels.kv_cache import KVCache
-from quantkit.kernels.model import RuntimeModel
+from quantkit.kernels.model import RuntimeModel, causal_mask
 from quantkit.kernels.sampling import Sampler
 
 
@@ -164,9 +164,8 @@ class DraftTree:
 
 def chain_verification(start: int, drafts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``DraftTree.verification`` of a chain (each of ``drafts`` nodes the child of the one before), made
-    directly: causal attention after ``start`` cached positions, in three tensor operations a round."""
-    positions = torch.arange(start, start + drafts + 1)
-    return positions, torch.arange(start + drafts + 1)[None, :] <= positions[:, None]
+    directly: causal attention after ``start`` cached positions, in a few tensor operations a round."""
+    return torch.arange(start, start + drafts + 1), causal_mask(start, drafts + 1)
 
 
 def grow_tree(shape: TreeShape, children_of, sampled: bool = False) -> DraftTree:
