@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from quantkit.kernels.speculative import Acceptance
 
 
@@ -30,9 +31,10 @@ def acceptance(engine, draft: str | Path, prompts: torch.Tensor, k: int, max_new
     after each (stop tokens do not end a run, so every target is measured on as many rounds); prompt
     i samples with seed ``seed + i`` (temperature > 0). With a ``tree`` (``TreeShape``) the draft
     proposes trees instead of chains of ``k`` (sampled trees: ``quantkit.kernels.speculative``)."""
+    from tqdm.auto import tqdm
+
     from quantkit.kernels.generate import Engine, load_drafter
     from quantkit.kernels.sampling import Sampling
-    from tqdm.auto import tqdm
 
     drafter = load_drafter(draft, engine.runtime, engine.runtime.device.type)  # on its target's device
     speculative = Engine(engine.runtime, engine.tokenizer, set(), engine.prefill_chunk, drafter, k, tree)

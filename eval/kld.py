@@ -14,9 +14,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-from quantkit.eval.ppl import Window, chunked_log_probs, window_log_probs, windows
 from tqdm.auto import tqdm
 from transformers import DynamicCache
+
+from quantkit.eval.ppl import Window, chunked_log_probs, window_log_probs, windows
 
 
 @dataclass(frozen=True)

@@ -23,13 +23,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from quantkit.eval.kld import KLResult
-from quantkit.eval.ppl import window_log_probs, windows
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from quantkit.atomic import save_safetensors
+from quantkit.eval.kld import KLResult
+from quantkit.eval.ppl import window_log_probs, windows
 
 CACHE_VERSION = 2
 DEFAULT_TOP_K = 256

@@ -83,7 +83,6 @@ def evaluate(reference_dir: Path, variants: list[Path], tokens: torch.Tensor, wi
     from quantkit.eval.accept import acceptance, prompt_rows
     from quantkit.eval.refcache import cached_reference, kl_against_reference
     from quantkit.kernels.generate import load_engine
-
     from quantkit.loading import load_model
 
     reference, cache_path = cached_reference(reference_dir, tokens, window, stride, top_k, cache_dir, progress,

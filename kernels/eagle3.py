@@ -11,14 +11,14 @@ appends the verified positions computed from the target's real states.
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from quantkit.kernels.infllm import causal_attention_of_last_positions
 from quantkit.kernels.kv_cache import KVCache
 from quantkit.kernels.linear.prepacked import prepacked
 from quantkit.kernels.model import DecoderRunner, RopeTables, RuntimeLayer, causal_mask, fused_ops_and_kv_dtype
 from quantkit.kernels.sampling import Sampler
 from quantkit.kernels.speculative import DraftTree, TreeShape, draft_children, grow_tree, tree_attention_mask
-from torch import nn
-
 from quantkit.models.eagle3 import Eagle3Head
 
 

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from typing import Iterator
 
 import torch
+
 from quantkit.kernels.attention import make_attention, sparse_config_for
 from quantkit.kernels.kv_cache import KVCache
 from quantkit.kernels.model import RuntimeModel
@@ -219,10 +220,9 @@ def load_engine(model_dir: str | Path, *, sparse: str = "auto", sparse_overrides
     """An engine for any checkpoint quantkit reads: unquantized, or an artifact it wrote; with ``draft``
     (``load_drafter``) it decodes speculatively, ``draft_tokens`` drafts a round or, greedy, a
     ``draft_tree``; an EAGLE-3 head attends the last ``draft_window`` positions (all when None)."""
-    from quantkit.kernels.device import resolve_device
-    from quantkit.kernels.load import load_runtime_model
-
     from quantkit.checkpoint import load_tokenizer
+    from quantkit.device import resolve_device
+    from quantkit.kernels.load import load_runtime_model
 
     device = resolve_device(device)
     model_dir = Path(model_dir)
@@ -241,7 +241,6 @@ def load_drafter(draft: str | Path, target: RuntimeModel, device: str = "cpu", l
     """A drafter for ``target``: an EAGLE-3 head's directory, or any model quantkit reads that shares the
     target's tokenizer (a smaller model, or the target itself), run in the target's dtype."""
     from quantkit.kernels.load import load_runtime_model
-
     from quantkit.models.eagle3 import is_draft_head, load_head
 
     if is_draft_head(draft):

@@ -15,12 +15,12 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from quantkit.kernels import cpu_ops
+from torch import nn
+
+from quantkit import cpu_ops
 from quantkit.kernels.infllm.cpu import verify_attention
 from quantkit.kernels.kv_cache import KVCache
 from quantkit.kernels.linear.prepacked import prepacked
-from torch import nn
-
 from quantkit.models.minicpm import MiniCPMForCausalLM
 
 # Query-key scores per KV head (group size x keys) up to which a decode step's dense attention runs in
@@ -202,7 +202,7 @@ class DecoderRunner:
 
     def __init__(self, heads: tuple[int, int, int], eps: float, residual_scale: float, dtype: torch.dtype,
                  kv_dtype: torch.dtype, attention: Attention, ops=None):
-        """``ops``: the fused CPU operators (kernels/cpu_ops) for bf16 matmuls over a bf16 cache, or None."""
+        """``ops``: the fused CPU operators (quantkit/cpu_ops) for bf16 matmuls over a bf16 cache, or None."""
         self._heads, self.eps, self.residual_scale = heads, eps, residual_scale
         self.dtype, self.kv_dtype, self.attention = dtype, kv_dtype, attention
         self.scores_pre_rope = getattr(attention, "scores_pre_rope", False)
@@ -266,7 +266,7 @@ class DecoderRunner:
 
     def _fused_layer_from_input(self, index, layer: "RuntimeLayer", attention_input, hidden, cos, signed_sin,
                                 cache: KVCache, attention: Attention) -> torch.Tensor:
-        """``layer_from_input`` with its glue in the fused CPU operators (kernels/cpu_ops)."""
+        """``layer_from_input`` with its glue in the fused CPU operators (quantkit/cpu_ops)."""
         ops, (q_heads, kv_heads, head_dim), length = self._ops, self._heads, hidden.shape[0]
         qkv = layer.qkv(attention_input).contiguous()
         end = cache.length + length

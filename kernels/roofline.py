@@ -11,9 +11,8 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from quantkit.kernels.infllm import SparseAttentionConfig
-
 from quantkit.checkpoint import CheckpointReader
+from quantkit.kernels.infllm import SparseAttentionConfig
 from quantkit.models import MiniCPMConfig
 from quantkit.models.layers import EMBEDDING
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
 import torch
+
 from quantkit.kernels.kv_cache import KVCache
 from quantkit.kernels.model import RuntimeModel, causal_mask
 from quantkit.kernels.sampling import Sampler

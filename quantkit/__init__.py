@@ -18,7 +18,7 @@ import importlib.abc
 import importlib.util
 import sys
 
-__version__ = "0.1.0"
+from quantkit.version import __version__  # noqa: F401
 
 
 def _flatten(settings: dict, prefix: str = "") -> dict:
@@ -34,8 +34,8 @@ def quantize(model, recipe, out, *, resume: bool = False, progress: bool = True,
     from pathlib import Path
 
     from quantkit.engine import quantize as run
-    from quantkit.models.zoo import resolve_model
     from quantkit.recipe import load_recipe
+    from quantkit.zoo import resolve_model
 
     return run(resolve_model(model, progress=progress), load_recipe(str(recipe), _flatten(overrides)), Path(out),
                resume=resume, progress=progress)
@@ -47,7 +47,7 @@ def load(model, dtype=None):
     import torch
 
     from quantkit.loading import load_model
-    from quantkit.models.zoo import resolve_model
+    from quantkit.zoo import resolve_model
 
     return load_model(resolve_model(model), dtype or torch.float32)
 
@@ -55,7 +55,7 @@ def load(model, dtype=None):
 def export_gguf(model, out, file_type: str = "q4_k_m", *, progress: bool = True):
     """Write ``model`` (a checkpoint or artifact) as a GGUF file of ``file_type`` for llama.cpp."""
     from quantkit.gguf.export import export_gguf as export
-    from quantkit.models.zoo import resolve_model
+    from quantkit.zoo import resolve_model
 
     return export(resolve_model(model), out, file_type, progress=progress)
 
@@ -69,7 +69,7 @@ def evaluate(model, ref="default", *, data: str = "austen", max_tokens: int = 81
     from quantkit.checkpoint import load_tokenizer
     from quantkit.eval.kld import kl_divergence
     from quantkit.loading import load_model
-    from quantkit.models.zoo import resolve_model
+    from quantkit.zoo import resolve_model
 
     model_dir, ref_dir = resolve_model(model), resolve_model(ref)
     tokens = calib.heldout_tokens(load_tokenizer(model_dir), name=data, max_tokens=max_tokens)

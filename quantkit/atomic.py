@@ -11,8 +11,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from quantkit.errors import QuantkitError
 
-class OutputWriteError(RuntimeError):
+
+class OutputWriteError(QuantkitError, RuntimeError):
     """An output could not be written (disk full, file size limit, read-only place); nothing was left
     under its name."""
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from quantkit.errors import QuantkitError
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 SINGLE_FILES = (SINGLE_FILE, "model_gptq.safetensors")  # the second is CPM.cu's Marlin checkpoint
@@ -38,7 +40,7 @@ def sha256_file(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-class CheckpointError(ValueError):
+class CheckpointError(QuantkitError, ValueError):
     """A checkpoint that is missing, corrupt or does not match what it should contain."""
 
 

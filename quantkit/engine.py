@@ -26,13 +26,13 @@ from typing import Mapping
 import torch
 from tqdm.auto import tqdm
 
-import quantkit
 from quantkit import calib
 from quantkit.activations import Activations
 from quantkit.algorithms import ALGORITHMS
 from quantkit.algorithms.smooth import smooth_layer
 from quantkit.artifact import ArtifactWriter, staging_dir
 from quantkit.checkpoint import CheckpointReader
+from quantkit.errors import QuantkitError
 from quantkit.formats import FORMATS, Format
 from quantkit.lock import OutputLock
 from quantkit.models import MiniCPMConfig, MiniCPMDecoderLayer, MiniCPMRotaryEmbedding
@@ -54,9 +54,10 @@ from quantkit.quant import QuantConfig
 from quantkit.reader import dequantize_layer
 from quantkit.recipe import Recipe
 from quantkit.stats import BF16_IN_HARDWARE, InputStats, fast_relative_error
+from quantkit.version import __version__
 
 
-class EngineError(RuntimeError):
+class EngineError(QuantkitError, RuntimeError):
     """A run that cannot start or continue as asked."""
 
 
@@ -321,7 +322,7 @@ def plan_activations(config: MiniCPMConfig, calibration: Mapping, dtype: torch.d
 
 def run_fingerprint(model: str, recipe: Recipe, calibration: str, dtype: torch.dtype) -> str:
     payload = json.dumps({"model": model, "recipe": recipe.fingerprint(), "calibration": calibration,
-                          "compute_dtype": str(dtype), "quantkit": quantkit.__version__}, sort_keys=True)
+                          "compute_dtype": str(dtype), "quantkit": __version__}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
@@ -343,13 +344,13 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
     ``stop_after_layers`` ends the run after that many layers without finishing the artifact
     (what an interruption leaves behind); tests use it to prove resumption.
     """
-    from quantkit.kernels.device import resolve_device
+    from quantkit.device import resolve_device
 
     started = time.perf_counter()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     device = torch.device(resolve_device(device))
     if "qat" in recipe.values:
-        from quantkit.qat.fake_quant import TRAINS
+        from quantkit.training.fake_quant import TRAINS
 
         command = TRAINS[recipe["qat"]["trains"]].command
         raise EngineError(f"recipe {recipe.name} trains (it has a 'qat' section): run it with `{command} "
@@ -429,9 +430,9 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
     uses_gptq = recipe["algorithm"] == "gptq"
     quantization_config = fmt.quantization_config(
         qconfig, desc_act=uses_gptq and settings["desc_act"], static_groups=uses_gptq and settings["static_groups"],
-        damp_percent=settings["damp_percent"] if uses_gptq else None, quantizer=f"quantkit:{quantkit.__version__}")
+        damp_percent=settings["damp_percent"] if uses_gptq else None, quantizer=f"quantkit:{__version__}")
     manifest = {
-        "quantkit_version": quantkit.__version__,
+        "quantkit_version": __version__,
         "format": fmt.name,
         "recipe": recipe.values,
         "compute_dtype": str(dtype).removeprefix("torch."),

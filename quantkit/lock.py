@@ -13,8 +13,10 @@ import os
 import socket
 from pathlib import Path
 
+from quantkit.errors import QuantkitError
 
-class OutputLockedError(RuntimeError):
+
+class OutputLockedError(QuantkitError, RuntimeError):
     """Another live process is writing the same output."""
 
 

@@ -20,14 +20,15 @@ import torch
 import yaml
 
 from quantkit.algorithms import ALGORITHMS, SOLVES_BLOCK_TYPES
+from quantkit.errors import QuantkitError
 from quantkit.formats import FORMATS
 from quantkit.formats.mlx import MIXES
 from quantkit.models.layers import LINEARS, SEQUENTIAL_GROUPS
-from quantkit.qat.fake_quant import TRAINS
 from quantkit.quant import FLOAT_BIAS_BITS
+from quantkit.training.fake_quant import TRAINS
 
 
-class RecipeError(ValueError):
+class RecipeError(QuantkitError, ValueError):
     """A recipe that cannot be used as written."""
 
 

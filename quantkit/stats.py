@@ -49,12 +49,12 @@ def gram_by_torch(hessian: torch.Tensor, rows: torch.Tensor, beta: float, alpha:
 
 def _gram_on_cpu_kernel(hessian: torch.Tensor, rows: torch.Tensor, beta: float, alpha: float) -> bool:
     """hessian = beta·hessian + alpha·rowsᵀrows for bf16 rows by the compiled AVX-512 BF16 kernel
-    (kernels/cpu_ops/gram_ops.cpp: half the multiply-adds, the symmetric half, at the bf16 rate), where
+    (quantkit/cpu_ops/gram_ops.cpp: half the multiply-adds, the symmetric half, at the bf16 rate), where
     this CPU and build have it; False (nothing done) elsewhere, including on a GPU, where the caller's
     PyTorch product, the kernel's specification, runs."""
     if hessian.device.type != "cpu" or not BF16_IN_HARDWARE:
         return False
-    from quantkit.kernels import cpu_ops
+    from quantkit import cpu_ops
 
     ops = cpu_ops.load()
     return ops is not None and ops.bf16_gram_accumulate(hessian, rows, beta, alpha, True)

@@ -17,7 +17,7 @@ from typing import Callable  # noqa: E402
 import pytest  # noqa: E402
 
 import quantkit  # noqa: F401  (registers MiniCPM with the transformers Auto classes)
-from quantkit.models.fixtures import write_tiny_checkpoint  # noqa: E402
+from quantkit.synthetic import write_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -50,7 +50,7 @@ def tiny_tied_checkpoint(tiny_checkpoint_factory) -> Path:
 def default_model() -> Path:
     """The embedded default model (SmolLM2-135M-Instruct as MiniCPM), from the user's quantkit cache:
     fetched and converted on first use, then shared with `make demo`."""
-    from quantkit.models import zoo
+    from quantkit import zoo
 
     return zoo.ensure_model(progress=False)
 

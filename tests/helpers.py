@@ -12,9 +12,9 @@ SMALL_CALIBRATION = {"n_samples": 8, "seq_len": 64, "batch_size": 4}
 
 
 def built_cpu_ops():
-    """The fused C++ operators (kernels/cpu_ops). A C++ compiler is part of the supported setup, so a
+    """The fused C++ operators (quantkit/cpu_ops). A C++ compiler is part of the supported setup, so a
     failed build fails the test instead of quietly testing the PyTorch fallback."""
-    from quantkit.kernels import cpu_ops
+    from quantkit import cpu_ops
 
     ops = cpu_ops.load()
     assert ops is not None, "the fused CPU operators did not build"

@@ -66,7 +66,6 @@ class Outcome:
 
 def _serve() -> None:
     """The fork server's loop: JSON requests on stdin, one JSON answer line each on stdout."""
-    import quantkit.kernels.generate  # noqa: F401
     import torch
     from transformers import AutoTokenizer  # noqa: F401
 
@@ -74,6 +73,7 @@ def _serve() -> None:
     import quantkit.draft.trainer  # noqa: F401
     import quantkit.engine  # noqa: F401
     import quantkit.gguf.export  # noqa: F401
+    import quantkit.kernels.generate  # noqa: F401
     import quantkit.qat  # noqa: F401
 
     torch.set_num_threads(1)

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from quantkit.eval.accept import acceptance, prompt_rows
-from quantkit.kernels.generate import load_engine
 
 from quantkit.cli import main
-from quantkit.models.fixtures import write_tiny_eagle3_head
+from quantkit.eval.accept import acceptance, prompt_rows
+from quantkit.kernels.generate import load_engine
+from quantkit.synthetic import write_tiny_eagle3_head
 
 PROMPTS = torch.tensor([[5, 17, 42, 8, 99, 3, 250, 7], [9, 8, 7, 6, 5, 4, 3, 2]])
 

@@ -71,9 +71,8 @@ def test_bench_8b_emulates_the_cpu_classes_below_this_one():
 def test_bench_8b_runs_the_runtime_as_an_avx2_desktop(tiny_checkpoint, tmp_path):
     """The emulating process holds oneDNN, PyTorch and quantkit's operators to AVX2, and prefill then
     multiplies int8 activations on the AVX2 build of the integer kernel."""
-    from quantkit.eval.bench.bench_8b_emulated import CPU_CLASSES, measure
-
     from quantkit.engine import quantize
+    from quantkit.eval.bench.bench_8b_emulated import CPU_CLASSES, measure
     from quantkit.recipe import load_recipe
 
     artifact = tmp_path / "w4"
@@ -123,8 +122,7 @@ def test_bench_8b_emulated_times_llama_bench_in_rounds_with_quantkit(tiny_checkp
 
 def test_bench_8b_layer_floor_counts_each_phase_of_an_8b_layer():
     from quantkit.eval.bench.bench_8b_layer import floor_multiply_adds
-
-    from quantkit.models.fixtures import minicpm41_8b_config
+    from quantkit.synthetic import minicpm41_8b_config
 
     config = minicpm41_8b_config()
     macs = floor_multiply_adds(config, n_samples=2, seq_len=8)
@@ -140,7 +138,6 @@ def test_llamacpp_bench_fills_a_long_cache_once_and_reuses_it_across_ggufs(tiny_
     """bench-8b's 8K rows: llama.cpp's cache is prefilled and saved by the first GGUF, loaded (not
     prefilled) by the next one of the same architecture; another prompt is prefilled again."""
     from quantkit.eval.bench.bench_runtime import bench_llamacpp
-
     from quantkit.gguf.export import export_gguf
 
     ggufs = {t: tmp_path / f"{t}.gguf" for t in ("q8_0", "q4_0")}

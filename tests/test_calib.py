@@ -14,11 +14,11 @@ from importlib import resources
 
 import pytest
 import torch
-from quantkit.calib_data import build
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 from quantkit import calib, corpora
+from quantkit.calib_data import build
 
 CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
 

@@ -5,7 +5,7 @@ import pytest
 from click.testing import CliRunner
 
 from quantkit.cli import main
-from quantkit.models.fixtures import write_tiny_checkpoint
+from quantkit.synthetic import write_tiny_checkpoint
 
 RECIPE = """\
 name: tiny-rtn
@@ -93,7 +93,7 @@ def other(tmp_path_factory):
 
 def _eval_command(name: str, tiny, other, tmp_path) -> list[str]:
     """The arguments of a small run of each `quantkit eval` command that runs a model, printing JSON."""
-    from quantkit.models.fixtures import write_tiny_eagle3_head
+    from quantkit.synthetic import write_tiny_eagle3_head
 
     held_out = ["--max-tokens", "300", "--window", "64"]
     if name == "accept":

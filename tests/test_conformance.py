@@ -4,6 +4,8 @@ artifacts the engine wrote; and a planted v1 zero point of 0 must be caught."""
 import numpy as np
 import pytest
 import torch
+
+from quantkit.engine import quantize
 from quantkit.eval.conformance import (
     MARLIN_WEIGHT_PERM,
     autogptq_v1_zeros,
@@ -13,8 +15,6 @@ from quantkit.eval.conformance import (
     unpack_stream,
     vllm_v1_zeros,
 )
-
-from quantkit.engine import quantize
 from quantkit.formats import FORMATS, gptq
 from quantkit.formats.gptq import pack_cols, storable_grid
 from quantkit.models.layers import LINEARS

@@ -24,9 +24,11 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import quantkit  # noqa: F401  (registers MiniCPM with the Auto classes)
+from quantkit import zoo
 from quantkit.cache import WHEEL_DIR_ENV
+from quantkit.gguf import importer
 from quantkit.gguf.names import minicpm_name, unpermute_rows
-from quantkit.models import CHAT_TEMPLATE, MiniCPMForCausalLM, gguf_convert, zoo
+from quantkit.models import CHAT_TEMPLATE, MiniCPMForCausalLM
 
 SOURCE = zoo.MODELS[zoo.DEFAULT_MODEL]
 N_TOKENS = 300
@@ -242,8 +244,8 @@ def test_interrupted_conversion_leaves_nothing(gguf_file, tmp_path, monkeypatch)
 
     # a few tiny tensors stand in for the real ones: only the interruption matters here
     tiny = {"model.embed_tokens.weight": torch.zeros(8, 4)}
-    monkeypatch.setattr(gguf_convert, "convert_tensors", lambda reader, hparams, progress: tiny)
-    monkeypatch.setattr(gguf_convert, "save_tokenizer", crash)
+    monkeypatch.setattr(importer, "convert_tensors", lambda reader, hparams, progress: tiny)
+    monkeypatch.setattr(importer, "save_tokenizer", crash)
     with pytest.raises(KeyboardInterrupt):
         zoo.ensure_model(cache_dir=tmp_path, progress=False, gguf_path=gguf_file)
     assert list((tmp_path / "models").iterdir()) == []

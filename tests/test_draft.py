@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quantkit.kernels.eagle3 import Eagle3Drafter
 
 from quantkit.draft.ttt import ttt_mask, unrolled_steps
+from quantkit.kernels.eagle3 import Eagle3Drafter
 from quantkit.models import MiniCPMForCausalLM
 from quantkit.models.eagle3 import entering_states, load_head
-from quantkit.models.fixtures import write_tiny_eagle3_head
+from quantkit.synthetic import write_tiny_eagle3_head
 
 pytestmark = pytest.mark.usefixtures("private_cache")
 
@@ -349,10 +349,10 @@ def test_head_quantization_refuses_other_formats_and_smoothing(packable, tmp_pat
 def test_w4_qat_of_a_head_writes_a_quantized_head_on_its_grid(packable, training_text, tmp_path):
     """--w4: the head trains through W4 g128 (straight-through) from the FP head and is written quantized
     (here in CPM.cu's layout); its linears read back on a 4-bit grid, and it drafts."""
-    from quantkit.kernels.generate import load_engine
     from safetensors.torch import load_file
 
     from quantkit.draft.trainer import train_head
+    from quantkit.kernels.generate import load_engine
 
     target, head = packable
     out = tmp_path / "w4"

@@ -6,7 +6,6 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from quantkit.eval.kld import kl_divergence
 from safetensors.torch import load_file
 from test_qat import STEP_TOKENS, overrides
 
@@ -14,14 +13,15 @@ from quantkit import calib
 from quantkit.checkpoint import load_tokenizer
 from quantkit.cli import main
 from quantkit.engine import EngineError, quantize
+from quantkit.eval.kld import kl_divergence
 from quantkit.formats.mlx import mlx_grid
 from quantkit.loading import load_model
 from quantkit.qat import run_qat
-from quantkit.qat.fake_quant import AffineLinear, grid_weight, quantized_record
 from quantkit.qat.trainer import CHECKPOINT_FILE, QATError, train
 from quantkit.qat.write import write_outputs
 from quantkit.reader import ArtifactReader
 from quantkit.recipe import RecipeError, load_recipe
+from quantkit.training.fake_quant import AffineLinear, grid_weight, quantized_record
 
 from helpers import small_recipe
 

@@ -16,7 +16,7 @@ from quantkit.models.eagle3 import (
     entering_states,
     load_head,
 )
-from quantkit.models.fixtures import write_tiny_eagle3_head
+from quantkit.synthetic import write_tiny_eagle3_head
 
 OFFICIAL_KEYS = {"fc.weight", "d2t", "t2d", "norm.weight", "lm_head.weight", "midlayer.hidden_norm.weight",
                  "midlayer.input_layernorm.weight", "midlayer.post_attention_layernorm.weight",

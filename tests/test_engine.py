@@ -11,9 +11,9 @@ from quantkit.checkpoint import CheckpointError
 from quantkit.engine import EngineError, quantize
 from quantkit.loading import load_model
 from quantkit.models import MiniCPMConfig
-from quantkit.models.fixtures import write_tiny_checkpoint
 from quantkit.models.layers import LINEARS
 from quantkit.recipe import RecipeError, load_recipe
+from quantkit.synthetic import write_tiny_checkpoint
 
 from helpers import DeviceAudit
 
@@ -155,7 +155,7 @@ def test_corrupt_safetensors_is_a_clear_error(tiny, recipe, tmp_path):
 
 def test_sharded_checkpoint_reads_like_a_single_file(tmp_path):
     from quantkit.checkpoint import CheckpointReader
-    from quantkit.models.fixtures import write_sharded_checkpoint
+    from quantkit.synthetic import write_sharded_checkpoint
 
     config = MiniCPMConfig.from_pretrained(write_tiny_checkpoint(tmp_path / "one", num_hidden_layers=2))
     sharded = write_sharded_checkpoint(tmp_path / "sharded", config, seed=1)
@@ -236,7 +236,7 @@ def test_a_layers_work_names_its_device_everywhere(one_layer, recipe_name, tmp_p
 
 
 def test_device_auto_is_the_cpu_without_a_gpu_and_cuda_is_refused(tiny, recipe, tmp_path, monkeypatch):
-    from quantkit.kernels.device import resolve_device
+    from quantkit.device import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == "cpu"

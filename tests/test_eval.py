@@ -4,11 +4,11 @@ import math
 
 import pytest
 import torch
+
 from quantkit.eval.kld import kl_divergence
 from quantkit.eval.ppl import Window, perplexity, windows
-
 from quantkit.loading import load_model
-from quantkit.models.fixtures import write_tiny_checkpoint
+from quantkit.synthetic import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

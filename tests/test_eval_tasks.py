@@ -8,13 +8,13 @@ from decimal import Decimal
 import pytest
 import torch
 from click.testing import CliRunner
+
+from quantkit.cli import main
 from quantkit.eval.tasks import gsm, humaneval, sandbox
 from quantkit.eval.tasks.model import TaskModel
 from quantkit.eval.tasks.multiple_choice import Question, evaluate_questions, family_questions, score_question
 from quantkit.eval.tasks.registry import TASKS, evaluate_tasks
 from quantkit.eval.tasks.sandbox import AUDIT_HOOK, NAMESPACES, Limits, best_isolation, namespaces_available, run_python
-
-from quantkit.cli import main
 
 FAST = Limits(seconds=5, memory_mb=512)
 # (isolation, audit hook): the full sandbox, the kernel's part alone, and the fallback without namespaces
@@ -38,7 +38,7 @@ def needs_namespaces() -> None:
 
 @pytest.fixture(scope="module")
 def lm(tmp_path_factory):
-    from quantkit.models.fixtures import write_tiny_checkpoint
+    from quantkit.synthetic import write_tiny_checkpoint
 
     return TaskModel.load(write_tiny_checkpoint(tmp_path_factory.mktemp("tasks") / "tiny"))
 
@@ -328,8 +328,7 @@ def test_task_scoring_names_its_device_everywhere(lm, adapter):
 
 def test_lm_eval_device_places_a_pretrained_model(lm, tmp_path, monkeypatch):
     from quantkit.eval.tasks.lm_eval_adapter import QuantkitLM
-
-    from quantkit.models.fixtures import write_tiny_checkpoint
+    from quantkit.synthetic import write_tiny_checkpoint
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     model = write_tiny_checkpoint(tmp_path / "tiny")
@@ -342,7 +341,7 @@ def test_lm_eval_device_places_a_pretrained_model(lm, tmp_path, monkeypatch):
 
 
 def test_cli_prints_a_summary_and_records_every_sample(tmp_path):
-    from quantkit.models.fixtures import write_tiny_checkpoint
+    from quantkit.synthetic import write_tiny_checkpoint
 
     model = write_tiny_checkpoint(tmp_path / "tiny")
     record = tmp_path / "record.json"

@@ -15,8 +15,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from quantkit.gguf.export import SPARSE_CONFIG_KEY, export_gguf, exported_weights
-from quantkit.models.fixtures import MINICPM41_SPARSE_CONFIG
-from quantkit.models.gguf_convert import convert_gguf
+from quantkit.gguf.importer import convert_gguf
+from quantkit.synthetic import MINICPM41_SPARSE_CONFIG
 
 # Token ids of the tiny vocabulary (384 tokens, <s>=1, <|im_start|>=3): 80 positions, past the original LongRoPE
 # context of 64.

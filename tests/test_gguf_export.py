@@ -248,7 +248,7 @@ def test_row_blocks_equal_torch_conversion(dtype, heads):
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_tiny_longrope_model_matches_llama_cpp(tiny_checkpoint_factory, tmp_path, tied):
     """LongRoPE factors and attention factor, GQA, tied embeddings and sparse_config survive export."""
-    from quantkit.models.fixtures import MINICPM41_SPARSE_CONFIG
+    from quantkit.synthetic import MINICPM41_SPARSE_CONFIG
 
     model = tiny_checkpoint_factory(num_key_value_heads=4, tied=tied, sparse_config=dict(MINICPM41_SPARSE_CONFIG))
     path = tmp_path / "tiny.gguf"
@@ -379,8 +379,9 @@ def sentencepiece_checkpoint(tiny_checkpoint_factory, tmp_path_factory):
     import shutil
     from pathlib import Path
 
-    import quantkit.calib_data
     import sentencepiece
+
+    import quantkit.calib_data
 
     folder = tmp_path_factory.mktemp("spm") / "model"
     shutil.copytree(tiny_checkpoint_factory(vocab_size=1216), folder)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from quantkit.algorithms.gptq import gptq_quantize, gptq_solve
-from quantkit.gguf.imatrix import COUNTS, SUMS, collect, read_imatrix, write_imatrix
 from quantkit.gguf.legacy import row_sigma2
 from quantkit.gguf.types import TYPES
+from quantkit.imatrix import COUNTS, SUMS, collect, read_imatrix, write_imatrix
 
 from llama_cpp_oracle import ggml_quantize
 

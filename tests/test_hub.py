@@ -20,7 +20,7 @@ from quantkit.hub.check import ArtifactCheckError, check_artifact
 from quantkit.hub.publish import NOT_CONSULTED, UNCHANGED, UPLOAD, check, publish, render_card
 from quantkit.hub.pull import PULL_PATTERNS, choose_gguf, pull_model
 from quantkit.hub.repo import RepoRef, parse_repo_ref
-from quantkit.models.zoo import resolve_model
+from quantkit.zoo import resolve_model
 
 from helpers import small_recipe
 from hub_server import HubServer, StoredFile
@@ -457,7 +457,7 @@ def test_one_gguf_file_is_pulled_alone_and_converted_like_the_built_in_model(hub
     the default model is converted from the same file; offline, the cached file and checkpoint serve."""
     from huggingface_hub import constants
 
-    from quantkit.models.zoo import SOURCE_FILE, fetch_gguf
+    from quantkit.zoo import SOURCE_FILE, fetch_gguf
 
     original = fetch_gguf(progress=False).read_bytes()
     hub.seed(GGUF_REPO, {"SmolLM2-135M-Instruct-Q4_1.gguf": StoredFile(original, lfs=True),

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+
 from quantkit.kernels.infllm import CompressedKeyCache, SparseAttentionConfig, cpu, reference, sparse_attention
 from quantkit.kernels.infllm.reference import (
     compress_keys,
@@ -99,7 +100,7 @@ def fused_tolerance(v) -> float:
 
 @pytest.mark.parametrize("heads_q, heads_kv, dim, length", FUSED_SHAPES)
 def test_fused_decode_kernels_equal_the_pytorch_path(heads_q, heads_kv, dim, length):
-    """The three fused decode kernels (kernels/cpu_ops/infllm_ops.cpp) against this package's PyTorch
+    """The three fused decode kernels (quantkit/cpu_ops/infllm_ops.cpp) against this package's PyTorch
     functions for one query: stage-1 scores, the chosen blocks (exactly) and the attention output."""
     ops, config = built_cpu_ops(), SparseAttentionConfig(window_size=256, topk=8, dense_len=1024)
     q, k, v = (t.bfloat16() for t in qkv(heads_q, heads_kv, length, dim, seed=length))
@@ -146,8 +147,9 @@ def test_fused_kernels_built_without_avx512_bf16_compute_the_same(tmp_path):
     import sys
 
     import torch.nn.functional as F
-    from quantkit.kernels import cpu_ops
     from safetensors.torch import load_file, save_file
+
+    from quantkit import cpu_ops
 
     config = SparseAttentionConfig(window_size=256, topk=8, dense_len=1024)
     inputs, wanted, limits = {}, {}, {}
@@ -167,7 +169,7 @@ def test_fused_kernels_built_without_avx512_bf16_compute_the_same(tmp_path):
             v.float().repeat_interleave(group, 0)[None], attn_mask=mask)[0]
         limits[i] = fused_tolerance(v)
     save_file(inputs, tmp_path / "inputs.safetensors")
-    script = (f"import torch; from safetensors.torch import load_file, save_file; from quantkit.kernels import cpu_ops;"
+    script = (f"import torch; from safetensors.torch import load_file, save_file; from quantkit import cpu_ops;"
               f"t = load_file({str(tmp_path / 'inputs.safetensors')!r}); ops = cpu_ops.load(); "
               f"assert ops.infllm_isa() == 'avx512', ops.infllm_isa(); "
               f"out = {{f'out{{i}}': ops.infllm_block_attention(t[f'q{{i}}'], t[f'k{{i}}'], t[f'v{{i}}'], "

@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
+
 from quantkit.eval.interop.check_gptqmodel import (
     LogitCheck,
     RecordedLogits,
@@ -14,7 +16,6 @@ from quantkit.eval.interop.check_gptqmodel import (
     failures,
     run_gptqmodel,
 )
-from torch import nn
 
 
 def two_linears() -> nn.Module:

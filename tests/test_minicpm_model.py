@@ -29,7 +29,7 @@ from quantkit.models import (
     MiniCPMRMSNorm,
     MiniCPMRotaryEmbedding,
 )
-from quantkit.models.fixtures import (
+from quantkit.synthetic import (
     MINICPM41_SPARSE_CONFIG,
     meta_model,
     minicpm41_8b_config,

@@ -6,8 +6,9 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from quantkit.eval import niah
 from transformers import AutoTokenizer
+
+from quantkit.eval import niah
 
 TEXT = " ".join(f"Sentence number {i} talks about the weather in a small town." for i in range(400))
 

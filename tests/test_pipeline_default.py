@@ -3,12 +3,12 @@ perplexity and KL against the unquantized model."""
 import json
 
 import pytest
-from quantkit.eval.kld import kl_divergence
-from quantkit.eval.ppl import perplexity
 from transformers import AutoTokenizer
 
 from quantkit import calib
 from quantkit.engine import quantize
+from quantkit.eval.kld import kl_divergence
+from quantkit.eval.ppl import perplexity
 from quantkit.loading import load_model
 from quantkit.models.layers import LINEARS
 from quantkit.recipe import load_recipe

@@ -56,7 +56,7 @@ def test_marlin_family_artifacts_read_back_as_the_gptq_result(marlin_legal, tmp_
 
 
 def test_marlin_refuses_illegal_shapes_before_any_work(tmp_path):
-    from quantkit.models.fixtures import write_tiny_checkpoint
+    from quantkit.synthetic import write_tiny_checkpoint
 
     model = write_tiny_checkpoint(tmp_path / "tiny", num_hidden_layers=1)  # k/v_proj have N = 16
     out = tmp_path / "m"

@@ -9,7 +9,6 @@ from safetensors.torch import load_file
 from quantkit.artifact import staging_dir
 from quantkit.engine import quantize
 from quantkit.qat import run_qat
-from quantkit.qat.fake_quant import grid_weight, quantized_record, straight_through
 from quantkit.qat.trainer import CHECKPOINT_FILE, QATError, train
 from quantkit.qat.write import FAKE_QUANT_MANIFEST, write_outputs
 from quantkit.quant import QuantConfig
@@ -17,6 +16,7 @@ from quantkit.reader import ArtifactReader
 from quantkit.recipe import RecipeError, load_recipe
 from quantkit.training import state
 from quantkit.training.distill import distillation_loss
+from quantkit.training.fake_quant import grid_weight, quantized_record, straight_through
 from quantkit.training.schedule import wsd_learning_rate
 
 STEP_TOKENS = 128  # two rows of 64 tokens a step

@@ -7,15 +7,15 @@ import os
 
 import pytest
 import torch
-from quantkit.kernels import cpu_ops
+
+from quantkit import cpu_ops
+from quantkit.engine import quantize
 from quantkit.kernels.linear import int4, int8, load_linears
 from quantkit.kernels.linear.int4 import Int4Linear
 from quantkit.kernels.linear.int8 import Int8Linear
 from quantkit.kernels.linear.panel import PANEL, pack_group_size
 from quantkit.kernels.linear.ternary import TernaryLinear
 from quantkit.kernels.model import fuse_linears
-
-from quantkit.engine import quantize
 from quantkit.loading import load_model
 from quantkit.recipe import load_recipe
 
@@ -134,6 +134,7 @@ def test_int8_layout_puts_each_code_where_the_kernel_reads_it():
 def test_prepacked_bf16_linear_equals_f_linear_up_to_16_rows():
     """oneDNN's reordered weight changes where a matmul's time goes, not its result."""
     import torch.nn.functional as F
+
     from quantkit.kernels.linear.prepacked import PrepackedLinear, prepackable, prepacked
 
     linear = torch.nn.Linear(576, 960).bfloat16()
@@ -152,9 +153,8 @@ def test_prepacked_bf16_linear_equals_f_linear_up_to_16_rows():
 def test_a_few_rows_never_dequantize_a_weight_that_is_not_kept():
     """Without a kept dequantized weight (a large model), a draft tree's rows run the packed kernel, as
     close to the reference as the dense path is."""
-    from quantkit.kernels.linear.packed import FEW_ROWS
-
     from quantkit.algorithms.rtn import rtn_quantize
+    from quantkit.kernels.linear.packed import FEW_ROWS
     from quantkit.quant import QuantConfig
 
     weight = torch.randn(256, 576, generator=torch.Generator().manual_seed(0)) * 0.02
@@ -352,7 +352,7 @@ def test_int8_product_built_for_another_cpu_computes_the_same(tmp_path, march, i
         expected[bits] = _int8_prefill_reference(x, codes, pairs, group, bits)
     save_file(inputs, tmp_path / "inputs.safetensors")
     kernels = {bits: name for bits, (name, _) in CODE_KERNELS.items()}
-    script = (f"import torch; from safetensors.torch import load_file, save_file; from quantkit.kernels import cpu_ops;"
+    script = (f"import torch; from safetensors.torch import load_file, save_file; from quantkit import cpu_ops;"
               f"t = load_file({str(tmp_path / 'inputs.safetensors')!r}); ops = cpu_ops.load(); "
               f"assert ops.int4_int8_isa() == {isa!r}, ops.int4_int8_isa(); "
               f"save_file({{f'y{{bits}}_{{m}}': getattr(ops, kernel)(t['x'][:m].contiguous(), t[f'packed{{bits}}'], "

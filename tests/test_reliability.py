@@ -653,7 +653,7 @@ def test_corrupt_gguf_files_are_one_clear_error(launcher, model, outputs, tmp_pa
              "truncated data": good[:len(good) // 2], "random bytes": os.urandom(4096),
              "version 99": good[:4] + struct.pack("<I", 99) + good[8:],
              "tensor count huge": good[:8] + struct.pack("<Q", 1 << 60) + good[16:]}
-    from quantkit.models.gguf_convert import convert_gguf
+    from quantkit.gguf.importer import convert_gguf
 
     row = tally.row("publish --dry-run (GGUF check)", "corrupt GGUF")
     conversion = tally.row("GGUF conversion (default model, Hub GGUF files)", "corrupt GGUF")

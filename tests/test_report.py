@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
+
 from quantkit.eval.kld import kl_divergence
 from quantkit.eval.refcache import cached_reference, compute_reference, kl_against_reference
-
 from quantkit.loading import load_model
 
 

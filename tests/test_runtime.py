@@ -10,17 +10,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 from click.testing import CliRunner
+
+from quantkit.cli import main
+from quantkit.device import check_device, require_capability
 from quantkit.kernels.attention import make_attention, sparse_config_for
 from quantkit.kernels.chat import ChatSession
-from quantkit.kernels.device import check_device, require_capability
 from quantkit.kernels.generate import Engine, TextStream, load_engine
 from quantkit.kernels.kv_cache import KVCache
 from quantkit.kernels.load import load_runtime_model
 from quantkit.kernels.model import RuntimeModel
 from quantkit.kernels.roofline import DEVICES, roofline, weight_bytes_per_token
 from quantkit.kernels.sampling import Sampler, Sampling
-
-from quantkit.cli import main
 from quantkit.loading import load_model
 
 from helpers import built_cpu_ops
@@ -57,7 +57,6 @@ def test_rope_tables_read_what_the_rotary_module_computes():
     max_position_embeddings) equal the rotary module's cos and sign-flipped sin; past that length, where
     LongRoPE takes its long factors for every position, they are computed with those."""
     from quantkit.kernels.model import RopeTables
-
     from quantkit.models.minicpm import MiniCPMRotaryEmbedding
 
     frequencies, limit = 8, 1500  # tables of 1024 rows, then of 1500 (not 2048)
@@ -198,7 +197,6 @@ def test_default_model_answers_and_stops(default_model):
 
 def test_roofline_arithmetic(tiny_checkpoint):
     from quantkit.kernels.infllm import SparseAttentionConfig
-
     from quantkit.models import MiniCPMConfig
 
     config = MiniCPMConfig.from_pretrained(tiny_checkpoint)
@@ -268,6 +266,7 @@ def test_eval_ppl_through_the_runtime_dense_and_sparse(tiny_checkpoint):
 
 def test_fused_cpu_operators_match_their_pytorch_specification():
     import torch.nn.functional as F
+
     from quantkit.kernels.infllm import causal_attention_of_last_positions
     from quantkit.kernels.model import rotate
 
@@ -330,6 +329,7 @@ def test_masked_attention_equals_sdpa_with_the_boolean_mask(dtype):
     rows) gives SDPA's own result bit for bit: causal attention for a verification after a cache, and a
     tree's mask."""
     import torch.nn.functional as F
+
     from quantkit.kernels.attention import DenseAttention
     from quantkit.kernels.infllm import causal_attention_of_last_positions
     from quantkit.kernels.model import DecoderRunner, VerificationAttention, masked_attention
@@ -365,7 +365,7 @@ def test_fused_verification_attention_equals_masked_sdpa(heads, dim, cached, tok
     (16: 208 rows), a chain's causal mask and a tree's random lineages, a cache that ends inside a block
     and one that fills its last. bf16 probabilities (as SDPA's bf16 path): within 1 % of the output's
     scale."""
-    from quantkit.kernels import cpu_ops
+    from quantkit import cpu_ops
     from quantkit.kernels.infllm import cpu as infllm_cpu
     from quantkit.kernels.model import VerificationAttention, masked_attention
 
@@ -390,7 +390,7 @@ def test_fused_verification_attention_equals_masked_sdpa(heads, dim, cached, tok
 
 
 def test_fused_verification_attention_rejects_a_row_that_does_not_see_itself():
-    from quantkit.kernels import cpu_ops
+    from quantkit import cpu_ops
 
     ops = cpu_ops.load()
     q = torch.randn(3, 2, 64).bfloat16()
@@ -406,12 +406,13 @@ def test_a_build_lock_left_by_a_killed_process_does_not_block_the_next_load():
     import sys
     from pathlib import Path
 
-    from quantkit.kernels.cpu_ops import EXTENSION
     from torch.utils.cpp_extension import _get_build_directory
+
+    from quantkit.cpu_ops import EXTENSION
 
     lock = Path(_get_build_directory(EXTENSION, verbose=False)) / "lock"
     lock.touch()
-    done = subprocess.run([sys.executable, "-c", "from quantkit.kernels import cpu_ops; assert cpu_ops.load()"],
+    done = subprocess.run([sys.executable, "-c", "from quantkit import cpu_ops; assert cpu_ops.load()"],
                           timeout=900, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert not lock.exists()

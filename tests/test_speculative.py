@@ -8,6 +8,8 @@ import math
 
 import pytest
 import torch
+
+from quantkit.engine import quantize
 from quantkit.kernels.attention import make_attention
 from quantkit.kernels.eagle3 import Eagle3Drafter
 from quantkit.kernels.generate import Engine, load_engine
@@ -26,10 +28,8 @@ from quantkit.kernels.speculative import (
     verify_sampled,
     verify_tree_sampled,
 )
-
-from quantkit.engine import quantize
 from quantkit.models.eagle3 import load_head
-from quantkit.models.fixtures import write_tiny_eagle3_head
+from quantkit.synthetic import write_tiny_eagle3_head
 
 from helpers import small_recipe
 
@@ -118,8 +118,9 @@ def test_eagle3_drafter_in_bf16_runs_its_layer_in_the_fused_operators(target_dir
     """In bf16 on the CPU (how `quantkit generate` runs a head) the midlayer runs in the fused operators
     over a bf16 cache, as the target's layers do: within bf16 rounding of the same head on PyTorch's
     operators over a float32 cache, observing and drafting."""
-    from quantkit.kernels import cpu_ops
     from torch import nn
+
+    from quantkit import cpu_ops
 
     runtime = _runtime(target_dir)
     head = load_head(write_tiny_eagle3_head(tmp_path / "head", target_dir), runtime.config)

@@ -161,12 +161,11 @@ def test_bf16_multiplies_takes_float32_products_to_bf16_hardware_and_restores_th
 @pytest.mark.parametrize("tiles", [True, False], ids=["AMX where present", "AVX-512 BF16"])
 @pytest.mark.parametrize("tokens, features", [(333, 64), (64, 288), (1, 32), (130, 576)])
 def test_bf16_gram_kernel_is_the_float64_product_up_to_float32_sums(tokens, features, tiles):
-    """kernels/cpu_ops/gram_ops.cpp, InputStats' Hessian update on bf16 CPUs: odd token counts (a half-filled
+    """quantkit/cpu_ops/gram_ops.cpp, InputStats' Hessian update on bf16 CPUs: odd token counts (a half-filled
     last pair and zero padding), a last panel 32 wide, several 256-wide panels; symmetric to the bit, and
     the same bits on 1 and 2 threads. Without AVX-512 BF16 it declines and changes nothing (PyTorch's
     product runs)."""
-    from quantkit.kernels import cpu_ops
-
+    from quantkit import cpu_ops
     from quantkit.stats import BF16_IN_HARDWARE
 
     ops = cpu_ops.load()
@@ -194,7 +193,7 @@ def test_bf16_gram_kernel_is_the_float64_product_up_to_float32_sums(tokens, feat
 
 
 def test_bf16_gram_kernel_leaves_other_widths_to_pytorch():
-    from quantkit.kernels import cpu_ops
+    from quantkit import cpu_ops
 
     hessian = torch.zeros(40, 40)
     assert not cpu_ops.load().bf16_gram_accumulate(hessian, torch.ones(3, 40).bfloat16(), 1.0, 1.0, True)

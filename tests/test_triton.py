@@ -8,10 +8,10 @@ import os
 
 import pytest
 import torch
+
 from quantkit.kernels.linear.int4 import Int4Linear
 from quantkit.kernels.linear.triton_marlin import TritonMarlinLinear
 from quantkit.kernels.linear.triton_w4a16 import LAUNCH_CONFIGS, TritonW4A16Linear, launch_config
-
 from quantkit.quant import QuantConfig, QuantizedTensor, default_g_idx
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "these tests prove kernels in the interpreter"
@@ -84,9 +84,8 @@ def test_triton_backend_runs_marlin_and_awq_artifacts_from_their_stored_tensors(
                                                                                  fmt, module):
     """load_linears(artifact, "triton") hands the kernels the file's own tensors; they agree with the
     reference backend (the format reader's float32 weight), for decode and for a prefill chunk."""
-    from quantkit.kernels.linear import load_linears
-
     from quantkit.engine import quantize
+    from quantkit.kernels.linear import load_linears
     from quantkit.recipe import load_recipe
 
     out = tmp_path / fmt

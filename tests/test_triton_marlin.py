@@ -7,10 +7,10 @@ import os
 
 import pytest
 import torch
-from quantkit.kernels.linear.triton_marlin import TritonMarlinLinear, marlin_matmul
-from quantkit.kernels.linear.triton_w4a16 import launch_config
 
 from quantkit.formats.marlin import ZERO_POINT, marlin_tensors, read_marlin_tensors, unpermute_scales
+from quantkit.kernels.linear.triton_marlin import TritonMarlinLinear, marlin_matmul
+from quantkit.kernels.linear.triton_w4a16 import launch_config
 from quantkit.quant import QuantConfig, QuantizedTensor, default_g_idx
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "these tests prove kernels in the interpreter"

@@ -93,6 +93,7 @@ from typing import Callable, TypeVar
 
 import click
 import torch
+
 from quantkit.eval.bench import bench_8b_layer, bench_gguf_speed
 from quantkit.eval.bench.bench_8b_emulated import emulated_classes
 from quantkit.eval.bench.bench_8b_emulated import measure as measure_emulated
@@ -117,7 +118,6 @@ from quantkit.eval.bench.common import (
     report,
     timing_options,
 )
-
 from quantkit.table import format_table
 
 FULL_LAYERS = 32
@@ -375,7 +375,6 @@ def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibrat
          threads, json_path):
     """Prepare the files, time every contender, print the two tables and the targets."""
     from quantkit.kernels.generate import load_engine
-
     from quantkit.models import MiniCPMConfig
 
     started = time.perf_counter()
@@ -477,7 +476,7 @@ def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibrat
     export_rows, export_memory, export_text = [], None, ""
     if export_speed:
         progress("GGUF export: quantkit against llama.cpp's quantizer, the default model and the 8B-shaped slice")
-        from quantkit.models.zoo import resolve_model
+        from quantkit.zoo import resolve_model
 
         split = bench_gguf_speed.split_types
         export_rows, export_memory = bench_gguf_speed.side_by_side(

@@ -112,9 +112,10 @@ def main(artifact, layers, prompt_tokens, new_tokens, repeats, threads, llama_be
     """Prefill and decode tok/s of ``artifact`` in this process's instruction sets (and llama-bench's, in
     alternation), as one JSON line."""
     import torch
+
+    from quantkit import cpu_ops
     from quantkit.eval.bench.bench_8b import as_full_model, random_prompt
     from quantkit.eval.bench.bench_runtime import greedy_steps
-    from quantkit.kernels import cpu_ops
     from quantkit.kernels.generate import load_engine
     from quantkit.kernels.linear.int4 import prefill_kernel
 

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import click
 import torch
+
 from quantkit.eval.bench.bench_gguf_speed import eight_b_slice
 from quantkit.eval.bench.common import machine, median_seconds, quantize_command, report, timed
-
 from quantkit.table import format_table
 
 FULL_LAYERS = 32

@@ -1,5 +1,5 @@
 """The runtime's dense attention paths for one decode step, side by side, over a bf16 cache: the fused
-one-query CPU operator and the fused block kernel over every block (kernels/cpu_ops), and SDPA, at the
+one-query CPU operator and the fused block kernel over every block (quantkit/cpu_ops), and SDPA, at the
 default model's head shape (9 query / 3 KV heads, d 64) and MiniCPM4.1-8B's (32 / 2, d 128). The
 crossover of the first two is where ``FUSED_ATTENTION_MAX_SCORES`` in kernels/model.py comes from, that of
 the last two ``DENSE_DECODE_MIN_KEYS`` in kernels/infllm/cpu.py. Medians of repeats.
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import click
 import torch
+
 from quantkit.eval.bench.common import dense_paths, machine, random_keys_values, report, timing_options
 from quantkit.kernels.infllm.cpu import DENSE_DECODE_MIN_KEYS
 from quantkit.kernels.model import FUSED_ATTENTION_MAX_SCORES
-
 from quantkit.table import format_table
 
 SHAPES = {"default model": (9, 3, 64), "MiniCPM4.1-8B": (32, 2, 128)}  # query heads, KV heads, head dim

@@ -15,7 +15,7 @@ import torch
 
 
 def shapes() -> dict[str, tuple[int, int]]:
-    from quantkit.models.fixtures import minicpm41_8b_config
+    from quantkit.synthetic import minicpm41_8b_config
 
     config = minicpm41_8b_config()
     hidden, heads = config.hidden_size, config.num_attention_heads * config.head_dim
@@ -25,7 +25,7 @@ def shapes() -> dict[str, tuple[int, int]]:
 
 
 def main(repeats: int, rows: int) -> None:
-    from quantkit.kernels import cpu_ops
+    from quantkit import cpu_ops
     from quantkit.kernels.linear.int4 import Int4Linear
 
     compiled = cpu_ops.load

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import click
+
 from quantkit.eval.bench.common import machine, quantize_command, report, timed
 from quantkit.eval.bench.llama_build import NATIVE, llama_cpp_programs
-
 from quantkit.table import format_table
 
 # bench row -> (recipe, the GGUF file type its artifact is exported as unchanged, recipe overrides).
@@ -154,14 +154,14 @@ def tensor_digest(path: Path) -> str:
 @click.option("--out", default="out/bench-gguf", show_default=True, type=click.Path(path_type=Path))
 def main(model, types, recipes, imatrix_types, use_llama_tools, max_tokens, window, n_samples, seq_len, threads, out):
     """Export every type both ways, score each file in llama.cpp, print one table."""
-    from quantkit.eval.kld import kl_divergence
-    from quantkit.eval.llamacpp import LlamaCppModel, llama_quantize
     from transformers import AutoTokenizer
 
     from quantkit import calib
+    from quantkit.eval.kld import kl_divergence
+    from quantkit.eval.llamacpp import LlamaCppModel, llama_quantize
     from quantkit.gguf.export import export_gguf
     from quantkit.gguf.mixes import FILE_TYPES
-    from quantkit.models.zoo import resolve_model
+    from quantkit.zoo import resolve_model
 
     model_dir = resolve_model(model)
     out.mkdir(parents=True, exist_ok=True)
@@ -207,7 +207,7 @@ def main(model, types, recipes, imatrix_types, use_llama_tools, max_tokens, wind
     bin_dir = llama_tools(build=use_llama_tools) if wanted else None
     imatrix_note = ""
     if bin_dir is not None:
-        from quantkit.gguf.imatrix import imatrix_for
+        from quantkit.imatrix import imatrix_for
 
         calibration = out / "calibration.txt"
         calibration.write_text(calibration_text(model_dir, n_samples, seq_len))

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Callable
 
 import click
+
 from quantkit.eval.bench.bench_gguf import tensor_digest
 from quantkit.eval.bench.common import export_command, machine, median_seconds, report, timed, timing_options
-
 from quantkit.table import format_table
 
 TARGET_RATIO = 1.5
@@ -33,7 +33,7 @@ MEMORY_TYPE = "q4_k_m"  # the slice's export run as a command, for wall time and
 
 def eight_b_slice(folder: Path, layers: int) -> Path:
     """MiniCPM4.1-8B's shapes with ``layers`` decoder layers, random weights, written once."""
-    from quantkit.models.fixtures import minicpm41_8b_config, write_sharded_checkpoint
+    from quantkit.synthetic import minicpm41_8b_config, write_sharded_checkpoint
 
     if (folder / "config.json").is_file():
         return folder
@@ -56,7 +56,6 @@ def _seconds(run: Callable[[], object], repeats: int) -> float:
 def compare(label: str, model_dir: Path, types: list[str], work: Path, repeats: int, threads: int) -> list[dict]:
     """One row per type: quantkit's export and llama.cpp's quantize of the F32 export, in seconds."""
     from quantkit.eval.llamacpp import llama_quantize
-
     from quantkit.gguf.export import export_gguf
     from quantkit.gguf.mixes import FILE_TYPES
 
@@ -144,7 +143,7 @@ def main(model, types, slice_types, layers, slice_repeats, out, repeats, threads
     """Time both quantizers per type on the default model and the 8B-shaped slice, print one table."""
     import torch
 
-    from quantkit.models.zoo import resolve_model
+    from quantkit.zoo import resolve_model
 
     torch.set_num_threads(threads)  # quantkit's fast path splits rows across torch's thread count
     out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """The Hessian update of bf16 activations, H <- H/2 + XᵀX, by each path the statistics can take, side by side
 at MiniCPM4.1-8B's widths: the compiled kernel on AMX tiles and on AVX-512 BF16 vectors (one triangle,
-kernels/cpu_ops/gram_ops.cpp), and PyTorch's float32 product with oneDNN's bf16 flag (the kernel's
+quantkit/cpu_ops/gram_ops.cpp), and PyTorch's float32 product with oneDNN's bf16 flag (the kernel's
 specification, and what runs without bf16 hardware). Rates count one triangle, T·K(K + 1)/2 multiply-adds,
 for every path. Medians of repeats after a warm-up; the machine line lists the CPU's flags, since AMX decides
 the first row of each shape. ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` holds PyTorch's product off AMX.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import click
 import torch
-from quantkit.eval.bench.common import machine, median_seconds, report, timing_options
 
+from quantkit.eval.bench.common import machine, median_seconds, report, timing_options
 from quantkit.table import format_table
 
 SHAPES = [(16384, 4096), (8192, 16384)]  # calibration rows x features: q/k/v, o_proj, gate/up; down_proj
@@ -21,8 +21,7 @@ SHAPES = [(16384, 4096), (8192, 16384)]  # calibration rows x features: q/k/v, o
 @click.command()
 @timing_options(repeats=3)
 def main(repeats, threads, json_path):
-    from quantkit.kernels import cpu_ops
-
+    from quantkit import cpu_ops
     from quantkit.stats import BF16_IN_HARDWARE, gram_by_torch
 
     torch.set_num_threads(threads)

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import click
-from quantkit.eval.bench.common import machine, quantize_command, report, timed
 
+from quantkit.eval.bench.common import machine, quantize_command, report, timed
 from quantkit.table import format_table
 
 # method -> (recipe, overrides). Every variant is written as a GPTQ checkpoint: the weights do not
@@ -61,13 +61,13 @@ class Row:
               "(run with {model}, {bits}, {group_size}, {n_samples}, {seq_len} substituted).")
 def main(model, bit_widths, group_size, n_samples, seq_len, max_tokens, methods, baseline, out, peers):
     """Quantize the model with every method at each bit width and compare them in one table."""
-    from quantkit.eval.kld import kl_divergence
-    from quantkit.eval.ppl import perplexity
     from transformers import AutoTokenizer
 
     from quantkit import calib
+    from quantkit.eval.kld import kl_divergence
+    from quantkit.eval.ppl import perplexity
     from quantkit.loading import load_model
-    from quantkit.models.zoo import resolve_model
+    from quantkit.zoo import resolve_model
 
     chosen = [m.strip() for m in methods.split(",") if m.strip()]
     unknown = sorted(set(chosen) - set(METHODS))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import click
+
 from quantkit.eval.bench.common import Variant, log_tail, machine, make_variant, quantize_command, report
 
 # The targets, at 4 bits, group 64
@@ -170,7 +171,7 @@ def main(model, out, bits, group_size, n_samples, seq_len, max_tokens, window, o
     from transformers import AutoTokenizer
 
     from quantkit import calib
-    from quantkit.models.zoo import resolve_model
+    from quantkit.zoo import resolve_model
 
     model_dir = Path(resolve_model(model))
     out.mkdir(parents=True, exist_ok=True)

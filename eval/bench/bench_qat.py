@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
+
 from quantkit.eval.bench.common import (
     Variant,
     log_tail,
@@ -41,7 +42,6 @@ from quantkit.eval.bench.common import (
     quantize_command,
     report,
 )
-
 from quantkit.table import format_table
 
 QAT_RECIPE = "qat-ternary-g32"
@@ -88,7 +88,6 @@ def _qat_command(model_dir: Path, out: Path, tokens: int, settings: tuple[str, .
 def _curve_ppl(model_dir: Path, tokens, window: int) -> float:
     """Held-out perplexity of ``model_dir`` as the QAT loop measures it (its tokens, its window)."""
     from quantkit.eval.ppl import perplexity
-
     from quantkit.loading import load_model
 
     return perplexity(load_model(model_dir), tokens, window=window).perplexity
@@ -201,13 +200,13 @@ def main(model, out, tokens, max_tokens, with_init, reuse, qat_settings, naive_b
          prompt_tokens, new_tokens, repeats, threads):
     """Ternary QAT against RTN/GPTQ ternary, GPTQ W2 g32 and W4, with its curve, cost and targets."""
     import torch
-    from quantkit.eval.bench.bench_runtime import bench_quantkit
     from transformers import AutoTokenizer
 
     from quantkit import calib
-    from quantkit.models.zoo import resolve_model
+    from quantkit.eval.bench.bench_runtime import bench_quantkit
     from quantkit.qat.trainer import CHECKPOINT_FILE, HELDOUT, LOG_FILE
     from quantkit.recipe import load_recipe, parse_override
+    from quantkit.zoo import resolve_model
 
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)

@@ -19,8 +19,8 @@ from pathlib import Path
 import click
 import numpy as np
 import torch
-from quantkit.eval.bench.common import machine, median_rate, median_seconds, report
 
+from quantkit.eval.bench.common import machine, median_rate, median_seconds, report
 from quantkit.table import format_table
 
 
@@ -115,9 +115,9 @@ def bench_llamacpp(gguf: Path, prompt: list[int], new_tokens: int, repeats: int,
     import ctypes
 
     import llama_cpp
-    from quantkit.eval.llamacpp import disable_weight_repacking
 
     from quantkit.atomic import atomic_path
+    from quantkit.eval.llamacpp import disable_weight_repacking
 
     disable_weight_repacking()
     llm = llama_cpp.Llama(str(gguf), n_ctx=len(prompt) + new_tokens + 8, n_batch=len(prompt), n_threads=threads,
@@ -200,7 +200,7 @@ def decode_bytes(engine, context: int) -> int:
 
 def profile_decode(engine, prompt: list[int], steps: int = 16, rows: int = 10) -> list[dict]:
     """Where a decode step's time goes: the PyTorch operators with the most self CPU time, and the
-    rest of the wall time (the fused C++ operators of kernels/cpu_ops, which the profiler does not
+    rest of the wall time (the fused C++ operators of quantkit/cpu_ops, which the profiler does not
     see, and Python)."""
     from torch.profiler import profile
 
@@ -241,7 +241,7 @@ def main(model, artifact, gguf, prompt_tokens, new_tokens, repeats, threads, out
     from transformers import AutoTokenizer
 
     from quantkit import calib
-    from quantkit.models.zoo import resolve_model
+    from quantkit.zoo import resolve_model
 
     torch.set_num_threads(threads)
     model_dir = resolve_model(model)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import click
 import torch
+
 from quantkit.eval.bench.common import dense_paths, machine, median_seconds, random_keys_values, report, timing_options
 from quantkit.kernels.infllm import CompressedKeyCache, SparseAttentionConfig, sparse_attention
-
 from quantkit.table import format_table
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 2, 128

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import click
-from quantkit.eval.bench.common import Variant, machine, make_variant, quantize_command, report
 
 from quantkit.draft.settings import DraftSettings
+from quantkit.eval.bench.common import Variant, machine, make_variant, quantize_command, report
 from quantkit.table import format_table
 
 # `draft train`'s default learning rate halved for passes after the first over the same text
@@ -174,11 +174,11 @@ def cost_rows(speeds: list[dict]) -> list[list]:
 def costs(target, head, k, tree, prompt_tokens, new_tokens, repeats, threads):
     """Only the speed part for one target and head: decode speed and a round's cost in plain steps."""
     import torch
-    from quantkit.kernels.speculative import TreeShape
     from transformers import AutoTokenizer
 
     from quantkit import calib
-    from quantkit.models.zoo import resolve_model
+    from quantkit.kernels.speculative import TreeShape
+    from quantkit.zoo import resolve_model
 
     torch.set_num_threads(threads)
     target_dir = resolve_model(target)
@@ -241,15 +241,15 @@ def main(model, out, head_data, head_tokens, tune_data, tune_tokens, tune_passes
     import tempfile
 
     import torch
-    from quantkit.eval.accept import acceptance, prompt_rows
-    from quantkit.eval.bench.bench_runtime import bench_llamacpp
-    from quantkit.kernels.generate import load_engine
-    from quantkit.kernels.speculative import TreeShape
     from transformers import AutoTokenizer
 
     from quantkit import calib
     from quantkit.draft.trainer import CHECKPOINT_FILE
-    from quantkit.models.zoo import resolve_model
+    from quantkit.eval.accept import acceptance, prompt_rows
+    from quantkit.eval.bench.bench_runtime import bench_llamacpp
+    from quantkit.kernels.generate import load_engine
+    from quantkit.kernels.speculative import TreeShape
+    from quantkit.zoo import resolve_model
 
     torch.set_num_threads(threads)
     tree_shape = TreeShape.parse(tree)

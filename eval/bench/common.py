@@ -140,7 +140,7 @@ def dense_paths(q, k, v, repeats: int) -> dict[str, float]:
     """Median seconds of dense attention of the last T positions by each of the runtime's dense paths:
     SDPA, and for one query (T = 1) over a bf16 cache, when the fused CPU operators build, the one-query
     operator (short contexts) and the block kernel over every block (longer ones)."""
-    from quantkit.kernels import cpu_ops
+    from quantkit import cpu_ops
     from quantkit.kernels.infllm.cpu import every_block_attention, sdpa_attention_of_last_positions
 
     timings = {"SDPA": median_seconds(lambda: sdpa_attention_of_last_positions(q, k, v), repeats)}

@@ -14,8 +14,8 @@ import shutil
 from pathlib import Path
 
 import click
-from quantkit.eval.bench.common import quantize_command, timed
 
+from quantkit.eval.bench.common import quantize_command, timed
 from quantkit.table import format_table
 
 
@@ -28,7 +28,7 @@ from quantkit.table import format_table
 @click.option("--target-seq-len", default=2048, show_default=True, help="Projection: tokens per row.")
 def main(work, n_samples, seq_len, layers, target_samples, target_seq_len):
     """Write the checkpoint (once), quantize it with the marlin recipe, report time and memory."""
-    from quantkit.models.fixtures import minicpm41_8b_config, write_sharded_checkpoint
+    from quantkit.synthetic import minicpm41_8b_config, write_sharded_checkpoint
 
     model = work / "minicpm41-8b-random"
     if not (model / "config.json").is_file():

@@ -28,12 +28,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from quantkit.eval.kld import kl_divergence
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from quantkit import calib
 from quantkit.checkpoint import CheckpointReader
+from quantkit.eval.kld import kl_divergence
 from quantkit.loading import load_model
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,10 +14,10 @@ import json
 from pathlib import Path
 
 import torch
-from quantkit.eval.interop.gptqmodel_runtime import BACKEND, DTYPES, BaseQuantLinear, GPTQModel, kernel_names, versions
 from transformers import AutoTokenizer
 
 from quantkit.atomic import save_safetensors
+from quantkit.eval.interop.gptqmodel_runtime import BACKEND, DTYPES, BaseQuantLinear, GPTQModel, kernel_names, versions
 
 
 def token_ids(artifact: Path, text_file: Path, max_tokens: int) -> torch.Tensor:

@@ -15,10 +15,9 @@ from __future__ import annotations
 import argparse
 import time
 
+from quantkit.atomic import write_json
 from quantkit.eval.interop.gptqmodel_runtime import GPTQConfig, GPTQModel, versions
 from quantkit.eval.interop.peer_cli import calibration_of, model_dir_of, peer_parser
-
-from quantkit.atomic import write_json
 
 RUN_FILE = "gptqmodel_run.json"
 

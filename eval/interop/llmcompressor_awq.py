@@ -17,12 +17,12 @@ import shutil
 import time
 
 import torch
-from quantkit.eval.interop.peer_cli import calibration_of, model_dir_of, peer_parser
 from transformers import AutoModelForCausalLM
 
 import quantkit  # noqa: F401  (registers model_type "minicpm" with transformers' Auto classes)
 from quantkit.atomic import publish_dir, save_safetensors, write_json
 from quantkit.checkpoint import CheckpointReader
+from quantkit.eval.interop.peer_cli import calibration_of, model_dir_of, peer_parser
 
 RUN_FILE = "llmcompressor_run.json"
 

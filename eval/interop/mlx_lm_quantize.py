@@ -29,10 +29,10 @@ from importlib.metadata import version
 
 import mlx.core as mx
 import numpy as np
-from quantkit.eval.interop.peer_cli import calibration_of, model_dir_of, peer_parser
 
 import quantkit  # noqa: F401  (registers model_type "minicpm" with transformers, for mlx-lm's tokenizer)
 from quantkit.atomic import publish_dir, write_json
+from quantkit.eval.interop.peer_cli import calibration_of, model_dir_of, peer_parser
 from quantkit.formats.mlx import config_files
 
 RUN_FILE = "mlx_lm_run.json"

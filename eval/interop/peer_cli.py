@@ -7,8 +7,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from quantkit import calib
-from quantkit.models import zoo
+from quantkit import calib, zoo
 
 
 def peer_parser(description: str) -> argparse.ArgumentParser:

@@ -15,9 +15,10 @@ import re
 import time
 from decimal import Decimal, InvalidOperation
 
+from tqdm.auto import tqdm
+
 from quantkit.eval.tasks.base import Task, TaskResult
 from quantkit.eval.tasks.model import TaskModel
-from tqdm.auto import tqdm
 
 EVAL_SEED, FEWSHOT_SEED = 0, 1
 FEWSHOT = 4

@@ -14,10 +14,11 @@ from __future__ import annotations
 import time
 from collections import Counter
 
+from tqdm.auto import tqdm
+
 from quantkit.eval.tasks.base import Task, TaskResult
 from quantkit.eval.tasks.model import TaskModel
 from quantkit.eval.tasks.sandbox import Limits, RunResult, best_isolation, run_python
-from tqdm.auto import tqdm
 
 STOP = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
 MAX_NEW_TOKENS = 256

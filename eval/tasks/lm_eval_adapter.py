@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
+from tqdm.auto import tqdm
+
 from quantkit.eval.ppl import window_log_probs, windows
 from quantkit.eval.tasks.model import TaskModel
-from tqdm.auto import tqdm
 
 DEFAULT_MAX_GEN_TOKENS = 256
 
@@ -41,7 +42,7 @@ class QuantkitLM(LM):
         (auto, cpu or cuda; auto when None), or a loaded TaskModel, which runs where its model is.
         ``max_length`` is the window of loglikelihood_rolling. lm-eval's other generic arguments
         (batch_size, max_batch_size) are accepted and ignored: quantkit batches per context."""
-        from quantkit.kernels.device import resolve_device
+        from quantkit.device import resolve_device
 
         super().__init__()
         if (pretrained is None) == (model is None):

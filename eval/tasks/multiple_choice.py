@@ -18,9 +18,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from tqdm.auto import tqdm
+
 from quantkit.eval.tasks.base import Task, TaskResult
 from quantkit.eval.tasks.model import TaskModel
-from tqdm.auto import tqdm
 
 FAMILY_SEED = 0
 

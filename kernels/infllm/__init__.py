@@ -11,7 +11,6 @@ from quantkit.kernels.infllm.cache import CompressedKeyCache
 from quantkit.kernels.infllm.cpu import causal_attention_of_last_positions
 from quantkit.kernels.infllm.reference import sparse_attention_reference
 from quantkit.kernels.infllm.tree import sparse_tree_attention
-
 from quantkit.models.sparse_attention import SparseAttentionConfig
 
 __all__ = ["CompressedKeyCache", "SparseAttentionConfig", "causal_attention_of_last_positions", "sparse_attention",

@@ -14,10 +14,10 @@ into the cache, later calls only the windows completed since.
 from __future__ import annotations
 
 import torch
+
 from quantkit.kernels.infllm import cpu
 from quantkit.kernels.infllm.cache import CompressedKeyCache
 from quantkit.kernels.infllm.reference import check_inputs, compress_keys, query_positions
-
 from quantkit.models.sparse_attention import SparseAttentionConfig
 
 BACKENDS = ("cpu", "triton")
@@ -31,7 +31,7 @@ def sparse_attention(q, k, v, config: SparseAttentionConfig, cache: CompressedKe
     blocks (and fill the cache) while q and k attend. ``backend="triton"`` runs stage 1 (scoring) and
     stage 2 (block-sparse attention) as Triton kernels (CUDA tensors, or CPU tensors under
     TRITON_INTERPRET=1); block pooling and top-k are tensor code shared by both backends. On the
-    ``cpu`` backend over bf16 caches, the fused kernels of kernels/cpu_ops run a decode step whole and
+    ``cpu`` backend over bf16 caches, the fused kernels of quantkit/cpu_ops run a decode step whole and
     a prefill chunk's block-sparse attention (see ``cpu.fused_ops``).
     """
     if backend not in BACKENDS:

@@ -9,15 +9,15 @@ cache reads the few keys each new window needs from it.
 from __future__ import annotations
 
 import torch
-from quantkit.kernels.infllm.reference import compress_keys, num_windows
 
+from quantkit.kernels.infllm.reference import compress_keys, num_windows
 from quantkit.models.sparse_attention import SparseAttentionConfig
 
 
 class _Rows:
     """Compressed keys [Hkv, n, d] in the keys' dtype, stored as the first n rows of a [Hkv, capacity, d]
     buffer, with amortised O(1) appends (capacity doubles). Rows of d contiguous elements are what the
-    fused decode kernel reads in place (kernels/cpu_ops/infllm_ops.cpp)."""
+    fused decode kernel reads in place (quantkit/cpu_ops/infllm_ops.cpp)."""
 
     def __init__(self):
         self._buffer: torch.Tensor | None = None

@@ -10,7 +10,7 @@
   come sorted with the unused (-1) slots last, so each chunk is trimmed to its longest selection.
   A decode step needs no mask at all: every slot is used and only the last (current) block can be
   partial, so the gathered keys are cut to length instead.
-- Over bf16 caches, when the fused kernels build (``fused_ops``, kernels/cpu_ops/infllm_ops.cpp),
+- Over bf16 caches, when the fused kernels build (``fused_ops``, quantkit/cpu_ops/infllm_ops.cpp),
   stage 2 reads the selected blocks in place instead of gathering them, and a decode step runs
   stage 1 and the selection fused too, over the bf16 compressed keys. This module's PyTorch
   functions are their specification.
@@ -26,9 +26,9 @@ import math
 
 import torch
 import torch.nn.functional as F
-from quantkit.kernels import cpu_ops
-from quantkit.kernels.infllm.reference import forced_blocks
 
+from quantkit import cpu_ops
+from quantkit.kernels.infllm.reference import forced_blocks
 from quantkit.models.sparse_attention import SparseAttentionConfig
 
 # Query tokens per stage-1 / stage-2 step: bounds the float32 score buffer (Hkv·G·chunk·n1) and the
@@ -74,7 +74,7 @@ def every_block_attention(ops, q, k, v) -> torch.Tensor:
 
 def verify_attention(q, k, v, visible) -> torch.Tensor | None:
     """A speculative round's dense attention by the fused kernel (``verify_attention``,
-    kernels/cpu_ops/infllm_ops.cpp): q [Hq, T, d], the T tokens being the last T of the bf16 caches k/v,
+    quantkit/cpu_ops/infllm_ops.cpp): q [Hq, T, d], the T tokens being the last T of the bf16 caches k/v,
     each seeing every earlier key and those of the T that ``visible`` [T, T] (bool) allows -> [Hq, T, d]
     in q's dtype; None where the kernel does not apply or would not beat SDPA (``_block_kernel_beats_sdpa``),
     for ``masked_attention`` (kernels/model.py), its specification."""
@@ -223,7 +223,7 @@ def _bf16_rows(t, d: int) -> bool:
 
 
 def fused_ops(q, k, v):
-    """The fused kernels (kernels/cpu_ops/infllm_ops.cpp) when they apply to these tensors, else None:
+    """The fused kernels (quantkit/cpu_ops/infllm_ops.cpp) when they apply to these tensors, else None:
     bf16 keys and values on the CPU, each a stack of rows of d contiguous elements (the KV cache's
     layout), and a head dim that is a multiple of 32, at most 256."""
     d = q.shape[-1]

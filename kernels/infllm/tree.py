@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from quantkit.kernels.infllm import cpu
 from quantkit.kernels.infllm.cache import CompressedKeyCache
 from quantkit.kernels.infllm.reference import compress_keys, group_scores, num_windows
-
 from quantkit.models.sparse_attention import SparseAttentionConfig
 
 

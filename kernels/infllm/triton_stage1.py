@@ -13,8 +13,8 @@ import math
 import torch
 import triton
 import triton.language as tl
-from quantkit.kernels.infllm.triton_attention import MIN_DOT, group_queries
 
+from quantkit.kernels.infllm.triton_attention import MIN_DOT, group_queries
 from quantkit.models.sparse_attention import SparseAttentionConfig
 
 KEYS_PER_STEP = 64

@@ -20,11 +20,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from quantkit.kernels.linear.int4 import Int4Linear
-from quantkit.kernels.linear.ternary import TernaryLinear
 from torch import nn
 
 from quantkit.formats.gptq import tensor_key
+from quantkit.kernels.linear.int4 import Int4Linear
+from quantkit.kernels.linear.ternary import TernaryLinear
 from quantkit.quant import QuantizedTensor
 from quantkit.reader import ArtifactReader, layer_records
 

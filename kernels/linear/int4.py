@@ -1,7 +1,7 @@
 """4-bit linears on the CPU: int8 activations times the 4-bit codes on integer dot products for decode,
 speculative verification and (without AMX) prefill; with AMX, prefill multiplies the bf16 weight.
 
-``int4_int8_matmul`` (kernels/cpu_ops/int4_int8_ops.cpp) quantizes the activations to int8 per row and
+``int4_int8_matmul`` (quantkit/cpu_ops/int4_int8_ops.cpp) quantizes the activations to int8 per row and
 weight group and sums each group's products with the codes exactly in int32 (VPDPBUSD on AVX-512 VNNI,
 AVX-VNNI, or AVX2's multiply-add pairs), as llama.cpp's Q4_0 x Q8_0 does. The codes are stored in the
 order that instruction reads them (``int4_layout``), so a decode step splits nibbles and multiplies,
@@ -14,7 +14,7 @@ against the exact product is bounded (each activation is off by at most alpha / 
 Prefill (more rows than ``PackedLinear``'s decode rows): ``prefill_kernel`` chooses. With AMX a bf16
 matmul is faster (oneDNN: 350-590 GMAC/s for 512 x 4096 by 4096 x 4096 here), so prefill multiplies
 by the dequantized weight (kept when ``keep_dequantized``, else rebuilt on each call by the compiled
-``int4_dequantize_t``, kernels/cpu_ops/int4_ops.cpp, into a buffer each thread reuses; without the
+``int4_dequantize_t``, quantkit/cpu_ops/int4_ops.cpp, into a buffer each thread reuses; without the
 compiled operators PyTorch's elementwise operators build it in chunks of rows). Without AMX (oneDNN
 held to AVX-512 BF16: 37-67 GMAC/s) prefill runs the integer kernel (110-180 GMAC/s).
 
@@ -31,10 +31,10 @@ import threading
 
 import torch
 import torch.nn.functional as F
-from quantkit.kernels import cpu_ops
+
+from quantkit import cpu_ops
 from quantkit.kernels.linear.packed import fused_bias
 from quantkit.kernels.linear.panel import PANEL, PanelLinear, pack_group_size
-
 from quantkit.quant import QuantizedTensor
 
 # Elements of the weight dequantized at a time: a float32 chunk of 4 MB stays in cache (measured: 256

@@ -10,8 +10,9 @@ what one row costs on it.
 from __future__ import annotations
 
 import torch
-from quantkit.kernels.linear.prepacked import PrepackedLinear, prepackable
 from torch import nn
+
+from quantkit.kernels.linear.prepacked import PrepackedLinear, prepackable
 
 DECODE_ROWS = 4  # up to this many rows use the packed kernel
 # A module that keeps no dequantized weight (a large model) runs up to this many rows on the packed

@@ -1,5 +1,5 @@
 """What the linears on quantkit's integer kernel share (``int4_int8_matmul`` and ``int8_int8_matmul``,
-kernels/cpu_ops/int4_int8_ops.cpp): codes stored in panels of 64 output rows in the order the kernel
+quantkit/cpu_ops/int4_int8_ops.cpp): codes stored in panels of 64 output rows in the order the kernel
 reads them, a bf16 (scale, offset) pair per row and group of input columns, and int8 activations
 multiplied by the codes on integer dot products.
 """
@@ -9,7 +9,8 @@ import math
 
 import torch
 import torch.nn.functional as F
-from quantkit.kernels import cpu_ops
+
+from quantkit import cpu_ops
 from quantkit.kernels.linear.packed import PackedLinear
 
 PACK_GROUP_SIZES = (256, 128, 64, 32)  # the groups a module packs, largest first

@@ -1,6 +1,6 @@
 """Ternary linears (BitCPM4 weights, quantkit's bit-plane format) on the CPU.
 
-Decode rows (1-4) run ``ternary_gemv`` (kernels/cpu_ops/decode_ops.cpp) on the stored planes, 2.5
+Decode rows (1-4) run ``ternary_gemv`` (quantkit/cpu_ops/decode_ops.cpp) on the stored planes, 2.5
 bits read per weight at g32 (planes plus float16 scales) where the packed int4 kernel reads 4.25 at
 g128. The kernel has three paths, picked when it is compiled (-march=native):
 
@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from quantkit.kernels import cpu_ops
+
+from quantkit import cpu_ops
+from quantkit.formats.ternary import LANES, ternary_tensors, unpack_planes
 from quantkit.kernels.linear.int4 import DEQUANTIZE_CHUNK
 from quantkit.kernels.linear.packed import PackedLinear, fused_bias
-
-from quantkit.formats.ternary import LANES, ternary_tensors, unpack_planes
 from quantkit.quant import QuantizedTensor
 
 

@@ -26,10 +26,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from quantkit.kernels.linear.triton_w4a16 import LaunchConfig, current_capability, launch_config, load_rows, store_rows
 from torch import nn
 
 from quantkit.formats.marlin import ZERO_POINT, check_marlin, marlin_shapes
+from quantkit.kernels.linear.triton_w4a16 import LaunchConfig, current_capability, launch_config, load_rows, store_rows
 from quantkit.quant import QuantConfig
 
 _ZERO_POINT = tl.constexpr(ZERO_POINT)  # jit code may only read constexpr globals

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from quantkit.kernels.device import require_capability
 from torch import nn
 
+from quantkit.device import require_capability
 from quantkit.formats.gptq import pack_rows
 from quantkit.quant import QuantizedTensor, default_g_idx
 

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from quantkit.errors import QuantkitError
 
-class DraftTrainingError(RuntimeError):
+
+class DraftTrainingError(QuantkitError, RuntimeError):
     """A run that cannot start or continue as asked."""
 
 

@@ -25,17 +25,16 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-import quantkit
 from quantkit import atomic, calib
 from quantkit.artifact import staging_dir
 from quantkit.cache import cache_root
 from quantkit.checkpoint import CheckpointReader
+from quantkit.device import resolve_device
 from quantkit.draft.features import build_features, features_key, row_features
 from quantkit.draft.settings import DraftSettings, DraftTrainingError
 from quantkit.draft.ttt import unrolled_steps
 from quantkit.engine import peak_rss_mb
 from quantkit.formats import FORMATS
-from quantkit.kernels.device import resolve_device
 from quantkit.loading import load_model
 from quantkit.models.eagle3 import (
     HEAD_LINEAR_GROUPS,
@@ -46,13 +45,14 @@ from quantkit.models.eagle3 import (
     save_head,
     save_quantized_head,
 )
-from quantkit.qat.fake_quant import FakeQuantLinear, quantized_record, wrap_linears
 from quantkit.quant import QuantConfig
 from quantkit.training import state
 from quantkit.training.data import training_data
 from quantkit.training.distill import distillation_loss
+from quantkit.training.fake_quant import FakeQuantLinear, quantized_record, wrap_linears
 from quantkit.training.own_text import own_text
 from quantkit.training.schedule import wsd_learning_rate
+from quantkit.version import __version__
 
 RUN_FILE = "draft_run.json"
 CHECKPOINT_FILE = "draft_checkpoint.safetensors"
@@ -84,7 +84,7 @@ class DraftReport:
 
 def _fingerprint(target: str, data: str, settings: DraftSettings, init: str | None) -> str:
     payload = {"target": target, "data": data, "settings": asdict(settings), "init": init,
-               "quantkit": quantkit.__version__}
+               "quantkit": __version__}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 

@@ -9,7 +9,7 @@ Per linear (K = in_features, N = out_features):
 2 bits per weight plus the scales, like llama.cpp's TQ2_0, but with BitCPM's per-group absmean
 scales (TQ2_0 has one max|w| scale per 256). Planes rather than 2-bit codes because a SIMD
 kernel then needs no unpacking: it adds x into a + sum where the + mask is set and into a - sum
-where the - mask is (two AVX-512 masked adds per 16 weights, kernels/cpu_ops). Rows are
+where the - mask is (two AVX-512 masked adds per 16 weights, quantkit/cpu_ops). Rows are
 contiguous, so one output row's weights and scales are a single stream.
 
 The record is the uniform grid's (``QuantConfig(2, g, sym=False, ternary=True)``: code t + 1, zero

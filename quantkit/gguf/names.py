@@ -1,5 +1,5 @@
 """MiniCPM state-dict keys <-> llama.cpp GGUF tensor names, and the q/k row order llama.cpp's rope
-needs. The one table both directions read: GGUF import (``models.gguf_convert``) and export."""
+needs. The one table both directions read: GGUF import (``gguf.importer``) and export."""
 from __future__ import annotations
 
 import re

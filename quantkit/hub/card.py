@@ -161,7 +161,7 @@ def _evaluation(report: dict | None, artifact: Path) -> str:
 def base_model_of(checked: CheckedArtifact, repo_id: str | None) -> BaseModel:
     """The base model: ``repo_id`` (``--base-model``) or the upstream of a quantkit-converted model; its
     licence and languages from the base model's card the artifact carries, else from quantkit's registry."""
-    from quantkit.models.zoo import MODELS, SOURCE_FILE
+    from quantkit.zoo import MODELS, SOURCE_FILE
 
     source_path = checked.directory / SOURCE_FILE
     source = json.loads(source_path.read_text()).get("source", {}) if source_path.is_file() else {}

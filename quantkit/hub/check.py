@@ -14,6 +14,7 @@ from pathlib import Path
 
 from quantkit.artifact import FILES_KEY, MANIFEST_FILE, PROGRESS_FILE
 from quantkit.checkpoint import CheckpointError, CheckpointReader, sha256_file
+from quantkit.errors import QuantkitError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 CARD_FILE = "README.md"  # the artifact's copy is the base model's card; publishing writes its own
@@ -21,7 +22,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
-class ArtifactCheckError(ValueError):
+class ArtifactCheckError(QuantkitError, ValueError):
     """An artifact or GGUF file that must not be published as it is."""
 
 

@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from quantkit.errors import QuantkitError
 from quantkit.models.configuration_minicpm import MiniCPMConfig
 from quantkit.models.layers import SEQUENTIAL_GROUPS
 from quantkit.models.minicpm import MiniCPMAttention, MiniCPMMLP, MiniCPMRMSNorm, MiniCPMRotaryEmbedding
@@ -44,7 +45,7 @@ HEAD_LINEAR_GROUPS: tuple[tuple[str, ...], ...] = (("fc",), *(tuple(MIDLAYER + l
                                                               for group in SEQUENTIAL_GROUPS))
 
 
-class DraftHeadError(ValueError):
+class DraftHeadError(QuantkitError, ValueError):
     """A draft head that cannot serve the target it was paired with, or is incomplete."""
 
 

@@ -25,19 +25,18 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-import quantkit
 from quantkit import atomic, calib
 from quantkit.artifact import staging_dir
 from quantkit.cache import cache_root
 from quantkit.checkpoint import CheckpointReader
+from quantkit.device import resolve_device
 from quantkit.engine import compute_dtype, peak_rss_mb, validate_checkpoint
+from quantkit.errors import QuantkitError
 from quantkit.eval.ppl import perplexity
 from quantkit.formats import FORMATS
-from quantkit.kernels.device import resolve_device
 from quantkit.loading import load_model
 from quantkit.models import MiniCPMConfig
 from quantkit.models.layers import EMBEDDING, LM_HEAD, layer_prefix
-from quantkit.qat.fake_quant import TRAINS, FakeQuantLinear, Trains, check_groups, wrap_linears
 from quantkit.qat.teacher import build_cache, cache_key
 from quantkit.quant import QuantConfig
 from quantkit.reader import ArtifactReader, linear_shapes
@@ -45,7 +44,9 @@ from quantkit.recipe import Recipe
 from quantkit.training import state
 from quantkit.training.data import training_data
 from quantkit.training.distill import distillation_loss
+from quantkit.training.fake_quant import TRAINS, FakeQuantLinear, Trains, check_groups, wrap_linears
 from quantkit.training.schedule import wsd_learning_rate
+from quantkit.version import __version__
 
 RUN_FILE = "qat_run.json"
 CHECKPOINT_FILE = "qat_checkpoint.safetensors"
@@ -54,7 +55,7 @@ HELDOUT = "austen"
 NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
-class QATError(RuntimeError):
+class QATError(QuantkitError, RuntimeError):
     """A run that cannot start or continue as asked."""
 
 
@@ -91,7 +92,7 @@ class TrainedModel:
 
 def run_fingerprint(model: str, init: str | None, recipe: Recipe, data: str, tokens: int) -> str:
     payload = {"model": model, "init": init, "recipe": recipe.fingerprint(), "data": data, "tokens": tokens,
-               "quantkit": quantkit.__version__}
+               "quantkit": __version__}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 

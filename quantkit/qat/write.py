@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-import quantkit
 from quantkit import atomic
 from quantkit.artifact import ArtifactWriter, staging_dir
 from quantkit.checkpoint import SINGLE_FILE, CheckpointReader
@@ -27,6 +26,7 @@ from quantkit.formats import FORMATS
 from quantkit.models.layers import EMBEDDING, FINAL_NORM, LM_HEAD, layer_prefix
 from quantkit.qat.trainer import CHECKPOINT_FILE, LOG_FILE, RUN_FILE, TrainedModel
 from quantkit.recipe import Recipe
+from quantkit.version import __version__
 
 FAKE_QUANT = "fake-quant"
 CURVE_FILE = "qat_curve.png"
@@ -42,7 +42,7 @@ def _exact_dtype(weight: torch.Tensor, source_dtype: torch.dtype) -> torch.dtype
 
 def _manifest(trained: TrainedModel, recipe: Recipe, fmt_name: str, model_fingerprint: str,
               init: str | None) -> dict:
-    return {"quantkit_version": quantkit.__version__, "format": fmt_name, "recipe": recipe.values,
+    return {"quantkit_version": __version__, "format": fmt_name, "recipe": recipe.values,
             "fingerprints": {"model": model_fingerprint, "recipe": recipe.fingerprint(), "run": trained.fingerprint},
             "qat": {"data": trained.data, "tokens": trained.report.tokens, "steps": trained.report.steps,
                     "init": init, "threads": trained.report.threads},
@@ -121,7 +121,7 @@ def write_outputs(trained: TrainedModel, model_dir: Path, recipe: Recipe, out_di
         writer.finish(model_dir, out_dir, source_config, None, manifest, report, weights_file=SINGLE_FILE,
                       manifest_file=FAKE_QUANT_MANIFEST)
     else:
-        quantization_config = fmt.quantization_config(qconfig, quantizer=f"quantkit:{quantkit.__version__}")
+        quantization_config = fmt.quantization_config(qconfig, quantizer=f"quantkit:{__version__}")
         configs = fmt.config_files({**source_config, "quantization_config": quantization_config})
         writer.finish(model_dir, out_dir, configs.pop("config.json"), quantization_config, manifest, report,
                       weights_file=fmt.weights_file, extra_configs=configs)

@@ -12,6 +12,10 @@ serves the quantization engine: ``bf16_gram_accumulate``, the Hessian update Xáµ
 with float32 sums (gram_ops.cpp, used by quantkit/stats.py). ``load()`` returns None when no compiler
 is available, and the runtime then uses the PyTorch operators, which are also the specification the
 tests compare with.
+
+The sources compile as one unit (gram_ops.cpp uses infllm_ops.cpp's AMX set-up), and both the runtime and
+the quantization statistics call them, so this package sits among quantkit's leaves: it imports nothing
+of quantkit's, and neither side has to import the other to reach it.
 """
 from __future__ import annotations
 

