@@ -38,7 +38,7 @@ def load_runtime_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat1
         parent, _, child = name.rpartition(".")
         model.get_submodule(parent).register_module(child, module.to(device))
     # outside the layers as the format means them (MLX quantizes the embedding and LM head: dequantized)
-    load_weights(model, artifact.stored_tensors(), artifact.dir, lambda t: t.to(device=device, dtype=dtype))
+    load_weights(model, artifact.stored_tensors(), artifact.dir, cast=lambda t: t.to(device=device, dtype=dtype))
     if lm_head == "auto":
         lm_head = "int8" if quantized and dtype == torch.bfloat16 and device == "cpu" else "float"
     if lm_head == "int8":

@@ -179,7 +179,8 @@ def _head_format(names: set[str]) -> str:
     return "gptq" if "fc.qzeros" in names else "marlin"
 
 
-def _dequantized_head_linears(tensors: dict, quantization_config: dict, head: Eagle3Head) -> dict[str, Tensor]:
+def _dequantized_head_linears(tensors: Mapping[str, Tensor], quantization_config: dict,
+                              head: Eagle3Head) -> dict[str, Tensor]:
     """``{linear}.weight`` of every quantized linear of a head in a gptq, marlin or cpmcu layout."""
     fmt = _head_format(set(tensors))
     config = FORMATS[fmt].parse_config(quantization_config)
@@ -205,16 +206,14 @@ def load_head(directory: str | Path, target: MiniCPMConfig, dtype: torch.dtype =
     path = directory / WEIGHTS_FILE
     if not path.is_file():
         raise DraftHeadError(f"{directory} has no {WEIGHTS_FILE}")
-    stored = CheckpointReader(directory)
-    names = set(stored.names)
-    linears = ({} if quantization_config is None else
-               _dequantized_head_linears({name: stored.get(name) for name in names}, quantization_config, head))
-    missing = sorted(set(expected) - names - set(linears) - {"t2d"})
+    stored = _ReadOnAccess(CheckpointReader(directory), {})
+    linears = {} if quantization_config is None else _dequantized_head_linears(stored, quantization_config, head)
+    missing = sorted(set(expected) - set(stored) - set(linears) - {"t2d"})
     if missing:
         raise DraftHeadError(f"{path} lacks {', '.join(missing)}"
                              + (" (d2t maps draft ids to target ids; a head without it cannot be used)"
                                 if "d2t" in missing else ""))
-    tensors = {**{name: stored.get(name) for name in expected if name in names}, **linears}
+    tensors = {**{name: stored[name] for name in expected if name in stored}, **linears}
     for name, tensor in tensors.items():
         if tuple(tensor.shape) != expected[name]:
             raise DraftHeadError(f"{path}: {name} has shape {tuple(tensor.shape)}, the config says {expected[name]}")
