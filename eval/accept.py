@@ -23,21 +23,22 @@ def prompt_rows(tokens: torch.Tensor, prompts: int, length: int) -> torch.Tensor
     return tokens[:prompts * length].view(prompts, length)
 
 
-def acceptance(engine, draft: str | Path, prompts: torch.Tensor, k: int, max_new_tokens: int,
+def acceptance(generator, draft: str | Path, prompts: torch.Tensor, k: int, max_new_tokens: int,
                temperature: float = 0.0, seed: int = 0, progress: bool = False,
                description: str | None = None, tree=None) -> Acceptance:
-    """The acceptance statistics (τ, per-position rates) of ``draft`` for the target of ``engine`` (a
-    runtime ``Engine``) over every prompt of ``prompts`` [N, T], exactly ``max_new_tokens`` generated
+    """The acceptance statistics (τ, per-position rates) of ``draft`` for the target of ``generator`` (a
+    runtime ``TextGenerator``) over every prompt of ``prompts`` [N, T], exactly ``max_new_tokens`` generated
     after each (stop tokens do not end a run, so every target is measured on as many rounds); prompt
     i samples with seed ``seed + i`` (temperature > 0). With a ``tree`` (``TreeShape``) the draft
     proposes trees instead of chains of ``k`` (sampled trees: ``quantkit.kernels.speculative``)."""
     from tqdm.auto import tqdm
 
-    from quantkit.kernels.generate import Engine, load_drafter
+    from quantkit.kernels.generate import TextGenerator, load_drafter
     from quantkit.kernels.sampling import Sampling
 
-    drafter = load_drafter(draft, engine.runtime, engine.runtime.device.type)  # on its target's device
-    speculative = Engine(engine.runtime, engine.tokenizer, set(), engine.prefill_chunk, drafter, k, tree)
+    drafter = load_drafter(draft, generator.runtime, generator.runtime.device.type)  # on its target's device
+    speculative = TextGenerator(generator.runtime, generator.tokenizer, set(), generator.prefill_chunk, drafter,
+                                k, tree)
     total = Acceptance(tree.depth if tree is not None else k)
     for index, prompt in enumerate(tqdm(prompts, desc=description, disable=not progress, leave=False)):
         timings: dict = {}

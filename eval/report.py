@@ -82,7 +82,7 @@ def evaluate(reference_dir: Path, variants: list[Path], tokens: torch.Tensor, wi
     ``device`` (task scores too); ``tokens`` stay on the host for the cache key."""
     from quantkit.eval.accept import acceptance, prompt_rows
     from quantkit.eval.refcache import cached_reference, kl_against_reference
-    from quantkit.kernels.generate import load_engine
+    from quantkit.kernels.generate import load_text_generator
     from quantkit.loading import load_model
 
     reference, cache_path = cached_reference(reference_dir, tokens, window, stride, top_k, cache_dir, progress,
@@ -96,8 +96,8 @@ def evaluate(reference_dir: Path, variants: list[Path], tokens: torch.Tensor, wi
         tau = None
         if extras.draft is not None:
             prompts = prompt_rows(tokens, extras.accept_prompts, ACCEPT_PROMPT_TOKENS)
-            engine = load_engine(path, dtype=torch.float32, device=device)
-            tau = acceptance(engine, extras.draft, prompts, extras.accept_k, extras.accept_new_tokens).tau
+            generator = load_text_generator(path, dtype=torch.float32, device=device)
+            tau = acceptance(generator, extras.draft, prompts, extras.accept_k, extras.accept_new_tokens).tau
         del model
         size = weight_bytes(path)
         results.append(VariantResult(

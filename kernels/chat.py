@@ -4,41 +4,41 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from quantkit.kernels.generate import Engine, TextStream
+from quantkit.kernels.generate import TextGenerator, TextStream
 
 
 class ChatSession:
-    def __init__(self, engine: Engine, enable_thinking: bool = False, system: str | None = None):
-        self.engine = engine
+    def __init__(self, generator: TextGenerator, enable_thinking: bool = False, system: str | None = None):
+        self.generator = generator
         self.enable_thinking = enable_thinking
         self.system = system
         self.reset()
 
     def reset(self) -> None:
         self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
-        self.cache = self.engine.new_cache()
+        self.cache = self.generator.new_cache()
         self.cached_tokens: list[int] = []  # the tokens whose keys and values the cache holds
 
     def reply(self, text: str, **generation) -> Iterator[str]:
         """Streams the model's answer to a user message and records it in the conversation."""
         self.messages.append({"role": "user", "content": text})
-        prompt = self.engine.chat_prompt(self.messages, enable_thinking=self.enable_thinking)
+        prompt = self.generator.chat_prompt(self.messages, enable_thinking=self.enable_thinking)
         reused = 0
         for cached, new in zip(self.cached_tokens, prompt[:-1]):  # at least one token is prefilled
             if cached != new:
                 break
             reused += 1
-        if self.engine.drafter is not None:
+        if self.generator.drafter is not None:
             # a draft head's entry at a position read the token after it, which may be what changed: the
             # target recomputes the last kept position's states for the draft to observe again
             reused = max(reused - 1, 0)
         self.cache.crop(reused)
-        stream, answer = TextStream(self.engine.tokenizer), []
-        for token in self.engine.tokens(prompt[reused:], cache=self.cache, **generation):
+        stream, answer = TextStream(self.generator.tokenizer), []
+        for token in self.generator.tokens(prompt[reused:], cache=self.cache, **generation):
             answer.append(token)
             piece = stream.push(token)
             if piece:
                 yield piece
         self.cached_tokens = (prompt + answer)[:self.cache.length]
         self.messages.append({"role": "assistant",
-                              "content": self.engine.tokenizer.decode(answer, skip_special_tokens=True)})
+                              "content": self.generator.tokenizer.decode(answer, skip_special_tokens=True)})

@@ -1,9 +1,9 @@
 """Text generation on the runtime: chunked prefill, decode, sampling, stop tokens, streaming.
 
-    engine = load_engine("path/to/artifact")               # or load_engine("default")
-    for piece in engine.stream("Hello", max_new_tokens=32):
+    generator = load_text_generator("path/to/artifact")    # or load_text_generator("default")
+    for piece in generator.stream("Hello", max_new_tokens=32):
         print(piece, end="", flush=True)
-    result = engine.generate(engine.chat_prompt([{"role": "user", "content": "Hi"}], enable_thinking=False))
+    result = generator.generate(generator.chat_prompt([{"role": "user", "content": "Hi"}], enable_thinking=False))
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ class TextStream:
         return text[len(prefix):]
 
 
-class Engine:
+class TextGenerator:
     def __init__(self, runtime: RuntimeModel, tokenizer, stop_tokens: set[int],
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, drafter: Drafter | None = None,
                  draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft_tree: TreeShape | None = None):
@@ -173,26 +173,26 @@ class Engine:
                           None if acceptance is None else acceptance.to_dict())
 
 
-class EngineLM:
-    """The engine behind the two calls the evaluation harness makes of a transformers model, so that
-    perplexity and needle retrieval measure the runtime itself (quantized linears, sparse attention)."""
+class TextGeneratorLM:
+    """The text generator behind the two calls the evaluation harness makes of a transformers model, so
+    that perplexity and needle retrieval measure the runtime itself (quantized linears, sparse attention)."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, generator: TextGenerator):
+        self.generator = generator
 
     def __call__(self, input_ids: torch.Tensor) -> SimpleNamespace:
         """input_ids [1, T] -> logits [1, T, V] of a fresh sequence, prefilled in chunks."""
-        cache, ids = self.engine.new_cache(), input_ids[0]
-        chunk = self.engine.prefill_chunk
-        logits = [self.engine.runtime.forward(ids[start:start + chunk], cache, all_logits=True)
+        cache, ids = self.generator.new_cache(), input_ids[0]
+        chunk = self.generator.prefill_chunk
+        logits = [self.generator.runtime.forward(ids[start:start + chunk], cache, all_logits=True)
                   for start in range(0, len(ids), chunk)]
         return SimpleNamespace(logits=torch.cat(logits)[None])
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, do_sample: bool = False, **_) -> torch.Tensor:
         if do_sample:
-            raise ValueError("EngineLM.generate is greedy only")
+            raise ValueError("TextGeneratorLM.generate is greedy only")
         prompt = input_ids[0].tolist()
-        new = list(self.engine.tokens(prompt, max_new_tokens=max_new_tokens))
+        new = list(self.generator.tokens(prompt, max_new_tokens=max_new_tokens))
         return torch.tensor([prompt + new])
 
 
@@ -212,12 +212,12 @@ def stop_tokens_of(model_dir: Path, tokenizer, config) -> set[int]:
     return ids
 
 
-def load_engine(model_dir: str | Path, *, sparse: str = "auto", sparse_overrides: dict | None = None,
-                device: str = "cpu", dtype: torch.dtype = torch.bfloat16, linear_backend: str = "cpu",
-                lm_head: str = "auto", prefill_chunk: int = DEFAULT_PREFILL_CHUNK, draft: str | Path | None = None,
-                draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft_tree: TreeShape | None = None,
-                draft_window: int | None = None) -> Engine:
-    """An engine for any checkpoint quantkit reads: unquantized, or an artifact it wrote; with ``draft``
+def load_text_generator(model_dir: str | Path, *, sparse: str = "auto", sparse_overrides: dict | None = None,
+                        device: str = "cpu", dtype: torch.dtype = torch.bfloat16, linear_backend: str = "cpu",
+                        lm_head: str = "auto", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                        draft: str | Path | None = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+                        draft_tree: TreeShape | None = None, draft_window: int | None = None) -> TextGenerator:
+    """A text generator for any checkpoint quantkit reads: unquantized, or an artifact it wrote; with ``draft``
     (``load_drafter``) it decodes speculatively, ``draft_tokens`` drafts a round or, greedy, a
     ``draft_tree``; an EAGLE-3 head attends the last ``draft_window`` positions (all when None)."""
     from quantkit.checkpoint import load_tokenizer
@@ -232,8 +232,8 @@ def load_engine(model_dir: str | Path, *, sparse: str = "auto", sparse_overrides
     runtime = RuntimeModel(model, attention)
     tokenizer = load_tokenizer(model_dir)
     drafter = None if draft is None else load_drafter(draft, runtime, device, linear_backend, draft_window)
-    return Engine(runtime, tokenizer, stop_tokens_of(model_dir, tokenizer, model.config), prefill_chunk, drafter,
-                  draft_tokens, draft_tree)
+    return TextGenerator(runtime, tokenizer, stop_tokens_of(model_dir, tokenizer, model.config), prefill_chunk,
+                         drafter, draft_tokens, draft_tree)
 
 
 def load_drafter(draft: str | Path, target: RuntimeModel, device: str = "cpu", linear_backend: str = "cpu",
@@ -241,7 +241,8 @@ def load_drafter(draft: str | Path, target: RuntimeModel, device: str = "cpu", l
     """A drafter for ``target``: an EAGLE-3 head's directory, or any model quantkit reads that shares the
     target's tokenizer (a smaller model, or the target itself), run in the target's dtype."""
     from quantkit.kernels.load import load_runtime_model
-    from quantkit.models.eagle3 import is_draft_head, load_head
+    from quantkit.models.eagle3 import is_draft_head
+    from quantkit.reader import load_head
 
     if is_draft_head(draft):
         from quantkit.kernels.eagle3 import Eagle3Drafter

@@ -1,33 +1,54 @@
-"""Load any checkpoint quantkit reads (unquantized, or an artifact it wrote) as a MiniCPM model.
+"""Build a MiniCPM model from any checkpoint quantkit reads (unquantized, or an artifact it wrote).
 
-Quantized linears are dequantized into ordinary weights: this is the reference ("what the file
-means") that evaluation compares against and that faster runtimes in quantkit.kernels must match.
+``load_model`` is the reference ("what the file means") that evaluation compares against and that
+faster runtimes in quantkit.kernels must match: quantized linears are dequantized into ordinary
+weights. The runtime builds its own model around quantized linears (``quantkit.kernels.load``); both
+fill theirs with ``load_weights``, so which tensors a model needs, what is missing and how the LM head
+is tied are decided once.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
+from quantkit.checkpoint import CheckpointError
 from quantkit.models import MiniCPMForCausalLM
 from quantkit.reader import ArtifactReader
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> MiniCPMForCausalLM:
-    artifact = ArtifactReader(model_dir)
-    state = artifact.other_tensors()
-    for index in range(artifact.num_layers):
-        state |= artifact.dequantized_layer(index)
-    config = artifact.config
-    config.quantization_config = None
-    model = MiniCPMForCausalLM(config).to(dtype)
-    expected = set(model.state_dict())
-    if config.tie_word_embeddings:
-        expected.discard("lm_head.weight")
-    missing, unexpected = expected - set(state), set(state) - set(model.state_dict())
+def _first(names: list[str]) -> str:
+    return f"{names[:5]}{' ...' if len(names) > 5 else ''}"
+
+
+def load_weights(model: MiniCPMForCausalLM, tensors: Mapping[str, Tensor], source: Path,
+                 cast: Callable[[Tensor], Tensor] | None = None, strict: bool = False) -> MiniCPMForCausalLM:
+    """Fill ``model`` from ``tensors`` (name -> tensor, as ``ArtifactReader`` gives them, each ``cast`` if
+    given) and return it in eval mode. The model takes every state-dict entry, or, when it is a skeleton
+    on the meta device, the entries still there (quantized linears put in place are not); a tied LM head
+    is not read but tied to the embedding. Tensors the model takes that ``tensors`` lack are an error
+    naming ``source``; with ``strict``, so are tensors the model has no place for."""
+    state = model.state_dict()
+    skeleton = any(tensor.is_meta for tensor in state.values())
+    wanted = {name for name, tensor in state.items() if tensor.is_meta or not skeleton}
+    if model.config.tie_word_embeddings:
+        wanted.discard("lm_head.weight")
+    missing = sorted(wanted - set(tensors))
+    unexpected = sorted(set(tensors) - set(state)) if strict else []
     if missing or unexpected:
-        raise ValueError(f"{artifact.dir}: missing tensors {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-    model.load_state_dict(state, strict=False)
-    if config.tie_word_embeddings:
+        raise CheckpointError(f"{source}: missing tensors {_first(missing)}"
+                              + (f", unexpected {_first(unexpected)}" if strict else ""))
+    model.load_state_dict({name: tensors[name] if cast is None else cast(tensors[name]) for name in sorted(wanted)},
+                          strict=False, assign=skeleton)
+    if model.config.tie_word_embeddings:
         model.tie_weights()
     return model.eval()
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> MiniCPMForCausalLM:
+    artifact = ArtifactReader(model_dir)
+    tensors = artifact.dequantized_tensors()
+    model = MiniCPMForCausalLM(artifact.model_config()).to(dtype)
+    return load_weights(model, tensors, artifact.dir, strict=True)

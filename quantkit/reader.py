@@ -1,15 +1,19 @@
-"""Reading any checkpoint directory quantkit opens: an unquantized MiniCPM checkpoint, an artifact
-quantkit wrote, or a GPTQ/AWQ checkpoint another tool wrote.
+"""Reading anything quantkit loads: an unquantized MiniCPM checkpoint, an artifact quantkit wrote, a
+GPTQ/AWQ/MLX checkpoint another tool wrote, and an EAGLE-3 draft head, FP or quantized.
 
 ``ArtifactReader`` knows the directory's format, config and quantization settings, and gives each
 decoder layer's stored tensors, its plain (unquantized) tensors and its quantized linears as
-``QuantizedTensor`` records. The engine writes artifacts; everything that reads them (the loader,
-the runtime, the GGUF exporter, the conformance check) goes through this module and never imports
-the engine.
+``QuantizedTensor`` records. For the two model builders (``quantkit.loading``) it gives every tensor
+the model takes: dequantized (the reference) or as stored (the runtime, whose quantized linears
+come from the records). ``load_head`` reads a draft head, its quantized linears dequantized. The
+engine writes artifacts; everything that reads them (the loader, the runtime, the GGUF exporter,
+the conformance check) goes through this module and never imports the engine.
 """
 from __future__ import annotations
 
+import copy
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -19,6 +23,15 @@ from quantkit.artifact import MANIFEST_FILE
 from quantkit.checkpoint import CheckpointReader
 from quantkit.formats import FORMATS, Format
 from quantkit.models import MiniCPMConfig
+from quantkit.models.eagle3 import (
+    CONFIG_FILE,
+    HEAD_LINEAR_GROUPS,
+    MIDLAYER,
+    WEIGHTS_FILE,
+    DraftHeadError,
+    Eagle3Config,
+    Eagle3Head,
+)
 from quantkit.models.layers import LINEARS, layer_prefix
 from quantkit.models.minicpm import weight_shapes
 from quantkit.quant import QuantConfig, QuantizedTensor
@@ -68,6 +81,31 @@ def dequantize_layer(tensors: dict, index: int, config: MiniCPMConfig, qconfig: 
     return plain | {key: qt.dequantize(torch.float32) for key, qt in records.items()}
 
 
+class _ReadOnAccess(Mapping[str, Tensor]):
+    """A checkpoint's tensors by name, each read only when asked for; ``overrides`` (name -> tensor) take
+    the place of stored tensors of their name or add to them."""
+
+    def __init__(self, checkpoint: CheckpointReader, overrides: dict[str, Tensor]):
+        self._checkpoint, self._overrides = checkpoint, overrides
+        self._names = set(checkpoint.names) | set(overrides)
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name in self._overrides:
+            return self._overrides[name]
+        if name not in self._checkpoint:
+            raise KeyError(name)
+        return self._checkpoint.get(name)
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor to find out
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._names))
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 class ArtifactReader:
     """One checkpoint directory, read layer by layer (never the whole checkpoint at once)."""
 
@@ -109,3 +147,80 @@ class ArtifactReader:
         if self.format is None:
             return tensors
         return dequantize_layer(tensors, index, self.config, self.qconfig, self.format)
+
+    def model_config(self) -> MiniCPMConfig:
+        """The config a model of these weights is built from: without ``quantization_config``, because the
+        model's linears are plain modules (dequantized) or the quantized linears themselves, put in place."""
+        config = copy.deepcopy(self.config)
+        config.quantization_config = None
+        return config
+
+    def dequantized_tensors(self) -> dict[str, Tensor]:
+        """Every tensor, the quantized linears as float32 weights: what the reference model loads."""
+        tensors = self.other_tensors()
+        for index in range(self.num_layers):
+            tensors |= self.dequantized_layer(index)
+        return tensors
+
+    def stored_tensors(self) -> Mapping[str, Tensor]:
+        """Every tensor as stored, read when asked for, except that those outside the layers are as the
+        format means them: what the runtime's model loads around its quantized linears."""
+        return _ReadOnAccess(self.tensors, self.other_tensors())
+
+
+# A quantized draft head's format -> the format of its fc (CPM.cu packs fc alone, in Marlin's layout).
+HEAD_FC_FORMATS = {"gptq": "gptq", "marlin": "marlin", "cpmcu": "marlin"}
+
+
+def _head_format(names: set[str]) -> str:
+    """Which format a quantized head's tensors are in, from their names."""
+    if f"{MIDLAYER}self_attn.qkv_proj.qweight" in names:
+        return "cpmcu"
+    return "gptq" if "fc.qzeros" in names else "marlin"
+
+
+def _dequantized_head_linears(tensors: Mapping[str, Tensor], quantization_config: dict,
+                              head: Eagle3Head) -> dict[str, Tensor]:
+    """``{linear}.weight`` of every quantized linear of a head in a gptq, marlin or cpmcu layout."""
+    fmt = _head_format(set(tensors))
+    config = FORMATS[fmt].parse_config(quantization_config)
+    shapes = {name: (head.get_submodule(name).out_features, head.get_submodule(name).in_features)
+              for group in HEAD_LINEAR_GROUPS for name in group}
+    midlayer = FORMATS[fmt].read_layer(tensors, MIDLAYER, config, {name.removeprefix(MIDLAYER): shape
+                                                                     for name, shape in shapes.items()
+                                                                     if name.startswith(MIDLAYER)})
+    fc = FORMATS[HEAD_FC_FORMATS[fmt]].read_layer(tensors, "", config, {"fc": shapes["fc"]})
+    records = {**{MIDLAYER + name: record for name, record in midlayer.items()}, **fc}
+    return {f"{name}.weight": record.dequantize() for name, record in records.items()}
+
+
+def load_head(directory: str | Path, target: MiniCPMConfig, dtype: torch.dtype = torch.float32) -> Eagle3Head:
+    """An EAGLE-3 head in the official layout, FP or quantized (gptq, marlin, cpmcu: its linears
+    dequantized), checked against ``target`` before any weight is read."""
+    directory = Path(directory)
+    config = Eagle3Config.from_pretrained(directory)
+    quantization_config = json.loads((directory / CONFIG_FILE).read_text()).get("quantization_config")
+    with torch.device("meta"):
+        head = Eagle3Head(config, target)
+    expected = {name: tuple(tensor.shape) for name, tensor in head.state_dict().items()}
+    path = directory / WEIGHTS_FILE
+    if not path.is_file():
+        raise DraftHeadError(f"{directory} has no {WEIGHTS_FILE}")
+    stored = _ReadOnAccess(CheckpointReader(directory), {})
+    linears = {} if quantization_config is None else _dequantized_head_linears(stored, quantization_config, head)
+    missing = sorted(set(expected) - set(stored) - set(linears) - {"t2d"})
+    if missing:
+        raise DraftHeadError(f"{path} lacks {', '.join(missing)}"
+                             + (" (d2t maps draft ids to target ids; a head without it cannot be used)"
+                                if "d2t" in missing else ""))
+    tensors = {**{name: stored[name] for name in expected if name in stored}, **linears}
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != expected[name]:
+            raise DraftHeadError(f"{path}: {name} has shape {tuple(tensor.shape)}, the config says {expected[name]}")
+    if "t2d" not in tensors:  # optional in the official layout: it follows from d2t
+        tensors["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool)
+        tensors["t2d"][torch.arange(config.draft_vocab_size) + tensors["d2t"].long()] = True
+    tensors = {name: t.long() if name == "d2t" else t if name == "t2d" else t.to(dtype) for name, t in tensors.items()}
+    head = Eagle3Head(config, target).to(dtype)
+    head.load_state_dict(tensors)
+    return head.eval()

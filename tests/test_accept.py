@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from quantkit.cli import main
 from quantkit.eval.accept import acceptance, prompt_rows
-from quantkit.kernels.generate import load_engine
+from quantkit.kernels.generate import load_text_generator
 from quantkit.synthetic import write_tiny_eagle3_head
 
 PROMPTS = torch.tensor([[5, 17, 42, 8, 99, 3, 250, 7], [9, 8, 7, 6, 5, 4, 3, 2]])
@@ -22,32 +22,32 @@ def model(tiny_checkpoint_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(model):
-    return load_engine(model, dtype=torch.float32)
+def generator(model):
+    return load_text_generator(model, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_self_draft_commits_k_plus_one_per_forward(engine, model, k):
-    stats = acceptance(engine, model, PROMPTS, k, max_new_tokens=1 + 3 * (k + 1))
+def test_self_draft_commits_k_plus_one_per_forward(generator, model, k):
+    stats = acceptance(generator, model, PROMPTS, k, max_new_tokens=1 + 3 * (k + 1))
     assert stats.tau == k + 1 and stats.position_rates == [1.0] * k and stats.rounds == 6
 
 
-def test_unrelated_draft_commits_about_one_token(engine, tiny_checkpoint_factory):
+def test_unrelated_draft_commits_about_one_token(generator, tiny_checkpoint_factory):
     unrelated = tiny_checkpoint_factory(num_hidden_layers=4, seed=11)
-    stats = acceptance(engine, unrelated, PROMPTS, 4, max_new_tokens=32)
+    stats = acceptance(generator, unrelated, PROMPTS, 4, max_new_tokens=32)
     # two random models agree on an argmax about once in vocab_size (384) tries
     assert 1.0 <= stats.tau < 1.2 and stats.position_rates[0] < 0.2
 
 
-def test_sampled_runs_are_reproducible_and_depend_on_the_seed(engine, tiny_checkpoint_factory):
+def test_sampled_runs_are_reproducible_and_depend_on_the_seed(generator, tiny_checkpoint_factory):
     draft = tiny_checkpoint_factory(num_hidden_layers=4, seed=11)
-    runs = [acceptance(engine, draft, PROMPTS, 3, 16, temperature=1.0, seed=seed).to_dict() for seed in (5, 5, 6)]
+    runs = [acceptance(generator, draft, PROMPTS, 3, 16, temperature=1.0, seed=seed).to_dict() for seed in (5, 5, 6)]
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
-def test_a_draft_with_another_vocabulary_is_refused(engine, tiny_checkpoint_factory):
+def test_a_draft_with_another_vocabulary_is_refused(generator, tiny_checkpoint_factory):
     with pytest.raises(ValueError, match="vocabularies differ"):
-        acceptance(engine, tiny_checkpoint_factory(num_hidden_layers=1, vocab_size=512), PROMPTS, 2, 4)
+        acceptance(generator, tiny_checkpoint_factory(num_hidden_layers=1, vocab_size=512), PROMPTS, 2, 4)
 
 
 def test_prompt_rows_need_enough_tokens():

@@ -7,7 +7,8 @@ import torch
 from quantkit.draft.ttt import ttt_mask, unrolled_steps
 from quantkit.kernels.eagle3 import Eagle3Drafter
 from quantkit.models import MiniCPMForCausalLM
-from quantkit.models.eagle3 import entering_states, load_head
+from quantkit.models.eagle3 import entering_states
+from quantkit.reader import load_head
 from quantkit.synthetic import write_tiny_eagle3_head
 
 pytestmark = pytest.mark.usefixtures("private_cache")
@@ -85,13 +86,14 @@ def test_training_lowers_the_held_out_loss_and_raises_agreement(trained):
 
 
 def test_the_trained_head_is_official_layout_and_drafts_in_the_runtime(trained, target_dir):
-    from quantkit.kernels.generate import load_engine
+    from quantkit.kernels.generate import load_text_generator
 
     out, _ = trained
     assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "draft_train.json",
                                                "draft_report.json"}
-    plain = load_engine(target_dir, dtype=torch.float32).generate([5, 17, 99, 3], max_new_tokens=16)
-    speculative = load_engine(target_dir, dtype=torch.float32, draft=out).generate([5, 17, 99, 3], max_new_tokens=16)
+    plain = load_text_generator(target_dir, dtype=torch.float32).generate([5, 17, 99, 3], max_new_tokens=16)
+    speculative = load_text_generator(target_dir, dtype=torch.float32, draft=out).generate([5, 17, 99, 3],
+                                                                                          max_new_tokens=16)
     assert speculative.tokens == plain.tokens and speculative.acceptance["rounds"] > 0
 
 
@@ -328,12 +330,12 @@ def test_quantized_heads_in_every_layout_decode_to_the_same_weights(packable, tm
 
 
 def test_a_quantized_head_drafts_and_keeps_greedy_output(packable, tmp_path):
-    from quantkit.kernels.generate import load_engine
+    from quantkit.kernels.generate import load_text_generator
 
     target, _ = packable
     out, _ = _quantized(packable, tmp_path, "gptq-w4g128")
-    plain = load_engine(target, dtype=torch.float32).generate([5, 17, 99, 3], max_new_tokens=12)
-    drafted = load_engine(target, dtype=torch.float32, draft=out).generate([5, 17, 99, 3], max_new_tokens=12)
+    plain = load_text_generator(target, dtype=torch.float32).generate([5, 17, 99, 3], max_new_tokens=12)
+    drafted = load_text_generator(target, dtype=torch.float32, draft=out).generate([5, 17, 99, 3], max_new_tokens=12)
     assert drafted.tokens == plain.tokens
 
 
@@ -352,7 +354,7 @@ def test_w4_qat_of_a_head_writes_a_quantized_head_on_its_grid(packable, training
     from safetensors.torch import load_file
 
     from quantkit.draft.trainer import train_head
-    from quantkit.kernels.generate import load_engine
+    from quantkit.kernels.generate import load_text_generator
 
     target, head = packable
     out = tmp_path / "w4"
@@ -363,6 +365,6 @@ def test_w4_qat_of_a_head_writes_a_quantized_head_on_its_grid(packable, training
     trained = load_head(out, config).state_dict()["fc.weight"]
     groups = trained.reshape(-1, 128)
     assert max(len(group.unique()) for group in groups) <= 16  # 4 bits: at most 16 values per group of 128
-    plain = load_engine(target, dtype=torch.float32).generate([5, 17, 99, 3], max_new_tokens=8)
-    assert load_engine(target, dtype=torch.float32, draft=out).generate([5, 17, 99, 3], max_new_tokens=8).tokens == \
-        plain.tokens
+    plain = load_text_generator(target, dtype=torch.float32).generate([5, 17, 99, 3], max_new_tokens=8)
+    drafted = load_text_generator(target, dtype=torch.float32, draft=out).generate([5, 17, 99, 3], max_new_tokens=8)
+    assert drafted.tokens == plain.tokens

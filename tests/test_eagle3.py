@@ -14,8 +14,8 @@ from quantkit.models.eagle3 import (
     DraftHeadError,
     draft_vocabulary,
     entering_states,
-    load_head,
 )
+from quantkit.reader import load_head
 from quantkit.synthetic import write_tiny_eagle3_head
 
 OFFICIAL_KEYS = {"fc.weight", "d2t", "t2d", "norm.weight", "lm_head.weight", "midlayer.hidden_norm.weight",

@@ -61,13 +61,13 @@ def test_reference_is_the_dequantized_weight_and_cpu_is_within_bf16(artifact):
 
 
 def test_runtime_runs_the_artifact_close_to_the_reference(artifact):
-    from quantkit.kernels.generate import EngineLM, load_engine
+    from quantkit.kernels.generate import TextGeneratorLM, load_text_generator
 
     _, path = artifact
     tokens = torch.randint(0, 300, (1, 96), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = torch.log_softmax(load_model(path)(tokens).logits[0].double(), -1)
-    got = torch.log_softmax(EngineLM(load_engine(path, prefill_chunk=40))(tokens).logits[0].double(), -1)
+    got = torch.log_softmax(TextGeneratorLM(load_text_generator(path, prefill_chunk=40))(tokens).logits[0].double(), -1)
     kl = (want.exp() * (want - got)).sum(-1).mean()
     # bf16 activations, int8 LM head: KL ~1e-3 on random tiny models; a wrong layout gives > 1
     assert kl < 2e-2

@@ -15,7 +15,7 @@ from quantkit.cli import main
 from quantkit.device import check_device, require_capability
 from quantkit.kernels.attention import make_attention, sparse_config_for
 from quantkit.kernels.chat import ChatSession
-from quantkit.kernels.generate import Engine, TextStream, load_engine
+from quantkit.kernels.generate import TextGenerator, TextStream, load_text_generator
 from quantkit.kernels.kv_cache import KVCache
 from quantkit.kernels.load import load_runtime_model
 from quantkit.kernels.model import RuntimeModel
@@ -83,8 +83,8 @@ def test_greedy_generation_equals_transformers_generate(tiny_checkpoint):
     with torch.no_grad():
         expected = reference.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
                                       eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    engine = Engine(_runtime(tiny_checkpoint), tokenizer=None, stop_tokens=set(), prefill_chunk=4)
-    assert list(engine.tokens(prompt, max_new_tokens=24)) == expected
+    generator = TextGenerator(_runtime(tiny_checkpoint), tokenizer=None, stop_tokens=set(), prefill_chunk=4)
+    assert list(generator.tokens(prompt, max_new_tokens=24)) == expected
 
 
 def test_kv_cache_grows_and_crops():
@@ -155,43 +155,43 @@ class _ScriptedRuntime:
 
 
 def test_generation_stops_at_a_stop_token_or_the_length_limit():
-    engine = Engine(_ScriptedRuntime([4, 5, 6, 2, 7]), tokenizer=None, stop_tokens={2})
+    generator = TextGenerator(_ScriptedRuntime([4, 5, 6, 2, 7]), tokenizer=None, stop_tokens={2})
     timings: dict = {}
-    assert list(engine.tokens([1, 1], max_new_tokens=10, timings=timings)) == [4, 5, 6]
+    assert list(generator.tokens([1, 1], max_new_tokens=10, timings=timings)) == [4, 5, 6]
     assert timings["stop_reason"] == "stop token"
-    engine = Engine(_ScriptedRuntime([4, 5, 6, 2, 7]), tokenizer=None, stop_tokens={2})
-    assert list(engine.tokens([1], max_new_tokens=2, timings=timings)) == [4, 5]
+    generator = TextGenerator(_ScriptedRuntime([4, 5, 6, 2, 7]), tokenizer=None, stop_tokens={2})
+    assert list(generator.tokens([1], max_new_tokens=2, timings=timings)) == [4, 5]
     assert timings["stop_reason"] == "length"
     with pytest.raises(ValueError, match="empty"):
-        list(engine.tokens([], max_new_tokens=2))
+        list(generator.tokens([], max_new_tokens=2))
 
 
 def test_chat_keeps_the_cache_between_turns_and_matches_a_fresh_run(tiny_checkpoint):
-    engine = load_engine(tiny_checkpoint, dtype=torch.float32)
-    session = ChatSession(engine)
+    generator = load_text_generator(tiny_checkpoint, dtype=torch.float32)
+    session = ChatSession(generator)
     first = "".join(session.reply("hello there", max_new_tokens=6))
     kept_after_first = session.cache.length
     second = "".join(session.reply("and again", max_new_tokens=6))
     assert kept_after_first > 0 and session.messages[1]["content"] == first
-    # the second turn's answer equals a fresh engine's answer to the whole conversation
+    # the second turn's answer equals a fresh generator's answer to the whole conversation
     conversation = session.messages[:3]
-    fresh = engine.generate(engine.chat_prompt(conversation, enable_thinking=False), max_new_tokens=6)
+    fresh = generator.generate(generator.chat_prompt(conversation, enable_thinking=False), max_new_tokens=6)
     assert fresh.text == second
 
 
 def test_chat_prompt_thinking_switch(default_model):
-    engine = load_engine(default_model)
+    generator = load_text_generator(default_model)
     messages = [{"role": "user", "content": "hi"}]
-    off = engine.tokenizer.decode(engine.chat_prompt(messages, enable_thinking=False))
-    on = engine.tokenizer.decode(engine.chat_prompt(messages, enable_thinking=True))
+    off = generator.tokenizer.decode(generator.chat_prompt(messages, enable_thinking=False))
+    on = generator.tokenizer.decode(generator.chat_prompt(messages, enable_thinking=True))
     assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert on.endswith("<|im_start|>assistant\n")
 
 
 def test_default_model_answers_and_stops(default_model):
-    engine = load_engine(default_model)
-    result = engine.generate(engine.chat_prompt([{"role": "user", "content": "What is the capital of France?"}],
-                                                enable_thinking=False), max_new_tokens=40)
+    generator = load_text_generator(default_model)
+    result = generator.generate(generator.chat_prompt([{"role": "user", "content": "What is the capital of France?"}],
+                                                      enable_thinking=False), max_new_tokens=40)
     assert "Paris" in result.text and result.stop_reason == "stop token"
 
 

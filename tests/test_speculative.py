@@ -12,7 +12,7 @@ import torch
 from quantkit.engine import quantize
 from quantkit.kernels.attention import make_attention
 from quantkit.kernels.eagle3 import Eagle3Drafter
-from quantkit.kernels.generate import Engine, load_engine
+from quantkit.kernels.generate import TextGenerator, load_text_generator
 from quantkit.kernels.infllm import SparseAttentionConfig
 from quantkit.kernels.load import load_runtime_model
 from quantkit.kernels.model import RuntimeModel
@@ -28,7 +28,7 @@ from quantkit.kernels.speculative import (
     verify_sampled,
     verify_tree_sampled,
 )
-from quantkit.models.eagle3 import load_head
+from quantkit.reader import load_head
 from quantkit.synthetic import write_tiny_eagle3_head
 
 from helpers import small_recipe
@@ -60,17 +60,17 @@ def target_dir(tiny_checkpoint_factory):
 
 
 def _plain_greedy(model_dir, tokens=40):
-    engine = Engine(_runtime(model_dir), tokenizer=None, stop_tokens=set(), prefill_chunk=4)
-    return list(engine.tokens(PROMPT, max_new_tokens=tokens))
+    generator = TextGenerator(_runtime(model_dir), tokenizer=None, stop_tokens=set(), prefill_chunk=4)
+    return list(generator.tokens(PROMPT, max_new_tokens=tokens))
 
 
 @pytest.mark.parametrize("draft_tokens", [1, 3, 5])
 def test_an_oracle_draft_is_always_accepted(target_dir, draft_tokens):
     runtime = _runtime(target_dir)
-    engine = Engine(runtime, None, set(), prefill_chunk=4, drafter=ModelDrafter(runtime, runtime.config.vocab_size),
-                    draft_tokens=draft_tokens)
+    generator = TextGenerator(runtime, None, set(), prefill_chunk=4,
+                              drafter=ModelDrafter(runtime, runtime.config.vocab_size), draft_tokens=draft_tokens)
     timings = {}
-    tokens = list(engine.tokens(PROMPT, max_new_tokens=1 + 4 * (draft_tokens + 1), timings=timings))
+    tokens = list(generator.tokens(PROMPT, max_new_tokens=1 + 4 * (draft_tokens + 1), timings=timings))
     assert tokens == _plain_greedy(target_dir, len(tokens))
     acceptance = timings["acceptance"]
     assert acceptance.rounds == 4 and acceptance.tau == draft_tokens + 1
@@ -80,9 +80,10 @@ def test_an_oracle_draft_is_always_accepted(target_dir, draft_tokens):
 def test_rejected_drafts_leave_the_cache_as_a_fresh_prefill(target_dir):
     """Every other draft is wrong: rounds keep 1 of 3; the output and the cache are plain greedy's."""
     runtime = _runtime(target_dir)
-    engine = Engine(runtime, None, set(), prefill_chunk=4, drafter=CorruptingDrafter(runtime, 2), draft_tokens=3)
+    generator = TextGenerator(runtime, None, set(), prefill_chunk=4, drafter=CorruptingDrafter(runtime, 2),
+                              draft_tokens=3)
     cache, timings = runtime.new_cache(), {}
-    tokens = list(engine.tokens(PROMPT, max_new_tokens=30, cache=cache, timings=timings))
+    tokens = list(generator.tokens(PROMPT, max_new_tokens=30, cache=cache, timings=timings))
     assert tokens == _plain_greedy(target_dir, 30)
     acceptance = timings["acceptance"]
     assert acceptance.tau == 2.0  # each round: the good first draft, then the target's own token
@@ -106,8 +107,8 @@ def w4_target(target_dir, tmp_path_factory):
 def test_greedy_with_an_eagle3_head_equals_plain_greedy(target_dir, w4_target, tmp_path, target):
     model_dir = target_dir if target == "fp" else w4_target
     head = write_tiny_eagle3_head(tmp_path / "head", target_dir, draft_vocab_size=200)
-    plain = load_engine(model_dir, dtype=torch.float32)
-    speculative = load_engine(model_dir, dtype=torch.float32, draft=head, draft_tokens=4)
+    plain = load_text_generator(model_dir, dtype=torch.float32)
+    speculative = load_text_generator(model_dir, dtype=torch.float32, draft=head, draft_tokens=4)
     want = plain.generate(PROMPT, max_new_tokens=32)
     got = speculative.generate(PROMPT, max_new_tokens=32)
     assert got.tokens == want.tokens
@@ -265,12 +266,12 @@ def test_a_sampled_tree_keeps_or_drops_whole_families_shallow_first():
 def test_sampled_speculative_generation_keeps_the_targets_distribution(target_dir, tiny_checkpoint_factory, tree):
     """End to end at T = 0.1 (where the random models' distributions are peaked but overlap) with another
     model drafting: the second generated token (the first a round commits) against its exact marginal
-    Σ p(t₁)·p(t₂ | t₁) under the target (level 0.001, 400 runs): the wiring of the rule into the engine;
+    Σ p(t₁)·p(t₂ | t₁) under the target (level 0.001, 400 runs): the wiring of the rule into the generator;
     the rule's own power is shown by test_speculative_sampling_keeps_the_target_distribution."""
     runtime = _runtime(target_dir)
     draft = _runtime(tiny_checkpoint_factory(num_hidden_layers=8, seed=11))
-    engine = Engine(runtime, None, set(), drafter=ModelDrafter(draft, runtime.config.vocab_size), draft_tokens=2,
-                    draft_tree=tree)
+    generator = TextGenerator(runtime, None, set(), drafter=ModelDrafter(draft, runtime.config.vocab_size),
+                              draft_tokens=2, draft_tree=tree)
     temperature = 0.1
     with torch.no_grad():
         first = torch.softmax(runtime.forward(torch.tensor(PROMPT), runtime.new_cache()).double() / temperature, -1)
@@ -282,7 +283,7 @@ def test_sampled_speculative_generation_keeps_the_targets_distribution(target_di
     length = 2 + (tree.depth if tree else 1)  # the prefill's token, then one round (a tree needs depth left)
     for seed in range(400):
         timings = {}
-        tokens = list(engine.tokens(PROMPT, max_new_tokens=length, sampling=Sampling(temperature, seed=seed),
+        tokens = list(generator.tokens(PROMPT, max_new_tokens=length, sampling=Sampling(temperature, seed=seed),
                                     timings=timings))
         counts[tokens[1]] += 1
         rounds.append(timings["acceptance"].committed - 1)  # drafts kept in the first round
@@ -303,10 +304,11 @@ def test_greedy_chains_across_dense_len_equal_plain_greedy(target_dir):
     target = runtime()
     for length in range(86, 95):
         prompt = [(7 * i) % 300 + 5 for i in range(length)]
-        want = list(Engine(target, None, set()).tokens(prompt, max_new_tokens=12))
-        engine = Engine(target, None, set(), drafter=ModelDrafter(runtime(), target.config.vocab_size), draft_tokens=5)
+        want = list(TextGenerator(target, None, set()).tokens(prompt, max_new_tokens=12))
+        generator = TextGenerator(target, None, set(), drafter=ModelDrafter(runtime(), target.config.vocab_size),
+                                  draft_tokens=5)
         timings = {}
-        assert list(engine.tokens(prompt, max_new_tokens=12, timings=timings)) == want, length
+        assert list(generator.tokens(prompt, max_new_tokens=12, timings=timings)) == want, length
         acceptance = timings["acceptance"]  # the target drafting for itself, through its sparse attention
         assert acceptance.accepted_at == acceptance.reached, length
 
@@ -315,9 +317,9 @@ def test_greedy_with_a_sparse_infllm_target_equals_plain_greedy(target_dir, tmp_
     """InfLLM v2 past dense_len: cropping rejected drafts keeps the compressed keys of kept positions."""
     sparse = {"dense_len": 64, "window_size": 32, "topk": 2, "kernel_size": 16, "kernel_stride": 8, "block_size": 16}
     prompt = [(7 * i) % 300 + 5 for i in range(90)]
-    plain = load_engine(target_dir, dtype=torch.float32, sparse="on", sparse_overrides=sparse)
-    speculative = load_engine(target_dir, dtype=torch.float32, sparse="on", sparse_overrides=sparse,
-                              draft=write_tiny_eagle3_head(tmp_path / "head", target_dir), draft_tokens=3)
+    plain = load_text_generator(target_dir, dtype=torch.float32, sparse="on", sparse_overrides=sparse)
+    speculative = load_text_generator(target_dir, dtype=torch.float32, sparse="on", sparse_overrides=sparse,
+                                      draft=write_tiny_eagle3_head(tmp_path / "head", target_dir), draft_tokens=3)
     speculative.drafter = CorruptingDrafter(speculative.runtime, 3)  # keeps 2 of 3: crops every round
     got = speculative.generate(prompt, max_new_tokens=24)
     assert got.tokens == plain.generate(prompt, max_new_tokens=24).tokens
@@ -338,16 +340,18 @@ def test_greedy_with_a_draft_tree_on_a_sparse_infllm_target_equals_plain_greedy(
         return RuntimeModel(load_runtime_model(target_dir, torch.float32), attention)
 
     target = runtime()
-    want = list(Engine(target, None, set()).tokens(prompt, max_new_tokens=25))
-    oracle = Engine(target, None, set(), drafter=ModelDrafter(runtime(), target.config.vocab_size), draft_tree=tree)
+    want = list(TextGenerator(target, None, set()).tokens(prompt, max_new_tokens=25))
+    oracle = TextGenerator(target, None, set(), drafter=ModelDrafter(runtime(), target.config.vocab_size),
+                           draft_tree=tree)
     timings = {}
     assert list(oracle.tokens(prompt, max_new_tokens=25, timings=timings)) == want
     # its first level always holds the target's token; deeper, EAGLE-2's growth by cumulative score can
     # leave the greedy branch out of a tiny random model's flat distributions
     assert timings["acceptance"].position_rates[0] == 1.0 and timings["acceptance"].tau > tree.depth
-    plain = load_engine(target_dir, dtype=torch.float32, sparse="on", sparse_overrides=sparse)
-    head = load_engine(target_dir, dtype=torch.float32, sparse="on", sparse_overrides=sparse,
-                       draft=write_tiny_eagle3_head(tmp_path / "head", target_dir), draft_tree=TreeShape(3, 4, 12))
+    plain = load_text_generator(target_dir, dtype=torch.float32, sparse="on", sparse_overrides=sparse)
+    head = load_text_generator(target_dir, dtype=torch.float32, sparse="on", sparse_overrides=sparse,
+                               draft=write_tiny_eagle3_head(tmp_path / "head", target_dir),
+                               draft_tree=TreeShape(3, 4, 12))
     assert head.generate(prompt, max_new_tokens=25).tokens == plain.generate(prompt, max_new_tokens=25).tokens
 
 
@@ -394,10 +398,10 @@ def test_greedy_with_a_draft_tree_equals_plain_greedy(target_dir, tmp_path, shap
     prefill. A pruned tree from an EAGLE-3 head gives plain greedy output too."""
     tree = TreeShape.parse(shape)
     runtime = _runtime(target_dir)
-    engine = Engine(runtime, None, set(), drafter=ModelDrafter(_runtime(target_dir), runtime.config.vocab_size),
-                    draft_tree=tree)
+    generator = TextGenerator(runtime, None, set(),
+                              drafter=ModelDrafter(_runtime(target_dir), runtime.config.vocab_size), draft_tree=tree)
     cache, timings = runtime.new_cache(), {}
-    tokens = list(engine.tokens(PROMPT, max_new_tokens=1 + 4 * (tree.depth + 1), cache=cache, timings=timings))
+    tokens = list(generator.tokens(PROMPT, max_new_tokens=1 + 4 * (tree.depth + 1), cache=cache, timings=timings))
     assert tokens == _plain_greedy(target_dir, len(tokens))
     assert timings["acceptance"].tau == tree.depth + 1
     fresh = runtime.new_cache()
@@ -405,8 +409,9 @@ def test_greedy_with_a_draft_tree_equals_plain_greedy(target_dir, tmp_path, shap
     for layer in range(runtime.config.num_hidden_layers):
         for got, want in zip(cache.buffers(layer, cache.length), fresh.buffers(layer, fresh.length)):
             torch.testing.assert_close(got[:, :cache.length], want[:, :fresh.length], rtol=1e-5, atol=1e-5)
-    head = load_engine(target_dir, dtype=torch.float32, draft=write_tiny_eagle3_head(tmp_path / "head", target_dir),
-                       draft_tree=TreeShape(tree.depth, tree.topk, tree.size // 2))
+    head = load_text_generator(target_dir, dtype=torch.float32,
+                               draft=write_tiny_eagle3_head(tmp_path / "head", target_dir),
+                               draft_tree=TreeShape(tree.depth, tree.topk, tree.size // 2))
     assert head.generate(PROMPT, max_new_tokens=20).tokens == _plain_greedy(target_dir, 20)[:20]
 
 
@@ -433,10 +438,10 @@ def test_the_drafts_window_hides_old_positions_and_keeps_greedy_output(target_di
     want = _plain_greedy(target_dir, 24)
     proposals = {}
     for window in (None, 1, 4, 1000):
-        engine = load_engine(target_dir, dtype=torch.float32, draft=head_dir, draft_window=window)
-        result = engine.generate(PROMPT, max_new_tokens=24)
+        generator = load_text_generator(target_dir, dtype=torch.float32, draft=head_dir, draft_window=window)
+        result = generator.generate(PROMPT, max_new_tokens=24)
         assert result.tokens == want[:len(result.tokens)]
-        proposals[window] = engine.drafter.propose(3, Sampler(Sampling()))
+        proposals[window] = generator.drafter.propose(3, Sampler(Sampling()))
     assert proposals[1000] == proposals[None]
 
 
@@ -469,15 +474,15 @@ def test_a_chat_keeps_the_drafts_context_across_turns(target_dir, tmp_path):
     from quantkit.kernels.chat import ChatSession
 
     head = write_tiny_eagle3_head(tmp_path / "head", target_dir)
-    engine = load_engine(target_dir, dtype=torch.float32, draft=head, draft_tokens=3)
-    session = ChatSession(engine)
+    generator = load_text_generator(target_dir, dtype=torch.float32, draft=head, draft_tokens=3)
+    session = ChatSession(generator)
     for text in ("hello", "and again"):
         "".join(session.reply(text, max_new_tokens=6))
-    second_prompt = engine.chat_prompt(session.messages[:3], enable_thinking=session.enable_thinking)
-    fresh = load_engine(target_dir, dtype=torch.float32, draft=head, draft_tokens=3)
+    second_prompt = generator.chat_prompt(session.messages[:3], enable_thinking=session.enable_thinking)
+    fresh = load_text_generator(target_dir, dtype=torch.float32, draft=head, draft_tokens=3)
     answer = list(fresh.tokens(second_prompt, max_new_tokens=6))
-    assert engine.tokenizer.decode(answer, skip_special_tokens=True) == session.messages[3]["content"]
-    kept, whole = engine.drafter, fresh.drafter
+    assert generator.tokenizer.decode(answer, skip_special_tokens=True) == session.messages[3]["content"]
+    kept, whole = generator.drafter, fresh.drafter
     assert kept._observed == whole._observed == session.cache.length > len(second_prompt)
     for got, want in zip(kept._cache.buffers(0, kept._observed), whole._cache.buffers(0, whole._observed)):
         torch.testing.assert_close(got[:, :kept._observed], want[:, :whole._observed], rtol=1e-5, atol=1e-5)

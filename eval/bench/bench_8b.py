@@ -15,7 +15,7 @@ llama.cpp file (``x Q4_0``, ``x Q4_K_M``):
 
 - ``file GB``: the W4 artifact's directory, the GGUF file.
 - ``prefill tok/s, P-token prompt`` (P: the first of ``--contexts``): the prompt from an empty cache,
-  median of ``--repeats`` runs; quantkit in the engine's 512-token chunks, as generation runs it.
+  median of ``--repeats`` runs; quantkit in the generator's 512-token chunks, as generation runs it.
 - ``decode tok/s at C``: ``--new-tokens`` greedy steps C positions in, median of ``--repeats``. After
   the first context's prompt, prefilled once (each run drops the previous run's tokens). At later
   contexts llama.cpp prefills the C-token prompt once (half an hour at 8K) and saves its cache in its
@@ -36,7 +36,7 @@ llama.cpp file (``x Q4_0``, ``x Q4_K_M``):
 - ``share of ceiling at C``: decode tok/s / that ceiling.
 
 The second table is InfLLM v2 end to end at each of ``--long-contexts``: the runtime's whole decode
-step (every layer and the LM head) with dense attention (``load_engine(..., sparse="off")``) and with
+step (every layer and the LM head) with dense attention (``load_text_generator(..., sparse="off")``) and with
 InfLLM v2 (``sparse="on"``, MiniCPM4.1's sparse_config): tok/s of each, their ratio, and the MB a step
 reads (dense: every key and value; InfLLM v2: its selected blocks and the compressed keys, counted as
 ``kernels/roofline`` counts them). The KV cache is not prefilled but filled directly with random bf16
@@ -252,11 +252,11 @@ def as_full_model(layers: int):
 
 
 @torch.inference_mode()  # the runtime's own buffers are inference tensors
-def fill_cache(engine, length: int, capacity: int, seed: int):
-    """``length`` positions of random keys and values in every layer of a new cache of ``engine`` (room for
+def fill_cache(generator, length: int, capacity: int, seed: int):
+    """``length`` positions of random keys and values in every layer of a new cache of ``generator`` (room for
     ``capacity``), with InfLLM v2's compressed keys pooled from them (and the pre-RoPE keys it scores with
     under use_nope), as a decode step finds them after a prefill."""
-    runtime, cache = engine.runtime, engine.new_cache()
+    runtime, cache = generator.runtime, generator.new_cache()
     config = runtime.config
     generator = torch.Generator().manual_seed(seed)
     for layer in range(config.num_hidden_layers):
@@ -273,31 +273,32 @@ def fill_cache(engine, length: int, capacity: int, seed: int):
     return cache
 
 
-def random_cache_decode(engine, filled: int, new_tokens: int, repeats: int) -> float:
-    """Decode tok/s of ``engine`` after ``filled`` positions of ``fill_cache``: a warm-up and ``repeats``
+def random_cache_decode(generator, filled: int, new_tokens: int, repeats: int) -> float:
+    """Decode tok/s of ``generator`` after ``filled`` positions of ``fill_cache``: a warm-up and ``repeats``
     runs of ``new_tokens`` steps, each continuing the sequence, median."""
     steps = (repeats + 1) * new_tokens
-    cache = fill_cache(engine, filled, filled + steps + 1, seed=filled)
-    return new_tokens / median_seconds(lambda: greedy_steps(engine.runtime, cache, 0, new_tokens), repeats)
+    cache = fill_cache(generator, filled, filled + steps + 1, seed=filled)
+    return new_tokens / median_seconds(lambda: greedy_steps(generator.runtime, cache, 0, new_tokens), repeats)
 
 
-def sparse_step_bytes(engine, context: int) -> int:
+def sparse_step_bytes(generator, context: int) -> int:
     """Bytes an InfLLM v2 decode step reads at ``context``: ``decode_bytes`` with the keys and values
     of the selected blocks and the compressed keys in place of the whole cache."""
     from quantkit.kernels.roofline import attended_keys
 
-    config, sparse = engine.runtime.config, engine.runtime.attention.config
+    config, sparse = generator.runtime.config, generator.runtime.attention.config
     full, compressed = attended_keys(context, sparse)
-    per_key = config.num_hidden_layers * config.num_key_value_heads * config.head_dim * engine.runtime.kv_dtype.itemsize
-    return decode_bytes(engine, 0) + (2 * full + compressed) * per_key
+    per_key = (config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+               * generator.runtime.kv_dtype.itemsize)
+    return decode_bytes(generator, 0) + (2 * full + compressed) * per_key
 
 
-def bit_width_row(weights: str, recipe: str, artifact: Path, engine, context: int, new_tokens: int,
+def bit_width_row(weights: str, recipe: str, artifact: Path, generator, context: int, new_tokens: int,
                   repeats: int) -> dict:
-    """One row of the ternary-beside-W4 table: ``engine``'s decode at ``context`` on a random cache, and the
+    """One row of the ternary-beside-W4 table: ``generator``'s decode at ``context`` on a random cache, and the
     bandwidth ceiling of its own minute (as ``Measured.bandwidth``)."""
-    read = decode_bytes(engine, context + new_tokens // 2)
-    tok_s, probed = between_probes(lambda: random_cache_decode(engine, context, new_tokens, repeats))
+    read = decode_bytes(generator, context + new_tokens // 2)
+    tok_s, probed = between_probes(lambda: random_cache_decode(generator, context, new_tokens, repeats))
     bandwidth = decode_bandwidth(probed, tok_s, read)
     return {"weights": weights, "recipe": recipe, "file_gb": size_of(artifact) / 1e9, "tok_s": tok_s,
             "mb_per_token": read / 1e6, "bandwidth_gb_s": bandwidth, "ceiling_tok_s": bandwidth * 1e9 / read}
@@ -374,7 +375,7 @@ def amx_note(flags: list[str]) -> str:
 def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibration, export_speed, reuse, out, repeats,
          threads, json_path):
     """Prepare the files, time every contender, print the two tables and the targets."""
-    from quantkit.kernels.generate import load_engine
+    from quantkit.kernels.generate import load_text_generator
     from quantkit.models import MiniCPMConfig
 
     started = time.perf_counter()
@@ -419,52 +420,53 @@ def main(layers, contexts, long_contexts, new_tokens, gguf_types, layer_calibrat
 
     progress(f"quantkit: loading {artifact} (dense attention)")
     with as_full_model(layers):
-        engine = load_engine(artifact, sparse="off")
+        generator = load_text_generator(artifact, sparse="off")
     ours = Measured(f"quantkit W4 ({RECIPE})", size_of(artifact))
     for i, context in enumerate(contexts):
         if i == 0:
             progress(f"{ours.name}: prefill and decode at {context}")
             (_, ours.prefill[context], ours.decode[context]), ours.probed[context] = between_probes(
-                lambda: bench_quantkit(artifact, prompts[context], new_tokens, repeats, engine=engine))
+                lambda: bench_quantkit(artifact, prompts[context], new_tokens, repeats, generator=generator))
         else:
             progress(f"{ours.name}: decode at {context} (random cache)")
             ours.decode[context], ours.probed[context] = between_probes(
-                lambda: random_cache_decode(engine, context, new_tokens, repeats))
-        ours.bytes_per_token[context] = decode_bytes(engine, context + new_tokens // 2)
+                lambda: random_cache_decode(generator, context, new_tokens, repeats))
+        ours.bytes_per_token[context] = decode_bytes(generator, context + new_tokens // 2)
     contenders.insert(0, ours)
     progress("quantkit: decode profile")
-    profile = profile_decode(engine, prompts[contexts[0]][:PROFILE_PROMPT], steps=min(new_tokens, 16), rows=8)
+    profile = profile_decode(generator, prompts[contexts[0]][:PROFILE_PROMPT], steps=min(new_tokens, 16), rows=8)
 
     long_rows = {}
     for context in long_contexts:
         progress(f"quantkit dense attention: decode at {context} (random cache)")
-        dense = random_cache_decode(engine, context - (repeats + 1) * new_tokens, new_tokens, repeats)
-        long_rows[context] = {"context": context, "dense_tok_s": dense, "dense_bytes": decode_bytes(engine, context)}
+        dense = random_cache_decode(generator, context - (repeats + 1) * new_tokens, new_tokens, repeats)
+        long_rows[context] = {"context": context, "dense_tok_s": dense, "dense_bytes": decode_bytes(generator, context)}
     first = contexts[0]
     progress(f"{ours.name}: decode at {first} (random cache, as the ternary row)")
-    widths = [bit_width_row("W4 g128", RECIPE, artifact, engine, first, new_tokens, repeats)]
-    del engine
+    widths = [bit_width_row("W4 g128", RECIPE, artifact, generator, first, new_tokens, repeats)]
+    del generator
     gc.collect()
     progress(f"quantkit: loading {artifacts['ternary']} (ternary)")
     with as_full_model(layers):
-        engine = load_engine(artifacts["ternary"], sparse="off")
+        generator = load_text_generator(artifacts["ternary"], sparse="off")
     progress(f"quantkit ternary: decode at {first} (random cache)")
-    widths.append(bit_width_row("ternary g32", TERNARY_RECIPE, artifacts["ternary"], engine, first, new_tokens,
+    widths.append(bit_width_row("ternary g32", TERNARY_RECIPE, artifacts["ternary"], generator, first, new_tokens,
                                 repeats))
-    del engine
+    del generator
     gc.collect()
     if long_contexts:
         progress(f"quantkit: loading {artifact} (InfLLM v2)")
         with as_full_model(layers):
-            engine = load_engine(artifact, sparse="on")
-        sparse = engine.runtime.attention.config
+            generator = load_text_generator(artifact, sparse="on")
+        sparse = generator.runtime.attention.config
         for context in long_contexts:
             progress(f"quantkit InfLLM v2: decode at {context} (random cache)")
             row = long_rows[context]
-            row["sparse_tok_s"] = random_cache_decode(engine, context - (repeats + 1) * new_tokens, new_tokens, repeats)
-            row["sparse_bytes"] = sparse_step_bytes(engine, context)
+            row["sparse_tok_s"] = random_cache_decode(generator, context - (repeats + 1) * new_tokens, new_tokens,
+                                                      repeats)
+            row["sparse_bytes"] = sparse_step_bytes(generator, context)
             row["attention"] = "dense (below dense_len)" if sparse.is_dense(context) else "InfLLM v2"
-        del engine
+        del generator
         gc.collect()
     emulated = []
     for cpu_class in emulated_classes(cpu_flags()):

@@ -116,32 +116,32 @@ def main(artifact, layers, prompt_tokens, new_tokens, repeats, threads, llama_be
     from quantkit import cpu_ops
     from quantkit.eval.bench.bench_8b import as_full_model, random_prompt
     from quantkit.eval.bench.bench_runtime import greedy_steps
-    from quantkit.kernels.generate import load_engine
+    from quantkit.kernels.generate import load_text_generator
     from quantkit.kernels.linear.int4 import prefill_kernel
 
     if (llama_bench is None) != (gguf is None):
         raise click.UsageError("--llama-bench and --gguf go together")
     torch.set_num_threads(threads)
     with as_full_model(layers):
-        engine = load_engine(artifact, sparse="off")
-    prompt = random_prompt(prompt_tokens, engine.runtime.config.vocab_size, seed=prompt_tokens)
-    cache = engine.new_cache()
+        generator = load_text_generator(artifact, sparse="off")
+    prompt = random_prompt(prompt_tokens, generator.runtime.config.vocab_size, seed=prompt_tokens)
+    cache = generator.new_cache()
 
     def prefill() -> tuple[float, int]:
         cache.crop(0)
         start = time.perf_counter()
-        first = int(engine.prefill(prompt, cache).argmax())
+        first = int(generator.prefill(prompt, cache).argmax())
         return prompt_tokens / (time.perf_counter() - start), first
 
     def decode(first: int) -> float:
         cache.crop(prompt_tokens)
-        return new_tokens / greedy_steps(engine.runtime, cache, first, new_tokens)
+        return new_tokens / greedy_steps(generator.runtime, cache, first, new_tokens)
 
     def settle() -> None:
         """A few untimed steps before each timed run, as llama-bench warms up before its own: the first
         run after a llama-bench process lost ~1 s (decode 5.1 tok/s, then 6.8-7.0; scratch measurement)."""
         cache.crop(prompt_tokens)
-        greedy_steps(engine.runtime, cache, first, SETTLE_STEPS)
+        greedy_steps(generator.runtime, cache, first, SETTLE_STEPS)
 
     first = prefill()[1]  # warm-up
     decode(first)

@@ -46,21 +46,21 @@ def greedy_steps(runtime, cache, token: int, steps: int) -> float:
     return time.perf_counter() - start
 
 
-def bench_quantkit(artifact: Path, prompt: list[int], new_tokens: int, repeats: int, engine=None,
+def bench_quantkit(artifact: Path, prompt: list[int], new_tokens: int, repeats: int, generator=None,
                    prefill_repeats: int | None = None):
-    """(engine, prefill tok/s, decode tok/s) of quantkit's runtime on ``artifact`` with dense attention, or
-    on an ``engine`` already loaded. Prefill: the prompt from an empty cache in the engine's chunks, median
+    """(generator, prefill tok/s, decode tok/s) of quantkit's runtime on ``artifact`` with dense attention, or
+    on a ``generator`` already loaded. Prefill: the prompt from an empty cache in the generator's chunks, median
     of ``prefill_repeats`` runs (default ``repeats``), or with 0 the one run that fills the cache for
     decode. Decode: greedy steps after the prompt, prefilled once; each run drops the previous one's."""
-    from quantkit.kernels.generate import load_engine
+    from quantkit.kernels.generate import load_text_generator
 
-    engine = engine if engine is not None else load_engine(artifact, sparse="off")
-    cache, last = engine.new_cache(), {}
+    generator = generator if generator is not None else load_text_generator(artifact, sparse="off")
+    cache, last = generator.new_cache(), {}
 
     def prefill() -> float:
         cache.crop(0)
         start = time.perf_counter()
-        last["logits"] = engine.prefill(prompt, cache)
+        last["logits"] = generator.prefill(prompt, cache)
         return time.perf_counter() - start
 
     prefill_repeats = repeats if prefill_repeats is None else prefill_repeats
@@ -69,9 +69,9 @@ def bench_quantkit(artifact: Path, prompt: list[int], new_tokens: int, repeats: 
 
     def decode() -> float:
         cache.crop(len(prompt))
-        return greedy_steps(engine.runtime, cache, first, new_tokens)
+        return greedy_steps(generator.runtime, cache, first, new_tokens)
 
-    return engine, prefill_rate, median_rate(decode, new_tokens, repeats)
+    return generator, prefill_rate, median_rate(decode, new_tokens, repeats)
 
 
 def bench_transformers(model_dir: Path, dtype: torch.dtype, prompt: list[int], new_tokens: int, repeats: int):
@@ -181,10 +181,10 @@ def bench_llamacpp(gguf: Path, prompt: list[int], new_tokens: int, repeats: int,
         llm.close()
 
 
-def decode_bytes(engine, context: int) -> int:
+def decode_bytes(generator, context: int) -> int:
     """Bytes a decode step of quantkit's runtime reads: each quantized module's ``weight_bytes``, every
     other parameter except the embedding table (one row is read), and the KV cache at ``context``."""
-    model = engine.runtime.model
+    model = generator.runtime.model
     total, counted = 0, set()
     for module in model.modules():
         if hasattr(module, "weight_bytes"):
@@ -195,10 +195,10 @@ def decode_bytes(engine, context: int) -> int:
                  if p is not embedding and id(p) not in counted)
     config = model.config
     kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * context
-    return total + kv * engine.runtime.kv_dtype.itemsize
+    return total + kv * generator.runtime.kv_dtype.itemsize
 
 
-def profile_decode(engine, prompt: list[int], steps: int = 16, rows: int = 10) -> list[dict]:
+def profile_decode(generator, prompt: list[int], steps: int = 16, rows: int = 10) -> list[dict]:
     """Where a decode step's time goes: the PyTorch operators with the most self CPU time, and the
     rest of the wall time (the fused C++ operators of quantkit/cpu_ops, which the profiler does not
     see, and Python)."""
@@ -207,7 +207,7 @@ def profile_decode(engine, prompt: list[int], steps: int = 16, rows: int = 10) -
     # Kineto, the profiler's backend, prints a line at each start and stop at its default level; 6 is
     # above every level it has, read when the profiler first starts
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    runtime = engine.runtime
+    runtime = generator.runtime
     cache = runtime.new_cache()
     token = int(runtime.forward(torch.tensor(prompt), cache).argmax())
     with profile() as trace:
@@ -255,12 +255,12 @@ def main(model, artifact, gguf, prompt_tokens, new_tokens, repeats, threads, out
             gguf = Path(scratch) / "q4_0.gguf"
             export_gguf(model_dir, gguf, "q4_0", progress=False)
         llama_prefill, llama_decode = bench_llamacpp(gguf, prompt, new_tokens, repeats, threads)
-    engine, ours_prefill, ours_decode = bench_quantkit(artifact, prompt, new_tokens, repeats)
+    generator, ours_prefill, ours_decode = bench_quantkit(artifact, prompt, new_tokens, repeats)
     fp32 = bench_transformers(model_dir, torch.float32, prompt, new_tokens, repeats)
     bf16 = bench_transformers(model_dir, torch.bfloat16, prompt, new_tokens, repeats)
     bandwidth = memory_bandwidth_gb_s()
     context = prompt_tokens + new_tokens // 2
-    ours_bytes = decode_bytes(engine, context)
+    ours_bytes = decode_bytes(generator, context)
     contenders = [
         Contender(f"quantkit runtime, {artifact.name}", ours_prefill, ours_decode, ours_bytes),
         Contender("transformers fp32 eager", *fp32),
@@ -272,7 +272,7 @@ def main(model, artifact, gguf, prompt_tokens, new_tokens, repeats, threads, out
     table = format_table(["runtime", "prefill tok/s", "x fp32", "x llama.cpp", "decode tok/s", "x fp32",
                           "x llama.cpp"], rows)
     ceiling = bandwidth * 1e9 / ours_bytes
-    profile = profile_decode(engine, prompt)
+    profile = profile_decode(generator, prompt)
     profile_table = format_table(["op", "share", "calls/token", "us/token"],
                                  [[p["op"], f"{100 * p['share']:.1f}%", p["calls_per_token"], p["us_per_token"]]
                                   for p in profile])

@@ -91,14 +91,14 @@ class _Timed:
         return timed
 
 
-def _decode(engine, prompt: list[int], new_tokens: int) -> tuple[float, dict]:
+def _decode(generator, prompt: list[int], new_tokens: int) -> tuple[float, dict]:
     """Greedy decode seconds after ``prompt`` (``new_tokens`` tokens, stop tokens ignored, the first
-    token out of the prefill) and the engine's timings; a timed drafter and runtime are reset after the
+    token out of the prefill) and the generator's timings; a timed drafter and runtime are reset after the
     prefill, so that they count the decode's rounds only."""
-    engine.stop_tokens, timings = set(), {}
-    tokens = engine.tokens(prompt, max_new_tokens=new_tokens, timings=timings)
+    generator.stop_tokens, timings = set(), {}
+    tokens = generator.tokens(prompt, max_new_tokens=new_tokens, timings=timings)
     next(tokens)
-    for part in (engine.drafter, engine.runtime):
+    for part in (generator.drafter, generator.runtime):
         if isinstance(part, _Timed):
             part.reset()
     count = 1 + sum(1 for _ in tokens)
@@ -110,30 +110,30 @@ def _decode(engine, prompt: list[int], new_tokens: int) -> tuple[float, dict]:
 def speed_of(target: Path, head: Path, prompts: list[list[int]], new_tokens: int, repeats: int,
              drafts: dict[str, dict]) -> list[dict]:
     """Greedy decode of ``target`` after each of ``prompts``, plain and with ``head`` drafting each of
-    ``drafts`` (label -> load_engine options), interleaved repeats of the whole set, medians: tok/s, τ
+    ``drafts`` (label -> load_text_generator options), interleaved repeats of the whole set, medians: tok/s, τ
     (tokens a round over the set), and a round's parts as multiples of the plain decode step
     (``propose``: drafting, ``verify``: the target's forward over the drafts, ``observe``: the head
     reading the verified states, ``rest``: verification's argmax, cropping the caches, Python). Several
     prompts, because one continuation's τ swings the speed-up by a third."""
-    from quantkit.kernels.generate import load_engine
+    from quantkit.kernels.generate import load_text_generator
 
-    plain = load_engine(target)
-    engines = {}
+    plain = load_text_generator(target)
+    generators = {}
     for label, options in drafts.items():
-        engine = load_engine(target, draft=head, **options)
-        engine.drafter = _Timed(engine.drafter, ("propose", "propose_tree", "observe"))
-        engine.runtime = _Timed(engine.runtime, ("forward_capturing",))  # after the prefill: verification only
-        engines[label] = engine
+        generator = load_text_generator(target, draft=head, **options)
+        generator.drafter = _Timed(generator.drafter, ("propose", "propose_tree", "observe"))
+        generator.runtime = _Timed(generator.runtime, ("forward_capturing",))  # after the prefill: verification only
+        generators[label] = generator
     steps = len(prompts) * (new_tokens - 1)  # each prompt's first token comes out of its prefill
-    samples = {label: [] for label in engines}
+    samples = {label: [] for label in generators}
     step_seconds = []
     for _ in range(repeats + 1):  # the first pass warms up
         step_seconds.append(sum(_decode(plain, prompt, new_tokens)[0] for prompt in prompts) / steps)
-        for label, engine in engines.items():
+        for label, generator in generators.items():
             total = Counter()
             for prompt in prompts:
-                seconds, timings = _decode(engine, prompt, new_tokens)
-                drafter, runtime = engine.drafter, engine.runtime
+                seconds, timings = _decode(generator, prompt, new_tokens)
+                drafter, runtime = generator.drafter, generator.runtime
                 accepted = timings["acceptance"]
                 total.update({"seconds": seconds, "rounds": accepted.rounds, "committed": accepted.committed,
                               "propose": drafter.seconds["propose"] + drafter.seconds["propose_tree"],
@@ -247,7 +247,7 @@ def main(model, out, head_data, head_tokens, tune_data, tune_tokens, tune_passes
     from quantkit.draft.trainer import CHECKPOINT_FILE
     from quantkit.eval.accept import acceptance, prompt_rows
     from quantkit.eval.bench.bench_runtime import bench_llamacpp
-    from quantkit.kernels.generate import load_engine
+    from quantkit.kernels.generate import load_text_generator
     from quantkit.kernels.speculative import TreeShape
     from quantkit.zoo import resolve_model
 
@@ -301,14 +301,14 @@ def main(model, out, head_data, head_tokens, tune_data, tune_tokens, tune_passes
     speed_rows = prompt_rows(heldout[prompts * prompt_tokens:], speed_prompts, speed_prompt_tokens).tolist()
     pairings = []
     for label, target in targets.items():
-        engine = load_engine(target, dtype=torch.float32)
+        generator = load_text_generator(target, dtype=torch.float32)
         heads = {"FP head": head, "GPTQ W4 head": w4_head, "QAT W4 head": qat_head,
                  **({"re-aligned head": realigned[label]} if label in realigned else {})}
         for head_label, head_dir in heads.items():
             for shape, t, shape_tree in ((f"chain {k}", 0.0, None), (f"tree {tree}", 0.0, tree_shape),
                                          (f"chain {k}", temperature, None), (f"tree {tree}", temperature, tree_shape)):
                 click.echo(f"[tau] {label} <- {head_label}, {shape}, T={t}", err=True)
-                stats = acceptance(engine, head_dir, batch, k, max_new_tokens, t, tree=shape_tree)
+                stats = acceptance(generator, head_dir, batch, k, max_new_tokens, t, tree=shape_tree)
                 pairings.append(Pairing(label, head_label, shape, t, stats.tau, stats.position_rates, stats.rounds))
     depth = max(k, tree_shape.depth)
     tau_table = format_table(["target", "head", "draft", "T", "tau", *[f"accept@{i + 1}" for i in range(depth)]],

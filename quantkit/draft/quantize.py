@@ -22,11 +22,13 @@ import torch
 from quantkit import atomic, calib
 from quantkit.algorithms import ALGORITHMS
 from quantkit.artifact import staging_dir
+from quantkit.draft.head_files import save_quantized_head
 from quantkit.draft.ttt import unrolled_steps
 from quantkit.formats import FORMATS
 from quantkit.loading import load_model
-from quantkit.models.eagle3 import HEAD_LINEAR_GROUPS, DraftHeadError, entering_states, load_head, save_quantized_head
+from quantkit.models.eagle3 import HEAD_LINEAR_GROUPS, DraftHeadError, entering_states
 from quantkit.quant import QuantConfig
+from quantkit.reader import load_head
 from quantkit.recipe import Recipe
 from quantkit.stats import InputStats
 

@@ -31,6 +31,7 @@ from quantkit.cache import cache_root
 from quantkit.checkpoint import CheckpointReader
 from quantkit.device import resolve_device
 from quantkit.draft.features import build_features, features_key, row_features
+from quantkit.draft.head_files import save_quantized_head
 from quantkit.draft.settings import DraftSettings, DraftTrainingError
 from quantkit.draft.ttt import unrolled_steps
 from quantkit.engine import peak_rss_mb
@@ -41,11 +42,10 @@ from quantkit.models.eagle3 import (
     Eagle3Config,
     Eagle3Head,
     draft_vocabulary,
-    load_head,
     save_head,
-    save_quantized_head,
 )
 from quantkit.quant import QuantConfig
+from quantkit.reader import load_head
 from quantkit.training import state
 from quantkit.training.data import training_data
 from quantkit.training.distill import distillation_loss

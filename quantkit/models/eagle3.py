@@ -19,6 +19,10 @@ ignored when present, because the target's embedding is used (as vLLM and CPM.cu
 Which residual states feed ``fc`` is the one point where MiniCPM's runtime and the EAGLE-3 training
 script disagree, so it is a named choice (``AUX_STATES``), recorded in the head's config.json as
 ``aux_states``. docs/speculative.md gives the details.
+
+This module is the head's architecture (config, modules, its linears, pairing checks) and writes an FP
+head (``save_head``); ``quantkit.reader.load_head`` reads a head, FP or quantized, and
+``quantkit.draft.head_files`` writes a quantized one: the formats are theirs to know.
 """
 from __future__ import annotations
 
@@ -265,99 +269,3 @@ def entering_states(model, input_ids: torch.Tensor, layers) -> tuple[torch.Tenso
         for hook in hooks:
             hook.remove()
     return logits, captured
-
-
-def _fc_format(fmt: str) -> str:
-    return "marlin" if fmt == "cpmcu" else fmt  # CPM.cu packs fc alone, in Marlin's layout
-
-
-def quantized_head_tensors(head: Eagle3Head, records: dict, fmt: str) -> dict[str, torch.Tensor]:
-    """A head's tensors with its linears as ``records`` (name -> QuantizedTensor) in format ``fmt``
-    (gptq, marlin, cpmcu), everything else fp16, ``d2t`` int32 (and no ``t2d`` for CPM.cu, whose
-    converter drops it)."""
-    from quantkit.formats import FORMATS
-
-    midlayer = {name.removeprefix(MIDLAYER): record for name, record in records.items() if name.startswith(MIDLAYER)}
-    tensors = {**FORMATS[fmt].write_layer(midlayer, MIDLAYER),
-               **FORMATS[_fc_format(fmt)].write_layer({"fc": records["fc"]}, "")}
-    quantized = {f"{name}.weight" for name in records}
-    for name, tensor in head.state_dict().items():
-        if name in quantized or (name == "t2d" and fmt == "cpmcu"):
-            continue
-        tensors[name] = tensor.to(torch.int32) if name == "d2t" else tensor if name == "t2d" else tensor.half()
-    return {name: tensor.contiguous() for name, tensor in tensors.items()}
-
-
-def save_quantized_head(head: Eagle3Head, records: dict, fmt: str, directory: str | Path) -> Path:
-    """Write ``head`` with its linears as ``records`` in layout ``fmt`` (``quantized_head_tensors``) and a
-    config.json whose quantization_config is the format's, with the LM head unquantized."""
-    from quantkit.atomic import save_safetensors, write_json
-    from quantkit.formats import FORMATS
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    save_safetensors(directory / WEIGHTS_FILE, quantized_head_tensors(head, records, fmt), metadata={"format": "pt"})
-    grid = next(iter(records.values())).config
-    write_json(directory / CONFIG_FILE, {**head.config.to_dict(head.target),
-                                         "quantization_config": {**FORMATS[fmt].quantization_config(grid),
-                                                                 "lm_head": False}})
-    return directory
-
-
-def _quantized_format(names: set[str]) -> str:
-    """Which layout a quantized head's tensors are in, from their names."""
-    if f"{MIDLAYER}self_attn.qkv_proj.qweight" in names:
-        return "cpmcu"
-    return "gptq" if "fc.qzeros" in names else "marlin"
-
-
-def _dequantized_linears(tensors: dict, quantization_config: dict, head: Eagle3Head) -> dict[str, torch.Tensor]:
-    """``{linear}.weight`` of every quantized linear of a head in a gptq, marlin or cpmcu layout."""
-    from quantkit.formats import FORMATS
-
-    fmt = _quantized_format(set(tensors))
-    config = FORMATS[fmt].parse_config(quantization_config)
-    shapes = {name: (head.get_submodule(name).out_features, head.get_submodule(name).in_features)
-              for group in HEAD_LINEAR_GROUPS for name in group}
-    midlayer = FORMATS[fmt].read_layer(tensors, MIDLAYER, config, {name.removeprefix(MIDLAYER): shape
-                                                                     for name, shape in shapes.items()
-                                                                     if name.startswith(MIDLAYER)})
-    fc = FORMATS[_fc_format(fmt)].read_layer(tensors, "", config, {"fc": shapes["fc"]})
-    records = {**{MIDLAYER + name: record for name, record in midlayer.items()}, **fc}
-    return {f"{name}.weight": record.dequantize() for name, record in records.items()}
-
-
-def load_head(directory: str | Path, target: MiniCPMConfig, dtype: torch.dtype = torch.float32) -> Eagle3Head:
-    """A head in the official layout, FP or quantized (gptq, marlin, cpmcu: its linears dequantized),
-    checked against ``target`` before any weight is read."""
-    from safetensors import safe_open
-
-    directory = Path(directory)
-    config = Eagle3Config.from_pretrained(directory)
-    quantization_config = json.loads((directory / CONFIG_FILE).read_text()).get("quantization_config")
-    with torch.device("meta"):
-        head = Eagle3Head(config, target)
-    expected = {name: tuple(tensor.shape) for name, tensor in head.state_dict().items()}
-    path = directory / WEIGHTS_FILE
-    if not path.is_file():
-        raise DraftHeadError(f"{directory} has no {WEIGHTS_FILE}")
-    with safe_open(str(path), framework="pt") as f:
-        names = set(f.keys())
-        linears = ({} if quantization_config is None else
-                   _dequantized_linears({name: f.get_tensor(name) for name in names}, quantization_config, head))
-        missing = sorted(set(expected) - names - set(linears) - {"t2d"})
-        if missing:
-            raise DraftHeadError(f"{path} lacks {', '.join(missing)}"
-                                 + (" (d2t maps draft ids to target ids; a head without it cannot be used)"
-                                    if "d2t" in missing else ""))
-        tensors = {**{name: f.get_tensor(name) for name in expected if name in names}, **linears}
-    for name, tensor in tensors.items():
-        if tuple(tensor.shape) != expected[name]:
-            raise DraftHeadError(f"{path}: {name} has shape {tuple(tensor.shape)}, the config says {expected[name]}")
-    if "t2d" not in tensors:  # optional in the official layout: it follows from d2t
-        tensors["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool)
-        tensors["t2d"][torch.arange(config.draft_vocab_size) + tensors["d2t"].long()] = True
-    tensors = {name: t.long() if name == "d2t" else t if name == "t2d" else t.to(dtype) for name, t in tensors.items()}
-    head = Eagle3Head(config, target).to(dtype)
-    head.load_state_dict(tensors)
-    return head.eval()
