@@ -67,7 +67,6 @@ MAY_IMPORT = {
 # other, and on an entry here that the code no longer has.
 KNOWN_VIOLATIONS = {
     ("quantkit.models.eagle3", "quantkit.formats"),
-    ("quantkit.formats.mlx", "quantkit.algorithms.rtn"),
     ("quantkit.qat.trainer", "quantkit.engine"),
     ("quantkit.qat.trainer", "quantkit.eval.ppl"),
     ("quantkit.draft.trainer", "quantkit.engine"),
