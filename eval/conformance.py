@@ -25,7 +25,7 @@ Arrays = Mapping[str, np.ndarray]
 Decoder = Callable[[Arrays, str, Mapping, tuple[int, int]], np.ndarray]
 
 
-class Consumer(NamedTuple):
+class ConsumerRule(NamedTuple):
     name: str
     source: str  # the consumer's code this rule follows
     decode: Decoder
@@ -216,25 +216,29 @@ def mlx_affine(tensors: Arrays, name: str, quant: Mapping, shape: tuple[int, int
     return codes.astype(np.float32) * scales + biases
 
 
-def consumers_of(format_name: str, shapes: Mapping[str, tuple[int, int]]) -> tuple[Consumer, ...]:
-    """The consumers whose reading of ``format_name`` artifacts is checked."""
-    gptq_marlin = Consumer("vLLM gptq_marlin (sym 4/8-bit)", "vLLM gptq_marlin.py, uint4b8/uint8b128",
-                           _gptq(gptq_marlin_zeros), _marlin_compatible)
+def rules_of(format_name: str, shapes: Mapping[str, tuple[int, int]]) -> tuple[ConsumerRule, ...]:
+    """The rules of the consumers whose reading of ``format_name`` artifacts is checked."""
+    gptq_marlin = ConsumerRule("vLLM gptq_marlin (sym 4/8-bit)", "vLLM gptq_marlin.py, uint4b8/uint8b128",
+                               _gptq(gptq_marlin_zeros), _marlin_compatible)
     table = {
-        "gptq": (Consumer("AutoGPTQ", "qlinear_cuda_old.py: (zeros + 1) & maxq", _gptq(autogptq_v1_zeros)),
-                 Consumer("vLLM gptq", "csrc/quantization/gptq/q_gemm.cu: zeros + zero_offset (1)",
-                          _gptq(vllm_v1_zeros)),
-                 Consumer("GPTQModel", "utils/model.py: v1->v2 word-wise add", _gptq(gptqmodel_v1_zeros)),
+        "gptq": (ConsumerRule("AutoGPTQ", "qlinear_cuda_old.py: (zeros + 1) & maxq", _gptq(autogptq_v1_zeros)),
+                 ConsumerRule("vLLM gptq", "csrc/quantization/gptq/q_gemm.cu: zeros + zero_offset (1)",
+                              _gptq(vllm_v1_zeros)),
+                 ConsumerRule("GPTQModel", "utils/model.py: v1->v2 word-wise add", _gptq(gptqmodel_v1_zeros)),
                  gptq_marlin),
-        "gptq-v2": (Consumer("GPTQModel / vLLM gptq (v2)", "zero_offset 0: stored zero as is", _gptq(v2_zeros)),
+        "gptq-v2": (ConsumerRule("GPTQModel / vLLM gptq (v2)", "zero_offset 0: stored zero as is", _gptq(v2_zeros)),
                     gptq_marlin),
-        "awq": (Consumer("AutoAWQ", "awq/utils/packing_utils.py: unpack_awq, reverse_awq_order", _awq(autoawq_unpack)),
-                Consumer("vLLM awq", "awq_triton.py: awq_dequantize shifts", _awq(vllm_awq_unpack))),
-        "marlin": (Consumer("vLLM / IST-DASLab Marlin", "marlin_utils_test.py: get_weight_perm, uint4b8", _marlin),),
-        "cpmcu": (Consumer("CPM.cu", "scripts/model_convert/gptq2marlin.py: fused qkv/gate_up Marlin",
-                           make_cpmcu_decoder(shapes)),),
-        "ternary": (Consumer("quantkit runtime (documented planes)", "docs/formats.md, Ternary", ternary_planes),),
-        "mlx": (Consumer("mlx / mlx-lm", "mlx/backend/cpu/quantized.cpp: dequantize, scale * q + bias", mlx_affine),),
+        "awq": (ConsumerRule("AutoAWQ", "awq/utils/packing_utils.py: unpack_awq, reverse_awq_order",
+                             _awq(autoawq_unpack)),
+                ConsumerRule("vLLM awq", "awq_triton.py: awq_dequantize shifts", _awq(vllm_awq_unpack))),
+        "marlin": (ConsumerRule("vLLM / IST-DASLab Marlin", "marlin_utils_test.py: get_weight_perm, uint4b8",
+                                _marlin),),
+        "cpmcu": (ConsumerRule("CPM.cu", "scripts/model_convert/gptq2marlin.py: fused qkv/gate_up Marlin",
+                               make_cpmcu_decoder(shapes)),),
+        "ternary": (ConsumerRule("quantkit runtime (documented planes)", "docs/formats.md, Ternary",
+                                 ternary_planes),),
+        "mlx": (ConsumerRule("mlx / mlx-lm", "mlx/backend/cpu/quantized.cpp: dequantize, scale * q + bias",
+                             mlx_affine),),
     }
     if format_name not in table:
         raise ValueError(f"no consumer rules for format {format_name!r} (GGUF files are checked against llama.cpp "
@@ -292,7 +296,7 @@ def _numpy(tensors: Mapping) -> dict[str, np.ndarray]:
     return {name: t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy() for name, t in tensors.items()}
 
 
-def check_artifact(model_dir: str | Path) -> ConformanceReport:
+def check_conformance(model_dir: str | Path) -> ConformanceReport:
     """Decode every quantized linear of ``model_dir`` with each consumer's rule and compare with
     quantkit's reading. Where quantkit refuses a layer (an ambiguous zero point, say), its linears
     are compared with the first consumer's reading instead, which shows whether the consumers at
@@ -303,9 +307,9 @@ def check_artifact(model_dir: str | Path) -> ConformanceReport:
     if artifact.format is None:
         raise ValueError(f"{model_dir} is not quantized: there is nothing for a consumer to decode")
     quant = artifact.quantization_config
-    consumers = [c for c in consumers_of(artifact.format.name, artifact.shapes) if c.applies(quant)]
+    rules = [rule for rule in rules_of(artifact.format.name, artifact.shapes) if rule.applies(quant)]
     report = ConformanceReport(str(model_dir), artifact.format.name, dict(quant),
-                               [ConsumerCheck(c.name, c.source) for c in consumers])
+                               [ConsumerCheck(rule.name, rule.source) for rule in rules])
     for index in range(artifact.num_layers):
         stored = artifact.layer_tensors(index)
         try:
@@ -316,7 +320,7 @@ def check_artifact(model_dir: str | Path) -> ConformanceReport:
         arrays = _numpy(stored)
         for linear, shape in artifact.shapes.items():
             name = f"{layer_prefix(index)}{linear}"
-            decoded = [consumer.decode(arrays, name, quant, shape) for consumer in consumers]
+            decoded = [rule.decode(arrays, name, quant, shape) for rule in rules]
             reference = ours[f"{name}.weight"].numpy() if ours is not None else decoded[0]
             for check, theirs in zip(report.checks, decoded):
                 compare(check, f"{name}.weight", theirs, reference)

@@ -366,7 +366,8 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
     config = MiniCPMConfig.from_pretrained(model_dir)
     fmt = FORMATS[recipe["format"]]
     qconfig = fmt.resolve(fmt.grid(recipe["quant"], reader.dtype(EMBEDDING)), recipe.values, config.num_hidden_layers)
-    validate_checkpoint(reader, config, qconfig, fmt, recipe["gptq"]["desc_act"], progress)
+    validate_checkpoint(reader, config, qconfig, fmt, ALGORITHMS[recipe["algorithm"]].act_order(recipe.values),
+                        progress)
     dtype = compute_dtype(recipe["compute_dtype"])
     store = plan_activations(config, recipe["calibration"], dtype, device, activations, out_dir.absolute().parent)
 
@@ -426,11 +427,8 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
         return report
 
     source_config = json.loads((model_dir / "config.json").read_text())
-    settings = recipe["gptq"]
-    uses_gptq = recipe["algorithm"] == "gptq"
-    quantization_config = fmt.quantization_config(
-        qconfig, desc_act=uses_gptq and settings["desc_act"], static_groups=uses_gptq and settings["static_groups"],
-        damp_percent=settings["damp_percent"] if uses_gptq else None, quantizer=f"quantkit:{__version__}")
+    recorded = ALGORITHMS[recipe["algorithm"]].recorded_settings(recipe.values)
+    quantization_config = fmt.quantization_config(qconfig, **recorded, quantizer=f"quantkit:{__version__}")
     manifest = {
         "quantkit_version": __version__,
         "format": fmt.name,

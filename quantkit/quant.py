@@ -7,12 +7,19 @@ A float-bias grid (``QuantConfig.float_bias``, MLX's affine mode) replaces the i
 with a float bias: ``q = clamp(round((w - bias) / scale), 0, maxq)`` and ``w ≈ scale * q + bias``.
 Parameter search (``find_group_params``) and rounding (``quantize_codes``) are separate functions
 because the GPTQ solver picks parameters per group but rounds one column at a time.
+
+Round-to-nearest (``rtn_quantize``) is here too, not among the algorithms, because formats need it
+as well: MLX quantizes the embedding and LM head the way ``mlx_lm.convert`` does. On a float-bias
+grid it is mlx-lm's own quantizer, ``mx.quantize``: the codes are rounded with the float32 min-max
+parameters and the scale and bias are then stored in the model dtype, so the result equals
+``mlx_lm.convert -q`` bit for bit. (The solvers instead choose codes on the grid as stored:
+``find_group_params``.)
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -398,3 +405,36 @@ class QuantizedTensor:
             return (self.codes.to(torch.float32) * scales + self.biases[g].T.to(torch.float32)).to(dtype)
         zeros = self.zeros[g].T.to(torch.float32)
         return ((self.codes.to(torch.float32) - zeros) * scales).to(dtype)
+
+
+# (float32 weight [N, K], one group's columns) -> that group's grid
+GridChooser = Callable[[Tensor, slice], GroupParams]
+
+
+def quantize_groups(weight: Tensor, config: QuantConfig, choose_grid: GridChooser) -> QuantizedTensor:
+    """Round every group of ``weight`` [N, K] to nearest on the grid ``choose_grid`` picks for it."""
+    if weight.dim() != 2:
+        raise ValueError(f"expected a linear weight [out_features, in_features], got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    w = weight.to(torch.float32)
+    slices = group_slices(k, config.group_size)
+    codes = torch.empty(n, k, dtype=torch.uint8, device=w.device)
+    scales = torch.empty(len(slices), n, dtype=config.scale_dtype, device=w.device)
+    offsets = torch.empty(len(slices), n, dtype=config.scale_dtype if config.float_bias else torch.uint8,
+                          device=w.device)
+    for group, columns in enumerate(slices):
+        params = choose_grid(w, columns)
+        codes[:, columns] = quantize_codes(w[:, columns], params, config.maxq).to(torch.uint8)
+        scales[group] = params.scale.to(config.scale_dtype)
+        offsets[group] = params.bias if config.float_bias else params.zero
+    g_idx = default_g_idx(k, config.group_size, device=w.device)
+    if config.float_bias:
+        return QuantizedTensor(codes, scales, None, g_idx, config, biases=offsets)
+    return QuantizedTensor(codes, scales, offsets, g_idx, config)
+
+
+def rtn_quantize(weight: Tensor, config: QuantConfig) -> QuantizedTensor:
+    """Round-to-nearest: every group's grid from its own min/max, each weight rounded independently
+    (float32 math whatever the input dtype)."""
+    find = affine_params if config.float_bias else find_group_params
+    return quantize_groups(weight, config, lambda w, columns: find(w[:, columns], config))

@@ -66,7 +66,6 @@ MAY_IMPORT = {
 # Edges the layering forbids that the code still has, each to be removed (issue 68); the test fails on any
 # other, and on an entry here that the code no longer has.
 KNOWN_VIOLATIONS = {
-    ("quantkit.formats.mlx", "quantkit.algorithms.rtn"),
     ("quantkit.qat.trainer", "quantkit.engine"),
     ("quantkit.qat.trainer", "quantkit.eval.ppl"),
     ("quantkit.draft.trainer", "quantkit.engine"),

@@ -9,13 +9,12 @@ import pytest
 import torch
 
 from quantkit.algorithms.awq import awq_quantize
-from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.algorithms.smooth import search_scale
 from quantkit.artifact import staging_dir
 from quantkit.engine import quantize
 from quantkit.loading import load_model
 from quantkit.models.layers import LINEARS
-from quantkit.quant import CLIP_STEPS, QuantConfig, fake_quantize, find_group_params, search_group_params
+from quantkit.quant import CLIP_STEPS, QuantConfig, fake_quantize, find_group_params, rtn_quantize, search_group_params
 from quantkit.stats import InputStats
 
 from helpers import small_recipe

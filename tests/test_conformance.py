@@ -9,9 +9,9 @@ from quantkit.engine import quantize
 from quantkit.eval.conformance import (
     MARLIN_WEIGHT_PERM,
     autogptq_v1_zeros,
-    check_artifact,
-    consumers_of,
+    check_conformance,
     gptqmodel_v1_zeros,
+    rules_of,
     unpack_stream,
     vllm_v1_zeros,
 )
@@ -55,14 +55,14 @@ def layer_of(config: QuantConfig, shapes: dict, seed: int, g_idx_for=None) -> di
 def assert_consumers_agree(format_name: str, quant: dict, records: dict[str, QuantizedTensor], shapes: dict):
     tensors = FORMATS[format_name].write_layer(records, PREFIX)
     arrays = {key: t.numpy() for key, t in tensors.items()}
-    consumers = [c for c in consumers_of(format_name, shapes) if c.applies(quant)]
-    assert consumers
+    rules = [rule for rule in rules_of(format_name, shapes) if rule.applies(quant)]
+    assert rules
     for name, record in records.items():
         ours = record.dequantize(torch.float32).numpy()
-        for consumer in consumers:
-            theirs = consumer.decode(arrays, PREFIX + name, quant, record.shape)
-            assert theirs.dtype == np.float32 and np.array_equal(theirs, ours), (consumer.name, name)
-    return consumers
+        for rule in rules:
+            theirs = rule.decode(arrays, PREFIX + name, quant, record.shape)
+            assert theirs.dtype == np.float32 and np.array_equal(theirs, ours), (rule.name, name)
+    return rules
 
 
 SMALL_SHAPES = {name: (64, 160) for name in LINEARS}  # K = 160: a ragged last group at g64 and g128
@@ -168,7 +168,7 @@ def _flatten(settings: dict, prefix: str = ""):
 def test_engine_artifacts_conform(recipe, settings, checkpoint, tiny_checkpoint, marlin_legal, tmp_path):
     source = {"tiny": tiny_checkpoint, "marlin": marlin_legal}[checkpoint]
     out = _quantize(recipe, source, tmp_path / "out", **settings)
-    report = check_artifact(out)
+    report = check_conformance(out)
     assert report.passed, report
     layers = ArtifactReader(out).num_layers
     assert all(check.linears == layers * len(LINEARS) for check in report.checks)
@@ -183,7 +183,7 @@ def test_planted_zero_point_of_zero_is_caught(tiny_checkpoint, tmp_path):
     from quantkit.cli import main
 
     out = _quantize("gptq-w4g128", tiny_checkpoint, tmp_path / "asym", quant={"sym": False, "group_size": 32})
-    assert check_artifact(out).passed
+    assert check_conformance(out).passed
     result = CliRunner().invoke(main, ["eval", "conformance", "--model", str(out)])
     assert result.exit_code == 0 and "vLLM gptq" in result.output and "no (" not in result.output
     from safetensors.torch import load_file, save_file
@@ -195,7 +195,7 @@ def test_planted_zero_point_of_zero_is_caught(tiny_checkpoint, tmp_path):
     zeros[0, 3] = 15
     tensors[key] = gptq.pack_cols(zeros, 4)
     save_file(tensors, str(shard), metadata={"format": "pt"})
-    report = check_artifact(out)
+    report = check_conformance(out)
     assert not report.passed
     assert "ambiguous" in report.quantkit_error and "mlp.down_proj.qzeros" in report.quantkit_error
     mismatched = {check.consumer: check.mismatched for check in report.checks}

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 import torch
 
-from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.formats.gptq import (
     gptq_tensors,
     pack_cols,
@@ -16,7 +15,7 @@ from quantkit.formats.gptq import (
     unpack_cols,
     unpack_rows,
 )
-from quantkit.quant import QuantConfig, default_g_idx
+from quantkit.quant import QuantConfig, default_g_idx, rtn_quantize
 
 from helpers import random_record
 

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 import torch
 
-from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.formats.marlin import (
     WEIGHT_PERM,
     check_marlin,
@@ -14,7 +13,7 @@ from quantkit.formats.marlin import (
     quantization_config,
     read_marlin_tensors,
 )
-from quantkit.quant import QuantConfig, QuantizedTensor, default_g_idx
+from quantkit.quant import QuantConfig, QuantizedTensor, default_g_idx, rtn_quantize
 
 PREFIX = "model.layers.0.self_attn.q_proj"
 W4G128 = QuantConfig(4, 128, True)

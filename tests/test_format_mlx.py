@@ -25,12 +25,11 @@ import torch
 from safetensors.torch import load_file
 
 from quantkit.algorithms.gptq import gptq_quantize
-from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.engine import quantize
 from quantkit.formats import FORMATS
 from quantkit.formats.mlx import mlx_grid, mlx_tensors, read_mlx_tensors
 from quantkit.loading import load_model
-from quantkit.quant import FLOAT_BIAS_BITS
+from quantkit.quant import FLOAT_BIAS_BITS, rtn_quantize
 from quantkit.reader import ArtifactReader
 from quantkit.recipe import RecipeError
 
@@ -539,12 +538,12 @@ def test_export_mlx_refuses_grids_mlx_cannot_hold(changes, message, mlx_checkpoi
 
 
 def test_conformance_check_reads_mlx_artifacts(gptq_artifact, mlx_checkpoint_bf16, tmp_path):
-    from quantkit.eval.conformance import check_artifact
+    from quantkit.eval.conformance import check_conformance
 
     bf16 = tmp_path / "bf16"
     quantize(mlx_checkpoint_bf16, small_recipe("mlx-s-p-gptq-w4g64", tmp_path, quant={"bits": 5}), bf16, progress=False)
     for artifact in (gptq_artifact, bf16):
-        report = check_artifact(artifact)
+        report = check_conformance(artifact)
         assert report.passed and report.checks[0].linears == 14
 
 

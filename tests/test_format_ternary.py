@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 import torch
 
-from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.formats.ternary import (
     pack_planes,
     parse_quantization_config,
@@ -14,7 +13,7 @@ from quantkit.formats.ternary import (
     ternary_tensors,
     unpack_planes,
 )
-from quantkit.quant import QuantConfig, QuantizedTensor, search_group_params
+from quantkit.quant import QuantConfig, QuantizedTensor, rtn_quantize, search_group_params
 from quantkit.recipe import RecipeError, load_recipe
 
 from helpers import built_cpu_ops

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from quantkit.algorithms.gptq import gptq_quantize, gptq_solve
-from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.formats.gptq import gptq_tensors, read_gptq_tensors
 from quantkit.formats.ternary import read_ternary_tensors, ternary_tensors
 from quantkit.quant import (
@@ -13,6 +12,7 @@ from quantkit.quant import (
     dequantize_codes,
     find_group_params,
     quantize_codes,
+    rtn_quantize,
     search_group_params,
 )
 from quantkit.stats import InputStats, relative_error

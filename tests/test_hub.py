@@ -15,7 +15,7 @@ import torch
 from click.testing import CliRunner
 
 from quantkit.cli import main
-from quantkit.hub.card import CONSUMERS, GGUF_USAGE, consumers_of
+from quantkit.formats import FORMATS, consumers
 from quantkit.hub.check import ArtifactCheckError, check_artifact
 from quantkit.hub.publish import NOT_CONSULTED, UNCHANGED, UPLOAD, check, publish, render_card
 from quantkit.hub.pull import PULL_PATTERNS, choose_gguf, pull_model
@@ -389,9 +389,10 @@ def _headings(card: str) -> list[str]:
     return [line.removeprefix("### ") for line in usage.splitlines() if line.startswith("### ")]
 
 
-USAGE_MARKERS = {"transformers": "AutoModelForCausalLM", "vllm": "vllm serve", "sglang": "sglang.launch_server",
-                 "cpmcu": "cpmcu.cli", "quantkit": "quantkit generate", "llama.cpp": "llama-cli",
-                 "mlx-lm": "mlx_lm.generate"}
+USAGE_MARKERS = {consumers.TRANSFORMERS: "AutoModelForCausalLM", consumers.VLLM: "vllm serve",
+                 consumers.SGLANG: "sglang.launch_server", consumers.CPMCU: "cpmcu.cli",
+                 consumers.QUANTKIT: "quantkit generate", consumers.LLAMA_CPP: "llama-cli",
+                 consumers.MLX_LM: "mlx_lm.generate"}
 FORMAT_ARTIFACTS = {  # format -> (recipe, changes, fixture)
     "awq": ("awq-w4g128", {}, "tiny_checkpoint"),
     "cpmcu": ("cpmcu", {"smooth": {"enabled": False}}, "marlin_legal"),
@@ -410,11 +411,11 @@ def test_each_format_card_shows_only_its_consumers(fmt, artifact, tmp_path, requ
         directory = _quantize(request.getfixturevalue(fixture), recipe, tmp_path / f"tiny-{fmt}", **changes)
     ref = RepoRef(f"someone/tiny-{fmt}")
     card = render_card(check(directory, ref), ref, BASE)
-    expected = [CONSUMERS[name].title for name in consumers_of(fmt)]
-    assert _headings(card) == expected
+    readers = FORMATS[fmt].consumers
+    assert _headings(card) == [consumer.title for consumer in readers]
     usage = card.split("## Use it")[1]
-    for name, marker in USAGE_MARKERS.items():
-        assert (marker in usage) == (name in consumers_of(fmt)), (fmt, name)
+    for consumer, marker in USAGE_MARKERS.items():
+        assert (marker in usage) == (consumer in readers), (fmt, consumer.title)
     from huggingface_hub import ModelCard
 
     assert ModelCard(card).data.to_dict()["library_name"] == LIBRARY[fmt]
@@ -443,7 +444,7 @@ def test_gguf_files_follow_llama_cpp_naming_in_one_repo(hub, gguf_files):
     assert card == second.card and "Tiny-MiniCPM-Q8_0.gguf" in card and "Tiny-MiniCPM-Q4_0.gguf" in card
     data = _front_matter(card)
     assert data["library_name"] == "gguf" and {"gguf", "Q4_0"} <= set(data["tags"])
-    assert _headings(card) == [CONSUMERS[name].title for name in GGUF_USAGE]
+    assert _headings(card) == [consumers.LLAMA_CPP.title]
     assert "llama-cli -hf someone/Tiny-MiniCPM-GGUF:Q4_0" in card
     assert "vllm serve" not in card and "from_pretrained" not in card and "quantkit generate" not in card
 

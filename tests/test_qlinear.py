@@ -73,6 +73,15 @@ def test_runtime_runs_the_artifact_close_to_the_reference(artifact):
     assert kl < 2e-2
 
 
+def test_every_stored_layout_a_format_declares_has_its_kernel():
+    """A format's ``stored_layout`` and the runtime's kernels for it are named alike, so no artifact that
+    could run on its stored tensors silently falls back to the records."""
+    from quantkit.formats import FORMATS
+    from quantkit.kernels.linear import LAYOUT_KERNELS
+
+    assert {layout for _, layout in LAYOUT_KERNELS} == {fmt.stored_layout for fmt in FORMATS.values()} - {None}
+
+
 def test_pack_group_avoids_padding():
     assert pack_group_size(128, 576) == 64 and pack_group_size(-1, 4096) == 256 and pack_group_size(32, 576) == 32
     assert pack_group_size(128, 100) == 128  # no size divides 100: padded
@@ -153,9 +162,8 @@ def test_prepacked_bf16_linear_equals_f_linear_up_to_16_rows():
 def test_a_few_rows_never_dequantize_a_weight_that_is_not_kept():
     """Without a kept dequantized weight (a large model), a draft tree's rows run the packed kernel, as
     close to the reference as the dense path is."""
-    from quantkit.algorithms.rtn import rtn_quantize
     from quantkit.kernels.linear.packed import FEW_ROWS
-    from quantkit.quant import QuantConfig
+    from quantkit.quant import QuantConfig, rtn_quantize
 
     weight = torch.randn(256, 576, generator=torch.Generator().manual_seed(0)) * 0.02
     record = rtn_quantize(weight, QuantConfig(4, 128, sym=True))
@@ -193,8 +201,7 @@ def _dequantize_as_before(module: Int4Linear, codes: torch.Tensor, dtype: torch.
 def test_dequantize_is_the_previous_formula_bit_for_bit(n, k, group_size, monkeypatch):
     """A last, partial panel of the layout (144 = 2 x 64 + 16), K = 576 packed as groups of 64 sharing
     their group-128 scale, K = 336 padded to 384, several chunks of rows."""
-    from quantkit.algorithms.rtn import rtn_quantize
-    from quantkit.quant import QuantConfig
+    from quantkit.quant import QuantConfig, rtn_quantize
 
     monkeypatch.setattr(int4, "DEQUANTIZE_CHUNK", 64 * 64)  # forces chunks of one or a few panels
     generator = torch.Generator().manual_seed(n + k)

@@ -107,3 +107,15 @@ def test_mlx_mixed_needs_format_mlx_and_its_lower_width():
         load_recipe("mlx-rtn-w4g64", {"mlx.mixed": "mixed_4_8"})
     with pytest.raises(RecipeError, match="not yet by QAT or DWQ"):
         load_recipe("mlx-dwq-w4g64", {"mlx.mixed": "mixed_4_6"})
+
+
+def test_the_schema_is_assembled_from_the_sections_beside_their_code_in_recipe_order():
+    from quantkit.algorithms import gptq, smooth
+    from quantkit.formats import FORMATS
+    from quantkit.training import fake_quant
+
+    assert SCHEMA["gptq"] is gptq.SETTINGS and SCHEMA["smooth"] is smooth.SETTINGS
+    assert SCHEMA["mlx"] is FORMATS["mlx"].settings and SCHEMA["qat"] is fake_quant.SETTINGS
+    # the order of Recipe.values, which every manifest records
+    assert list(SCHEMA) == ["name", "description", "algorithm", "format", "prefix_tokens", "prefix_linears",
+                            "compute_dtype", "quant", "gptq", "smooth", "calibration", "mlx", "qat"]

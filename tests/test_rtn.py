@@ -1,8 +1,7 @@
 import pytest
 import torch
 
-from quantkit.algorithms.rtn import rtn_quantize
-from quantkit.quant import QuantConfig, fake_quantize, find_group_params, group_slices
+from quantkit.quant import QuantConfig, fake_quantize, find_group_params, group_slices, rtn_quantize
 
 
 def _gaussian(n=128, k=576, seed=0):

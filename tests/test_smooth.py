@@ -7,7 +7,6 @@ import copy
 import pytest
 import torch
 
-from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.algorithms.smooth import (
     SCALE_FLOOR,
     SEARCH_BUDGET,
@@ -20,7 +19,7 @@ from quantkit.algorithms.smooth import (
 )
 from quantkit.models import MiniCPMForCausalLM
 from quantkit.models.layers import DOWN, GATE, O_PROJ, SCALING_GROUPS, UP, Q, V, scaling_groups_for
-from quantkit.quant import QuantConfig
+from quantkit.quant import QuantConfig, rtn_quantize
 from quantkit.stats import InputStats
 
 CONFIG = QuantConfig(4, 64, False)

@@ -13,13 +13,12 @@ from __future__ import annotations
 import click
 import torch
 
-from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.eval.bench.common import machine, median_seconds, report, timing_options
 from quantkit.kernels.linear import dense_linear
 from quantkit.kernels.linear.int4 import Int4Linear
 from quantkit.kernels.linear.int8 import Int8Linear
 from quantkit.kernels.linear.ternary import TernaryLinear
-from quantkit.quant import QuantConfig
+from quantkit.quant import QuantConfig, rtn_quantize
 from quantkit.table import format_table
 
 SHAPES = {"q_proj / o_proj": (4096, 4096), "gate_proj / up_proj": (16384, 4096), "down_proj": (4096, 16384)}

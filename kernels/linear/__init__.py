@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from quantkit.formats.gptq import tensor_key
 from quantkit.kernels.linear.int4 import Int4Linear
 from quantkit.kernels.linear.ternary import TernaryLinear
 from quantkit.quant import QuantizedTensor
@@ -64,31 +63,30 @@ def linear_for(record, bias: torch.Tensor | None, backend: str, dtype: torch.dty
     return dense_linear(record.dequantize(torch.float32), bias, dtype)
 
 
-def _triton_marlin(tensors: dict, name: str, shape: tuple[int, int], group_size: int, bias, keep: bool) -> nn.Module:
+def _triton_marlin(tensors: dict, shape: tuple[int, int], group_size: int, bias, keep: bool) -> nn.Module:
     from quantkit.kernels.linear.triton_marlin import TritonMarlinLinear
 
     out_features, in_features = shape
-    qweight, scales = (tensors[tensor_key(name, part)] for part in ("qweight", "scales"))
-    return TritonMarlinLinear.from_marlin_tensors(qweight, scales, in_features, out_features, group_size, bias)
+    return TritonMarlinLinear.from_marlin_tensors(tensors["qweight"], tensors["scales"], in_features, out_features,
+                                                  group_size, bias)
 
 
-def _triton_awq(tensors: dict, name: str, shape: tuple[int, int], group_size: int, bias, keep: bool) -> nn.Module:
+def _triton_awq(tensors: dict, shape: tuple[int, int], group_size: int, bias, keep: bool) -> nn.Module:
     from quantkit.kernels.linear.triton_w4a16 import TritonW4A16Linear
 
-    qweight, qzeros, scales = (tensors[tensor_key(name, part)] for part in ("qweight", "qzeros", "scales"))
-    return TritonW4A16Linear.from_awq_tensors(qweight, qzeros, scales, shape[1], group_size, bias)
+    return TritonW4A16Linear.from_awq_tensors(tensors["qweight"], tensors["qzeros"], tensors["scales"], shape[1],
+                                              group_size, bias)
 
 
-def _cpu_ternary(tensors: dict, name: str, shape: tuple[int, int], group_size: int, bias, keep: bool) -> nn.Module:
-    qweight, scales = (tensors[tensor_key(name, part)] for part in ("qweight", "scales"))
-    return TernaryLinear(qweight, scales, group_size, bias, keep)
+def _cpu_ternary(tensors: dict, shape: tuple[int, int], group_size: int, bias, keep: bool) -> nn.Module:
+    return TernaryLinear(tensors["qweight"], tensors["scales"], group_size, bias, keep)
 
 
-# (backend, format) pairs whose kernels read the stored tensors as they are, with no repacking at
-# load (the tensors were already validated by the format's reader). ``keep``: whether a CPU module
-# may keep a bf16 dequantized copy for prefill (see KEEP_DEQUANTIZED_BYTES).
-STORED_LAYOUTS = {("triton", "marlin"): _triton_marlin, ("triton", "awq"): _triton_awq,
-                  ("cpu", "ternary"): _cpu_ternary}
+# (backend, a format's ``stored_layout``) -> the kernel that runs a linear's stored tensors (by suffix) as
+# they are, with no repacking at load (the format's reader already validated them). ``keep``: whether a
+# CPU module may keep a bf16 dequantized copy for prefill (see KEEP_DEQUANTIZED_BYTES).
+LAYOUT_KERNELS = {("triton", "marlin"): _triton_marlin, ("triton", "awq"): _triton_awq,
+                  ("cpu", "ternary planes"): _cpu_ternary}
 
 
 def load_linears(model_dir: str | Path, backend: str = "cpu",
@@ -100,16 +98,18 @@ def load_linears(model_dir: str | Path, backend: str = "cpu",
         return {}
     weights = artifact.num_layers * sum(n * k for n, k in artifact.shapes.values())
     keep = weights * 2 <= KEEP_DEQUANTIZED_BYTES
-    stored = STORED_LAYOUTS.get((backend, artifact.format.name))
+    fmt = artifact.format
+    stored = LAYOUT_KERNELS.get((backend, fmt.stored_layout))
     modules: dict[str, nn.Module] = {}
     for index in range(artifact.num_layers):
         tensors = artifact.layer_tensors(index)
-        plain, records = layer_records(tensors, index, artifact.config, artifact.qconfig, artifact.format)
+        plain, records = layer_records(tensors, index, artifact.config, artifact.qconfig, fmt)
         for key, record in records.items():
             name = key.removesuffix(".weight")
             bias = plain.get(f"{name}.bias")
             if stored is not None:
-                modules[name] = stored(tensors, name, record.shape, artifact.qconfig.group_size, bias, keep)
+                modules[name] = stored(fmt.linear_tensors(tensors, name), record.shape, artifact.qconfig.group_size,
+                                       bias, keep)
             else:
                 modules[name] = linear_for(record, bias, backend, dtype, keep)
     return modules

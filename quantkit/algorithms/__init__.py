@@ -1,35 +1,22 @@
-"""Quantization algorithms, one module each, behind one signature.
+"""Quantization algorithms, one module each, behind one interface (``quantkit.algorithms.base.Algorithm``).
 
-An algorithm maps (weight [N, K] in float32, the statistics of the linear's calibration inputs,
-the target grid, the recipe's settings) to a record: a QuantizedTensor on a QuantConfig's uniform
-grid, or a GGUFTensor for a GGUF block type (formats ``gguf-*``; only the algorithms in
-SOLVES_BLOCK_TYPES can). Adding one is a module plus a line in ALGORITHMS.
+An algorithm maps a linear's weight, the statistics of its calibration inputs, the target grid and
+the recipe's values to a record, and says what the recipe checks and the artifact records of its
+settings. A module whose code reads recipe settings declares their section beside that code
+(``SETTINGS``); ``quantkit.recipe`` assembles the schema from ``SECTIONS``. Adding an algorithm is a
+module plus an entry in ``ALGORITHMS`` (whose order is the recipe schema's list of choices).
 """
 from __future__ import annotations
 
-from typing import Callable
+from quantkit.algorithms import gptq, smooth
+from quantkit.algorithms.awq import AWQ
+from quantkit.algorithms.base import Algorithm
+from quantkit.algorithms.gptq import GPTQ
+from quantkit.algorithms.rtn import RTN
 
-from torch import Tensor
+ALGORITHMS: dict[str, Algorithm] = {algorithm.name: algorithm for algorithm in (RTN(), AWQ(), GPTQ())}
+# The recipe sections of the algorithms' code, in recipe order: GPTQ's solver (stated by every recipe,
+# whatever its algorithm, so fingerprints stay put), and the smoothing the engine runs before any algorithm
+SECTIONS = {"gptq": gptq.SETTINGS, "smooth": smooth.SETTINGS}
 
-from quantkit.algorithms.awq import awq_quantize
-from quantkit.algorithms.gptq import gptq_quantize
-from quantkit.algorithms.rtn import rtn_quantize
-from quantkit.gguf.record import GGUFTensor
-from quantkit.gguf.types import TensorType
-from quantkit.quant import QuantConfig, QuantizedTensor
-from quantkit.stats import InputStats
-
-Algorithm = Callable[[Tensor, InputStats, QuantConfig | TensorType, dict], QuantizedTensor | GGUFTensor]
-
-
-def _round_to_nearest(weight: Tensor, target: QuantConfig | TensorType) -> QuantizedTensor | GGUFTensor:
-    """RTN on the uniform grid; on a GGUF type, llama.cpp's own quantizer (the baseline GPTQ must beat)."""
-    return rtn_quantize(weight, target) if isinstance(target, QuantConfig) else GGUFTensor.quantize(weight, target)
-
-
-ALGORITHMS: dict[str, Algorithm] = {
-    "rtn": lambda weight, stats, config, settings: _round_to_nearest(weight, config),
-    "awq": lambda weight, stats, config, settings: awq_quantize(weight, stats.hessian, config),
-    "gptq": lambda weight, stats, config, settings: gptq_quantize(weight, stats.hessian, config, **settings["gptq"]),
-}
-SOLVES_BLOCK_TYPES = ("rtn", "gptq")
+__all__ = ["ALGORITHMS", "Algorithm", "SECTIONS"]

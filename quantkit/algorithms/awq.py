@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from quantkit.algorithms.rtn import quantize_groups
-from quantkit.quant import QuantConfig, QuantizedTensor, require_finite, search_group_params
+from quantkit.algorithms.base import Algorithm
+from quantkit.quant import QuantConfig, QuantizedTensor, quantize_groups, require_finite, search_group_params
 
 
 def awq_quantize(weight: Tensor, hessian: Tensor, config: QuantConfig) -> QuantizedTensor:
@@ -33,3 +33,15 @@ def awq_quantize(weight: Tensor, hessian: Tensor, config: QuantConfig) -> Quanti
     h = hessian.to(torch.float32)
     return quantize_groups(weight, config,
                            lambda w, columns: search_group_params(w[:, columns], config, h[columns, columns]))
+
+
+class AWQ(Algorithm):
+    """``awq_quantize`` (the clipping step; the smoothing is the ``smooth`` section's). No settings."""
+
+    name = "awq"
+
+    def __call__(self, weight, stats, target, values):
+        return awq_quantize(weight, stats.hessian, target)
+
+    def clips(self, values) -> bool:
+        return True

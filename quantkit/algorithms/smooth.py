@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from quantkit.models.layers import ScalingGroup, scaling_groups_for
 from quantkit.models.minicpm import MiniCPMRMSNorm
 from quantkit.quant import QuantConfig, fake_quantize, find_group_params
+from quantkit.recipes.fields import Field, Section, positive
 from quantkit.stats import InputStats, hessian_norm
 
 SCALE_FLOOR = 1e-4  # AutoAWQ's clamp: a channel that never fires must not get s = 0
@@ -26,6 +27,13 @@ _SLICE_ELEMENTS = 1 << 20
 # Multiply-adds per α of the error products (rows × K²) above which α is scored on a subset of rows:
 # each of MiniCPM4.1-8B's groups then costs ~17 GFLOP per α instead of up to 2.2 TFLOP.
 SEARCH_BUDGET = 1 << 33
+
+# The recipe's ``smooth`` section: whether the engine smooths each layer before any algorithm, and the
+# α grid of ``search_scale``
+SETTINGS = Section({
+    "enabled": Field(bool, default=False, help="AWQ smoothing before quantizing (AWQ, S-GPTQ, S-P-GPTQ)"),
+    "grid": Field(int, default=20, check=positive, rule="> 0", help="exponent grid points in [0, 1)"),
+})
 
 # Ops that can absorb 1/s: dim 0 of their weight (and bias) indexes the channels they output.
 _ABSORBERS = (MiniCPMRMSNorm, nn.Linear)
@@ -49,7 +57,7 @@ def smoothing_scale(abs_mean: Tensor, alpha: float) -> Tensor:
 
 
 def round_to_nearest(weight: Tensor, config: QuantConfig) -> Tensor:
-    """``rtn_quantize(weight, config).dequantize()`` bit for bit (float32 [N, K]), with every
+    """``quant.rtn_quantize(weight, config).dequantize()`` bit for bit (float32 [N, K]), with every
     full-width group of every row quantized in one call instead of one call per group column."""
     rows, features = weight.shape
     width = features if config.group_size == -1 else config.group_size

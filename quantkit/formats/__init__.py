@@ -1,17 +1,22 @@
 """Checkpoint formats: each converts ``QuantizedTensor`` records to tensors and back.
 
-Every format module implements the one interface of ``quantkit.formats.base.Format`` (a constraint
-check run before quantization starts, a layer writer, a layer reader that is its exact inverse, the
-``quantization_config`` its consumers read and its parser, the names of its tensors) and ends with
-``FORMATS = (Format(...), ...)``. The registry below is built from the list of modules: adding a
-format is one module plus one entry in ``MODULES``.
+A format is a subclass of ``quantkit.formats.base.Format`` (a constraint check run before
+quantization starts, a layer writer, a layer reader that is its exact inverse, the
+``quantization_config`` its consumers read and its parser, the names of its tensors, and what else
+the rest of quantkit asks of a format: who reads it, the kernel layout of its tensors, whether it
+holds a draft head, its own recipe section). Defining the subclass registers it; every module of
+this package is imported here, so adding a format is adding one module.
 """
 from __future__ import annotations
 
-from quantkit.formats import awq, cpmcu, gguf, gptq, marlin, mlx, ternary
-from quantkit.formats.base import Format, Shapes
+import importlib
+import pkgutil
 
-MODULES = (gptq, awq, marlin, cpmcu, ternary, gguf, mlx)
-FORMATS: dict[str, Format] = {fmt.name: fmt for module in MODULES for fmt in module.FORMATS}
+from quantkit.formats.base import Format, Shapes, registered
 
-__all__ = ["FORMATS", "Format", "MODULES", "Shapes"]
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
+FORMATS: dict[str, Format] = {fmt.name: fmt for fmt in sorted(registered(), key=lambda fmt: fmt.list_order)}
+
+__all__ = ["FORMATS", "Format", "Shapes"]

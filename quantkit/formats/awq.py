@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from quantkit.formats import gptq
-from quantkit.formats.base import Format, per_linear
-from quantkit.formats.gptq import tensor_key
+from quantkit.formats.base import Format, fetch_packed, tensor_key
+from quantkit.formats.consumers import QUANTKIT, SGLANG, TRANSFORMERS, VLLM
 from quantkit.formats.marlin import NIBBLE_INTERLEAVE
 from quantkit.quant import QuantConfig, QuantizedTensor, default_g_idx
 
@@ -83,9 +83,9 @@ def read_awq_tensors(tensors: Mapping[str, Tensor], prefix: str, config: QuantCo
     k, n = in_features, out_features
     check_awq(config, k, n, name=prefix)
     groups = config.num_groups(k)
-    qweight = gptq.fetch_packed(tensors, tensor_key(prefix, "qweight"), torch.int32, (k, n // PACK), "AWQ")
-    qzeros = gptq.fetch_packed(tensors, tensor_key(prefix, "qzeros"), torch.int32, (groups, n // PACK), "AWQ")
-    scales = gptq.fetch_packed(tensors, tensor_key(prefix, "scales"), torch.float16, (groups, n), "AWQ")
+    qweight = fetch_packed(tensors, tensor_key(prefix, "qweight"), torch.int32, (k, n // PACK), "AWQ")
+    qzeros = fetch_packed(tensors, tensor_key(prefix, "qzeros"), torch.int32, (groups, n // PACK), "AWQ")
+    scales = fetch_packed(tensors, tensor_key(prefix, "scales"), torch.float16, (groups, n), "AWQ")
     return QuantizedTensor(unpack_awq(qweight).T.contiguous(), scales.contiguous(), unpack_awq(qzeros),
                            default_g_idx(k, config.group_size), config)
 
@@ -124,7 +124,18 @@ def parse_quantization_config(d: Mapping[str, Any]) -> QuantConfig:
     return QuantConfig(bits=bits, group_size=group_size, sym=not d["zero_point"])
 
 
-FORMATS = (Format("awq", "AutoAWQ GEMM checkpoint (vLLM awq/awq_marlin, transformers)", check_awq,
-                  *per_linear(awq_tensors, lambda tensors, module, config, shape:
-                              read_awq_tensors(tensors, module, config, shape[1], shape[0])),
-                  quantization_config, parse_quantization_config, suffixes=TENSOR_NAMES, reads=(("awq", None),)),)
+class AWQ(Format):
+    name = "awq"
+    list_order = 20
+    summary = "AutoAWQ GEMM checkpoint (vLLM awq/awq_marlin, transformers)"
+    suffixes = TENSOR_NAMES
+    reads = (("awq", None),)
+    consumers = (TRANSFORMERS, VLLM, SGLANG, QUANTKIT)
+    stored_layout = "awq"  # Triton's W4A16 kernel reads AutoAWQ's packing as it is
+    check = staticmethod(check_awq)
+    write_linear = staticmethod(awq_tensors)
+    quantization_config = staticmethod(quantization_config)
+    parse_config = staticmethod(parse_quantization_config)
+
+    def read_linear(self, tensors, module, config, shape):
+        return read_awq_tensors(tensors, module, config, shape[1], shape[0])

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from quantkit.formats import marlin
 from quantkit.formats.base import Format
+from quantkit.formats.consumers import CPMCU, QUANTKIT
 from quantkit.formats.marlin import marlin_tensors, read_marlin_tensors
 from quantkit.models.layers import FUSIONS, LINEARS
 from quantkit.quant import QuantizedTensor
@@ -100,11 +101,19 @@ def read_cpmcu_layer(tensors: Mapping[str, Tensor], prefix: str, shapes: Mapping
     return layer
 
 
-def _read_layer(tensors: Mapping[str, Tensor], prefix: str, config, shapes: Mapping[str, tuple[int, int]]):
-    parts = read_cpmcu_layer(tensors, prefix, shapes, config.group_size)
-    return {name: marlin.symmetric_record(codes, scales, config) for name, (codes, scales) in parts.items()}
+class CPMcu(Format):
+    name = "cpmcu"
+    list_order = 40
+    summary = "CPM.cu model_gptq.safetensors: fused qkv/gate_up Marlin tensors"
+    suffixes = marlin.SUFFIXES
+    weights_file = "model_gptq.safetensors"
+    consumers = (CPMCU, QUANTKIT)
+    holds_draft_head = True
+    check = staticmethod(marlin.check_marlin)
+    write_layer = staticmethod(cpmcu_layer_tensors)
+    quantization_config = staticmethod(marlin.quantization_config)
+    parse_config = staticmethod(marlin.parse_config)
 
-
-FORMATS = (Format("cpmcu", "CPM.cu model_gptq.safetensors: fused qkv/gate_up Marlin tensors", marlin.check_marlin,
-                  cpmcu_layer_tensors, _read_layer, marlin.quantization_config, marlin.parse_config,
-                  suffixes=marlin.SUFFIXES, weights_file="model_gptq.safetensors"),)
+    def read_layer(self, tensors, prefix, config, shapes):
+        parts = read_cpmcu_layer(tensors, prefix, shapes, config.group_size)
+        return {name: marlin.symmetric_record(codes, scales, config) for name, (codes, scales) in parts.items()}

@@ -8,7 +8,6 @@ file unchanged; everything else (embeddings, norms) is quantized by the export a
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Mapping
 
 import torch
@@ -72,13 +71,30 @@ def parse_config(d: Mapping[str, Any]) -> QuantConfig:
     return QuantConfig(d["bits"], d["group_size"], d["sym"])
 
 
-def _format(file_type: str) -> Format:
-    return Format(
-        f"gguf-{file_type}", f"GGUF {file_type.upper()} blocks per linear, copied unchanged by `export gguf`",
-        check, write_layer, lambda tensors, prefix, config, shapes: read_layer(tensors, prefix, shapes),
-        partial(quantization_config, file_type), parse_config, suffixes=(SUFFIX,),
-        target=lambda config, linear, layer, layers, shape: target(file_type, linear, layer, layers, shape),
-        block_types=True)
+class GGUFBlocks(Format):
+    """One format per GGUF file type a solver can round to: ``gguf-<file type>``."""
 
+    list_order = 60
+    suffixes = (SUFFIX,)
+    block_types = True
+    check = staticmethod(check)
+    write_layer = staticmethod(write_layer)
+    parse_config = staticmethod(parse_config)
 
-FORMATS = tuple(_format(file_type) for file_type in FILE_TYPES)
+    def __init__(self, file_type: str):
+        self.file_type = file_type
+        self.name = f"gguf-{file_type}"
+        self.summary = f"GGUF {file_type.upper()} blocks per linear, copied unchanged by `export gguf`"
+
+    @classmethod
+    def variants(cls) -> tuple[GGUFBlocks, ...]:
+        return tuple(cls(file_type) for file_type in FILE_TYPES)
+
+    def read_layer(self, tensors, prefix, config, shapes):
+        return read_layer(tensors, prefix, shapes)
+
+    def quantization_config(self, config, **settings):
+        return quantization_config(self.file_type, config, **settings)
+
+    def target(self, config, linear, layer, layers, shape):
+        return target(self.file_type, linear, layer, layers, shape)

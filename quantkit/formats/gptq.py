@@ -17,14 +17,14 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import replace
-from functools import partial
 from importlib.metadata import version
 from typing import Any, Mapping
 
 import torch
 from torch import Tensor
 
-from quantkit.formats.base import Format, per_linear
+from quantkit.formats.base import Format, tensor_key
+from quantkit.formats.consumers import QUANTKIT, SGLANG, TRANSFORMERS, VLLM
 from quantkit.quant import SUPPORTED_BITS, QuantConfig, QuantizedTensor
 
 TENSOR_NAMES = ("qweight", "qzeros", "scales", "g_idx")
@@ -128,12 +128,6 @@ def unpack_cols(words: Tensor, bits: int) -> Tensor:
     return unpack_rows(words.T, bits).T.contiguous()
 
 
-def tensor_key(prefix: str, name: str) -> str:
-    if prefix.endswith("."):
-        raise ValueError(f"prefix is a module name without a trailing dot, got {prefix!r}")
-    return f"{prefix}.{name}" if prefix else name
-
-
 def _require_packable(what: str, size: int, bits: int, prefix: str) -> None:
     per_run = values_per_run(bits)
     if size % per_run:
@@ -147,10 +141,6 @@ def check_packable(in_features: int, out_features: int, config: QuantConfig, pre
     """Raise before quantizing if a linear of this shape cannot be written in this format."""
     _require_packable("in_features K", in_features, config.bits, prefix)
     _require_packable("out_features N", out_features, config.bits, prefix)
-
-
-def check(config: QuantConfig, in_features: int, out_features: int, desc_act: bool, name: str) -> None:
-    check_packable(in_features, out_features, config, name)
 
 
 def storable_grid(config: QuantConfig, checkpoint_format: str) -> QuantConfig:
@@ -179,17 +169,6 @@ def gptq_tensors(qt: QuantizedTensor, prefix: str, checkpoint_format: str = "gpt
         keys["scales"]: qt.scales.contiguous(),
         keys["g_idx"]: qt.g_idx.contiguous(),
     }
-
-
-def fetch_packed(tensors: Mapping[str, Tensor], key: str, dtype: torch.dtype, shape: tuple[int, ...],
-                 kind: str) -> Tensor:
-    """``tensors[key]``, which a ``kind`` (Marlin, AWQ) checkpoint stores as ``dtype`` of ``shape``."""
-    if key not in tensors:
-        raise KeyError(f"{kind} tensor {key!r} is missing")
-    tensor = tensors[key]
-    if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-        raise ValueError(f"{kind} tensor {key!r} must be {dtype} {shape}, got {tensor.dtype} {tuple(tensor.shape)}")
-    return tensor
 
 
 def _fetch(tensors: Mapping[str, Tensor], key: str, dtype: torch.dtype) -> Tensor:
@@ -317,20 +296,47 @@ def parse_quantization_config(d: Mapping[str, Any]) -> tuple[QuantConfig, bool]:
     return storable_grid(config, checkpoint_format), d["desc_act"]
 
 
-def _format(name: str, checkpoint_format: str, summary: str, reads: tuple) -> Format:
-    write_layer, read_layer = per_linear(
-        lambda record, module: gptq_tensors(record, module, checkpoint_format),
-        lambda tensors, module, config, shape: read_gptq_tensors(tensors, module, config, checkpoint_format))
-    return Format(name, summary, check, write_layer, read_layer,
-                  partial(quantization_config, checkpoint_format=checkpoint_format),
-                  lambda d: parse_quantization_config(d)[0], suffixes=TENSOR_NAMES, reads=reads,
-                  target=lambda config, linear, layer, layers, shape: storable_grid(config, checkpoint_format))
+class GPTQLayout(Format, abstract=True):
+    """The GPTQ tensors, in the ``checkpoint_format`` of a subclass."""
+
+    checkpoint_format: str
+    suffixes = TENSOR_NAMES
+
+    def check(self, config, in_features, out_features, desc_act, name):
+        check_packable(in_features, out_features, config, name)
+
+    def write_linear(self, record, module):
+        return gptq_tensors(record, module, self.checkpoint_format)
+
+    def read_linear(self, tensors, module, config, shape):
+        return read_gptq_tensors(tensors, module, config, self.checkpoint_format)
+
+    def quantization_config(self, config, **settings):
+        return quantization_config(config, checkpoint_format=self.checkpoint_format, **settings)
+
+    def parse_config(self, quantization_config):
+        return parse_quantization_config(quantization_config)[0]
+
+    def target(self, config, linear, layer, layers, shape):
+        return storable_grid(config, self.checkpoint_format)
 
 
-FORMATS = (
-    _format("gptq", "gptq", "AutoGPTQ/GPTQModel checkpoint_format 'gptq' (vLLM, transformers, GPTQModel); "
-            "asymmetric zero points kept in [1, maxq], which v1 stores unambiguously",
-            reads=(("gptq", "gptq"), ("gptq", None))),
-    _format("gptq-v2", "gptq_v2", "GPTQModel checkpoint_format 'gptq_v2' (zero points stored as they are; "
-            "GPTQModel, vLLM's gptq path): the full asymmetric grid", reads=(("gptq", "gptq_v2"),)),
-)
+class GPTQ(GPTQLayout):
+    name = "gptq"
+    checkpoint_format = "gptq"
+    list_order = 10
+    summary = ("AutoGPTQ/GPTQModel checkpoint_format 'gptq' (vLLM, transformers, GPTQModel); "
+               "asymmetric zero points kept in [1, maxq], which v1 stores unambiguously")
+    reads = (("gptq", "gptq"), ("gptq", None))
+    consumers = (TRANSFORMERS, VLLM, SGLANG, QUANTKIT)
+    holds_draft_head = True
+
+
+class GPTQv2(GPTQLayout):
+    name = "gptq-v2"
+    checkpoint_format = "gptq_v2"
+    list_order = 11
+    summary = ("GPTQModel checkpoint_format 'gptq_v2' (zero points stored as they are; GPTQModel, vLLM's gptq "
+               "path): the full asymmetric grid")
+    reads = (("gptq", "gptq_v2"),)
+    consumers = (VLLM, SGLANG, QUANTKIT)

@@ -19,8 +19,7 @@ import torch
 from torch import Tensor
 
 from quantkit.formats import gptq
-from quantkit.formats.base import Format, per_linear
-from quantkit.formats.gptq import tensor_key
+from quantkit.formats.base import Format, fetch_packed, tensor_key
 from quantkit.quant import QuantConfig, QuantizedTensor, default_g_idx
 
 BITS = 4
@@ -159,8 +158,8 @@ def read_marlin_tensors(tensors: Mapping[str, Tensor], prefix: str, in_features:
     """Exact inverse of ``marlin_tensors``: (codes uint8 [N, K], scales fp16 [G, N])."""
     check_marlin(QuantConfig(BITS, group_size, sym=True), in_features, out_features, name=prefix)
     shapes = marlin_shapes(in_features, out_features, group_size)
-    qweight = gptq.fetch_packed(tensors, tensor_key(prefix, "qweight"), torch.int32, shapes["qweight"], "Marlin")
-    scales = gptq.fetch_packed(tensors, tensor_key(prefix, "scales"), torch.float16, shapes["scales"], "Marlin")
+    qweight = fetch_packed(tensors, tensor_key(prefix, "qweight"), torch.int32, shapes["qweight"], "Marlin")
+    scales = fetch_packed(tensors, tensor_key(prefix, "scales"), torch.float16, shapes["scales"], "Marlin")
     return unpack_codes(qweight, in_features, out_features), unpermute_scales(scales)
 
 
@@ -199,6 +198,17 @@ def parse_config(d: Mapping[str, Any]) -> QuantConfig:
 
 
 SUFFIXES = ("qweight", "scales")
-FORMATS = (Format("marlin", "Marlin W4A16 tile layout (vLLM gptq_marlin after repack, IST-DASLab kernels)",
-                  check_marlin, *per_linear(marlin_tensors, read_record), quantization_config, parse_config,
-                  suffixes=SUFFIXES),)
+
+
+class Marlin(Format):
+    name = "marlin"
+    list_order = 30
+    summary = "Marlin W4A16 tile layout (vLLM gptq_marlin after repack, IST-DASLab kernels)"
+    suffixes = SUFFIXES
+    holds_draft_head = True
+    stored_layout = "marlin"  # Triton's Marlin kernel reads the tiles as they are
+    check = staticmethod(check_marlin)
+    write_linear = staticmethod(marlin_tensors)
+    read_linear = staticmethod(read_record)
+    quantization_config = staticmethod(quantization_config)
+    parse_config = staticmethod(parse_config)

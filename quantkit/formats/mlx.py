@@ -14,8 +14,8 @@ is a whole number of groups. ``config.json`` carries ``"quantization": {"group_s
 
 Mixed precision (``MLXGrid.modules``): the same dict may also hold one entry per module path, that
 module's own ``{"group_size", "bits", "mode"}`` or ``false`` (left unquantized), which mlx-lm's loader
-obeys before the defaults. A recipe's ``mlx.mixed`` names one of mlx-lm's mixed predicates
-(``MIXES``), resolved per module by ``resolve``.
+obeys before the defaults. A recipe's ``mlx.mixed`` (the format's own recipe section, ``SETTINGS``)
+names one of mlx-lm's mixed predicates (``MIXES``), resolved per module by ``resolve``.
 """
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from quantkit.algorithms.rtn import rtn_quantize
-from quantkit.formats.base import Format, per_linear
-from quantkit.formats.gptq import fetch_packed, tensor_key
+from quantkit.formats.base import Format, fetch_packed, tensor_key
+from quantkit.formats.consumers import MLX_LM, QUANTKIT
 from quantkit.models.layers import DOWN, EMBEDDING, LINEARS, LM_HEAD, V, layer_prefix
-from quantkit.quant import FLOAT_BIAS_BITS, QuantConfig, QuantizedTensor, default_g_idx
+from quantkit.quant import FLOAT_BIAS_BITS, QuantConfig, QuantizedTensor, default_g_idx, rtn_quantize
+from quantkit.recipes.fields import Field, Section
 
 GROUP_SIZES = (32, 64, 128)
 WORD_BITS = 32
@@ -284,11 +284,45 @@ def config_files(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
             TRANSFORMERS_CONFIG: for_transformers}
 
 
-FORMATS = (Format("mlx", "MLX affine (mlx-lm): uint32 codes, scales and float biases in the model dtype; "
-                  "embedding and LM head quantized too", check_mlx,
-                  per_linear(mlx_tensors, read_mlx_tensors)[0], read_mlx_layer, quantization_config,
-                  parse_quantization_config,
-                  suffixes=(*(f"{linear}.weight" for linear in LINEARS), "scales", "biases"),
-                  reads=((None, None),),  # mlx-lm's quantization dict has no quant_method
-                  target=target, grid=mlx_grid, resolve=resolve, write_outside=write_outside,
-                  read_outside=read_outside, config_files=config_files),)
+# The recipe's ``mlx`` section: present only in recipes that state it, so the others' fingerprints do not change
+SETTINGS = Section({
+    "mixed": Field(str, required=True, choices=tuple(MIXES),
+                   help="mlx-lm's mixed predicate (`mlx_lm.convert --quant-predicate NAME`): quant.bits for "
+                        "most modules, more for the LM head and some layers' v_proj and down_proj (format mlx)"),
+}, optional=True)
+
+
+class MLX(Format):
+    name = "mlx"
+    list_order = 70
+    summary = ("MLX affine (mlx-lm): uint32 codes, scales and float biases in the model dtype; "
+               "embedding and LM head quantized too")
+    suffixes = (*(f"{linear}.weight" for linear in LINEARS), "scales", "biases")
+    reads = ((None, None),)  # mlx-lm's quantization dict has no quant_method
+    consumers = (MLX_LM, QUANTKIT)
+    settings = SETTINGS
+    check = staticmethod(check_mlx)
+    write_linear = staticmethod(mlx_tensors)
+    read_linear = staticmethod(read_mlx_tensors)
+    read_layer = staticmethod(read_mlx_layer)
+    quantization_config = staticmethod(quantization_config)
+    parse_config = staticmethod(parse_quantization_config)
+    grid = staticmethod(mlx_grid)
+    resolve = staticmethod(resolve)
+    target = staticmethod(target)
+    write_outside = staticmethod(write_outside)
+    read_outside = staticmethod(read_outside)
+    config_files = staticmethod(config_files)
+
+    def recipe_refusal(self, values):
+        """A mixed predicate is a per-module grid of this format, which only `quantkit quantize` applies,
+        on quant.bits for most modules."""
+        mix = values["mlx"]["mixed"]
+        low = MIXES[mix][0]
+        rules = (
+            (values["format"] == self.name, f"is a per-module grid of format mlx, not of format '{values['format']}'"),
+            ("qat" not in values, "is applied by `quantkit quantize` (RTN, GPTQ, AWQ), not yet by QAT or DWQ training"),
+            (values["quant"]["bits"] == low, f"gives most modules {low} bits: set quant.bits: {low} (the grid of "
+                                             "every other module, and the defaults of the config it writes)"),
+        )
+        return next((f"'mlx.mixed' = {mix!r} {why}" for holds, why in rules if not holds), None)

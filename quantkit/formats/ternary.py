@@ -22,9 +22,7 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
-from quantkit.formats import gptq
-from quantkit.formats.base import Format, per_linear
-from quantkit.formats.gptq import tensor_key
+from quantkit.formats.base import Format, fetch_packed, tensor_key
 from quantkit.quant import QuantConfig, QuantizedTensor, default_g_idx
 
 QUANT_METHOD = "quantkit_ternary"
@@ -82,8 +80,8 @@ def read_ternary_tensors(tensors: Mapping[str, Tensor], prefix: str, config: Qua
     k, n = in_features, out_features
     check_ternary(config, k, n, name=prefix)
     groups = config.num_groups(k)
-    words = gptq.fetch_packed(tensors, tensor_key(prefix, "qweight"), torch.int32, (n, k // LANES), "ternary")
-    scales = gptq.fetch_packed(tensors, tensor_key(prefix, "scales"), torch.float16, (n, groups), "ternary")
+    words = fetch_packed(tensors, tensor_key(prefix, "qweight"), torch.int32, (n, k // LANES), "ternary")
+    scales = fetch_packed(tensors, tensor_key(prefix, "scales"), torch.float16, (n, groups), "ternary")
     codes = (unpack_planes(words) + 1).to(torch.uint8)
     return QuantizedTensor(codes, scales.T.contiguous(), torch.ones(groups, n, dtype=torch.uint8),
                            default_g_idx(k, config.group_size), config)
@@ -109,8 +107,17 @@ def parse_quantization_config(d: Mapping[str, Any]) -> QuantConfig:
     return QuantConfig(bits=2, group_size=d["group_size"], sym=False, ternary=True)
 
 
-FORMATS = (Format("ternary", "BitCPM4 ternary weights as +1/-1 bit planes with per-group scales (quantkit runtime)",
-                  check_ternary, *per_linear(ternary_tensors, lambda tensors, module, config, shape:
-                                             read_ternary_tensors(tensors, module, config, shape[1], shape[0])),
-                  quantization_config, parse_quantization_config, suffixes=("qweight", "scales"),
-                  reads=((QUANT_METHOD, None),)),)
+class Ternary(Format):
+    name = "ternary"
+    list_order = 50
+    summary = "BitCPM4 ternary weights as +1/-1 bit planes with per-group scales (quantkit runtime)"
+    suffixes = ("qweight", "scales")
+    reads = ((QUANT_METHOD, None),)
+    stored_layout = "ternary planes"  # the CPU kernel adds x under the planes' masks as stored
+    check = staticmethod(check_ternary)
+    write_linear = staticmethod(ternary_tensors)
+    quantization_config = staticmethod(quantization_config)
+    parse_config = staticmethod(parse_quantization_config)
+
+    def read_linear(self, tensors, module, config, shape):
+        return read_ternary_tensors(tensors, module, config, shape[1], shape[0])

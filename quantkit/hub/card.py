@@ -4,7 +4,7 @@ Front matter in the Hub's conventions (https://huggingface.co/docs/hub/model-car
 ``base_model`` with ``base_model_relation: quantized``, ``library_name``, ``pipeline_tag``, the base
 model's ``license`` and ``language``, and tags naming the method and the format. The body says what
 the artifact is, its size and bits per weight, the evaluation table of a ``quantkit eval report``
-when one is given, how to run it (only with the consumers that read its format: ``USAGE``), the
+when one is given, how to run it (only with the consumers that read its format: ``Format.consumers``), the
 recipe and the calibration data with their hashes, and every file with its SHA-256.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -21,56 +22,13 @@ from quantkit.hub.check import CARD_FILE, CheckedArtifact, CheckedGGUF
 from quantkit.hub.repo import RepoRef
 from quantkit.table import format_table
 
+if TYPE_CHECKING:  # quantkit.formats imports every format (and transformers): only where a card is built
+    from quantkit.formats.consumers import Consumer
+
 REPORT_FILE = "report.json"  # what `quantkit eval report` writes; looked for in the artifact too
 # Words CPM.cu looks for in a model's folder name to treat it as quantized (cpmcu/common/utils.py).
 CPMCU_QUANTIZED_WORDS = ("marlin", "gptq", "quant", "awq", "int4", "int8", "w4a16", "qat")
 
-
-@dataclass(frozen=True)
-class Consumer:
-    """How one program runs a published repository: a code block, and why it looks as it does."""
-
-    title: str
-    language: str
-    # str.format fields: repo, ref, remote (Python keyword), remote_flag (CLI), register, local, file_type
-    command: str
-    note: str = ""
-
-
-CONSUMERS: dict[str, Consumer] = {
-    "transformers": Consumer(
-        "transformers", "python",
-        '{register}from transformers import AutoModelForCausalLM, AutoTokenizer\n\n'
-        'tokenizer = AutoTokenizer.from_pretrained("{repo}"{remote})\n'
-        'model = AutoModelForCausalLM.from_pretrained("{repo}", device_map="auto"{remote})',
-        "transformers loads GPTQ and AWQ checkpoints through GPTQModel: `pip install gptqmodel optimum`."),
-    "vllm": Consumer("vLLM", "bash", "vllm serve {repo}{remote_flag}",
-                     "vLLM takes the method from `quantization_config` (GPTQ runs on its Marlin kernels)."),
-    "sglang": Consumer("SGLang", "bash", "python -m sglang.launch_server --model-path {repo}{remote_flag}"),
-    "cpmcu": Consumer(
-        "CPM.cu", "bash",
-        'hf download {repo} --local-dir {local}\npython -m cpmcu.cli --model-path {local} --prompt-text "Hello"',
-        "CPM.cu treats a model as quantized only when its folder's name says so (`marlin`, `gptq`, ...)."),
-    "quantkit": Consumer("quantkit's runtime", "bash",
-                         'quantkit generate --model {ref} --prompt "Hello"\nquantkit chat --model {ref}'),
-    "llama.cpp": Consumer("llama.cpp", "bash", "llama-cli -hf {repo}:{file_type}\nllama-server -hf {repo}:{file_type}"),
-    "mlx-lm": Consumer("mlx-lm", "bash", 'pip install "mlx-lm>=0.32"\nmlx_lm.generate --model {repo} --prompt "Hello"',
-                       "mlx-lm reads `config.json`'s `quantization` (group size, bits) and the packed uint32 "
-                       "weights with their scales and biases; Apple silicon, or `mlx[cpu]` on Linux."),
-}
-
-# Which consumers read each format (docs/formats.md, "Which consumer reads what"); a format not
-# listed is read by quantkit alone. GGUF files are llama.cpp's.
-USAGE: dict[str, tuple[str, ...]] = {
-    "gptq": ("transformers", "vllm", "sglang", "quantkit"),
-    "gptq-v2": ("vllm", "sglang", "quantkit"),
-    "awq": ("transformers", "vllm", "sglang", "quantkit"),
-    "cpmcu": ("cpmcu", "quantkit"),
-    "mlx": ("mlx-lm", "quantkit"),
-}
-# The Hub's library_name: the first consumer of the format that has one (else quantkit).
-LIBRARY_OF = {"transformers": "transformers", "mlx-lm": "mlx"}
-GGUF_USAGE = ("llama.cpp",)
 PIPELINE_TAG = "text-generation"
 
 
@@ -79,10 +37,6 @@ class BaseModel:
     repo_id: str
     license: str
     languages: tuple[str, ...]
-
-
-def consumers_of(fmt: str) -> tuple[str, ...]:
-    return USAGE.get(fmt, ("quantkit",))
 
 
 def _front_matter(base: BaseModel, library: str, tags: list[str]) -> str:
@@ -94,10 +48,9 @@ def _front_matter(base: BaseModel, library: str, tags: list[str]) -> str:
     return f"---\n{data.to_yaml()}\n---\n"
 
 
-def _usage(names: tuple[str, ...], fields: dict) -> str:
+def _usage(consumers: tuple[Consumer, ...], fields: dict) -> str:
     blocks = []
-    for name in names:
-        consumer = CONSUMERS[name]
+    for consumer in consumers:
         note = f"\n{consumer.note}\n" if consumer.note else ""
         blocks.append(f"### {consumer.title}\n\n```{consumer.language}\n{consumer.command.format(**fields)}\n```\n"
                       + note)
@@ -199,6 +152,7 @@ def load_report(path: Path | None, directory: Path) -> dict | None:
 
 def artifact_card(checked: CheckedArtifact, ref: RepoRef, base: BaseModel, report: dict | None) -> str:
     from quantkit.formats import FORMATS
+    from quantkit.formats.consumers import QUANTKIT
     from quantkit.inspect import describe
     from quantkit.models import MiniCPMConfig
     from quantkit.models.minicpm import weight_shapes
@@ -209,8 +163,8 @@ def artifact_card(checked: CheckedArtifact, ref: RepoRef, base: BaseModel, repor
     info = describe(checked.directory)
     shapes = weight_shapes(MiniCPMConfig.from_pretrained(checked.directory))
     parameters = sum(math.prod(shape) for shape in shapes.values())
-    consumers = consumers_of(fmt)
-    library = next((LIBRARY_OF[name] for name in consumers if name in LIBRARY_OF), "quantkit")
+    consumers = FORMATS[fmt].consumers if fmt in FORMATS else (QUANTKIT,)
+    library = next((consumer.library for consumer in consumers if consumer.library), "quantkit")
     # MiniCPM's code: the config's own (auto_map, remote code), else quantkit's, registered on import
     remote = "auto_map" in checked.config
     fields = {"repo": ref.repo_id, "ref": str(ref), "remote": ", trust_remote_code=True" if remote else "",
@@ -247,6 +201,8 @@ def _facts(rows: list[list[str]]) -> str:
 def gguf_card(checked: CheckedGGUF, ref: RepoRef, base: BaseModel, siblings: list[tuple[str, int]]) -> str:
     """The card of a GGUF repository: llama.cpp's usage, and every GGUF file the repository holds
     (``siblings``: the other files already there, as (name, bytes))."""
+    from quantkit.formats.consumers import LLAMA_CPP
+
     files = sorted({*siblings, (checked.file.path_in_repo, checked.file.size)})
     facts = [["this file", f"`{checked.file.path_in_repo}` ({checked.file.size / 2**20:.1f} MB, "
                            f"{checked.bits_per_weight:.3f} bits per weight, {checked.parameters:,} parameters)"],
@@ -257,6 +213,6 @@ def gguf_card(checked: CheckedGGUF, ref: RepoRef, base: BaseModel, siblings: lis
     body = [f"# {ref.name}\n",
             f"GGUF files of [{base.repo_id}](https://huggingface.co/{base.repo_id}) for llama.cpp, made with "
             f"quantkit; one file per type, named `<model>-<TYPE>.gguf`.\n", _facts(facts),
-            f"## Files\n\n```\n{table}\n```\n", _usage(GGUF_USAGE, fields)]
+            f"## Files\n\n```\n{table}\n```\n", _usage((LLAMA_CPP,), fields)]
     tags = ["quantkit", "quantized", "gguf", "llama.cpp", checked.file_type]
     return _front_matter(base, "gguf", tags) + "\n" + "\n".join(body)

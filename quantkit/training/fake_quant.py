@@ -6,7 +6,8 @@ two things (``qat.trains``, the table ``TRAINS`` at the end):
 - ``scales``: the codes are fixed and each group's scale and float bias train (distilled scales and
   biases, mlx-lm's DWQ), ``AffineLinear``.
 
-Any ``QuantConfig`` is a quantizer here: BitCPM4's absmean ternary grid, the uniform int grid
+The recipe's ``qat`` section (``SETTINGS``, with the rules among its keys, ``refusal``) is here, beside the
+table it chooses from. Any ``QuantConfig`` is a quantizer here: BitCPM4's absmean ternary grid, the uniform int grid
 (symmetric int4 g128 for the EAGLE3 head), or MLX's float-bias grid. The grid's parameters come from
 the very functions RTN rounds with, applied to every group at once (a group's rows are independent
 rows of those functions), so a run with zero training steps writes RTN's codes and scales bit for bit.
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.quant import (
     QuantConfig,
     QuantizedTensor,
@@ -28,8 +28,10 @@ from quantkit.quant import (
     fake_quantize,
     find_group_params,
     quantize_codes,
+    rtn_quantize,
     stored_affine_params,
 )
+from quantkit.recipes.fields import Field, Section, fraction, positive
 
 
 @torch.no_grad()
@@ -222,6 +224,73 @@ TRAINS = {
     "scales": Trains(AffineLinear, ("scales", "biases"), norms=False, float_bias_only=True,
                      command="quantkit qat dwq"),
 }
+
+
+# The recipe's ``qat`` section (`quantkit qat`): BitCPM4's recipe shape (re-warmup, WSD schedule,
+# distillation from the FP model). Present only in the recipes that train. docs/qat.md says which
+# values were measured.
+SETTINGS = Section({
+    "trains": Field(str, default="weights", choices=tuple(TRAINS),
+                    help="weights: latent weights through the grid and the norm gains (QAT); scales: the codes "
+                         "fixed, each group's scale and float bias (mlx-lm's DWQ; float-bias grids: format mlx)"),
+    "tokens": Field(int, default=400_000, check=positive, rule="> 0",
+                    help="training tokens (`--tokens` overrides): steps = tokens / batch_tokens"),
+    "batch_tokens": Field(int, default=2048, check=positive, rule="> 0",
+                          help="tokens per optimizer step, a multiple of seq_len (gradient accumulation)"),
+    "micro_batch": Field(int, default=1, check=positive, rule="> 0",
+                         help="sequences per forward/backward (memory, not results)"),
+    "seq_len": Field(int, default=512, check=lambda v: v >= 16, rule=">= 16", help="tokens per sequence"),
+    "learning_rate": Field(float, default=1e-3, check=positive, rule="> 0",
+                           help="peak learning rate (docs/qat.md: 1e-3 beat 4e-3 and 2e-4 on the default model)"),
+    "warmup": Field(float, default=0.05, check=fraction, rule="in [0, 1]",
+                    help="fraction of steps warming up from 0 (the re-warmup BitCPM4 calls critical)"),
+    "stable": Field(float, default=0.75, check=fraction, rule="in [0, 1]",
+                    help="fraction of steps at the peak rate (WSD); warmup + stable + decay = 1"),
+    "decay": Field(float, default=0.2, check=fraction, rule="in [0, 1]",
+                   help="fraction of steps decaying linearly to final_lr x the peak"),
+    "final_lr": Field(float, default=0.1, check=fraction, rule="in [0, 1]",
+                      help="learning rate at the end, as a fraction of the peak"),
+    "weight_decay": Field(float, default=0.0, check=lambda v: v >= 0, rule=">= 0", help="AdamW weight decay"),
+    "betas": Field(list, default=[0.9, 0.95],
+                   check=lambda v: len(v) == 2 and all(type(b) is float and 0 <= b < 1 for b in v),
+                   rule="two floats in [0, 1)", help="AdamW betas"),
+    "eps": Field(float, default=1e-8, check=positive, rule="> 0", help="AdamW epsilon"),
+    "grad_clip": Field(float, default=1.0, check=positive, rule="> 0", help="gradient norm clipped to this"),
+    "distill_weight": Field(float, default=0.5, check=fraction, rule="in [0, 1]",
+                            help="loss = (1 - w) x cross-entropy + w x KL to the FP teacher (0: CE alone)"),
+    "temperature": Field(float, default=1.0, check=positive, rule="> 0", help="distillation temperature"),
+    "top_k": Field(int, default=32, check=positive, rule="> 0",
+                   help="teacher logits cached per token (its distribution renormalised over them)"),
+    "data": Field(str, default="default", help="training text: a calibration corpus or mix, or a local file"),
+    "seed": Field(int, default=0, help="seed of the data order"),
+    "eval_interval": Field(int, default=50, check=positive, rule="> 0",
+                           help="steps between held-out perplexity measurements"),
+    "eval_tokens": Field(int, default=4096, check=lambda v: v >= 2, rule=">= 2",
+                         help="held-out tokens per measurement"),
+    "checkpoint_interval": Field(int, default=25, check=positive, rule="> 0",
+                                 help="steps between resumable checkpoints"),
+    "max_loss_growth": Field(float, default=4.0, check=lambda v: v > 1, rule="> 1",
+                             help="stop if a step's loss exceeds this multiple of the best loss so far"),
+}, optional=True)
+
+
+def refusal(values: dict, grid: QuantConfig) -> str | None:
+    """Why a recipe's ``qat`` section cannot be used with the rest of it (``grid``: the run's grid), or None."""
+    qat = values["qat"]
+    phases = qat["warmup"] + qat["stable"] + qat["decay"]
+    step = qat["seq_len"] * qat["micro_batch"]
+    rules = (
+        (grid.float_bias or not TRAINS[qat["trains"]].float_bias_only,
+         f"'qat.trains' = {qat['trains']!r} trains each group's scale and float bias with the codes fixed, which "
+         f"needs a float-bias grid (format: mlx), not format '{values['format']}'"),
+        (abs(phases - 1) <= 1e-9,
+         f"'qat.warmup' + 'qat.stable' + 'qat.decay' must be 1 (the whole run), got {phases:g}"),
+        (qat["batch_tokens"] % step == 0,
+         f"'qat.batch_tokens' = {qat['batch_tokens']} must be a multiple of qat.seq_len x qat.micro_batch = {step}"),
+        (qat["tokens"] >= qat["batch_tokens"],
+         f"'qat.tokens' = {qat['tokens']} is less than one step (qat.batch_tokens = {qat['batch_tokens']})"),
+    )
+    return next((why for holds, why in rules if not holds), None)
 
 
 def check_groups(config: QuantConfig, shapes: dict[str, tuple[int, int]]) -> None:

@@ -1,0 +1,39 @@
+"""The programs that read quantkit's outputs, as a model card shows them (``Format.consumers``; a GGUF
+file's is ``LLAMA_CPP``). Which program reads which format: docs/formats.md, "Which consumer reads what"."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Consumer:
+    """How one program runs a published repository: a code block, and why it looks as it does."""
+
+    title: str
+    language: str
+    # str.format fields: repo, ref, remote (Python keyword), remote_flag (CLI), register, local, file_type
+    command: str
+    note: str = ""
+    library: str | None = None  # the Hub's library_name of a repository this program reads first
+
+
+TRANSFORMERS = Consumer(
+    "transformers", "python",
+    '{register}from transformers import AutoModelForCausalLM, AutoTokenizer\n\n'
+    'tokenizer = AutoTokenizer.from_pretrained("{repo}"{remote})\n'
+    'model = AutoModelForCausalLM.from_pretrained("{repo}", device_map="auto"{remote})',
+    "transformers loads GPTQ and AWQ checkpoints through GPTQModel: `pip install gptqmodel optimum`.",
+    library="transformers")
+VLLM = Consumer("vLLM", "bash", "vllm serve {repo}{remote_flag}",
+                "vLLM takes the method from `quantization_config` (GPTQ runs on its Marlin kernels).")
+SGLANG = Consumer("SGLang", "bash", "python -m sglang.launch_server --model-path {repo}{remote_flag}")
+CPMCU = Consumer(
+    "CPM.cu", "bash",
+    'hf download {repo} --local-dir {local}\npython -m cpmcu.cli --model-path {local} --prompt-text "Hello"',
+    "CPM.cu treats a model as quantized only when its folder's name says so (`marlin`, `gptq`, ...).")
+QUANTKIT = Consumer("quantkit's runtime", "bash", 'quantkit generate --model {ref} --prompt "Hello"\n'
+                                                  'quantkit chat --model {ref}')
+LLAMA_CPP = Consumer("llama.cpp", "bash", "llama-cli -hf {repo}:{file_type}\nllama-server -hf {repo}:{file_type}")
+MLX_LM = Consumer("mlx-lm", "bash", 'pip install "mlx-lm>=0.32"\nmlx_lm.generate --model {repo} --prompt "Hello"',
+                  "mlx-lm reads `config.json`'s `quantization` (group size, bits) and the packed uint32 "
+                  "weights with their scales and biases; Apple silicon, or `mlx[cpu]` on Linux.", library="mlx")
