@@ -45,8 +45,8 @@ runtime_options = stack(
 )
 
 
-def runtime_from_options(model, revision, sparse, sparse_config, device, prefill_chunk, draft=None, draft_tokens=3,
-                    draft_tree=None, draft_window=None):
+def runtime_from_options(model, revision, sparse, sparse_config, device, prefill_chunk, draft=None,
+                         draft_tokens=3, draft_tree=None, draft_window=None):
     """The runtime for the command line's model options: MODEL (and a DRAFT) resolved, --sparse-config parsed."""
     from quantkit.kernels.generate import load_engine
     from quantkit.kernels.speculative import TreeShape
@@ -59,9 +59,8 @@ def runtime_from_options(model, revision, sparse, sparse_config, device, prefill
         except json.JSONDecodeError as e:
             raise click.ClickException(f"--sparse-config is not valid JSON: {e}") from e
     return load_engine(resolve_model(model, revision=revision), sparse=sparse, sparse_overrides=overrides,
-                       device=device,
-                       prefill_chunk=prefill_chunk, draft=None if draft is None else resolve_model(draft),
-                       draft_tokens=draft_tokens,
+                       device=device, prefill_chunk=prefill_chunk,
+                       draft=None if draft is None else resolve_model(draft), draft_tokens=draft_tokens,
                        draft_tree=None if draft_tree is None else TreeShape.parse(draft_tree),
                        draft_window=draft_window)
 
@@ -77,8 +76,8 @@ def generate(prompt, chat, model, revision, sparse, sparse_config, device, max_n
     """Generate text with quantkit's runtime, streaming it as it is decoded."""
     from quantkit.kernels.sampling import Sampling
 
-    engine = runtime_from_options(model, revision, sparse, sparse_config, device, prefill_chunk, draft, draft_tokens,
-                             draft_tree, draft_window)
+    engine = runtime_from_options(model, revision, sparse, sparse_config, device, prefill_chunk, draft,
+                                  draft_tokens, draft_tree, draft_window)
     ids = (engine.chat_prompt([{"role": "user", "content": prompt}], enable_thinking=thinking) if chat
            else engine.encode(prompt))
     settings = dict(max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_p, seed))
@@ -110,8 +109,8 @@ def chat(model, revision, sparse, sparse_config, device, max_new_tokens, tempera
     from quantkit.kernels.chat import ChatSession
     from quantkit.kernels.sampling import Sampling
 
-    engine = runtime_from_options(model, revision, sparse, sparse_config, device, prefill_chunk, draft, draft_tokens,
-                             draft_tree, draft_window)
+    engine = runtime_from_options(model, revision, sparse, sparse_config, device, prefill_chunk, draft,
+                                  draft_tokens, draft_tree, draft_window)
     session = ChatSession(engine, enable_thinking=thinking)
     settings = dict(max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_p, seed))
     while True:
