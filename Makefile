@@ -43,7 +43,7 @@ help:
 	@echo "make bench-gguf-speed  quantkit export gguf vs llama.cpp's quantizer, time per type on the default model and an 8B-shaped slice (target <= 1.5x)"
 	@echo "make llama-tools  build llama.cpp's llama-imatrix and llama-quantize once (bench-gguf's imatrix anchor; ~10 min)"
 	@echo "make bench-mlx   mlx_lm.convert, mlx-lm's GPTQ/AWQ/DWQ, quantkit's MLX recipes and DWQ at W4 g64, scored by mlx-lm (BENCH_MLX_ARGS='--reuse')"
-	@echo "make bench-runtime  quantkit's runtime (W4) vs transformers fp32/bf16 and llama.cpp Q4_0, decode and prefill; InfLLM v2 vs dense attention"
+	@echo "make bench-runtime  a fresh quantkit generate's first token (target 2 s); quantkit's runtime (W4) vs transformers fp32/bf16 and llama.cpp Q4_0, decode and prefill; InfLLM v2 vs dense attention"
 	@echo "make eval-sparse  InfLLM v2 on MODEL with a scaled-down SPARSE_CONFIG: perplexity vs dense, needle retrieval"
 	@echo "make bench-scale  the marlin recipe on an 8B-shaped random MiniCPM4.1 checkpoint: time, memory, projection"
 	@echo "make bench-8b   an 8B layer quantized with 128 x 2048 tokens vs its floor; quantkit's runtime vs llama.cpp Q4_0/Q4_K_M on an 8B-shaped random checkpoint: decode, prefill, InfLLM v2 at 32K/64K, ternary; CPU classes below this one emulated, beside llama.cpp built for them (hours; BENCH_8B_ARGS='--layers 2')"
@@ -147,8 +147,9 @@ BENCH_MLX_ARGS ?=
 bench-mlx: $(TEST_INSTALLED)
 	nice -n 10 $(BIN)/python -m quantkit.eval.bench.bench_mlx --model $(MODEL) --out $(OUT)/bench-mlx $(BENCH_MLX_ARGS)
 
-# The runtime: quantkit's decode and prefill on a W4 artifact against transformers and llama.cpp Q4_0,
-# then InfLLM v2 against dense attention at 8K/32K/64K on MiniCPM4.1-8B's attention shape.
+# The runtime: a fresh `quantkit generate` on MODEL timed to its first token (target 2 s) and its whole
+# answer, quantkit's decode and prefill on a W4 artifact against transformers and llama.cpp Q4_0, then
+# InfLLM v2 against dense attention at 8K/32K/64K on MiniCPM4.1-8B's attention shape.
 RUNTIME_ARTIFACT ?= $(OUT)/eval-gptq-w4g128
 bench-runtime: $(TEST_INSTALLED) $(RUNTIME_ARTIFACT)
 	$(BIN)/python -m quantkit.eval.bench.bench_runtime --model $(MODEL) --artifact $(RUNTIME_ARTIFACT) --out $(OUT)/bench-runtime

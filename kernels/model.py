@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from functools import partial
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +21,9 @@ from quantkit import cpu_ops
 from quantkit.kernels.infllm.cpu import verify_attention
 from quantkit.kernels.kv_cache import KVCache
 from quantkit.kernels.linear.prepacked import prepacked
-from quantkit.models.minicpm import MiniCPMForCausalLM
+
+if TYPE_CHECKING:  # an annotation only: importing the class imports transformers' modeling code (seconds)
+    from quantkit.models.minicpm import MiniCPMForCausalLM
 
 # Query-key scores per KV head (group size x keys) up to which a decode step's dense attention runs in
 # the fused one-query operator rather than the attention's own decode path (the fused block kernel over

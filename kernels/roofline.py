@@ -20,22 +20,24 @@ RUNTIME_FLOAT_BYTES = 2  # bf16 activations, KV cache and unquantized weights
 
 
 @dataclass(frozen=True)
-class Device:
+class Hardware:
+    """A GPU the runtime targets (not a --device: those are where torch runs, auto|cpu|cuda)."""
+
     name: str
     memory_bandwidth_gb_s: float  # vendor peak, GB/s (10^9 bytes)
     memory_gb: float
     source: str
 
 
-DEVICES: dict[str, Device] = {
-    "rtx4090": Device("NVIDIA GeForce RTX 4090 (sm_89)", 1008.0, 24.0, "NVIDIA spec: 384-bit GDDR6X at 21 Gbps"),
-    "orin": Device("NVIDIA Jetson AGX Orin 64GB (sm_87)", 204.8, 64.0, "NVIDIA spec: 256-bit LPDDR5"),
+HARDWARE: dict[str, Hardware] = {
+    "rtx4090": Hardware("NVIDIA GeForce RTX 4090 (sm_89)", 1008.0, 24.0, "NVIDIA spec: 384-bit GDDR6X at 21 Gbps"),
+    "orin": Hardware("NVIDIA Jetson AGX Orin 64GB (sm_87)", 204.8, 64.0, "NVIDIA spec: 256-bit LPDDR5"),
 }
 
 
 @dataclass(frozen=True)
 class Roofline:
-    device: str
+    hardware: str
     context: int
     attention: str
     weight_bytes: int
@@ -73,9 +75,9 @@ def attended_keys(context: int, sparse: SparseAttentionConfig | None) -> tuple[i
     return selected, compressed
 
 
-def roofline(model_dir: str | Path, device: str, context: int, sparse: SparseAttentionConfig | None) -> Roofline:
-    if device not in DEVICES:
-        raise ValueError(f"unknown device {device!r}; known: {', '.join(DEVICES)}")
+def roofline(model_dir: str | Path, hardware: str, context: int, sparse: SparseAttentionConfig | None) -> Roofline:
+    if hardware not in HARDWARE:
+        raise ValueError(f"unknown hardware {hardware!r}; known: {', '.join(HARDWARE)}")
     if context < 1:
         raise ValueError(f"context must be >= 1, got {context}")
     model_dir = Path(model_dir)
@@ -85,8 +87,8 @@ def roofline(model_dir: str | Path, device: str, context: int, sparse: SparseAtt
     per_key = config.num_hidden_layers * config.num_key_value_heads * config.head_dim * RUNTIME_FLOAT_BYTES
     kv_read = (2 * full + compressed) * per_key
     kv_stored = 2 * context * per_key
-    spec = DEVICES[device]
+    spec = HARDWARE[hardware]
     total = weights + kv_read
-    return Roofline(device, context, "dense" if sparse is None or sparse.is_dense(context) else "InfLLM v2",
+    return Roofline(hardware, context, "dense" if sparse is None or sparse.is_dense(context) else "InfLLM v2",
                     weights, kv_read, total, spec.memory_bandwidth_gb_s * 1e9 / total,
                     weights + kv_stored <= spec.memory_gb * 1e9)

@@ -149,3 +149,14 @@ def test_llamacpp_bench_fills_a_long_cache_once_and_reuses_it_across_ggufs(tiny_
     prefill, decode = bench_llamacpp(ggufs["q4_0"], prompt, 4, 1, 1, prefill_repeats=0, cache_file=cache)
     assert prefill is None and decode > 0
     assert bench_llamacpp(ggufs["q4_0"], [7, *prompt[1:]], 4, 1, 1, prefill_repeats=0, cache_file=cache)[0] > 0
+
+
+def test_runtime_bench_times_a_fresh_generate_to_its_first_token_and_its_whole_answer(tiny_checkpoint):
+    """bench-runtime's first-answer row: `quantkit generate` in its own process, the first byte of the
+    streamed answer before the process ends, the median of the runs after a warm-up, judged against 2 s."""
+    from quantkit.eval.bench.bench_runtime import FIRST_TOKEN_TARGET_SECONDS, generate_latency
+
+    latency = generate_latency(str(tiny_checkpoint), repeats=2, threads=1)
+    assert len(latency["runs"]) == 2 and latency["command"][-4:-2] == ["--model", str(tiny_checkpoint)]
+    assert all(0 < run["first_token_seconds"] <= run["answer_seconds"] for run in latency["runs"])
+    assert latency["passed"] == (latency["first_token_seconds"] <= FIRST_TOKEN_TARGET_SECONDS == 2.0)

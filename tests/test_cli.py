@@ -188,12 +188,72 @@ def test_errors_quantkit_did_not_raise_keep_their_traceback(tiny, tmp_path, monk
 
 
 def test_help_does_not_import_torch():
+    """`quantkit --help` lists every command, so it imports every command's module: none imports torch or
+    transformers before its command runs."""
     import subprocess
     import sys
 
-    probe = "import sys, quantkit.cli; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
-    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                          check=True).stdout.strip() == "[]"
+    probe = ("import sys\nfrom quantkit.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+             "print(sorted({'torch', 'transformers'} & set(sys.modules)))")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert "generate" in run.stdout and run.stdout.splitlines()[-1] == "[]"
+
+
+def test_generate_writes_each_piece_as_soon_as_it_is_decoded(monkeypatch):
+    """`quantkit generate` streams: each piece of text is written (and flushed) before the next is decoded."""
+    import click
+
+    import quantkit.cli.runtime
+
+    events = []
+
+    class Runtime:  # what `generate` uses of the runtime, without a model
+        def chat_prompt(self, messages, enable_thinking):
+            return [1, 2, 3]
+
+        def stream(self, ids, timings, **settings):
+            for piece in ("Par", "is"):
+                events.append(("decoded", piece))
+                yield piece
+            timings.update(prefill_seconds=0.1, decode_seconds=0.2, stop_reason="stop token")
+
+    echo = click.echo
+    monkeypatch.setattr(quantkit.cli.runtime, "runtime_from_options", lambda *options: Runtime())
+    monkeypatch.setattr(click, "echo", lambda message=None, **kwargs: (events.append(("written", message)),
+                                                                       echo(message, **kwargs)))
+    result = CliRunner().invoke(main, ["generate", "--prompt", "What is the capital of France?"])
+    assert result.exit_code == 0, result.output
+    assert events[:4] == [("decoded", "Par"), ("written", "Par"), ("decoded", "is"), ("written", "is")]
+    assert result.output.startswith("Paris\n")
+
+
+# What `quantkit generate` must not import: the pipelines and the algorithms with their solvers, seconds of
+# imports that a first answer would wait for (the runtime reads artifacts; it never quantizes or trains).
+NOT_IMPORTED_BY_GENERATE = [
+    "quantkit.engine", "quantkit.imatrix", "quantkit.qat", "quantkit.draft",
+    pytest.param("quantkit.algorithms", marks=pytest.mark.xfail(
+        strict=True, reason="quantkit/formats/mlx.py imports quantkit.algorithms.rtn until the formats branch "
+                            "removes that edge (KNOWN_VIOLATIONS); then this passes and the mark must go")),
+]
+
+
+@pytest.fixture(scope="module")
+def imported_by_generate(tiny):
+    """The modules loaded by a whole `quantkit generate` run, in a fresh process."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom quantkit.cli import main\n"
+             "main(sys.argv[1:], standalone_mode=False)\nprint('MODULES', *sorted(sys.modules))")
+    run = subprocess.run([sys.executable, "-c", probe, "generate", "--model", str(tiny), "--raw", "--prompt", "hello",
+                          "--max-new-tokens", "2"], capture_output=True, text=True, check=True)
+    return set(run.stdout.splitlines()[-1].split()[1:])
+
+
+@pytest.mark.parametrize("package", NOT_IMPORTED_BY_GENERATE)
+def test_generate_imports_no_pipeline_and_no_solver(imported_by_generate, package):
+    assert "quantkit.kernels.generate" in imported_by_generate
+    assert sorted(m for m in imported_by_generate if m == package or m.startswith(f"{package}.")) == []
 
 
 def test_commands_back_large_tensors_with_huge_pages():

@@ -186,7 +186,7 @@ def test_the_revision_option_picks_the_branch_of_a_hub_model_and_only_of_one(hub
 
 
 def test_a_model_neither_here_nor_on_the_hub_is_one_clear_line(hub):
-    result = CliRunner().invoke(main, ["roofline", "--device", "orin", "--model", "someone/absent"])
+    result = CliRunner().invoke(main, ["roofline", "--hardware", "orin", "--model", "someone/absent"])
     assert result.exit_code == 1
     assert result.output.strip() == (f"Error: someone/absent is no local directory, so it was looked up on the Hub: no "
                                      f"model repository someone/absent on {hub.url} (for a private or gated one, set "
@@ -523,7 +523,7 @@ def test_no_token_appears_in_any_output_log_or_file(hub, artifact, tmp_path):
     cli = [sys.executable, "-m", "quantkit.cli"]
     runs = [subprocess.run(cli + args, capture_output=True, text=True, env=env, cwd=tmp_path) for args in (
         ["publish", str(artifact), "--repo-id", REPO.repo_id, "--base-model", BASE, "--private"],
-        ["roofline", "--device", "orin", "--model", REPO.repo_id, "--json"])]
+        ["roofline", "--hardware", "orin", "--model", REPO.repo_id, "--json"])]
     for run in runs:
         assert run.returncode == 0, run.stderr
         assert TOKEN not in run.stdout and TOKEN not in run.stderr

@@ -37,6 +37,7 @@ def test_built_wheel_contains_and_imports_subpackages(tmp_path):
     assert "quantkit/recipes/rtn-w4g128.yaml" in names
     assert not any(n.startswith(("kernels/", "eval/")) for n in names)
     assert "quantkit/eval/tasks/sandbox_child.py" in names  # run from its source text, never imported
+    assert "quantkit/cli/__main__.py" in names  # python -m quantkit.cli
     for top, package in (("quantkit", "quantkit"), ("eval", "quantkit/eval"), ("kernels", "quantkit/kernels")):
         for init in (REPO / top).rglob("__init__.py"):  # every subpackage, listed or not in pyproject
             assert f"{package}/{init.relative_to(REPO / top).as_posix()}" in names, init

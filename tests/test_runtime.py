@@ -19,7 +19,7 @@ from quantkit.kernels.generate import TextGenerator, TextStream, load_text_gener
 from quantkit.kernels.kv_cache import KVCache
 from quantkit.kernels.load import load_runtime_model
 from quantkit.kernels.model import RuntimeModel
-from quantkit.kernels.roofline import DEVICES, roofline, weight_bytes_per_token
+from quantkit.kernels.roofline import HARDWARE, roofline, weight_bytes_per_token
 from quantkit.kernels.sampling import Sampler, Sampling
 from quantkit.loading import load_model
 
@@ -213,8 +213,8 @@ def test_roofline_arithmetic(tiny_checkpoint):
     assert sparse.kv_bytes == (2 * 96 * 64 + 65536 // 16 + 65536 // 64) * per_key
     assert sparse.attention == "InfLLM v2"
     assert roofline(tiny_checkpoint, "orin", 4096, SparseAttentionConfig()).attention == "dense"
-    assert DEVICES["orin"].memory_bandwidth_gb_s == 204.8
-    with pytest.raises(ValueError, match="unknown device"):
+    assert HARDWARE["orin"].memory_bandwidth_gb_s == 204.8
+    with pytest.raises(ValueError, match="unknown hardware"):
         roofline(tiny_checkpoint, "h100", 10, None)
 
 
@@ -239,7 +239,7 @@ def test_cli_generate_chat_and_roofline(tiny_checkpoint):
                            input="hello\n/reset\nagain\n/exit\n")
     assert result.exit_code == 0, result.output
     assert result.output.count("model> ") == 2
-    result = runner.invoke(main, ["roofline", "--device", "orin", "--model", str(tiny_checkpoint),
+    result = runner.invoke(main, ["roofline", "--hardware", "orin", "--model", str(tiny_checkpoint),
                                   "--context", "1024", "--context", "65536", "--sparse", "on", "--json"])
     assert result.exit_code == 0, result.output
     attention = [r["attention"] for r in json.loads(result.output)["results"]]

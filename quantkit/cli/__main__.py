@@ -1,0 +1,4 @@
+"""``python -m quantkit.cli``: the `quantkit` command, as the console script runs it."""
+from quantkit.cli import main
+
+main()

@@ -1,0 +1,89 @@
+"""`quantkit export gguf|mlx` and `quantkit imatrix`: files for other runtimes (llama.cpp, Ollama, LM Studio,
+mlx-lm), and llama.cpp's importance matrix from quantkit's calibration set."""
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import click
+
+from quantkit.cli import emit, friendly_errors, json_option, out_dir_option, progress_option, revision_option
+from quantkit.table import format_table
+
+
+@click.group("export")
+def export_group():
+    """Write a checkpoint or artifact in another runtime's format."""
+
+
+@export_group.command("gguf")
+@click.option("--model", default="default", show_default=True,
+              help="Checkpoint or quantized artifact (a quantized linear is copied as it is where the type holds "
+                   "its grid, else dequantized and re-quantized).")
+@revision_option("--model")
+@click.option("--type", "file_type", required=True, metavar="TYPE",
+              help="f32, f16, bf16, q8_0, q6_k, q5_k_m, q5_k_s, q4_k_m, q4_k_s, q4_0, q4_1, tq2_0 or tq1_0; "
+                   "each tensor's type is chosen as llama.cpp's quantizer chooses it.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Output .gguf file (must not exist).")
+@click.option("--tokenizer-pre", default=None, help="llama.cpp pre-tokenizer name, if it cannot be recognised.")
+@progress_option
+@json_option
+@friendly_errors
+def export_gguf(model, revision, file_type, out, tokenizer_pre, progress, as_json):
+    """Export a MiniCPM model as a GGUF file for llama.cpp (and Ollama, LM Studio)."""
+    from quantkit.gguf.export import export_gguf as export
+    from quantkit.zoo import resolve_model
+
+    report = export(resolve_model(model, revision=revision), out, file_type, tokenizer_pre=tokenizer_pre,
+                    progress=progress)
+    payload = {**asdict(report), "bits_per_weight": report.bits_per_weight}
+    rows = [["file", report.path], ["type", report.file_type], ["size MB", report.file_bytes / 2**20],
+            ["bits per weight", report.bits_per_weight], ["tensors by type", report.tensors_by_type],
+            ["seconds", report.seconds]]
+    emit(as_json, payload, format_table(["field", "value"], rows))
+
+
+@export_group.command("mlx")
+@click.option("--model", required=True, help="A quantized artifact whose grid MLX holds (natural groups of 32, 64 "
+                                             "or 128 channels that tile K): the codes and scales are kept, "
+                                             "bias = -zero * scale.")
+@revision_option("--model")
+@out_dir_option
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16", "bfloat16"]),
+              help="dtype of the scales and biases: float32 makes mlx compute exactly the artifact's weights; "
+                   "float16/bfloat16 (half the size) only where every value is exact in it.")
+@json_option
+@friendly_errors
+def export_mlx(model, revision, out, dtype, as_json):
+    """Export a quantized artifact for mlx-lm (run it with `mlx_lm.generate --model OUT`)."""
+    from quantkit.mlx_export import export_mlx as export
+    from quantkit.zoo import resolve_model
+
+    report = export(resolve_model(model, revision=revision), out, dtype)
+    emit(as_json, asdict(report), format_table(["field", "value"], [[k, v] for k, v in asdict(report).items()]))
+
+
+@click.command()
+@click.option("--model", default="default", show_default=True, help="Checkpoint (or artifact) whose activations count.")
+@revision_option("--model")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Output .gguf file (must not exist).")
+@click.option("--calibration", default="default", show_default=True,
+              help="Calibration source, as the recipes' calibration.source (corpus or mix name, file, hf:<dataset>).")
+@click.option("--n-samples", default=128, show_default=True, type=click.IntRange(min=1), help="Calibration sequences.")
+@click.option("--seq-len", default=512, show_default=True, type=click.IntRange(min=16), help="Tokens per sequence.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the sample draw.")
+@click.option("--prefix-tokens", default=0, show_default=True, type=click.IntRange(min=0),
+              help="P-GPTQ's cut: leave the first N positions of every sequence (the attention sink's massive "
+                   "activations) out of the sums; the MiniCPM4 report uses 4.")
+@progress_option
+@json_option
+@friendly_errors
+def imatrix(model, revision, out, calibration, n_samples, seq_len, seed, prefix_tokens, progress, as_json):
+    """Write llama.cpp's importance matrix (for `llama-quantize --imatrix`) from quantkit's calibration set."""
+    from quantkit.imatrix import imatrix_for
+    from quantkit.zoo import resolve_model
+
+    report = imatrix_for(resolve_model(model, revision=revision), out, source=calibration, n_samples=n_samples,
+                         seq_len=seq_len, seed=seed, prefix_tokens=prefix_tokens, progress=progress).describe()
+    emit(as_json, {"path": str(out), **report},
+          format_table(["field", "value"], [["file", str(out)], *[[k, v] for k, v in report.items()]]))

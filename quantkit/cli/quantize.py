@@ -1,0 +1,52 @@
+"""`quantkit quantize`: post-training quantization, layer by layer, into a recipe's format."""
+from __future__ import annotations
+
+import click
+
+from quantkit.cli import (
+    device_option,
+    emit,
+    friendly_errors,
+    json_option,
+    out_dir_option,
+    progress_option,
+    revision_option,
+)
+from quantkit.table import format_table
+
+
+@click.command()
+@click.option("--recipe", required=True, help="Built-in recipe name (see `quantkit recipes`) or a YAML file.")
+@click.option("--model", default="default", show_default=True,
+              help="Checkpoint directory, 'default', or a Hub repo id owner/name[@revision] (every --model, --ref, "
+                   "--target and --draft takes one; docs/hub.md).")
+@revision_option("--model")
+@out_dir_option
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a recipe setting, e.g. --set quant.bits=3 --set calibration.n_samples=32.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted run from its last finished layer.")
+@device_option
+@click.option("--activations", type=click.Choice(["auto", "memory", "disk"]), default="auto", show_default=True,
+              help="Where the calibration activations live: auto keeps them in memory when the run fits and "
+                   "otherwise spills them to files beside --out (same bytes out, slower).")
+@progress_option
+@json_option
+@friendly_errors
+def quantize(recipe, model, revision, out, overrides, resume, device, activations, progress, as_json):
+    """Quantize a model layer by layer and write the recipe's checkpoint format."""
+    from quantkit.engine import quantize as run
+    from quantkit.recipe import load_recipe, parse_override
+    from quantkit.zoo import resolve_model
+
+    settings = dict(parse_override(text) for text in overrides)
+    report = run(resolve_model(model, revision=revision), load_recipe(recipe, settings), out, resume=resume,
+                 device=device, activations=activations, progress=progress)
+    rows = []
+    for layer in report.layers:
+        worst = max(layer.errors, key=layer.errors.get)
+        rows.append([layer.index, layer.seconds, layer.errors[worst], worst])
+    text = format_table(["layer", "seconds", "max rel. error", "worst linear"], rows)
+    text += (f"\n\nwrote {out} in {report.seconds:.1f} s on {report.device}, peak RSS {report.peak_rss_mb:.0f} MB"
+             + (", activations spilled to disk" if report.activations == "disk" else "")
+             + (f" (resumed at layer {report.resumed_from_layer})" if report.resumed_from_layer else ""))
+    emit(as_json, report.to_dict(), text)
