@@ -69,7 +69,8 @@ def evaluated_model(model_dir: Path, runtime: bool, sparse: str, sparse_config: 
         if sparse != "auto" or sparse_config:
             raise click.ClickException("--sparse and --sparse-config need --runtime")
         return load_model(model_dir).to(device)
-    return TextGeneratorLM(runtime_from_options(str(model_dir), None, sparse, sparse_config, device, DEFAULT_PREFILL_CHUNK))
+    return TextGeneratorLM(runtime_from_options(str(model_dir), None, sparse, sparse_config, device,
+                                                DEFAULT_PREFILL_CHUNK))
 
 
 def heldout_tokens(model_dir: Path, data: str, max_tokens: int):
