@@ -37,8 +37,9 @@ class Algorithm:
         return ()
 
     def act_order(self, values: Mapping[str, Any]) -> bool:
-        """Whether the records it writes have their columns in act-order (a non-trivial g_idx)."""
-        return False
+        """Whether the records it writes have their columns in act-order (a non-trivial g_idx): what it
+        records as ``desc_act``."""
+        return bool(self.recorded_settings(values).get("desc_act", False))
 
     def recorded_settings(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """Its settings as keyword arguments of ``Format.quantization_config`` (what the artifact's

@@ -77,8 +77,9 @@ SETTINGS = Section({
                          help="reference GPTQ's mse option: each group's range is the best of 80 shrunk "
                               "ranges (least |error|^2.4)"),
 }, check=_one_column_order)
-# Settings that act on GPTQ's own grid only: GGUF blocks keep their columns and llama.cpp's quantizer
-# chooses their scales
+# Settings that act on GPTQ's own grid only, which a recipe on GGUF block types refuses: llama.cpp's
+# quantizer chooses the blocks' scales (desc_act, which would move the blocks' columns, is refused by
+# the format's check, which points to group_aware instead)
 UNIFORM_GRID_ONLY = ("clip_search", "static_groups")
 
 
@@ -356,9 +357,6 @@ class GPTQ(Algorithm):
 
     def uniform_grid_settings(self, values) -> tuple[str, ...]:
         return tuple(f"gptq.{key}" for key in UNIFORM_GRID_ONLY if values["gptq"][key])
-
-    def act_order(self, values) -> bool:
-        return values["gptq"]["desc_act"]
 
     def recorded_settings(self, values) -> dict:
         settings = values["gptq"]
