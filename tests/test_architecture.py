@@ -68,9 +68,6 @@ MAY_IMPORT = {
 KNOWN_VIOLATIONS = {
     ("quantkit.models.eagle3", "quantkit.formats"),
     ("quantkit.formats.mlx", "quantkit.algorithms.rtn"),
-    ("quantkit.qat.trainer", "quantkit.engine"),
-    ("quantkit.qat.trainer", "quantkit.eval.ppl"),
-    ("quantkit.draft.trainer", "quantkit.engine"),
 }
 
 
