@@ -1,8 +1,8 @@
 """Writing a quantized artifact directory: shards, index, configs, copied tokenizer files, manifest.
 
-An artifact is built in ``<out>.partial`` and renamed onto ``<out>`` only when complete, so a
-reader never sees half of one. Each shard is itself written atomically, which is what lets an
-interrupted run resume from its last finished layer.
+The writer fills a staging directory (``<out>.partial``, which the run renames onto ``<out>`` only
+when complete: ``quantkit.run``), so a reader never sees half of an artifact. Each shard is itself
+written atomically, which is what lets an interrupted run resume from its last finished layer.
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import torch
 
 from quantkit import atomic
 from quantkit.checkpoint import INDEX_FILE, SINGLE_FILES, read_header, sha256_file
-from quantkit.lock import OutputLock
 
 PROGRESS_FILE = "progress.json"
 MANIFEST_FILE = "quantkit.json"
@@ -34,10 +33,6 @@ def file_records(directory: Path, skipped: set[str]) -> dict[str, dict]:
             for path in sorted(directory.iterdir()) if path.is_file() and path.name not in skipped}
 
 
-def staging_dir(out_dir: Path) -> Path:
-    return out_dir.with_name(out_dir.name + ".partial")
-
-
 def shard_name(index: int, total: int) -> str:
     return f"model-{index + 1:05d}-of-{total:05d}.safetensors"
 
@@ -48,8 +43,6 @@ class ArtifactWriter:
     def __init__(self, staging: Path, num_layers: int):
         self.staging = staging
         self.total = num_layers + 1
-        # One writer per output (<out>.lock, held until published; a killed run's lock is stale and taken over).
-        self.lock = OutputLock(staging.with_name(staging.name.removesuffix(".partial"))).acquire()
         staging.mkdir(parents=True, exist_ok=True)
         for stale in staging.glob(".*.tmp"):  # a killed run's half-written shard, never to be published
             atomic.remove_temporary(stale)
@@ -60,21 +53,20 @@ class ArtifactWriter:
     def write_shard(self, index: int, tensors: dict[str, torch.Tensor]) -> None:
         atomic.save_safetensors(self.shard_path(index), tensors, metadata={"format": "pt"})
 
-    def read_progress(self) -> dict | None:
-        path = self.staging / PROGRESS_FILE
-        return json.loads(path.read_text()) if path.is_file() else None
-
-    def write_progress(self, fingerprint: str, layer_errors: list[dict]) -> None:
+    def write_progress(self, layer_errors: list[dict]) -> None:
         """Record the finished layers (one entry each, in order) so that a resumed run can go on."""
-        atomic.write_json(self.staging / PROGRESS_FILE, {"fingerprint": fingerprint, "layer_errors": layer_errors})
+        atomic.write_json(self.staging / PROGRESS_FILE, {"layer_errors": layer_errors})
 
-    def finish(self, source_dir: Path, out_dir: Path, config: dict, quantize_config: dict | None,
-               manifest: dict, report: dict, weights_file: str | None = None,
-               manifest_file: str = MANIFEST_FILE, extra_configs: dict[str, dict] | None = None) -> None:
-        """Write the index (or merge the shards into ``weights_file``), configs and copies; publish.
-        A plain (fake-quantized) checkpoint has no ``quantize_config`` and keeps its record under
-        another ``manifest_file``: quantkit.json marks a quantized artifact. ``extra_configs`` are
-        further JSON files some consumer reads (file name -> content)."""
+    def read_progress(self) -> list[dict]:
+        """The finished layers an interrupted run recorded (``write_progress``)."""
+        return json.loads((self.staging / PROGRESS_FILE).read_text())["layer_errors"]
+
+    def finish(self, source_dir: Path, config: dict, quantize_config: dict | None, report: dict,
+               weights_file: str | None = None, extra_configs: dict[str, dict] | None = None) -> None:
+        """Write the index (or merge the shards into ``weights_file``), configs, the report and copies:
+        every file but the manifest (``write_manifest``). A plain (fake-quantized) checkpoint has no
+        ``quantize_config``. ``extra_configs`` are further JSON files some consumer reads (file name ->
+        content)."""
         shards = [self.shard_path(index) for index in range(self.total)]
         if weights_file is None:
             weight_map, total_size = {}, 0
@@ -99,12 +91,14 @@ class ArtifactWriter:
             if path.is_file() and path.name not in _NOT_COPIED and path.suffix != ".safetensors":
                 with atomic.atomic_path(self.staging / path.name) as tmp:  # a failed copy names its file
                     shutil.copyfile(path, tmp)
-        (self.staging / PROGRESS_FILE).unlink()
+
+    def write_manifest(self, manifest: dict, manifest_file: str = MANIFEST_FILE) -> None:
+        """The manifest, with the size and SHA-256 of every other file the staging holds: the last file,
+        written once the run's own files have left (``Run.publishing``). A plain (fake-quantized)
+        checkpoint keeps it under another ``manifest_file``: quantkit.json marks a quantized artifact."""
         # The manifest cannot record itself, and the report differs between runs of the same artifact.
         records = file_records(self.staging, {manifest_file, REPORT_FILE})
         atomic.write_json(self.staging / manifest_file, {**manifest, FILES_KEY: records})
-        atomic.publish_dir(self.staging, out_dir)
-        self.lock.release()
 
 
 def _header(path: Path) -> dict[str, tuple[str, list[int]]]:

@@ -1,4 +1,5 @@
-"""Atomic writes: every output appears under its final name whole, or not at all."""
+"""Atomic writes: every output appears under its final name whole, or not at all, and never over an
+existing one."""
 from __future__ import annotations
 
 import errno
@@ -17,6 +18,17 @@ from quantkit.errors import QuantkitError
 class OutputWriteError(QuantkitError, RuntimeError):
     """An output could not be written (disk full, file size limit, read-only place); nothing was left
     under its name."""
+
+
+class OutputExistsError(QuantkitError, FileExistsError):
+    """The output is already there: quantkit never writes over one."""
+
+
+def refuse_existing(out: str | os.PathLike) -> None:
+    """The one refusal of every command that writes ``out``: before any work, and again at publishing,
+    in case another run finished it meanwhile."""
+    if Path(out).exists():
+        raise OutputExistsError(f"{out} already exists; choose another --out or remove it")
 
 
 # errno values that mean "the bytes could not be written here", as opposed to an input's read error.
@@ -125,11 +137,15 @@ def save_safetensors(path: str | os.PathLike, tensors: dict, metadata: dict[str,
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
 
 
+def staging_dir(out: str | os.PathLike) -> Path:
+    """Where the directory ``out`` is built until ``publish_dir`` renames it: ``<out>.partial``."""
+    out = Path(out)
+    return out.with_name(out.name + ".partial")
+
+
 def publish_dir(staging: str | os.PathLike, final: str | os.PathLike) -> None:
     """Rename a finished staging directory onto its final name (which must not exist)."""
-    final = Path(final)
-    if final.exists():
-        raise FileExistsError(f"{final} already exists; refusing to overwrite it")
+    refuse_existing(final)
     os.replace(staging, final)
 
 

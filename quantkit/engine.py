@@ -13,10 +13,8 @@ stay on the host, so only one layer's weights and the activations ever occupy th
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import resource
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -30,11 +28,9 @@ from quantkit import calib
 from quantkit.activations import Activations
 from quantkit.algorithms import ALGORITHMS
 from quantkit.algorithms.smooth import smooth_layer
-from quantkit.artifact import ArtifactWriter, staging_dir
+from quantkit.artifact import PROGRESS_FILE, ArtifactWriter
 from quantkit.checkpoint import CheckpointReader
-from quantkit.errors import QuantkitError
 from quantkit.formats import FORMATS, Format
-from quantkit.lock import OutputLock
 from quantkit.models import MiniCPMConfig, MiniCPMDecoderLayer, MiniCPMRotaryEmbedding
 from quantkit.models.layers import (
     ATTENTION_PROJECTIONS,
@@ -53,12 +49,10 @@ from quantkit.models.minicpm import weight_shapes
 from quantkit.quant import QuantConfig
 from quantkit.reader import dequantize_layer
 from quantkit.recipe import Recipe
-from quantkit.stats import BF16_IN_HARDWARE, InputStats, fast_relative_error
+from quantkit.run import Run, RunError, peak_rss_mb
+from quantkit.run.checks import validate_checkpoint
+from quantkit.stats import InputCapture, InputStats, compute_dtype, fast_relative_error
 from quantkit.version import __version__
-
-
-class EngineError(QuantkitError, RuntimeError):
-    """A run that cannot start or continue as asked."""
 
 
 @dataclass
@@ -83,14 +77,6 @@ class RunReport:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
-
-
-class _StopForward(Exception):
-    """Raised by a hook once the inputs it waits for are captured: the rest of the layer is not needed."""
 
 
 class LayerRunner:
@@ -183,27 +169,10 @@ class LayerRunner:
         """Statistics of the inputs reaching each linear (named in forward order), leaving out the
         first ``skip_prefix[name]`` positions of each sequence; each forward stops as soon as the last
         of them has been reached."""
-        stats, handles = {}, []
-        for name in linear_names:
-            linear = self.layer.get_submodule(name)
-            stats[name] = InputStats(linear.in_features, skip_prefix[name], device=linear.weight.device)
-
-            def capture(_module, args, name=name):
-                stats[name].add(args[0])
-                if name == linear_names[-1]:
-                    raise _StopForward
-
-            handles.append(linear.register_forward_pre_hook(capture))
-        try:
+        with InputCapture(self.layer, linear_names, skip_prefix, stop_after_last=True) as capture:
             for start, batch in self._batches(hidden):
-                try:
-                    self._run(start, batch)
-                except _StopForward:
-                    pass
-        finally:
-            for handle in handles:
-                handle.remove()
-        return stats
+                capture.run(self._run, start, batch)
+        return capture.stats
 
 
 # Once a group is final, what the runner keeps so that later passes start there instead of recomputing it
@@ -219,7 +188,7 @@ def _build_layer(config: MiniCPMConfig, index: int, tensors: dict[str, torch.Ten
     state = {name[len(prefix):]: t.to(device, dtype) for name, t in tensors.items()}
     missing = set(layer.state_dict()) - set(state)
     if missing:
-        raise EngineError(f"layer {index}: checkpoint lacks {sorted(prefix + m for m in missing)}")
+        raise RunError(f"layer {index}: checkpoint lacks {sorted(prefix + m for m in missing)}")
     layer.load_state_dict(state, strict=True, assign=True)
     return layer.eval()
 
@@ -227,26 +196,6 @@ def _build_layer(config: MiniCPMConfig, index: int, tensors: dict[str, torch.Ten
 def _layer_tensors(reader: CheckpointReader, index: int) -> dict[str, torch.Tensor]:
     prefix = layer_prefix(index)
     return {n: reader.get(n) for n in reader.names if n.startswith(prefix)}
-
-
-def validate_checkpoint(reader: CheckpointReader, config: MiniCPMConfig, qconfig: QuantConfig, fmt: Format,
-                        desc_act: bool, progress: bool = False) -> None:
-    """Refuse a bad checkpoint before any work starts: missing tensors, wrong shapes, NaN/Inf
-    values, and shapes the format cannot pack."""
-    shapes = weight_shapes(config)
-    for name, shape in shapes.items():
-        if name not in reader:
-            raise EngineError(f"checkpoint {reader.directory} lacks tensor '{name}'")
-        if reader.shape(name) != shape:
-            raise EngineError(f"tensor '{name}' has shape {list(reader.shape(name))}, "
-                              f"the config implies {list(shape)}")
-    for linear in LINEARS:
-        out_features, in_features = shapes[f"{layer_prefix(0)}{linear}.weight"]
-        fmt.check(qconfig, in_features, out_features, desc_act, linear)
-    for name in tqdm(list(shapes), desc="check weights", unit="tensor", disable=not progress, leave=False):
-        t = reader.get(name)
-        if t.is_floating_point() and not torch.isfinite(t).all():
-            raise EngineError(f"tensor '{name}' in {reader.directory} contains NaN or Inf values")
 
 
 # What the estimate leaves out (the interpreter, torch, the tokenizer, allocator slack) is covered by this
@@ -285,7 +234,7 @@ def plan_activations(config: MiniCPMConfig, calibration: Mapping, dtype: torch.d
     from quantkit.memory import address_space_available, device_available_bytes
 
     if place not in ACTIVATION_PLACES:
-        raise EngineError(f"activations must be one of {', '.join(ACTIVATION_PLACES)}, not {place!r}")
+        raise RunError(f"activations must be one of {', '.join(ACTIVATION_PLACES)}, not {place!r}")
     n_samples, seq_len = calibration["n_samples"], calibration["seq_len"]
     parts = calibration_memory(config, n_samples, seq_len, dtype)
     available = device_available_bytes(device)
@@ -301,10 +250,10 @@ def plan_activations(config: MiniCPMConfig, calibration: Mapping, dtype: torch.d
         spill_dir.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(spill_dir).free
         if spilled > free:
-            raise EngineError(f"calibration does not fit: the activations of {n_samples} x {seq_len} tokens "
-                              f"({spilled / 2**30:.2f} GiB) fit neither in memory nor on the disk of {spill_dir} "
-                              f"({free / 2**30:.2f} GiB free). Lower calibration.n_samples or calibration.seq_len "
-                              "(--set calibration.n_samples=N), or free disk space")
+            raise RunError(f"calibration does not fit: the activations of {n_samples} x {seq_len} tokens "
+                           f"({spilled / 2**30:.2f} GiB) fit neither in memory nor on the disk of {spill_dir} "
+                           f"({free / 2**30:.2f} GiB free). Lower calibration.n_samples or calibration.seq_len "
+                           "(--set calibration.n_samples=N), or free disk space")
         # mapped files still take address space: under ulimit -v, spilling does not make room
         address_space = address_space_available()
         if address_space is not None and device.type == "cpu":
@@ -313,25 +262,11 @@ def plan_activations(config: MiniCPMConfig, calibration: Mapping, dtype: torch.d
             return Activations(torch.device("cpu"), spill_dir)
     gib = 2 ** 30
     itemised = ", ".join(f"{name} {size / gib:.2f} GiB" for name, size in parts.items())
-    raise EngineError(
+    raise RunError(
         f"calibration does not fit: {n_samples} x {seq_len} tokens at hidden size {config.hidden_size} in "
         f"{str(dtype).removeprefix('torch.')} need about {needed / gib:.2f} GiB on {device.type} ({itemised}, plus "
         f"{MEMORY_MARGIN - 1:.0%}), and {available[1]} leaves {max(available[0], 0) / gib:.2f} GiB. Lower "
         "calibration.n_samples or calibration.seq_len (--set calibration.n_samples=N), or free memory")
-
-
-def run_fingerprint(model: str, recipe: Recipe, calibration: str, dtype: torch.dtype) -> str:
-    payload = json.dumps({"model": model, "recipe": recipe.fingerprint(), "calibration": calibration,
-                          "compute_dtype": str(dtype), "quantkit": __version__}, sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()
-
-
-def compute_dtype(name: str) -> torch.dtype:
-    """The calibration forwards' dtype. "auto" is bfloat16 where the CPU multiplies it in hardware and
-    float32 elsewhere, where bfloat16 is emulated and many times slower (quantkit.stats.BF16_IN_HARDWARE)."""
-    if name == "auto":
-        return torch.bfloat16 if BF16_IN_HARDWARE else torch.float32
-    return getattr(torch, name)
 
 
 def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resume: bool = False,
@@ -346,21 +281,15 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
     """
     from quantkit.device import resolve_device
 
-    started = time.perf_counter()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     device = torch.device(resolve_device(device))
     if "qat" in recipe.values:
         from quantkit.training.fake_quant import TRAINS
 
         command = TRAINS[recipe["qat"]["trains"]].command
-        raise EngineError(f"recipe {recipe.name} trains (it has a 'qat' section): run it with `{command} "
-                          f"--recipe {recipe.name}`")
-    if out_dir.exists():
-        raise EngineError(f"output directory {out_dir} already exists; choose another --out or remove it")
-    staging = staging_dir(out_dir)
-    OutputLock(out_dir).acquire()  # a live run writing this output is named before its staging is judged
-    if staging.exists() and not resume:
-        raise EngineError(f"{staging} holds an interrupted run: pass --resume to continue it, or remove it")
+        raise RunError(f"recipe {recipe.name} trains (it has a 'qat' section): run it with `{command} "
+                       f"--recipe {recipe.name}`")
+    run = Run(out_dir, resume=resume)
 
     reader = CheckpointReader(model_dir)
     config = MiniCPMConfig.from_pretrained(model_dir)
@@ -378,22 +307,20 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
     calibration = calib.calibration_set(tokenizer, source=cal["source"], n_samples=cal["n_samples"],
                                         seq_len=cal["seq_len"], seed=cal["seed"], chat=cal["chat"])
     model_fingerprint = reader.fingerprint()
-    fingerprint = run_fingerprint(model_fingerprint, recipe, calibration.fingerprint, dtype)
+    continuing = run.begin({"model": model_fingerprint, "recipe": recipe.fingerprint(),
+                            "calibration": calibration.fingerprint, "compute_dtype": str(dtype),
+                            "quantkit": __version__}, PROGRESS_FILE)
 
-    writer = ArtifactWriter(staging, config.num_hidden_layers)
+    writer = ArtifactWriter(run.staging, config.num_hidden_layers)
     layer_errors: list[dict] = []
-    state = writer.read_progress()
-    if state is not None:
-        if state["fingerprint"] != fingerprint:
-            raise EngineError(f"{staging} was started with a different model, recipe or calibration set; "
-                              "remove it to start over")
-        layer_errors = state["layer_errors"]
+    if continuing:
+        layer_errors = writer.read_progress()
     else:
         outside = {n: reader.get(n) for n in (EMBEDDING, FINAL_NORM, LM_HEAD) if n in reader}
         if fmt.write_outside is not None:  # formats that quantize the embedding or LM head as well
             outside = fmt.write_outside(outside, qconfig)
         writer.write_shard(config.num_hidden_layers, outside)
-        writer.write_progress(fingerprint, layer_errors)
+        writer.write_progress(layer_errors)
     done = len(layer_errors)
 
     report = RunReport(out_dir=str(out_dir), recipe=recipe.name, device=device.type, resumed_from_layer=done,
@@ -416,13 +343,13 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
         shard, errors, alphas, hidden = job.run(_layer_tensors(reader, index), hidden, fmt)
         writer.write_shard(index, shard)
         layer_errors.append({"layer": index, "errors": errors, "smoothing_alpha": alphas})
-        writer.write_progress(fingerprint, layer_errors)
+        writer.write_progress(layer_errors)
         report.layers.append(LayerReport(index, round(time.perf_counter() - layer_started, 3), errors,
                                          round(job.stats_seconds, 3), round(job.solve_seconds, 3)))
         bar.set_postfix(err=f"{max(errors.values()):.2e}")
 
-    report.seconds = round(time.perf_counter() - started, 3)
-    report.peak_rss_mb = round(peak_rss_mb(), 1)
+    report.seconds = round(run.elapsed(), 3)
+    report.peak_rss_mb = peak_rss_mb()
     if stop_after_layers is not None and stop_after_layers < config.num_hidden_layers:
         return report
 
@@ -435,13 +362,15 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
         "recipe": recipe.values,
         "compute_dtype": str(dtype).removeprefix("torch."),
         "fingerprints": {"model": model_fingerprint, "recipe": recipe.fingerprint(),
-                         "calibration": calibration.fingerprint, "run": fingerprint},
+                         "calibration": calibration.fingerprint, "run": run.fingerprint},
         "calibration": calibration.describe(),
         "layer_errors": layer_errors,
     }
     configs = fmt.config_files({**source_config, "quantization_config": quantization_config})
-    writer.finish(model_dir, out_dir, configs.pop("config.json"), quantization_config, manifest, report.to_dict(),
+    writer.finish(model_dir, configs.pop("config.json"), quantization_config, report.to_dict(),
                   weights_file=fmt.weights_file, extra_configs=configs)
+    with run.publishing():
+        writer.write_manifest(manifest)
     return report
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from quantkit.atomic import atomic_path
+from quantkit.atomic import atomic_path, refuse_existing
 from quantkit.gguf.names import gguf_name
 from quantkit.models.layers import LINEARS, layer_prefix
 
@@ -98,8 +98,7 @@ def imatrix_for(model_dir: str | Path, out: str | Path, *, source: str = "defaul
     from quantkit.checkpoint import load_tokenizer
 
     out = Path(out)
-    if out.exists():
-        raise FileExistsError(f"{out} already exists; choose another --out or remove it")
+    refuse_existing(out)
     rows = calib.calibration_set(load_tokenizer(model_dir), source=source, n_samples=n_samples,
                                  seq_len=seq_len, seed=seed, chat=chat)
     cut = f", first {prefix_tokens} positions left out" if prefix_tokens else ""

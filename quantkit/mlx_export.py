@@ -81,8 +81,7 @@ def _check_records(reader: ArtifactReader, dtype: torch.dtype) -> None:
 def export_mlx(model_dir: str | Path, out: str | Path, dtype: str = "float32") -> MLXExport:
     """Write the quantized artifact ``model_dir`` as an MLX directory ``out`` (which must not exist)."""
     model_dir, out = Path(model_dir), Path(out)
-    if out.exists():
-        raise FileExistsError(f"{out} already exists; choose another --out or remove it")
+    atomic.refuse_existing(out)
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     reader = ArtifactReader(model_dir)

@@ -168,10 +168,6 @@ class ArtifactReader:
         return _ReadOnAccess(self.tensors, self.other_tensors())
 
 
-# A quantized draft head's format -> the format of its fc (CPM.cu packs fc alone, in Marlin's layout).
-HEAD_FC_FORMATS = {"gptq": "gptq", "marlin": "marlin", "cpmcu": "marlin"}
-
-
 def _head_format(names: set[str]) -> str:
     """Which format a quantized head's tensors are in, from their names."""
     if f"{MIDLAYER}self_attn.qkv_proj.qweight" in names:
@@ -189,7 +185,7 @@ def _dequantized_head_linears(tensors: Mapping[str, Tensor], quantization_config
     midlayer = FORMATS[fmt].read_layer(tensors, MIDLAYER, config, {name.removeprefix(MIDLAYER): shape
                                                                      for name, shape in shapes.items()
                                                                      if name.startswith(MIDLAYER)})
-    fc = FORMATS[HEAD_FC_FORMATS[fmt]].read_layer(tensors, "", config, {"fc": shapes["fc"]})
+    fc = FORMATS[FORMATS[fmt].draft_head_fc].read_layer(tensors, "", config, {"fc": shapes["fc"]})
     records = {**{MIDLAYER + name: record for name, record in midlayer.items()}, **fc}
     return {f"{name}.weight": record.dequantize() for name, record in records.items()}
 

@@ -3,11 +3,13 @@
 GPTQ needs H as its Hessian, and every method's reconstruction error ‖(W − Ŵ)X‖² is
 tr(ΔW H ΔWᵀ)·n/2, so one accumulator serves both. Prefix-aware GPTQ excludes the first
 ``skip_prefix`` positions of every calibration sequence, which is why inputs keep their
-[batch, seq, features] shape until here.
+[batch, seq, features] shape until here. ``InputCapture`` collects them from any module's forwards
+(a decoder layer's in the engine, a draft head's unrolled steps).
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import Callable, Mapping
 
 import torch
 
@@ -37,6 +39,59 @@ class InputStats:
             gram_by_torch(self.hessian, rows, self.tokens / total, 2.0 / total)
         self.abs_mean.mul_(self.tokens / total).add_(rows.abs().sum(0, dtype=torch.float32), alpha=1.0 / total)
         self.tokens = total
+
+
+class _StopForward(Exception):
+    """Raised by a hook once the inputs a capture waits for are in: the rest of the forward is not needed."""
+
+
+class InputCapture:
+    """The statistics of the inputs reaching named linears of ``module`` while forwards run: a forward
+    pre-hook on each adds its input to that linear's ``InputStats`` (mlx-lm's GPTQ "Hessian catcher"),
+    in the order the forwards reach them::
+
+        with InputCapture(layer, ("mlp.gate_proj", "mlp.up_proj")) as capture:
+            for batch in batches:
+                capture.run(layer, batch)
+        capture.stats["mlp.gate_proj"].hessian
+
+    ``skip_prefix[name]`` positions of each sequence are left out of that linear's statistics. With
+    ``stop_after_last``, a forward ends as soon as the last name (names in forward order) has its input:
+    what it would compute after that is not needed."""
+
+    def __init__(self, module: torch.nn.Module, names: tuple[str, ...], skip_prefix: Mapping[str, int] | None = None,
+                 stop_after_last: bool = False):
+        self.module, self.names, self.stop_after_last = module, names, stop_after_last
+        self.stats = {}
+        for name in names:
+            linear = module.get_submodule(name)
+            self.stats[name] = InputStats(linear.in_features, (skip_prefix or {}).get(name, 0),
+                                          device=linear.weight.device)
+        self._handles = []
+
+    def _hook(self, name: str):
+        def add(_module, args):
+            self.stats[name].add(args[0])
+            if self.stop_after_last and name == self.names[-1]:
+                raise _StopForward
+        return add
+
+    def __enter__(self) -> "InputCapture":
+        self._handles = [self.module.get_submodule(name).register_forward_pre_hook(self._hook(name))
+                         for name in self.names]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def run(self, forward: Callable, *args, **kwargs) -> None:
+        """``forward(*args, **kwargs)``, its output dropped: what counts is what the hooks saw."""
+        try:
+            forward(*args, **kwargs)
+        except _StopForward:
+            pass
 
 
 def gram_by_torch(hessian: torch.Tensor, rows: torch.Tensor, beta: float, alpha: float) -> None:
@@ -73,6 +128,14 @@ def _cpu_multiplies_bf16() -> bool:
 # in float32 from the bfloat16-rounded operands and rounded to bfloat16, which is what the hardware
 # computes up to the order of its float32 sums.
 BF16_IN_HARDWARE = _cpu_multiplies_bf16()
+
+
+def compute_dtype(name: str) -> torch.dtype:
+    """The calibration forwards' dtype. "auto" is bfloat16 where the CPU multiplies it in hardware and
+    float32 elsewhere, where bfloat16 is emulated and many times slower (``BF16_IN_HARDWARE``)."""
+    if name == "auto":
+        return torch.bfloat16 if BF16_IN_HARDWARE else torch.float32
+    return getattr(torch, name)
 
 
 @contextmanager

@@ -63,15 +63,6 @@ MAY_IMPORT = {
     **{pipeline: _READER | {"algorithms", "pipeline parts"} for pipeline in PIPELINES},
     "entry points": set(LAYERS),
 }
-# Edges the layering forbids that the code still has, each to be removed (issue 68); the test fails on any
-# other, and on an entry here that the code no longer has.
-KNOWN_VIOLATIONS = {
-    ("quantkit.qat.trainer", "quantkit.engine"),
-    ("quantkit.qat.trainer", "quantkit.eval.ppl"),
-    ("quantkit.draft.trainer", "quantkit.engine"),
-}
-
-
 def module_name(path: Path) -> str:
     top, *rest = path.relative_to(ROOT).with_suffix("").parts
     parts = [PACKAGES[top], *rest]
@@ -154,12 +145,9 @@ def test_may_import_is_closed_under_chains():
 
 def test_imports_follow_the_layers():
     edges = graph()
-    bad = direct(edges)
-    assert bad - KNOWN_VIOLATIONS == set(), "imports against the layers: " + ", ".join(
-        f"{a} ({layer_of(a)}) -> {b} ({layer_of(b)})" for a, b in sorted(bad - KNOWN_VIOLATIONS))
-    assert KNOWN_VIOLATIONS - bad == set(), "no longer in the code: remove from KNOWN_VIOLATIONS"
-    reached = {pair: chain for pair, chain in violations(edges).items()
-               if not any(edge in KNOWN_VIOLATIONS for edge in zip(chain, chain[1:]))}
+    assert direct(edges) == set(), "imports against the layers: " + ", ".join(
+        f"{a} ({layer_of(a)}) -> {b} ({layer_of(b)})" for a, b in sorted(direct(edges)))
+    reached = violations(edges)
     assert reached == {}, "reached through other modules: " + "; ".join(" -> ".join(c) for c in reached.values())
 
 

@@ -10,7 +10,7 @@ import torch
 
 from quantkit.algorithms.awq import awq_quantize
 from quantkit.algorithms.smooth import search_scale
-from quantkit.artifact import staging_dir
+from quantkit.atomic import staging_dir
 from quantkit.engine import quantize
 from quantkit.loading import load_model
 from quantkit.models.layers import LINEARS

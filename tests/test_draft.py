@@ -155,19 +155,19 @@ def test_own_text_rows_keep_their_prompt_and_train_a_head(target_dir, training_t
     ({"aux_states": "sglang"}, "aux_states must be one of"),
 ])
 def test_bad_settings_are_refused_before_any_work(target_dir, training_text, tmp_path, changes, message):
-    from quantkit.draft.settings import DraftTrainingError
     from quantkit.draft.trainer import train_head
+    from quantkit.run import RunError
 
-    with pytest.raises(DraftTrainingError, match=message):
+    with pytest.raises(RunError, match=message):
         train_head(target_dir, tmp_path / "head", settings(training_text, **changes), progress=False)
     assert not (tmp_path / "head.partial").exists()
 
 
 def test_an_existing_output_is_refused(target_dir, training_text, trained):
-    from quantkit.draft.settings import DraftTrainingError
+    from quantkit.atomic import OutputExistsError
     from quantkit.draft.trainer import train_head
 
-    with pytest.raises(DraftTrainingError, match="already exists"):
+    with pytest.raises(OutputExistsError, match="already exists"):
         train_head(target_dir, trained[0], settings(training_text), progress=False)
 
 
@@ -264,9 +264,9 @@ def test_realignment_continues_a_head_on_a_quantized_target(trained, target_dir,
     """--init: the FP target's head trained on for the W4 target keeps its vocabulary and moves on."""
     from safetensors.torch import load_file
 
-    from quantkit.draft.settings import DraftTrainingError
     from quantkit.draft.trainer import train_head
     from quantkit.engine import quantize
+    from quantkit.run import RunError
 
     from helpers import small_recipe
 
@@ -278,7 +278,7 @@ def test_realignment_continues_a_head_on_a_quantized_target(trained, target_dir,
     before, after = load_file(trained[0] / "model.safetensors"), load_file(out / "model.safetensors")
     assert torch.equal(before["d2t"], after["d2t"]) and report.draft_vocab == 128
     assert not torch.equal(before["fc.weight"], after["fc.weight"])
-    with pytest.raises(DraftTrainingError, match="draft vocabulary of 128 tokens, not 64"):
+    with pytest.raises(RunError, match="draft vocabulary of 128 tokens, not 64"):
         train_head(w4, tmp_path / "other", settings(training_text, draft_vocab=64), init=trained[0], progress=False)
 
 

@@ -12,15 +12,17 @@ from test_qat import STEP_TOKENS, overrides
 from quantkit import calib
 from quantkit.checkpoint import load_tokenizer
 from quantkit.cli import main
-from quantkit.engine import EngineError, quantize
+from quantkit.engine import quantize
 from quantkit.eval.kld import kl_divergence
+from quantkit.eval.ppl import perplexity
 from quantkit.formats.mlx import mlx_grid
 from quantkit.loading import load_model
 from quantkit.qat import run_qat
-from quantkit.qat.trainer import CHECKPOINT_FILE, QATError, train
+from quantkit.qat.trainer import CHECKPOINT_FILE, train
 from quantkit.qat.write import write_outputs
 from quantkit.reader import ArtifactReader
 from quantkit.recipe import RecipeError, load_recipe
+from quantkit.run import RunError
 from quantkit.training.fake_quant import AffineLinear, grid_weight, quantized_record
 
 from helpers import small_recipe
@@ -113,8 +115,9 @@ def test_zero_steps_write_exactly_the_rtn_recipe(tiny_checkpoint_factory, traini
     quantize(source, load_recipe("mlx-rtn-w4g64", {"calibration.n_samples": 2, "calibration.seq_len": 32}),
              reference, progress=False)
     settings = dwq_recipe(training_text)
-    trained = train(source, settings, tmp_path / "dwq", tokens=STEP_TOKENS, stop_after_steps=0, progress=False)
-    write_outputs(trained, source, settings, tmp_path / "dwq")
+    trained = train(source, settings, tmp_path / "dwq", perplexity=perplexity, tokens=STEP_TOKENS,
+                    stop_after_steps=0, progress=False)
+    write_outputs(trained, source, settings)
     ours, theirs = _tensors(tmp_path / "dwq"), _tensors(reference)
     assert sorted(ours) == sorted(theirs) and "lm_head.scales" in ours
     for name, tensor in theirs.items():
@@ -150,9 +153,11 @@ def test_kl_to_the_fp_model_falls_on_held_out_text(uninterrupted, rtn, model):
 def test_resumed_run_ends_with_the_uninterrupted_bytes(model, training_text, uninterrupted, tmp_path):
     out = tmp_path / "out"
     settings = dwq_recipe(training_text)
-    train(model, settings, out, tokens=STEPS * STEP_TOKENS, stop_after_steps=7, progress=False)
+    train(model, settings, out, perplexity=perplexity, tokens=STEPS * STEP_TOKENS, stop_after_steps=7,
+          progress=False)
     assert load_file(out.with_name("out.partial") / CHECKPOINT_FILE)
-    report = run_qat(model, settings, out, tokens=STEPS * STEP_TOKENS, resume=True, progress=False)
+    report = run_qat(model, settings, out, perplexity=perplexity, tokens=STEPS * STEP_TOKENS, resume=True,
+                     progress=False)
     assert report.resumed_from_step == 7
     reference = uninterrupted[0]
     shards = sorted(p.name for p in reference.glob("*.safetensors"))
@@ -165,7 +170,8 @@ def test_init_keeps_a_gptq_artifacts_codes(model, training_text, tmp_path):
     gptq = tmp_path / "gptq"
     quantize(model, small_recipe("mlx-s-p-gptq-w4g64", tmp_path), gptq, progress=False)
     settings = dwq_recipe(training_text)
-    run_qat(model, settings, tmp_path / "dwq", tokens=2 * STEP_TOKENS, init=gptq, progress=False)
+    run_qat(model, settings, tmp_path / "dwq", perplexity=perplexity, tokens=2 * STEP_TOKENS, init=gptq,
+            progress=False)
     trained, start = _records(tmp_path / "dwq"), _records(gptq)
     assert all(torch.equal(trained[name].codes, record.codes) for name, record in start.items())
     assert any(not torch.equal(trained[name].scales, record.scales) for name, record in start.items())
@@ -191,15 +197,15 @@ def test_dwq_command_refuses_a_recipe_that_does_not_train_scales(model, tmp_path
 def test_scales_need_a_float_bias_grid_and_quantize_names_the_command(model, tmp_path):
     with pytest.raises(RecipeError, match="needs a float-bias grid \\(format: mlx\\), not format 'gptq'"):
         load_recipe("mlx-dwq-w4g64", {"format": "gptq"})
-    with pytest.raises(EngineError, match="`quantkit qat dwq --recipe mlx-dwq-w4g64`"):
+    with pytest.raises(RunError, match="`quantkit qat dwq --recipe mlx-dwq-w4g64`"):
         quantize(model, load_recipe("mlx-dwq-w4g64"), tmp_path / "out", progress=False)
 
 
 def test_init_on_another_grid_is_refused_before_any_work(model, training_text, tmp_path):
     other = tmp_path / "w3"
     quantize(model, small_recipe("mlx-rtn-w4g64", tmp_path, quant={"bits": 3}), other, progress=False)
-    with pytest.raises(QATError, match=r"artifact's grid \(3 bits, group size 64\) is not the recipe's \(4 bits"):
-        train(model, dwq_recipe(training_text), tmp_path / "out", init=other, progress=False)
+    with pytest.raises(RunError, match=r"artifact's grid \(3 bits, group size 64\) is not the recipe's \(4 bits"):
+        train(model, dwq_recipe(training_text), tmp_path / "out", perplexity=perplexity, init=other, progress=False)
     assert not (tmp_path / "out.partial").exists()
 
 

@@ -6,13 +6,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantkit.artifact import REPORT_FILE, staging_dir
+from quantkit.artifact import REPORT_FILE
+from quantkit.atomic import OutputExistsError, staging_dir
 from quantkit.checkpoint import CheckpointError
-from quantkit.engine import EngineError, quantize
+from quantkit.engine import quantize
 from quantkit.loading import load_model
 from quantkit.models import MiniCPMConfig
 from quantkit.models.layers import LINEARS
 from quantkit.recipe import RecipeError, load_recipe
+from quantkit.run import RunError
 from quantkit.synthetic import write_tiny_checkpoint
 
 from helpers import DeviceAudit
@@ -71,7 +73,7 @@ def test_same_inputs_give_identical_bytes_and_resume_matches(tiny, recipe, tmp_p
     quantize(tiny, recipe, straight, progress=False)
     partial = quantize(tiny, recipe, resumed, progress=False, stop_after_layers=1)
     assert len(partial.layers) == 1 and staging_dir(resumed).is_dir() and not resumed.exists()
-    with pytest.raises(EngineError, match="--resume"):
+    with pytest.raises(RunError, match="--resume"):
         quantize(tiny, recipe, resumed, progress=False)
     report = quantize(tiny, recipe, resumed, progress=False, resume=True)
     assert report.resumed_from_layer == 1 and [r.index for r in report.layers] == [1, 2]
@@ -83,7 +85,7 @@ def test_resume_refuses_a_different_recipe(tiny, recipe, tmp_path):
     quantize(tiny, recipe, out, progress=False, stop_after_layers=1)
     other = tmp_path / "other.yaml"
     other.write_text(RECIPE.replace("bits: 4", "bits: 8"))
-    with pytest.raises(EngineError, match="different model, recipe"):
+    with pytest.raises(RunError, match="different model, recipe"):
         quantize(tiny, load_recipe(other), out, progress=False, resume=True)
 
 
@@ -91,7 +93,7 @@ def test_existing_output_directory_is_refused(tiny, recipe, tmp_path):
     out = tmp_path / "q"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(EngineError, match="already exists"):
+    with pytest.raises(OutputExistsError, match="already exists"):
         quantize(tiny, recipe, out, progress=False)
     assert (out / "keep.txt").read_text() == "mine"
 
@@ -138,7 +140,7 @@ def _broken_copy(tiny: Path, tmp_path: Path, edit) -> Path:
 def test_bad_checkpoints_fail_before_writing(tiny, recipe, tmp_path, edit, message):
     broken = _broken_copy(tiny, tmp_path, edit)
     out = tmp_path / "q"
-    with pytest.raises(EngineError, match=message):
+    with pytest.raises(RunError, match=message):
         quantize(broken, recipe, out, progress=False)
     assert not out.exists() and not staging_dir(out).exists()
 
@@ -255,7 +257,7 @@ def test_calibration_that_cannot_fit_is_refused_up_front_with_estimate_and_limit
     # the input, the residual stream after attention (then the output) and down_proj's input, float32
     assert parts["activations"] == 4 * 64 * (2 * config.hidden_size + config.intermediate_size) * 4
     monkeypatch.setattr(quantkit.memory, "available_bytes", lambda: (2**20, "a test's limit"))
-    with pytest.raises(EngineError, match=r"calibration does not fit: 4 x 64 tokens .* need about [\d.]+ GiB on cpu "
+    with pytest.raises(RunError, match=r"calibration does not fit: 4 x 64 tokens .* need about [\d.]+ GiB on cpu "
                                           r"\(activations .*a test's limit leaves 0.00 GiB"):
         quantize(tiny, recipe, tmp_path / "out", progress=False, device="cpu")
     assert not (tmp_path / "out").exists() and not staging_dir(tmp_path / "out").exists()
@@ -297,7 +299,8 @@ def test_activations_spilled_to_disk_give_identical_bytes_and_leave_no_file(two_
 
 def test_auto_spills_activations_that_do_not_fit_in_memory(tiny, recipe, tmp_path, monkeypatch):
     import quantkit.memory
-    from quantkit.engine import MEMORY_MARGIN, calibration_memory, compute_dtype
+    from quantkit.engine import MEMORY_MARGIN, calibration_memory
+    from quantkit.stats import compute_dtype
 
     big = load_recipe(recipe.source, {"calibration.n_samples": 64, "calibration.seq_len": 64,
                                       "calibration.batch_size": 4})
@@ -309,10 +312,10 @@ def test_auto_spills_activations_that_do_not_fit_in_memory(tiny, recipe, tmp_pat
     spilled = _spill_counter(monkeypatch)
     report = quantize(tiny, big, tmp_path / "out", progress=False, device="cpu")
     assert report.activations == "disk" and len(spilled) == 1 + 3 * 3
-    with pytest.raises(EngineError, match=r"calibration does not fit: .* on cpu \(activations [\d.]+ GiB"):
+    with pytest.raises(RunError, match=r"calibration does not fit: .* on cpu \(activations [\d.]+ GiB"):
         quantize(tiny, big, tmp_path / "refused", progress=False, device="cpu", activations="memory")
     monkeypatch.setattr(quantkit.memory, "available_bytes", lambda: (limit // 2, "a test's limit"))
-    with pytest.raises(EngineError, match=r"on cpu \(activations \(one batch; the rest on disk\) [\d.]+ GiB"):
+    with pytest.raises(RunError, match=r"on cpu \(activations \(one batch; the rest on disk\) [\d.]+ GiB"):
         quantize(tiny, big, tmp_path / "refused", progress=False, device="cpu")
 
 
@@ -322,7 +325,7 @@ def test_a_spill_that_does_not_fit_the_disk_is_refused_up_front(tiny, recipe, tm
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**20, 2**20, 1024))
-    with pytest.raises(EngineError, match=r"calibration does not fit: the activations of 4 x 64 tokens \([\d.]+ GiB\) "
+    with pytest.raises(RunError, match=r"calibration does not fit: the activations of 4 x 64 tokens \([\d.]+ GiB\) "
                                           r"fit neither in memory nor on the disk of .* \(0.00 GiB free\)"):
         quantize(tiny, recipe, tmp_path / "out", progress=False, device="cpu", activations="disk")
     assert not (tmp_path / "out").exists() and not staging_dir(tmp_path / "out").exists()

@@ -23,7 +23,7 @@ def test_defining_a_subclass_registers_it_with_the_defaults(fresh_registry):
     [fmt] = fresh_registry
     assert isinstance(fmt, Plain) and fmt.name == "plain"
     assert fmt.consumers == (QUANTKIT,) and fmt.stored_layout is None and fmt.settings is None
-    assert not fmt.holds_draft_head and not fmt.block_types and fmt.write_outside is None
+    assert fmt.draft_head_fc is None and not fmt.block_types and fmt.write_outside is None
     quant = {"bits": 4, "group_size": 128, "sym": True, "ternary": False}
     grid = fmt.grid(quant, torch.bfloat16)
     assert grid == QuantConfig(**quant) and fmt.resolve(grid, {}, 8) is grid
@@ -53,7 +53,7 @@ def test_the_registry_holds_every_format_in_listing_order():
 
 
 def test_what_each_format_says_of_itself():
-    assert {name for name, fmt in FORMATS.items() if fmt.holds_draft_head} == {"gptq", "marlin", "cpmcu"}
+    assert {name for name, fmt in FORMATS.items() if fmt.draft_head_fc is not None} == {"gptq", "marlin", "cpmcu"}
     assert {name: fmt.stored_layout for name, fmt in FORMATS.items() if fmt.stored_layout} == {
         "awq": "awq", "marlin": "marlin", "ternary": "ternary planes"}
     assert {name for name, fmt in FORMATS.items() if fmt.settings is not None} == {"mlx"}

@@ -42,13 +42,14 @@ def _ternary_artifact(model: Path, group_size: int, out: Path) -> Path:
 def _qat_artifact(model: Path, folder: Path) -> Path:
     """Three steps of ``qat-ternary-g256`` (cross-entropy only, so no teacher cache is written)."""
     from quantkit.calib import load_documents
+    from quantkit.eval.ppl import perplexity
     from quantkit.qat import run_qat
 
     text = folder / "train.txt"
     text.write_text("\n\n".join(load_documents("en"))[:20_000])
     recipe = load_recipe("qat-ternary-g256", {"qat.seq_len": 64, "qat.batch_tokens": 128, "qat.eval_tokens": 128,
                                               "qat.data": str(text), "qat.distill_weight": 0.0})
-    run_qat(model, recipe, folder / "qat-g256", tokens=3 * 128, progress=False)
+    run_qat(model, recipe, folder / "qat-g256", perplexity=perplexity, tokens=3 * 128, progress=False)
     return folder / "qat-g256"
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from quantkit.artifact import staging_dir
+from quantkit.atomic import staging_dir
 from quantkit.engine import quantize
 from quantkit.loading import load_model
 from quantkit.models.layers import DOWN, LINEARS

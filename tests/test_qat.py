@@ -6,14 +6,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from quantkit.artifact import staging_dir
+from quantkit.atomic import OutputExistsError, staging_dir
 from quantkit.engine import quantize
+from quantkit.eval.ppl import perplexity
 from quantkit.qat import run_qat
-from quantkit.qat.trainer import CHECKPOINT_FILE, QATError, train
+from quantkit.qat.trainer import CHECKPOINT_FILE, train
 from quantkit.qat.write import FAKE_QUANT_MANIFEST, write_outputs
 from quantkit.quant import QuantConfig
 from quantkit.reader import ArtifactReader
 from quantkit.recipe import RecipeError, load_recipe
+from quantkit.run import Run, RunError
 from quantkit.training import state
 from quantkit.training.distill import distillation_loss
 from quantkit.training.fake_quant import grid_weight, quantized_record, straight_through
@@ -79,8 +81,9 @@ def test_zero_steps_write_exactly_rtn_ternary_g32(model, training_text, tmp_path
     quantize(model, load_recipe("rtn-ternary-g32", {"calibration.n_samples": 2, "calibration.seq_len": 32}), rtn,
              progress=False)
     settings = recipe(training_text, **{"qat.distill_weight": 0.0})
-    trained = train(model, settings, tmp_path / "qat", tokens=STEP_TOKENS, stop_after_steps=0, progress=False)
-    write_outputs(trained, model, settings, tmp_path / "qat")
+    trained = train(model, settings, tmp_path / "qat", perplexity=perplexity, tokens=STEP_TOKENS, stop_after_steps=0,
+                    progress=False)
+    write_outputs(trained, model, settings)
     ours, theirs = ArtifactReader(tmp_path / "qat"), ArtifactReader(rtn)
     assert ours.format.name == theirs.format.name == "ternary"
     for index in range(ours.num_layers):
@@ -94,7 +97,7 @@ def test_zero_steps_write_exactly_rtn_ternary_g32(model, training_text, tmp_path
 @pytest.fixture(scope="module")
 def uninterrupted(model, training_text, tmp_path_factory):
     out = tmp_path_factory.mktemp("qat-run") / "out"
-    report = run_qat(model, recipe(training_text), out, tokens=12 * STEP_TOKENS, progress=False)
+    report = run_qat(model, recipe(training_text), out, tokens=12 * STEP_TOKENS, perplexity=perplexity, progress=False)
     return out, report
 
 
@@ -112,9 +115,9 @@ def test_loss_falls_within_a_dozen_steps(uninterrupted):
 def test_resumed_run_ends_with_the_uninterrupted_weights(model, training_text, uninterrupted, tmp_path):
     out = tmp_path / "out"
     settings = recipe(training_text)
-    train(model, settings, out, tokens=12 * STEP_TOKENS, stop_after_steps=7, progress=False)
+    train(model, settings, out, tokens=12 * STEP_TOKENS, stop_after_steps=7, perplexity=perplexity, progress=False)
     assert load_file(staging_dir(out) / CHECKPOINT_FILE)  # the checkpoint at the stop
-    report = run_qat(model, settings, out, tokens=12 * STEP_TOKENS, resume=True, progress=False)
+    report = run_qat(model, settings, out, tokens=12 * STEP_TOKENS, resume=True, perplexity=perplexity, progress=False)
     assert report.resumed_from_step == 7
     reference, resumed = uninterrupted[0], out
     for shard in sorted(p.name for p in reference.glob("*.safetensors")):
@@ -125,7 +128,7 @@ def test_resumed_run_ends_with_the_uninterrupted_weights(model, training_text, u
 def test_interrupted_checkpoint_write_keeps_the_previous_one(model, training_text, tmp_path, monkeypatch):
     out = tmp_path / "out"
     settings = recipe(training_text, **{"qat.checkpoint_interval": 2, "qat.distill_weight": 0.0})
-    train(model, settings, out, tokens=6 * STEP_TOKENS, stop_after_steps=2, progress=False)
+    train(model, settings, out, tokens=6 * STEP_TOKENS, stop_after_steps=2, perplexity=perplexity, progress=False)
     checkpoint = staging_dir(out) / CHECKPOINT_FILE
     before = checkpoint.read_bytes()
 
@@ -136,7 +139,7 @@ def test_interrupted_checkpoint_write_keeps_the_previous_one(model, training_tex
 
     monkeypatch.setattr(state.atomic, "save_safetensors", dies_mid_write)
     with pytest.raises(KeyboardInterrupt):
-        train(model, settings, out, tokens=6 * STEP_TOKENS, resume=True, progress=False)
+        train(model, settings, out, tokens=6 * STEP_TOKENS, resume=True, perplexity=perplexity, progress=False)
     assert checkpoint.read_bytes() == before
 
 
@@ -152,8 +155,8 @@ def test_non_finite_loss_stops_with_a_clear_message_and_keeps_the_checkpoint(mod
         return loss * float("nan") if len(calls) > 6 else loss
 
     monkeypatch.setattr(torch.nn.functional, "cross_entropy", nan_from_step_four)
-    with pytest.raises(QATError, match=r"not finite .* at step 4; the last good checkpoint \(step 3\)"):
-        train(model, settings, out, tokens=8 * STEP_TOKENS, progress=False)
+    with pytest.raises(RunError, match=r"not finite .* at step 4; the last good checkpoint \(step 3\)"):
+        train(model, settings, out, tokens=8 * STEP_TOKENS, perplexity=perplexity, progress=False)
     from safetensors import safe_open
 
     with safe_open(str(staging_dir(out) / CHECKPOINT_FILE), "pt") as f:
@@ -163,7 +166,7 @@ def test_non_finite_loss_stops_with_a_clear_message_and_keeps_the_checkpoint(mod
 def test_int4_grid_trains_with_the_same_trainer(model, training_text, tmp_path):
     settings = recipe(training_text, **{"quant.bits": 4, "quant.group_size": 128, "quant.sym": True,
                                         "quant.ternary": False, "format": "gptq"})
-    report = run_qat(model, settings, tmp_path / "int4", tokens=3 * STEP_TOKENS, progress=False)
+    report = run_qat(model, settings, tmp_path / "int4", tokens=3 * STEP_TOKENS, perplexity=perplexity, progress=False)
     records = ArtifactReader(tmp_path / "int4").layer(0)[1]
     assert report.steps == 3 and all(r.config == QuantConfig(4, 128, True) for r in records.values())
 
@@ -174,7 +177,8 @@ def test_fake_quant_checkpoint_loads_in_transformers_as_the_artifact(model, trai
     from quantkit.loading import load_model
 
     out = tmp_path / "fake"
-    run_qat(model, recipe(training_text), out, tokens=12 * STEP_TOKENS, fake_quant=True, progress=False)
+    run_qat(model, recipe(training_text), out, perplexity=perplexity, tokens=12 * STEP_TOKENS, fake_quant=True,
+            progress=False)
     assert not (out / "quantkit.json").exists() and (out / FAKE_QUANT_MANIFEST).is_file()
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     plain = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -193,8 +197,8 @@ def test_fake_quant_checkpoint_loads_in_transformers_as_the_artifact(model, trai
 ])
 def test_bad_input_is_refused_before_any_work(tiny_checkpoint_factory, training_text, tmp_path, settings, message):
     narrow = tiny_checkpoint_factory(hidden_size=256, intermediate_size=384)
-    with pytest.raises((QATError, RecipeError, ValueError), match=message):
-        train(narrow, recipe(training_text, **settings), tmp_path / "out", progress=False)
+    with pytest.raises((RunError, RecipeError, ValueError), match=message):
+        train(narrow, recipe(training_text, **settings), tmp_path / "out", perplexity=perplexity, progress=False)
     assert not staging_dir(tmp_path / "out").exists()
 
 
@@ -202,10 +206,11 @@ def test_empty_data_and_existing_output_are_refused(model, training_text, tmp_pa
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
     with pytest.raises(ValueError, match="holds no text"):
-        train(model, recipe(training_text, **{"qat.data": str(empty)}), tmp_path / "out", progress=False)
+        train(model, recipe(training_text, **{"qat.data": str(empty)}), tmp_path / "out", perplexity=perplexity,
+              progress=False)
     (tmp_path / "taken").mkdir()
-    with pytest.raises(QATError, match="already exists"):
-        train(model, recipe(training_text), tmp_path / "taken", progress=False)
+    with pytest.raises(OutputExistsError, match="already exists"):
+        train(model, recipe(training_text), tmp_path / "taken", perplexity=perplexity, progress=False)
     assert not staging_dir(tmp_path / "out").exists()
 
 
@@ -215,8 +220,8 @@ def test_qat_from_a_gptq_ternary_artifact_starts_exactly_at_its_weights(model, t
              progress=False)
     settings = recipe(training_text, **{"qat.distill_weight": 0.0})
     trained = train(model, settings, tmp_path / "qat", tokens=STEP_TOKENS, init=gptq, stop_after_steps=0,
-                    progress=False)
-    write_outputs(trained, model, settings, tmp_path / "qat", init=str(gptq))
+                    perplexity=perplexity, progress=False)
+    write_outputs(trained, model, settings, init=str(gptq))
     ours, theirs = ArtifactReader(tmp_path / "qat"), ArtifactReader(gptq)
     for index in range(ours.num_layers):
         for name, record in theirs.layer(index)[1].items():
@@ -258,16 +263,15 @@ def test_teacher_cache_grows_with_a_longer_run(tmp_path, monkeypatch):
 def test_resume_continues_from_a_checkpoint_and_starts_over_without_one(tmp_path):
     """A run killed before its first checkpoint leaves a staging folder with none: --resume starts it over
     (as `quantize --resume` does before its first layer), instead of refusing what a user cannot fix."""
-    from quantkit.training import state
-
-    out, staging = tmp_path / "out", staging_dir(tmp_path / "out")
-    assert state.check_start(out, staging, resume=True, checkpoint_file=CHECKPOINT_FILE) is False  # nothing there
-    staging.mkdir()
-    with pytest.raises(RuntimeError, match="interrupted run: pass --resume"):
-        state.check_start(out, staging, resume=False, checkpoint_file=CHECKPOINT_FILE)
-    assert state.check_start(out, staging, resume=True, checkpoint_file=CHECKPOINT_FILE) is False  # killed early
+    out, staging, inputs = tmp_path / "out", staging_dir(tmp_path / "out"), {"model": "m", "tokens": 1}
+    assert Run(out, resume=True).begin(inputs, CHECKPOINT_FILE) is False  # nothing there
+    with pytest.raises(RunError, match="interrupted run: pass --resume"):
+        Run(out, resume=False)
+    assert Run(out, resume=True).begin(inputs, CHECKPOINT_FILE) is False  # killed early
     (staging / CHECKPOINT_FILE).write_bytes(b"")
-    assert state.check_start(out, staging, resume=True, checkpoint_file=CHECKPOINT_FILE) is True
+    assert Run(out, resume=True).begin(inputs, CHECKPOINT_FILE) is True
+    with pytest.raises(RunError, match="started with a different model or tokens"):
+        Run(out, resume=True).begin({**inputs, "tokens": 2}, CHECKPOINT_FILE)
     out.mkdir()
-    with pytest.raises(RuntimeError, match="already exists"):
-        state.check_start(out, staging, resume=True, checkpoint_file=CHECKPOINT_FILE)
+    with pytest.raises(OutputExistsError, match="already exists"):
+        Run(out, resume=True)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from quantkit.stats import InputStats, fast_relative_error, hessian_norm, relative_error
+from quantkit.stats import InputCapture, InputStats, compute_dtype, fast_relative_error, hessian_norm, relative_error
 
 FEATURES = 96
 SHAPES = [(2, 40), (3, 17), (1, 64)]  # [batch, seq] of successive calibration batches
@@ -102,6 +102,28 @@ def test_hessian_norm_is_the_trace_across_row_blocks(monkeypatch):
     assert whole == pytest.approx(exact, rel=1e-3)
 
 
+def test_capture_adds_each_named_linears_inputs_and_can_stop_the_forward():
+    """The hooks see what a forward gives each linear, batch after batch, as direct accumulation does;
+    with ``stop_after_last`` the forward ends at the last named linear; the hooks leave with the block."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, FEATURES), torch.nn.ReLU(), torch.nn.Linear(FEATURES, 8))
+    batches = _batches()
+    with torch.no_grad(), InputCapture(model, ("0", "2"), {"0": 4}) as capture:
+        for x in batches:
+            capture.run(model, x)
+    assert torch.equal(capture.stats["0"].hessian, _accumulate(batches, skip_prefix=4).hessian)
+    with torch.no_grad():
+        hidden = [model[1](model[0](x)) for x in batches]
+    assert torch.equal(capture.stats["2"].hessian, _accumulate(hidden).hessian)
+    reached = []
+    model[2].register_forward_pre_hook(lambda _module, args: reached.append(args))
+    with torch.no_grad(), InputCapture(model, ("0",), stop_after_last=True) as first_only:
+        first_only.run(model, batches[0])
+    assert first_only.stats["0"].tokens == batches[0].shape[0] * batches[0].shape[1] and reached == []
+    model(batches[0])
+    assert len(reached) == 1 and first_only.stats["0"].tokens == batches[0].shape[0] * batches[0].shape[1]
+
+
 def test_rejects_unbatched_inputs():
     with pytest.raises(ValueError, match=r"expected inputs \[batch, seq, features\], got shape \(10, 96\)"):
         InputStats(FEATURES).add(torch.randn(10, FEATURES))
@@ -123,7 +145,6 @@ def test_bf16_product_is_the_hardware_product_up_to_summation_order():
 
 
 def test_auto_compute_dtype_follows_the_hardware():
-    from quantkit.engine import compute_dtype
     from quantkit.stats import BF16_IN_HARDWARE
 
     assert compute_dtype("auto") == (torch.bfloat16 if BF16_IN_HARDWARE else torch.float32)

@@ -194,7 +194,7 @@ def make_variant(variant: Variant, out: Path, reuse: bool, timeout: float | None
     import shlex
     import shutil
 
-    from quantkit.artifact import staging_dir
+    from quantkit.atomic import staging_dir
 
     artifact, record_path = out / variant.key, out / f"{variant.key}.run.json"
     staging = staging_dir(artifact)

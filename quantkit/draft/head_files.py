@@ -9,7 +9,6 @@ import torch
 from quantkit.atomic import save_safetensors, write_json
 from quantkit.formats import FORMATS
 from quantkit.models.eagle3 import CONFIG_FILE, MIDLAYER, WEIGHTS_FILE, Eagle3Head
-from quantkit.reader import HEAD_FC_FORMATS
 
 
 def quantized_head_tensors(head: Eagle3Head, records: dict, fmt: str) -> dict[str, torch.Tensor]:
@@ -18,7 +17,7 @@ def quantized_head_tensors(head: Eagle3Head, records: dict, fmt: str) -> dict[st
     converter drops it)."""
     midlayer = {name.removeprefix(MIDLAYER): record for name, record in records.items() if name.startswith(MIDLAYER)}
     tensors = {**FORMATS[fmt].write_layer(midlayer, MIDLAYER),
-               **FORMATS[HEAD_FC_FORMATS[fmt]].write_layer({"fc": records["fc"]}, "")}
+               **FORMATS[FORMATS[fmt].draft_head_fc].write_layer({"fc": records["fc"]}, "")}
     quantized = {f"{name}.weight" for name in records}
     for name, tensor in head.state_dict().items():
         if name in quantized or (name == "t2d" and fmt == "cpmcu"):

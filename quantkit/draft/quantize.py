@@ -1,10 +1,12 @@
 """Post-training quantization of an EAGLE-3 head (``quantkit draft quantize``).
 
-The recipe's algorithm (RTN or GPTQ) runs on the head's linears in true-sequential order (fc, then
-q/k/v, o, gate/up, down: each group's calibration inputs carry the error of the groups before it).
-The inputs are what the head sees drafting: the target runs on the recipe's calibration rows, and the
-head runs its unrolled draft steps on them (``ttt.unrolled_steps``), so the statistics cover both
-the first step (on the target's states) and the later ones (on the head's own outputs).
+The recipe's algorithm (RTN or GPTQ, from the engine's registry ``quantkit.algorithms.ALGORITHMS``)
+runs on the head's linears in true-sequential order (fc, then q/k/v, o, gate/up, down: each group's
+calibration inputs carry the error of the groups before it). The inputs are what the head sees
+drafting: the target runs on the recipe's calibration rows, and the head runs its unrolled draft
+steps on them (``ttt.unrolled_steps``), so the statistics, captured by the engine's hooks
+(``quantkit.stats.InputCapture``), cover both the first step (on the target's states) and the later
+ones (on the head's own outputs). Each linear's error is the engine's (``fast_relative_error``).
 
 Written in the recipe's format, as its consumer reads a head: ``gptq`` (AutoGPTQ tensors, vLLM and
 SGLang), ``marlin`` (each linear Marlin-packed), ``cpmcu`` (what CPM.cu's converter makes of a GPTQ
@@ -14,14 +16,12 @@ LM head over the draft vocabulary stays fp16 in every layout, because CPM.cu rea
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
 
-from quantkit import atomic, calib
+from quantkit import calib
 from quantkit.algorithms import ALGORITHMS
-from quantkit.artifact import staging_dir
 from quantkit.draft.head_files import save_quantized_head
 from quantkit.draft.ttt import unrolled_steps
 from quantkit.formats import FORMATS
@@ -30,9 +30,9 @@ from quantkit.models.eagle3 import HEAD_LINEAR_GROUPS, DraftHeadError, entering_
 from quantkit.quant import QuantConfig
 from quantkit.reader import load_head
 from quantkit.recipe import Recipe
-from quantkit.stats import InputStats
+from quantkit.run import Run
+from quantkit.stats import InputCapture, fast_relative_error
 
-HEAD_FORMATS = ("gptq", "marlin", "cpmcu")
 CALIBRATION_STEPS = 3  # draft steps whose inputs calibrate the head
 
 
@@ -44,19 +44,17 @@ def quantize_head(head_dir: str | Path, target_dir: str | Path, recipe: Recipe, 
 
     from quantkit.checkpoint import load_tokenizer
 
-    out_dir = Path(out_dir)
-    if out_dir.exists():
-        raise DraftHeadError(f"output directory {out_dir} already exists; choose another --out or remove it")
-    if recipe["format"] not in HEAD_FORMATS:
+    run = Run(out_dir, resumable=False)
+    if FORMATS[recipe["format"]].draft_head_fc is None:
+        heads = ", ".join(name for name, fmt in FORMATS.items() if fmt.draft_head_fc is not None)
         raise DraftHeadError(f"recipe {recipe.name} writes format {recipe['format']!r}; draft heads are written as "
-                             f"{', '.join(HEAD_FORMATS)}")
+                             f"{heads}")
     if recipe["smooth"]["enabled"] or recipe["prefix_tokens"]:
         raise DraftHeadError(f"recipe {recipe.name} smooths or skips prefix tokens, which a draft head has no place "
                              "for; use gptq-w4g128 (or rtn-w4g128) with --set format=gptq|marlin|cpmcu")
     if recipe["algorithm"] not in ("rtn", "gptq"):
         raise DraftHeadError(f"recipe {recipe.name} uses {recipe['algorithm']!r}; draft heads quantize with rtn or "
                              "gptq")
-    started = time.perf_counter()
     target = load_model(target_dir, torch.float32)
     head = load_head(head_dir, target.config)
     qconfig, fmt = QuantConfig(**recipe["quant"]), FORMATS[recipe["format"]]
@@ -72,29 +70,20 @@ def quantize_head(head_dir: str | Path, target_dir: str | Path, recipe: Recipe, 
         for row in tqdm(rows, desc="target states", disable=not progress):
             _, states = entering_states(target, row[None, :-1], head.aux_layers)
             inputs.append((head.aux_from_states(states), head.embed(target.model.embed_tokens, row[None, 1:])))
+    algorithm = ALGORITHMS[recipe["algorithm"]]
     records, errors = {}, {}
     for group in tqdm(HEAD_LINEAR_GROUPS, desc="head linears", disable=not progress):
-        stats = {name: InputStats(linears[name].in_features) for name in group}
-        hooks = [linears[name].register_forward_pre_hook(lambda _m, args, name=name: stats[name].add(args[0]))
-                 for name in group]
-        with torch.no_grad():
+        with InputCapture(head, group) as capture, torch.no_grad():
             for aux, embeds in inputs:
-                unrolled_steps(head, aux, embeds, CALIBRATION_STEPS)
-        for hook in hooks:
-            hook.remove()
+                capture.run(unrolled_steps, head, aux, embeds, CALIBRATION_STEPS)
         for name in group:
-            weight = linears[name].weight.data.float()
-            records[name] = ALGORITHMS[recipe["algorithm"]](weight, stats[name], qconfig, recipe.values)
+            weight, stats = linears[name].weight.data.float(), capture.stats[name]
+            records[name] = algorithm(weight, stats, qconfig, recipe.values)
             quantized = records[name].dequantize()
-            delta = (quantized - weight) @ stats[name].hessian @ (quantized - weight).T
-            reference = weight @ stats[name].hessian @ weight.T
-            errors[name] = float(delta.trace() / reference.trace())
+            errors[name] = fast_relative_error(weight, quantized, stats.hessian)
             linears[name].weight.data = quantized.to(linears[name].weight.dtype)
 
-    staging = staging_dir(out_dir)
-    atomic.remove_tree(staging)
-    save_quantized_head(head, records, recipe["format"], staging)
-    atomic.publish_dir(staging, out_dir)
-    return {"out_dir": str(out_dir), "recipe": recipe.name, "format": recipe["format"],
-            "calibration_rows": len(rows), "relative_output_error": errors,
-            "seconds": round(time.perf_counter() - started, 2)}
+    with run.publishing():
+        save_quantized_head(head, records, recipe["format"], run.staging)
+    return {"out_dir": str(run.out), "recipe": recipe.name, "format": recipe["format"],
+            "calibration_rows": len(rows), "relative_output_error": errors, "seconds": round(run.elapsed(), 2)}

@@ -3,11 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quantkit.errors import QuantkitError
-
-
-class DraftTrainingError(QuantkitError, RuntimeError):
-    """A run that cannot start or continue as asked."""
+from quantkit.run import RunError
 
 
 @dataclass(frozen=True)
@@ -56,7 +52,7 @@ class DraftSettings:
         if self.tokens < self.batch_rows * self.seq_len:
             problems.append(f"tokens {self.tokens} is less than one step of {self.batch_rows} x {self.seq_len}")
         if problems:
-            raise DraftTrainingError("; ".join(problems))
+            raise RunError("; ".join(problems))
 
     def vocabulary_size(self, vocab_size: int) -> int:
         return self.draft_vocab or min(vocab_size, max(64, round(vocab_size / 4 / 64) * 64))

@@ -15,8 +15,6 @@ and the written head stay on the host.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -26,15 +24,13 @@ import torch
 from tqdm.auto import tqdm
 
 from quantkit import atomic, calib
-from quantkit.artifact import staging_dir
 from quantkit.cache import cache_root
 from quantkit.checkpoint import CheckpointReader
 from quantkit.device import resolve_device
 from quantkit.draft.features import build_features, features_key, row_features
 from quantkit.draft.head_files import save_quantized_head
-from quantkit.draft.settings import DraftSettings, DraftTrainingError
+from quantkit.draft.settings import DraftSettings
 from quantkit.draft.ttt import unrolled_steps
-from quantkit.engine import peak_rss_mb
 from quantkit.formats import FORMATS
 from quantkit.loading import load_model
 from quantkit.models.eagle3 import (
@@ -46,6 +42,7 @@ from quantkit.models.eagle3 import (
 )
 from quantkit.quant import QuantConfig
 from quantkit.reader import load_head
+from quantkit.run import Run, RunError, peak_rss_mb
 from quantkit.training import state
 from quantkit.training.data import training_data
 from quantkit.training.distill import distillation_loss
@@ -54,7 +51,6 @@ from quantkit.training.own_text import own_text
 from quantkit.training.schedule import wsd_learning_rate
 from quantkit.version import __version__
 
-RUN_FILE = "draft_run.json"
 CHECKPOINT_FILE = "draft_checkpoint.safetensors"
 LOG_FILE = "draft_train.json"  # what was trained: the same bytes for the same inputs, resumed or not
 REPORT_FILE = "draft_report.json"  # how this run went: timings, memory, where it resumed
@@ -80,12 +76,6 @@ class DraftReport:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _fingerprint(target: str, data: str, settings: DraftSettings, init: str | None) -> str:
-    payload = {"target": target, "data": data, "settings": asdict(settings), "init": init,
-               "quantkit": __version__}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
 def initial_head(target, settings: DraftSettings, token_counts: torch.Tensor) -> Eagle3Head:
@@ -136,11 +126,11 @@ def _starting_head(init: Path, target, settings: DraftSettings) -> Eagle3Head:
     with its own vocabulary and aux states, which the settings must not contradict."""
     head = load_head(init, target.config)
     if settings.draft_vocab not in (None, head.config.draft_vocab_size):
-        raise DraftTrainingError(f"--init {init} has a draft vocabulary of {head.config.draft_vocab_size} tokens, "
-                                 f"not {settings.draft_vocab}")
+        raise RunError(f"--init {init} has a draft vocabulary of {head.config.draft_vocab_size} tokens, "
+                       f"not {settings.draft_vocab}")
     if settings.aux_states != head.config.aux_states:
-        raise DraftTrainingError(f"--init {init} reads aux_states {head.config.aux_states!r}, not "
-                                 f"{settings.aux_states!r}")
+        raise RunError(f"--init {init} reads aux_states {head.config.aux_states!r}, not "
+                       f"{settings.aux_states!r}")
     return head.train()
 
 
@@ -152,9 +142,9 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
     plus ``draft_train.json``). ``stop_after_steps`` leaves the run as an interruption would (tests)."""
     from quantkit.checkpoint import load_tokenizer
 
-    target_dir, out_dir = Path(target_dir), Path(out_dir)
-    staging = staging_dir(out_dir)
-    continuing = state.check_start(out_dir, staging, resume, CHECKPOINT_FILE, DraftTrainingError)
+    target_dir = Path(target_dir)
+    run = Run(out_dir, resume=resume)
+    staging = run.staging
     device = resolve_device(device)
     target = load_model(target_dir, torch.float32).to(device)
     target.requires_grad_(False)
@@ -163,8 +153,8 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
     data = training_data(tokenizer, settings.data, settings.seq_len, settings.seed)
     target_fingerprint = CheckpointReader(target_dir).fingerprint()
     init_fingerprint = None if init is None else CheckpointReader(init).fingerprint()
-    fingerprint = _fingerprint(target_fingerprint, data.fingerprint, settings, init_fingerprint)
-    state.record_run(staging, RUN_FILE, fingerprint, continuing, DraftTrainingError)
+    continuing = run.begin({"target": target_fingerprint, "data": data.fingerprint, "settings": asdict(settings),
+                            "init": init_fingerprint, "quantkit": __version__}, CHECKPOINT_FILE)
     total_steps = settings.tokens // (settings.batch_rows * settings.seq_len)
     visited = list(dict.fromkeys(data.row_ids(0, total_steps * settings.batch_rows)))
     if settings.own_text_after:
@@ -174,7 +164,7 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
     # made on the host, then moved: the seeded initialisation draws from the CPU's generator on either device
     head = (initial_head(target, settings, torch.bincount(data.rows.flatten(), minlength=target.config.vocab_size))
             if init is None else _starting_head(Path(init), target, settings)).to(device)
-    report = DraftReport(out_dir=str(out_dir), device=device, draft_vocab=head.config.draft_vocab_size)
+    report = DraftReport(out_dir=str(run.out), device=device, draft_vocab=head.config.draft_vocab_size)
     heldout = calib.heldout_tokens(tokenizer, HELDOUT, max_tokens=settings.eval_rows * settings.seq_len).to(device)
     report.heldout_coverage = float(head.t2d[heldout].float().mean())
     heldout_rows = heldout[:heldout.numel() // settings.seq_len * settings.seq_len].view(-1, settings.seq_len)
@@ -223,8 +213,8 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
         loss, agreement = step_loss(head, embedding, data.rows[rows].to(device), batch, settings)
         value = float(loss.detach())
         if not math.isfinite(value):
-            raise DraftTrainingError(f"draft train: the loss is not finite at step {step + 1}; the last checkpoint "
-                                     f"is kept in {staging}. Lower the learning rate and start again")
+            raise RunError(f"draft train: the loss is not finite at step {step + 1}; the last checkpoint "
+                           f"is kept in {staging}. Lower the learning rate and start again")
         loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(list(trainable.values()), settings.grad_clip))
         optimizer.step()
@@ -249,22 +239,20 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
     report.train_seconds = round(time.perf_counter() - started, 3)
     trained = (last - start_step) * settings.batch_rows * settings.seq_len
     report.tokens_per_second = round(trained / report.train_seconds, 2) if report.train_seconds else 0.0
-    report.peak_rss_mb = round(peak_rss_mb(), 1)
+    report.peak_rss_mb = peak_rss_mb()
     if last < total_steps:  # stopped early: the checkpoint stays, nothing is published
         return report
     head.cpu()  # the writer works on the host
-    if settings.w4 is None:
-        save_head(head, staging)
-    else:
-        records = {name: quantized_record(head.get_submodule(name).weight, W4_GRID)
-                   for group in HEAD_LINEAR_GROUPS for name in group}
-        save_quantized_head(head, records, settings.w4, staging)
-    atomic.write_json(staging / LOG_FILE, {"settings": asdict(settings), "target": str(target_dir),
-                                           "data": data.described, "steps": report.steps, "tokens": report.tokens,
-                                           "draft_vocab": report.draft_vocab,
-                                           "heldout_coverage": report.heldout_coverage, "log": report.log})
-    atomic.write_json(staging / REPORT_FILE, report.to_dict())
-    for leftover in (CHECKPOINT_FILE, RUN_FILE):
-        (staging / leftover).unlink()
-    atomic.publish_dir(staging, out_dir)
+    with run.publishing():
+        if settings.w4 is None:
+            save_head(head, staging)
+        else:
+            records = {name: quantized_record(head.get_submodule(name).weight, W4_GRID)
+                       for group in HEAD_LINEAR_GROUPS for name in group}
+            save_quantized_head(head, records, settings.w4, staging)
+        atomic.write_json(staging / LOG_FILE, {"settings": asdict(settings), "target": str(target_dir),
+                                               "data": data.described, "steps": report.steps,
+                                               "tokens": report.tokens, "draft_vocab": report.draft_vocab,
+                                               "heldout_coverage": report.heldout_coverage, "log": report.log})
+        atomic.write_json(staging / REPORT_FILE, report.to_dict())
     return report

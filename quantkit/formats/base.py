@@ -60,7 +60,9 @@ class Format:
     reads: tuple[tuple[str | None, str | None], ...] = ()
     weights_file: str | None = None  # a single weights file the consumer insists on (else sharded + index)
     block_types = False  # linears are solved on GGUF block types, not on the recipe's uniform grid
-    holds_draft_head = False  # an EAGLE-3 draft head can be written in it (models/eagle3.py's layout)
+    # the format an EAGLE-3 draft head's fc is written in when the head is written in this one (the
+    # official layout, models/eagle3.py), or None: this format holds no draft head
+    draft_head_fc: str | None = None
     # the programs that read it, as a model card shows them; the first with a ``library`` names the
     # Hub's library_name
     consumers: tuple[Consumer, ...] = (QUANTKIT,)

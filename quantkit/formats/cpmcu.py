@@ -108,7 +108,7 @@ class CPMcu(Format):
     suffixes = marlin.SUFFIXES
     weights_file = "model_gptq.safetensors"
     consumers = (CPMCU, QUANTKIT)
-    holds_draft_head = True
+    draft_head_fc = "marlin"  # CPM.cu packs the fc alone, in Marlin's layout
     check = staticmethod(marlin.check_marlin)
     write_layer = staticmethod(cpmcu_layer_tensors)
     quantization_config = staticmethod(marlin.quantization_config)

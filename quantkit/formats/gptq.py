@@ -329,7 +329,7 @@ class GPTQ(GPTQLayout):
                "asymmetric zero points kept in [1, maxq], which v1 stores unambiguously")
     reads = (("gptq", "gptq"), ("gptq", None))
     consumers = (TRANSFORMERS, VLLM, SGLANG, QUANTKIT)
-    holds_draft_head = True
+    draft_head_fc = "gptq"
 
 
 class GPTQv2(GPTQLayout):

@@ -205,7 +205,7 @@ class Marlin(Format):
     list_order = 30
     summary = "Marlin W4A16 tile layout (vLLM gptq_marlin after repack, IST-DASLab kernels)"
     suffixes = SUFFIXES
-    holds_draft_head = True
+    draft_head_fc = "marlin"
     stored_layout = "marlin"  # Triton's Marlin kernel reads the tiles as they are
     check = staticmethod(check_marlin)
     write_linear = staticmethod(marlin_tensors)

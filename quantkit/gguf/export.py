@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from quantkit.atomic import atomic_path
+from quantkit.atomic import atomic_path, refuse_existing
 from quantkit.checkpoint import CheckpointError
 from quantkit.gguf.exact import exact_blocks
 from quantkit.gguf.mixes import FILE_TYPES, choose_type
@@ -353,16 +353,14 @@ def export_gguf(model_dir: str | Path, out: str | Path, file_type: str, *, token
     model_dir, out = Path(model_dir), Path(out)
     if file_type not in FILE_TYPES:
         raise ValueError(f"unknown GGUF type '{file_type}'; choose from {', '.join(FILE_TYPES)}")
-    if out.exists():
-        raise FileExistsError(f"{out} already exists; choose another --out or remove it")
+    refuse_existing(out)
     source = _LayerTensors(model_dir)  # reads and checks the checkpoint's files first
     config = source.config
     _check_exportable(config)
     planned = _plan(config, file_type)
     report = ExportReport(str(out), file_type)
     with OutputLock(out), atomic_path(out) as tmp, ThreadPoolExecutor(1, thread_name_prefix="gguf-export") as worker:
-        if out.exists():  # another run finished it while this one was checking
-            raise FileExistsError(f"{out} already exists; choose another --out or remove it")
+        refuse_existing(out)  # another run may have finished it while this one was checking
         prepared = _stored_ahead(planned, source, config, worker)
         writer = _Writer(tmp, ARCH)
         _add_metadata(writer, config, model_dir, file_type, tokenizer_pre)

@@ -35,7 +35,7 @@ from tokenizers.pre_tokenizers import Digits, Sequence
 from tqdm import tqdm
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
-from quantkit.atomic import publish_dir, save_safetensors, write_json
+from quantkit.atomic import publish_dir, refuse_existing, save_safetensors, write_json
 from quantkit.checkpoint import sha256_file
 from quantkit.gguf.names import LAYER_TENSOR_NAME, LAYER_TENSORS, minicpm_name, unpermute_rows
 from quantkit.gguf.reader import open_gguf
@@ -370,8 +370,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *,
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file {gguf_path} does not exist")
-    if out_dir.exists():
-        raise FileExistsError(f"{out_dir} already exists; refusing to overwrite it")
+    refuse_existing(out_dir)
     reader = open_gguf(gguf_path)
     hparams = read_hparams(reader)
     token_ids = _token_ids(reader)

@@ -11,16 +11,16 @@
 """
 
 
-def run_qat(model_dir, recipe, out_dir, *, tokens=None, init=None, resume=False, fake_quant=False, device="cpu",
-            progress=True):
-    """Train, then write the result to ``out_dir``; returns the run's ``QATReport``."""
+def run_qat(model_dir, recipe, out_dir, *, perplexity, tokens=None, init=None, resume=False, fake_quant=False,
+            device="cpu", progress=True):
+    """Train, then write the result to ``out_dir``; returns the run's ``QATReport``. ``perplexity`` is
+    ``quantkit.eval.ppl.perplexity``, passed in by the entry points (a pipeline does not import scoring)."""
     from pathlib import Path
 
     from quantkit.qat.trainer import train
     from quantkit.qat.write import write_outputs
 
-    trained = train(model_dir, recipe, out_dir, tokens=tokens, init=init, resume=resume, device=device,
-                    progress=progress)
-    write_outputs(trained, Path(model_dir), recipe, Path(out_dir), fake_quant=fake_quant,
-                  init=None if init is None else str(init))
+    trained = train(model_dir, recipe, out_dir, perplexity=perplexity, tokens=tokens, init=init, resume=resume,
+                    device=device, progress=progress)
+    write_outputs(trained, Path(model_dir), recipe, fake_quant=fake_quant, init=None if init is None else str(init))
     return trained.report

@@ -9,30 +9,28 @@ weights; calibration-style forwards run in bf16 where the CPU multiplies it in h
 mixes cross-entropy with distillation from the FP model's cached top-k logits (``teacher``). The
 learning rate follows ``schedule.wsd_learning_rate``.
 
-Everything a run needs to continue lives in ``<out>.partial``: its fingerprint, the last checkpoint
-(``state``) and the log. The same inputs, seed and thread count give the same losses and bytes, and
-a resumed run ends with the weights of an uninterrupted one.
+Everything a run needs to continue lives in ``<out>.partial`` (``quantkit.run``): its fingerprint,
+the last checkpoint (``state``) and the log. The same inputs, seed and thread count give the same
+losses and bytes, and a resumed run ends with the weights of an uninterrupted one.
+
+The held-out perplexity comes from the caller (``perplexity``: ``quantkit.eval.ppl.perplexity``, which
+the entry points pass in): a pipeline does not import the scoring layer.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
 
 from quantkit import atomic, calib
-from quantkit.artifact import staging_dir
 from quantkit.cache import cache_root
 from quantkit.checkpoint import CheckpointReader
 from quantkit.device import resolve_device
-from quantkit.engine import compute_dtype, peak_rss_mb, validate_checkpoint
-from quantkit.errors import QuantkitError
-from quantkit.eval.ppl import perplexity
 from quantkit.formats import FORMATS
 from quantkit.loading import load_model
 from quantkit.models import MiniCPMConfig
@@ -41,6 +39,9 @@ from quantkit.qat.teacher import build_cache, cache_key
 from quantkit.quant import QuantConfig
 from quantkit.reader import ArtifactReader, linear_shapes
 from quantkit.recipe import Recipe
+from quantkit.run import Run, RunError, peak_rss_mb
+from quantkit.run.checks import validate_checkpoint
+from quantkit.stats import compute_dtype
 from quantkit.training import state
 from quantkit.training.data import training_data
 from quantkit.training.distill import distillation_loss
@@ -48,15 +49,10 @@ from quantkit.training.fake_quant import TRAINS, FakeQuantLinear, Trains, check_
 from quantkit.training.schedule import wsd_learning_rate
 from quantkit.version import __version__
 
-RUN_FILE = "qat_run.json"
 CHECKPOINT_FILE = "qat_checkpoint.safetensors"
 LOG_FILE = "qat_log.json"
 HELDOUT = "austen"
 NORMS = ("input_layernorm", "post_attention_layernorm")
-
-
-class QATError(QuantkitError, RuntimeError):
-    """A run that cannot start or continue as asked."""
 
 
 @dataclass
@@ -80,20 +76,14 @@ class QATReport:
 @dataclass
 class TrainedModel:
     """What ``train`` hands the writer: the student, whose wrapped linears give their records, the grid of
-    each linear and the run's grid."""
+    each linear, the run's grid, and the run, which the writer publishes."""
 
     model: torch.nn.Module
     grids: dict[str, QuantConfig]  # "model.layers.{i}.{linear}" -> grid
     report: QATReport
-    fingerprint: str
+    run: Run
     data: dict
     qconfig: QuantConfig
-
-
-def run_fingerprint(model: str, init: str | None, recipe: Recipe, data: str, tokens: int) -> str:
-    payload = {"model": model, "init": init, "recipe": recipe.fingerprint(), "data": data, "tokens": tokens,
-               "quantkit": __version__}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
 def _student(source: Path, config: MiniCPMConfig, grids: dict[str, QuantConfig], trains: Trains,
@@ -139,30 +129,26 @@ def _refresh(model: torch.nn.Module) -> None:
             module.refresh()
 
 
-@torch.no_grad()
-def _heldout_perplexity(model, tokens: torch.Tensor, window: int) -> float:
-    return perplexity(model, tokens, window=window).perplexity
-
-
-def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, tokens: int | None = None,
-          init: str | Path | None = None, resume: bool = False, device: str = "auto", progress: bool = True,
-          stop_after_steps: int | None = None) -> TrainedModel:
+def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, perplexity: Callable,
+          tokens: int | None = None, init: str | Path | None = None, resume: bool = False, device: str = "auto",
+          progress: bool = True, stop_after_steps: int | None = None) -> TrainedModel:
     """Train ``model_dir`` (or the artifact ``init``, e.g. a GPTQ ternary one, as the starting weights)
-    toward ``recipe``'s grid. ``stop_after_steps`` ends the run early, leaving its checkpoint as an
-    interruption would (tests use it to prove resumption)."""
-    model_dir, out_dir = Path(model_dir), Path(out_dir)
-    staging = staging_dir(out_dir)
+    toward ``recipe``'s grid, logging the held-out ``perplexity`` (``quantkit.eval.ppl.perplexity``).
+    ``stop_after_steps`` ends the run early, leaving its checkpoint as an interruption would (tests use
+    it to prove resumption)."""
+    model_dir = Path(model_dir)
+    run = Run(out_dir, resume=resume)
+    staging = run.staging
     if "qat" not in recipe.values:
-        raise QATError(f"recipe {recipe.name} has no 'qat' section: it is a post-training recipe "
+        raise RunError(f"recipe {recipe.name} has no 'qat' section: it is a post-training recipe "
                        "(`quantkit quantize`); QAT recipes are qat-ternary-g32, qat-ternary-g256 and mlx-dwq-w4g64")
-    continuing = state.check_start(out_dir, staging, resume, CHECKPOINT_FILE, QATError)
     device = resolve_device(device)
     settings = recipe["qat"]
     total_tokens = tokens or settings["tokens"]
     rows_per_step = settings["batch_tokens"] // settings["seq_len"]
     total_steps = total_tokens // settings["batch_tokens"]
     if total_steps < 1:
-        raise QATError(f"--tokens {total_tokens} is less than one step of {settings['batch_tokens']} tokens")
+        raise RunError(f"--tokens {total_tokens} is less than one step of {settings['batch_tokens']} tokens")
 
     config = MiniCPMConfig.from_pretrained(model_dir)
     reader = CheckpointReader(model_dir)
@@ -175,11 +161,11 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, tokens:
     init_fingerprint = None
     if init is not None:
         if linear_shapes(MiniCPMConfig.from_pretrained(init)) != linear_shapes(config):
-            raise QATError(f"--init {init} is not a variant of {model_dir}: its linears have other shapes")
+            raise RunError(f"--init {init} is not a variant of {model_dir}: its linears have other shapes")
         try:
             trains.linear.check_start(ArtifactReader(init).qconfig, qconfig)
         except ValueError as e:
-            raise QATError(str(e)) from e
+            raise RunError(str(e)) from e
         init_fingerprint = CheckpointReader(init).fingerprint()
 
     from quantkit.checkpoint import load_tokenizer
@@ -188,10 +174,11 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, tokens:
     data = training_data(tokenizer, settings["data"], settings["seq_len"], settings["seed"])
     heldout = calib.heldout_tokens(tokenizer, HELDOUT, max_tokens=settings["eval_tokens"])
     model_fingerprint = reader.fingerprint()
-    fingerprint = run_fingerprint(model_fingerprint, init_fingerprint, recipe, data.fingerprint, total_tokens)
-    state.record_run(staging, RUN_FILE, fingerprint, continuing, QATError)
+    continuing = run.begin({"model": model_fingerprint, "init": init_fingerprint, "recipe": recipe.fingerprint(),
+                            "data": data.fingerprint, "tokens": total_tokens, "quantkit": __version__},
+                           CHECKPOINT_FILE)
 
-    report = QATReport(out_dir=str(out_dir), recipe=recipe.name)
+    report = QATReport(out_dir=str(run.out), recipe=recipe.name)
     cache = None
     if settings["distill_weight"] > 0:
         started = time.perf_counter()
@@ -218,9 +205,13 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, tokens:
         start_step, report.log = loop["step"], loop["log"]
         report.resumed_from_step = start_step
     _refresh(model)
+
+    @torch.no_grad()
+    def heldout_perplexity() -> float:
+        return perplexity(model, heldout, window=settings["seq_len"]).perplexity
+
     if start_step == 0:
-        report.log.append({"step": 0, "tokens": 0, "heldout_ppl": _heldout_perplexity(model, heldout,
-                                                                                      settings["seq_len"])})
+        report.log.append({"step": 0, "tokens": 0, "heldout_ppl": heldout_perplexity()})
 
     autocast = compute_dtype(recipe["compute_dtype"]) == torch.bfloat16
     weight = settings["distill_weight"]
@@ -254,7 +245,7 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, tokens:
         step_loss = sum(losses) / len(losses)
         if not math.isfinite(step_loss) or step_loss > settings["max_loss_growth"] * best:
             saved = max((entry["step"] for entry in report.log if entry.get("checkpoint")), default=0)
-            raise QATError(f"qat: the loss {'is not finite' if not math.isfinite(step_loss) else 'exploded'} "
+            raise RunError(f"qat: the loss {'is not finite' if not math.isfinite(step_loss) else 'exploded'} "
                            f"({step_loss:.4g}, best {best:.4g}) at step {step + 1}; the last good checkpoint "
                            f"(step {saved}) is kept in {staging}. Lower qat.learning_rate or raise qat.warmup "
                            "and start again")
@@ -266,7 +257,7 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, tokens:
         entry = {"step": step + 1, "tokens": (step + 1) * settings["batch_tokens"], "loss": step_loss,
                  "lr": lr, "grad_norm": grad_norm}
         if (step + 1) % settings["eval_interval"] == 0 or step + 1 == total_steps:
-            entry["heldout_ppl"] = _heldout_perplexity(model, heldout, settings["seq_len"])
+            entry["heldout_ppl"] = heldout_perplexity()
         if (step + 1) % settings["checkpoint_interval"] == 0 or step + 1 == last:
             entry["checkpoint"] = True
         report.log.append(entry)
@@ -282,5 +273,5 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, tokens:
     report.train_seconds = round(time.perf_counter() - started, 3)
     trained = (last - start_step) * settings["batch_tokens"]
     report.tokens_per_second = round(trained / report.train_seconds, 2) if report.train_seconds else 0.0
-    report.peak_rss_mb = round(peak_rss_mb(), 1)
-    return TrainedModel(model, grids, report, fingerprint, data.described, qconfig)
+    report.peak_rss_mb = peak_rss_mb()
+    return TrainedModel(model, grids, report, run, data.described, qconfig)

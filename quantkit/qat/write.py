@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from quantkit import atomic
-from quantkit.artifact import ArtifactWriter, staging_dir
+from quantkit.artifact import MANIFEST_FILE, ArtifactWriter
 from quantkit.checkpoint import SINGLE_FILE, CheckpointReader
 from quantkit.formats import FORMATS
 from quantkit.models.layers import EMBEDDING, FINAL_NORM, LM_HEAD, layer_prefix
-from quantkit.qat.trainer import CHECKPOINT_FILE, LOG_FILE, RUN_FILE, TrainedModel
+from quantkit.qat.trainer import LOG_FILE, TrainedModel
 from quantkit.recipe import Recipe
 from quantkit.version import __version__
 
@@ -43,7 +43,8 @@ def _exact_dtype(weight: torch.Tensor, source_dtype: torch.dtype) -> torch.dtype
 def _manifest(trained: TrainedModel, recipe: Recipe, fmt_name: str, model_fingerprint: str,
               init: str | None) -> dict:
     return {"quantkit_version": __version__, "format": fmt_name, "recipe": recipe.values,
-            "fingerprints": {"model": model_fingerprint, "recipe": recipe.fingerprint(), "run": trained.fingerprint},
+            "fingerprints": {"model": model_fingerprint, "recipe": recipe.fingerprint(),
+                             "run": trained.run.fingerprint},
             "qat": {"data": trained.data, "tokens": trained.report.tokens, "steps": trained.report.steps,
                     "init": init, "threads": trained.report.threads},
             "layer_errors": []}
@@ -79,10 +80,10 @@ def _plot_curve(log: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
-def write_outputs(trained: TrainedModel, model_dir: Path, recipe: Recipe, out_dir: Path, *,
-                  fake_quant: bool = False, init: str | None = None) -> None:
-    """Write the run's result to ``out_dir`` (published only when complete) and drop its checkpoint."""
-    staging = staging_dir(out_dir)
+def write_outputs(trained: TrainedModel, model_dir: Path, recipe: Recipe, *, fake_quant: bool = False,
+                  init: str | None = None) -> None:
+    """Write the run's result to its output (published only when complete) and drop its checkpoint."""
+    staging = trained.run.staging
     reader = CheckpointReader(model_dir)
     config = trained.model.config
     fmt = FORMATS[recipe["format"]]
@@ -113,15 +114,13 @@ def write_outputs(trained: TrainedModel, model_dir: Path, recipe: Recipe, out_di
             tensors.update(fmt.write_layer(records, prefix))
         writer.write_shard(index, tensors)
     writer.write_shard(config.num_hidden_layers, outside)
-    writer.write_progress(trained.fingerprint, [])
-    for leftover in (CHECKPOINT_FILE, RUN_FILE):  # before the manifest lists the files, and before publishing
-        (staging / leftover).unlink(missing_ok=True)
     manifest = _manifest(trained, recipe, FAKE_QUANT if fake_quant else fmt.name, reader.fingerprint(), init)
     if fake_quant:
-        writer.finish(model_dir, out_dir, source_config, None, manifest, report, weights_file=SINGLE_FILE,
-                      manifest_file=FAKE_QUANT_MANIFEST)
+        writer.finish(model_dir, source_config, None, report, weights_file=SINGLE_FILE)
     else:
         quantization_config = fmt.quantization_config(qconfig, quantizer=f"quantkit:{__version__}")
         configs = fmt.config_files({**source_config, "quantization_config": quantization_config})
-        writer.finish(model_dir, out_dir, configs.pop("config.json"), quantization_config, manifest, report,
+        writer.finish(model_dir, configs.pop("config.json"), quantization_config, report,
                       weights_file=fmt.weights_file, extra_configs=configs)
+    with trained.run.publishing():
+        writer.write_manifest(manifest, FAKE_QUANT_MANIFEST if fake_quant else MANIFEST_FILE)

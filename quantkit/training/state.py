@@ -2,7 +2,8 @@
 safetensors file written atomically (an interrupted write leaves the previous checkpoint whole).
 
 Nothing else carries state: the learning rate is a function of the step, the data order a function
-of the position, and no operation draws random numbers, so these restore the run exactly.
+of the position, and no operation draws random numbers, so these restore the run exactly. Whether a
+run may continue from it is the run's lifecycle's to say (``quantkit.run``).
 """
 from __future__ import annotations
 
@@ -13,30 +14,6 @@ import torch
 from safetensors import safe_open
 
 from quantkit import atomic
-
-
-def check_start(out_dir: Path, staging: Path, resume: bool, checkpoint_file: str,
-                error: type[Exception] = RuntimeError) -> bool:
-    """Refuse, before any work, a run whose output exists and a fresh start over an interrupted run's
-    staging (``<out>.partial``); return whether the run continues from a checkpoint there. A ``--resume``
-    with no checkpoint yet (a run stopped before its first one) starts over, as `quantize --resume` does
-    before its first layer."""
-    if out_dir.exists():
-        raise error(f"output directory {out_dir} already exists; choose another --out or remove it")
-    if staging.exists() and not resume:
-        raise error(f"{staging} holds an interrupted run: pass --resume to continue it, or remove it")
-    return resume and (staging / checkpoint_file).is_file()
-
-
-def record_run(staging: Path, run_file: str, fingerprint: str, continuing: bool,
-               error: type[Exception] = RuntimeError) -> None:
-    """Tie ``staging`` to the run's inputs (``fingerprint``): a continued run must have the same ones."""
-    path = staging / run_file
-    if continuing and json.loads(path.read_text())["fingerprint"] != fingerprint:
-        raise error(f"{staging} was started with other inputs (model, recipe or settings, data or tokens); "
-                    "remove it to start over")
-    staging.mkdir(parents=True, exist_ok=True)
-    atomic.write_json(path, {"fingerprint": fingerprint})
 
 
 def save(path: Path, parameters: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer,
