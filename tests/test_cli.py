@@ -229,12 +229,8 @@ def test_generate_writes_each_piece_as_soon_as_it_is_decoded(monkeypatch):
 
 # What `quantkit generate` must not import: the pipelines and the algorithms with their solvers, seconds of
 # imports that a first answer would wait for (the runtime reads artifacts; it never quantizes or trains).
-NOT_IMPORTED_BY_GENERATE = [
-    "quantkit.engine", "quantkit.imatrix", "quantkit.qat", "quantkit.draft",
-    pytest.param("quantkit.algorithms", marks=pytest.mark.xfail(
-        strict=True, reason="quantkit/formats/mlx.py imports quantkit.algorithms.rtn until the formats branch "
-                            "removes that edge (KNOWN_VIOLATIONS); then this passes and the mark must go")),
-]
+NOT_IMPORTED_BY_GENERATE = ["quantkit.engine", "quantkit.imatrix", "quantkit.qat", "quantkit.draft",
+                            "quantkit.algorithms"]
 
 
 @pytest.fixture(scope="module")

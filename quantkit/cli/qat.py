@@ -29,6 +29,7 @@ def _run_qat(model, revision, out, recipe, overrides, tokens, init, fake_quant, 
              refuse):
     """What every `quantkit qat` command does: load the recipe, refuse it if ``refuse(recipe)`` says why,
     train, and report the measured points."""
+    from quantkit.eval.ppl import perplexity
     from quantkit.qat import run_qat
     from quantkit.recipe import load_recipe, parse_override
     from quantkit.zoo import resolve_model
@@ -38,8 +39,8 @@ def _run_qat(model, revision, out, recipe, overrides, tokens, init, fake_quant, 
     refusal = refuse(loaded)
     if refusal:
         raise click.ClickException(f"recipe {loaded.name} {refusal}")
-    report = run_qat(resolve_model(model, revision=revision), loaded, out, tokens=tokens, init=init, resume=resume,
-                     fake_quant=fake_quant, device=device, progress=progress)
+    report = run_qat(resolve_model(model, revision=revision), loaded, out, perplexity=perplexity, tokens=tokens,
+                     init=init, resume=resume, fake_quant=fake_quant, device=device, progress=progress)
     measured = [e for e in report.log if "heldout_ppl" in e]
     rows = [[e["step"], e["tokens"], e.get("loss"), e["heldout_ppl"]] for e in measured]
     text = format_table(["step", "tokens", "loss", "held-out ppl"], rows)
