@@ -141,8 +141,8 @@ def test_eagle3_drafter_in_bf16_runs_its_layer_in_the_fused_operators(target_dir
     assert relative(fused._last, reference._last) < 1e-2
     ours, theirs = fused._last, reference._last
     # Each draft step feeds the next, so bf16 rounding compounds: 0.7 %, 1.0 %, 1.1 % after steps 1-3 on a
-    # Xeon with AMX (the reference's oneDNN products there round otherwise than on AMD Zen 4, where all
-    # three stayed under 1 %); a wrong kernel (layout, mask, scale) is off by tens of percent.
+    # Xeon with AMX, the same with the fused operators built without AMX (QUANTKIT_CPU_MARCH=cooperlake),
+    # while on AMD Zen 4 all three stayed under 1 %; a wrong kernel (layout, mask, scale) is off by tens of %.
     with torch.inference_mode():
         for token in (3, 7, 11):
             ours, theirs = fused._step(ours, torch.tensor([token])), reference._step(theirs, torch.tensor([token]))
