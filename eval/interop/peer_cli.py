@@ -8,6 +8,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from quantkit import calib, zoo
+from quantkit.atomic import refuse_existing
 
 
 def peer_parser(description: str) -> argparse.ArgumentParser:
@@ -28,8 +29,7 @@ def model_dir_of(args: argparse.Namespace) -> Path:
     model_dir = zoo.ensure_model(zoo.DEFAULT_MODEL) if args.model_dir == "default" else Path(args.model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir}: no config.json, not a checkpoint directory")
-    if args.out.exists():
-        raise FileExistsError(f"output directory already exists: {args.out}")
+    refuse_existing(args.out)
     return model_dir
 
 

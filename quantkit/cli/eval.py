@@ -147,14 +147,14 @@ def eval_report(ref, variants, out, top_k, cache_dir, task_names, task_limit, dr
                 window, stride, device, as_json):
     """Score every variant against the reference in one run: report.json, report.md and PNG plots.
     --device places the reference, perplexity, KL, tau and task (--tasks) runs."""
+    from quantkit.atomic import refuse_existing
     from quantkit.device import resolve_device
     from quantkit.eval import report
     from quantkit.eval.refcache import DEFAULT_DIR
     from quantkit.eval.tasks.registry import parse_task_names
     from quantkit.zoo import resolve_model
 
-    if out.exists():
-        raise click.ClickException(f"{out} already exists; choose another --out or remove it")
+    refuse_existing(out)
     device = resolve_device(device)
     ref_dir = resolve_model(ref)
     variant_dirs = [resolve_model(v.strip()) for v in variants.split(",") if v.strip()]
