@@ -145,7 +145,7 @@ def bf16_multiplies(inputs_are_bf16: bool = True):
     says the inputs are bfloat16 values held in float32. Such inputs convert exactly, so the result is
     float32's up to the order of the sums (tested against a float64 product), at the bf16 rate on Intel
     CPUs (on an AMD EPYC with AVX-512 BF16, oneDNN kept float32 products under the setting)
-    (docs/results.md, "MiniCPM4.1-8B shapes"). Elsewhere, and on a GPU (torch's mkldnn flag does not
+    (docs/results/quantize-8b.md, "MiniCPM4.1-8B shapes"). Elsewhere, and on a GPU (torch's mkldnn flag does not
     apply there), a plain float32 product."""
     settings = torch.backends.mkldnn.matmul
     if not (inputs_are_bf16 and BF16_IN_HARDWARE):

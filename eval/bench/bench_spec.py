@@ -200,7 +200,7 @@ def costs(target, head, k, tree, prompt_tokens, new_tokens, repeats, threads):
 # the default model, each once), then on fiction (`novels`: 792 rows, twice: the second pass in another order
 # at half the learning rate), one row a step with 4 unrolled steps (a chain of 3 and depth-3 trees use no
 # more). At this scale unseen text, optimizer steps and text near the held-out Austen's domain all raise τ
-# (docs/results.md, "EAGLE-3 heads").
+# (docs/results/speculative.md, "EAGLE-3 heads").
 @click.option("--head-data", default="sotu", show_default=True,
               help="Training text of the FP head's first stage (`draft train --data`).")
 @click.option("--head-tokens", default=2_077_184, show_default=True, help="Training tokens of that stage.")

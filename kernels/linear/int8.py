@@ -7,7 +7,7 @@ The head is the largest single matrix a decode step reads (49152 x 576 on the de
 ``int8_int8_matmul`` (quantkit/cpu_ops/int4_int8_ops.cpp, the int4 linears' kernel on 8-bit codes, stored
 in the order it reads them: ``int8_layout``); more rows multiply by the bf16 dequantized weight. At
 the 8B head, 2 threads, this project's AMD EPYC: 9.7-11.7 ms a row against 11.9-13.8 ms for PyTorch's
-int8 weight-only kernel, which it replaced (docs/results.md, "CPU linears at MiniCPM4.1-8B's shapes").
+int8 weight-only kernel, which it replaced (docs/results/runtime.md, "CPU linears at MiniCPM4.1-8B's shapes").
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ DEBUG_ENV = "QUANTKIT_DEBUG"  # set to 1: every error shows its traceback
 
 # PyTorch's CPU allocator backs tensors of 2 MB and more with transparent huge pages when this is set. A
 # layer's calibration batches and a prefill allocate temporaries of hundreds of MB that glibc maps
-# afresh each time; in 4 KB pages their first touch costs one page fault per 4 KB (docs/results.md, "One
+# afresh each time; in 4 KB pages their first touch costs one page fault per 4 KB (docs/results/quantize-8b.md, "One
 # layer with the full calibration set"). Read once, at the allocator's first use: set before any command
 # imports torch.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
