@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -226,11 +227,14 @@ def load_text_generator(model_dir: str | Path, *, sparse: str = "auto", sparse_o
 
     device = resolve_device(device)
     model_dir = Path(model_dir)
-    model = load_runtime_model(model_dir, dtype, "triton" if device == "cuda" else linear_backend, device, lm_head)
-    sparse_config = sparse_config_for(sparse, model.config.sparse_attention, sparse_overrides)
-    attention = make_attention(sparse_config, "triton" if device == "cuda" else "cpu")
-    runtime = RuntimeModel(model, attention)
-    tokenizer = load_tokenizer(model_dir)
+    # The tokenizer is read (Python, holding the GIL) while the weights are (torch, releasing it).
+    with ThreadPoolExecutor(1) as reading:
+        tokenizer_read = reading.submit(load_tokenizer, model_dir)
+        model = load_runtime_model(model_dir, dtype, "triton" if device == "cuda" else linear_backend, device, lm_head)
+        sparse_config = sparse_config_for(sparse, model.config.sparse_attention, sparse_overrides)
+        attention = make_attention(sparse_config, "triton" if device == "cuda" else "cpu")
+        runtime = RuntimeModel(model, attention)
+        tokenizer = tokenizer_read.result()
     drafter = None if draft is None else load_drafter(draft, runtime, device, linear_backend, draft_window)
     return TextGenerator(runtime, tokenizer, stop_tokens_of(model_dir, tokenizer, model.config), prefill_chunk,
                          drafter, draft_tokens, draft_tree)

@@ -1,5 +1,6 @@
 """Build the runtime's model from a checkpoint directory without ever materialising float weights for
-quantized linears: the model skeleton is created on the meta device, quantized linears come from
+quantized linears: the model's skeleton (``quantkit.models.decoder.MiniCPMSkeleton``: the module tree
+without transformers, whose modeling code takes seconds to import) is created on the meta device, quantized linears come from
 ``quantkit.kernels.linear`` in their stored layout, and only the remaining tensors (embeddings,
 norms, lm_head, unquantized linears) are read and cast to the activation dtype. The reader
 (``quantkit.reader``) gives those tensors and ``quantkit.loading.load_weights`` fills the skeleton, as
@@ -12,14 +13,14 @@ from pathlib import Path
 import torch
 
 from quantkit.loading import load_weights
-from quantkit.models import MiniCPMForCausalLM
+from quantkit.models.decoder import MiniCPMSkeleton
 from quantkit.reader import ArtifactReader
 
 LM_HEADS = ("auto", "int8", "float")
 
 
 def load_runtime_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, linear_backend: str = "cpu",
-                       device: str = "cpu", lm_head: str = "auto") -> MiniCPMForCausalLM:
+                       device: str = "cpu", lm_head: str = "auto") -> MiniCPMSkeleton:
     """``lm_head``: "int8" quantizes the LM head to int8 codes per group of 128 columns (``Int8Linear``),
     "float" keeps it in ``dtype``; "auto" is int8 for quantized artifacts run in bf16 on the CPU, float
     otherwise."""
@@ -33,7 +34,7 @@ def load_runtime_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat1
     quantized = artifact.format is not None
     linears = load_linears(artifact.dir, linear_backend, dtype) if quantized else {}
     with torch.device("meta"):
-        model = MiniCPMForCausalLM(artifact.model_config())
+        model = MiniCPMSkeleton(artifact.model_config())
     for name, module in linears.items():
         parent, _, child = name.rpartition(".")
         model.get_submodule(parent).register_module(child, module.to(device))

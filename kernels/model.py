@@ -3,7 +3,7 @@
 ``quantkit.models.MiniCPMForCausalLM`` is the specification (and what calibration and evaluation
 run); this module re-plays the same computation with fewer operations per token, because at decode
 a 135M model spends more time dispatching PyTorch operators than reading weights. It reuses the
-model's modules and tensors (so a quantized linear is swapped in once, in one place) and differs
+modules and tensors of the model's skeleton (``quantkit.models.decoder.MiniCPMSkeleton``) (so a quantized linear is swapped in once, in one place) and differs
 only in what a generic ``transformers`` forward does not need here: no batch, no attention mask,
 no Cache object, cos/sin read from tables made once, KV heads never repeated.
 """
@@ -22,8 +22,8 @@ from quantkit.kernels.infllm.cpu import verify_attention
 from quantkit.kernels.kv_cache import KVCache
 from quantkit.kernels.linear.prepacked import prepacked
 
-if TYPE_CHECKING:  # an annotation only: importing the class imports transformers' modeling code (seconds)
-    from quantkit.models.minicpm import MiniCPMForCausalLM
+if TYPE_CHECKING:
+    from quantkit.models.decoder import MiniCPMSkeleton
 
 # Query-key scores per KV head (group size x keys) up to which a decode step's dense attention runs in
 # the fused one-query operator rather than the attention's own decode path (the fused block kernel over
@@ -291,7 +291,7 @@ class RuntimeModel(DecoderRunner):
     Matmuls run in the embeddings' dtype; the residual stream stays float32, which also makes the
     norms ~2x cheaper per token here. q/k/v and gate/up are fused into one matmul each."""
 
-    def __init__(self, model: MiniCPMForCausalLM, attention: Attention, kv_dtype: torch.dtype | None = None):
+    def __init__(self, model: MiniCPMSkeleton, attention: Attention, kv_dtype: torch.dtype | None = None):
         """``kv_dtype``: the KV cache's (and attention's) dtype; by default ``fused_ops_and_kv_dtype``'s."""
         self.model = model.eval()
         self.config = config = model.config

@@ -8,9 +8,9 @@ such as "default"; recipes are built-in names or YAML files)::
     quantkit.export_gguf("out/gptq", "out/gptq.gguf", "q4_0")
     scores = quantkit.evaluate("out/gptq", ref="default")  # perplexity, KL, top-1 on held-out text
 
-The registration (``quantkit.models``) happens at once when transformers is already imported, and
-otherwise the moment it is: it needs transformers and torch, which take seconds to import, and what
-never touches them (``quantkit --help``) should not wait for them.
+The registration (``quantkit.models.auto``) happens at once for the Auto classes transformers has already
+imported, and for the others the moment they are: it needs transformers and torch, which take seconds
+to import, and what never touches them (``quantkit --help``) should not wait for them.
 """
 from __future__ import annotations
 
@@ -77,19 +77,31 @@ def evaluate(model, ref="default", *, data: str = "austen", max_tokens: int = 81
     return {"model": str(model_dir), "ref": str(ref_dir), "data": data, **asdict(result)}
 
 
-def _register() -> None:
-    from quantkit import models  # noqa: F401  (registers the MiniCPM Auto classes)
+# transformers module -> the function of quantkit.models.auto that registers MiniCPM with the Auto classes
+# it defines, once it has been imported: opening a tokenizer must not import the model classes' modeling code.
+_REGISTRATIONS = {
+    "transformers.models.auto.configuration_auto": "register_config",
+    "transformers.models.auto.tokenization_auto": "register_tokenizer",
+    "transformers.models.auto.modeling_auto": "register_models",
+}
+
+
+def _register(module_name: str) -> None:
+    from quantkit.models import auto
+
+    getattr(auto, _REGISTRATIONS[module_name])()
 
 
 class _RegisterWithTransformers(importlib.abc.MetaPathFinder):
-    """Finds no module itself: when ``transformers`` is first imported, the other finders find it, and
-    MiniCPM is registered as soon as it has run (before the import statement returns)."""
+    """Finds no module itself: when one of ``_REGISTRATIONS``' modules is first imported, the other finders
+    find it, and its registration runs as soon as the module has (before the import statement returns)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pending: set[str]) -> None:
+        self._pending = pending
         self._finding = False
 
     def find_spec(self, name, path=None, target=None):
-        if name != "transformers" or self._finding:
+        if name not in self._pending or self._finding:
             return None
         self._finding = True
         try:
@@ -102,14 +114,26 @@ class _RegisterWithTransformers(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            _register()
+            _register(name)
 
         spec.loader.exec_module = exec_module
-        sys.meta_path.remove(self)  # the import system stops at the spec returned: safe mid-iteration
+        self._pending.discard(name)
+        if not self._pending:
+            sys.meta_path.remove(self)  # the import system stops at the spec returned: safe mid-iteration
         return spec
 
 
-if "transformers" in sys.modules:
-    _register()
-elif not any(type(finder).__name__ == "_RegisterWithTransformers" for finder in sys.meta_path):
-    sys.meta_path.insert(0, _RegisterWithTransformers())
+def _install() -> None:
+    if any(type(finder).__name__ == "_RegisterWithTransformers" for finder in sys.meta_path):
+        return
+    pending = set()
+    for module_name in _REGISTRATIONS:
+        if module_name in sys.modules:
+            _register(module_name)
+        else:
+            pending.add(module_name)
+    if pending:
+        sys.meta_path.insert(0, _RegisterWithTransformers(pending))
+
+
+_install()

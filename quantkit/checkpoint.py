@@ -137,12 +137,29 @@ def read_config_json(directory: str | Path) -> dict:
     return config
 
 
-def load_tokenizer(directory: str | Path):
-    """The checkpoint's tokenizer (transformers' AutoTokenizer), or one clear error naming the directory:
-    a missing or malformed tokenizer file otherwise fails deep inside transformers."""
-    from transformers import AutoTokenizer
+# tokenizer_config.json's names for a tokenizer with no code of its own: AutoTokenizer loads those files as
+# TokenizersBackend whatever the model, so they are loaded directly, which spares importing AutoTokenizer
+# (it imports transformers' Auto model registry, and so quantkit's registration, the model classes and
+# their modeling code: about 2 s of the runtime's first answer).
+GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
+
+def load_tokenizer(directory: str | Path):
+    """The checkpoint's tokenizer as transformers' AutoTokenizer loads it, or one clear error naming the
+    directory: a missing or malformed tokenizer file otherwise fails deep inside transformers."""
     try:
+        settings = json.loads((Path(directory) / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        settings = {}  # AutoTokenizer reports it
+    generic = (isinstance(settings, dict) and settings.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES
+               and "auto_map" not in settings and (Path(directory) / "tokenizer.json").is_file())
+    try:
+        if generic:
+            from transformers import TokenizersBackend
+
+            return TokenizersBackend.from_pretrained(str(directory))
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(directory))
     except Exception as e:  # transformers and tokenizers raise many kinds for a broken tokenizer
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

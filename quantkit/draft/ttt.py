@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from quantkit.models.eagle3 import Eagle3Head
-from quantkit.models.minicpm import apply_rotary
+from quantkit.models.decoder import apply_rotary
 
 
 def ttt_mask(length: int, step: int, device=None) -> Tensor:

@@ -34,7 +34,7 @@ from quantkit.gguf.vocab import read_vocab
 from quantkit.lock import OutputLock
 from quantkit.models import MiniCPMConfig, MiniCPMRotaryEmbedding
 from quantkit.models.layers import K, Q
-from quantkit.models.minicpm import weight_shapes
+from quantkit.models.decoder import weight_shapes
 from quantkit.quant import QuantizedTensor
 from quantkit.reader import ArtifactReader
 

@@ -39,9 +39,10 @@ from quantkit.atomic import publish_dir, refuse_existing, save_safetensors, writ
 from quantkit.checkpoint import sha256_file
 from quantkit.gguf.names import LAYER_TENSOR_NAME, LAYER_TENSORS, minicpm_name, unpermute_rows
 from quantkit.gguf.reader import open_gguf
+from quantkit.models import CHAT_TEMPLATE
 from quantkit.models.configuration_minicpm import MiniCPMConfig
 from quantkit.models.layers import DOWN, EMBEDDING, LM_HEAD, O_PROJ, K, Q, layer_prefix
-from quantkit.models.minicpm import MiniCPMRotaryEmbedding
+from quantkit.models.decoder import MiniCPMRotaryEmbedding
 
 # MiniCPM4.1-8B's μP constants (docs/model.md, "μP scaling"); models converted from llama/qwen2 carry them.
 SCALE_EMB = 12.0
@@ -319,8 +320,6 @@ def save_tokenizer(gguf_path: Path, out_dir: Path, reader) -> None:
     ``reader`` is the file opened (for its architecture and tokenizer.ggml.pre, which names llama.cpp's
     pre-tokenization): a second GGUFReader would parse the whole vocabulary again.
     """
-    from quantkit.models import CHAT_TEMPLATE  # lazily: quantkit.models may be importing this module
-
     tokenizer_class = ARCHITECTURES[_field(reader, "general.architecture")].tokenizer_class
     tokenizer = tokenizer_class.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     missing = MISSING_PRE_TOKENIZERS.get(_field(reader, "tokenizer.ggml.pre"), ())

@@ -155,7 +155,7 @@ def artifact_card(checked: CheckedArtifact, ref: RepoRef, base: BaseModel, repor
     from quantkit.formats.consumers import QUANTKIT
     from quantkit.inspect import describe
     from quantkit.models import MiniCPMConfig
-    from quantkit.models.minicpm import weight_shapes
+    from quantkit.models.decoder import weight_shapes
 
     manifest = checked.manifest or {}
     fmt = checked.format or "unquantized"

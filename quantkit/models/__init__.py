@@ -1,49 +1,32 @@
-"""Native MiniCPM4/4.1 model code, registered with transformers' Auto classes on import.
+"""MiniCPM4/4.1's architecture: its configuration, its decoder in plain PyTorch (``decoder``), the same
+as a transformers model (``minicpm``), the table of its linears (``layers``), InfLLM v2's settings
+(``sparse_attention``) and the EAGLE-3 draft head (``eagle3``).
 
-After ``import quantkit``, ``AutoConfig``/``AutoModel``/``AutoModelForCausalLM``/``AutoTokenizer``
-``.from_pretrained(dir)`` work on a ``model_type: minicpm`` checkpoint with no trust_remote_code.
+The names below are imported when first used (PEP 562), so that what needs only the configuration or the
+plain-PyTorch decoder (the runtime) never waits seconds for transformers' modeling code. Registration
+with transformers' Auto classes is ``quantkit.models.auto``'s.
 """
 from __future__ import annotations
 
+import importlib
 from importlib.resources import files
 
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedTokenizerFast,
-)
-
-from quantkit.models.configuration_minicpm import MiniCPMConfig, SparseAttentionConfig
-from quantkit.models.minicpm import (
-    MiniCPMDecoderLayer,
-    MiniCPMForCausalLM,
-    MiniCPMModel,
-    MiniCPMPreTrainedModel,
-    MiniCPMRMSNorm,
-    MiniCPMRotaryEmbedding,
-    sdpa_attention_core,
-)
+from quantkit.models.configuration_minicpm import MiniCPMConfig
+from quantkit.models.sparse_attention import SparseAttentionConfig
 
 CHAT_TEMPLATE: str = files(__package__).joinpath("chat_template.jinja").read_text(encoding="utf-8")
 
-# exist_ok: re-importing (e.g. importlib.reload in tests) must not fail.
-AutoConfig.register(MiniCPMConfig.model_type, MiniCPMConfig, exist_ok=True)
-AutoModel.register(MiniCPMConfig, MiniCPMModel, exist_ok=True)
-AutoModelForCausalLM.register(MiniCPMConfig, MiniCPMForCausalLM, exist_ok=True)
-# Used only when a checkpoint's tokenizer_config.json names no tokenizer_class.
-AutoTokenizer.register(MiniCPMConfig, tokenizer_class=PreTrainedTokenizerFast, exist_ok=True)
+# name -> the module defining it
+_LAZY = {
+    **dict.fromkeys(("MiniCPMDecoderLayer", "MiniCPMRMSNorm", "MiniCPMRotaryEmbedding", "MiniCPMSkeleton",
+                     "sdpa_attention_core"), "quantkit.models.decoder"),
+    **dict.fromkeys(("MiniCPMForCausalLM", "MiniCPMModel", "MiniCPMPreTrainedModel"), "quantkit.models.minicpm"),
+}
 
-__all__ = [
-    "CHAT_TEMPLATE",
-    "MiniCPMConfig",
-    "MiniCPMDecoderLayer",
-    "MiniCPMForCausalLM",
-    "MiniCPMModel",
-    "MiniCPMPreTrainedModel",
-    "MiniCPMRMSNorm",
-    "MiniCPMRotaryEmbedding",
-    "SparseAttentionConfig",
-    "sdpa_attention_core",
-]
+__all__ = ["CHAT_TEMPLATE", "MiniCPMConfig", "SparseAttentionConfig", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)
