@@ -1,10 +1,10 @@
 """Build the runtime's model from a checkpoint directory without ever materialising float weights for
 quantized linears: the model's skeleton (``quantkit.models.decoder.MiniCPMSkeleton``: the module tree
-without transformers, whose modeling code takes seconds to import) is created on the meta device, quantized linears come from
-``quantkit.kernels.linear`` in their stored layout, and only the remaining tensors (embeddings,
-norms, lm_head, unquantized linears) are read and cast to the activation dtype. The reader
-(``quantkit.reader``) gives those tensors and ``quantkit.loading.load_weights`` fills the skeleton, as
-for the reference model.
+without transformers, whose modeling code takes seconds to import) is created on the meta device,
+quantized linears come from ``quantkit.kernels.linear`` in their stored layout, and only the remaining
+tensors (embeddings, norms, lm_head, unquantized linears) are read and cast to the activation dtype. The
+reader (``quantkit.reader``) gives those tensors and ``quantkit.loading.load_weights`` fills the
+skeleton, as for the reference model.
 """
 from __future__ import annotations
 

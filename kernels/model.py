@@ -1,11 +1,12 @@
 """MiniCPM's forward pass for inference: one sequence, a growing KV cache, any linear modules.
 
-``quantkit.models.MiniCPMForCausalLM`` is the specification (and what calibration and evaluation
-run); this module re-plays the same computation with fewer operations per token, because at decode
-a 135M model spends more time dispatching PyTorch operators than reading weights. It reuses the
-modules and tensors of the model's skeleton (``quantkit.models.decoder.MiniCPMSkeleton``) (so a quantized linear is swapped in once, in one place) and differs
-only in what a generic ``transformers`` forward does not need here: no batch, no attention mask,
-no Cache object, cos/sin read from tables made once, KV heads never repeated.
+``quantkit.models.MiniCPMForCausalLM`` is the specification (and what calibration and evaluation run);
+this module re-plays the same computation with fewer operations per token, because at decode a 135M
+model spends more time dispatching PyTorch operators than reading weights. It reuses the modules and
+tensors of the model's skeleton (``quantkit.models.decoder.MiniCPMSkeleton``: so a quantized linear is
+swapped in once, in one place) and differs only in what a generic ``transformers`` forward does not
+need here: no batch, no attention mask, no Cache object, cos/sin read from tables made once, KV heads
+never repeated.
 """
 from __future__ import annotations
 

@@ -32,6 +32,7 @@ from quantkit.artifact import PROGRESS_FILE, ArtifactWriter
 from quantkit.checkpoint import CheckpointReader
 from quantkit.formats import FORMATS, Format
 from quantkit.models import MiniCPMConfig, MiniCPMDecoderLayer, MiniCPMRotaryEmbedding
+from quantkit.models.decoder import weight_shapes
 from quantkit.models.layers import (
     ATTENTION_PROJECTIONS,
     EMBEDDING,
@@ -45,7 +46,6 @@ from quantkit.models.layers import (
     layer_prefix,
     scaling_groups_for,
 )
-from quantkit.models.decoder import weight_shapes
 from quantkit.quant import QuantConfig
 from quantkit.reader import dequantize_layer
 from quantkit.recipe import Recipe

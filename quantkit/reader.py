@@ -23,6 +23,7 @@ from quantkit.artifact import MANIFEST_FILE
 from quantkit.checkpoint import CheckpointReader
 from quantkit.formats import FORMATS, Format
 from quantkit.models import MiniCPMConfig
+from quantkit.models.decoder import weight_shapes
 from quantkit.models.eagle3 import (
     CONFIG_FILE,
     HEAD_LINEAR_GROUPS,
@@ -33,7 +34,6 @@ from quantkit.models.eagle3 import (
     Eagle3Head,
 )
 from quantkit.models.layers import LINEARS, layer_prefix
-from quantkit.models.decoder import weight_shapes
 from quantkit.quant import QuantConfig, QuantizedTensor
 
 # (quant_method, checkpoint_format) of checkpoints other tools wrote -> the format that reads them

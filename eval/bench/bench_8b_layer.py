@@ -48,8 +48,8 @@ TARGET = 1.5  # statistics + solves within this multiple of the floor
 
 def linear_shapes(config) -> dict[str, tuple[int, int]]:
     """Each quantized linear of one decoder layer -> (out_features N, in_features K)."""
-    from quantkit.models.layers import LINEARS, layer_prefix
     from quantkit.models.decoder import weight_shapes
+    from quantkit.models.layers import LINEARS, layer_prefix
 
     shapes = weight_shapes(config)
     return {name: shapes[f"{layer_prefix(0)}{name}.weight"] for name in LINEARS}

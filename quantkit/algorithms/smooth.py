@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from quantkit.models.layers import ScalingGroup, scaling_groups_for
 from quantkit.models.decoder import MiniCPMRMSNorm
+from quantkit.models.layers import ScalingGroup, scaling_groups_for
 from quantkit.quant import QuantConfig, fake_quantize, find_group_params
 from quantkit.recipes.fields import Field, Section, positive
 from quantkit.stats import InputStats, hessian_norm

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from quantkit.models.eagle3 import Eagle3Head
 from quantkit.models.decoder import apply_rotary
+from quantkit.models.eagle3 import Eagle3Head
 
 
 def ttt_mask(length: int, step: int, device=None) -> Tensor:

@@ -33,8 +33,8 @@ from quantkit.gguf.types import TensorType
 from quantkit.gguf.vocab import read_vocab
 from quantkit.lock import OutputLock
 from quantkit.models import MiniCPMConfig, MiniCPMRotaryEmbedding
-from quantkit.models.layers import K, Q
 from quantkit.models.decoder import weight_shapes
+from quantkit.models.layers import K, Q
 from quantkit.quant import QuantizedTensor
 from quantkit.reader import ArtifactReader
 

@@ -41,8 +41,8 @@ from quantkit.gguf.names import LAYER_TENSOR_NAME, LAYER_TENSORS, minicpm_name, 
 from quantkit.gguf.reader import open_gguf
 from quantkit.models import CHAT_TEMPLATE
 from quantkit.models.configuration_minicpm import MiniCPMConfig
-from quantkit.models.layers import DOWN, EMBEDDING, LM_HEAD, O_PROJ, K, Q, layer_prefix
 from quantkit.models.decoder import MiniCPMRotaryEmbedding
+from quantkit.models.layers import DOWN, EMBEDDING, LM_HEAD, O_PROJ, K, Q, layer_prefix
 
 # MiniCPM4.1-8B's μP constants (docs/model.md, "μP scaling"); models converted from llama/qwen2 carry them.
 SCALE_EMB = 12.0

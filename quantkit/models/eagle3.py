@@ -37,8 +37,8 @@ from torch import nn
 
 from quantkit.errors import QuantkitError
 from quantkit.models.configuration_minicpm import MiniCPMConfig
-from quantkit.models.layers import SEQUENTIAL_GROUPS
 from quantkit.models.decoder import MiniCPMAttention, MiniCPMMLP, MiniCPMRMSNorm, MiniCPMRotaryEmbedding
+from quantkit.models.layers import SEQUENTIAL_GROUPS
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -7,8 +7,8 @@ from tqdm.auto import tqdm
 from quantkit.checkpoint import CheckpointReader
 from quantkit.formats import Format
 from quantkit.models import MiniCPMConfig
-from quantkit.models.layers import LINEARS, layer_prefix
 from quantkit.models.decoder import weight_shapes
+from quantkit.models.layers import LINEARS, layer_prefix
 from quantkit.quant import QuantConfig
 from quantkit.run import RunError
 
