@@ -30,6 +30,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import yaml
+from xet_cas import XetCAS
 
 LFS_SUFFIXES = (".safetensors", ".gguf")
 LFS_THRESHOLD = 10 * 2**20  # the Hub stores larger files in LFS whatever their name
@@ -96,6 +97,7 @@ class HubState:
         self.failures: list[Failure] = []
         self.lock = threading.Lock()
         self._commit_counter = 0
+        self.xet = XetCAS()  # Xet storage, per repository (tests/xet_cas.py)
 
     def fail(self, kind: str, status: int = 500, count: int = 1, oid: str | None = None) -> None:
         self.failures.append(Failure(kind, status, count, oid))
@@ -307,7 +309,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def commit(self, segments, query):
         lines = [json.loads(line) for line in self._body().splitlines() if line.strip()]
-        repo = self._repo(f"{segments[2]}/{segments[3]}", write=True)
+        repo_id = f"{segments[2]}/{segments[3]}"
+        repo = self._repo(repo_id, write=True)
         if repo is None:
             return
         status = self.hub.injected("commit")
@@ -321,10 +324,11 @@ class _Handler(BaseHTTPRequestHandler):
             value = line["value"]
             if line["key"] == "file":
                 files[value["path"]] = StoredFile(base64.b64decode(value["content"]), lfs=False)
-            elif line["key"] == "lfsFile":
-                if value["oid"] not in self.hub.lfs_objects:
-                    return self._error(422, None, f"LFS object {value['oid']} was never uploaded")
-                files[value["path"]] = StoredFile(self.hub.lfs_objects[value["oid"]], lfs=True)
+            elif line["key"] == "lfsFile":  # its content arrived through Git LFS or through Xet
+                data = self.hub.lfs_objects.get(value["oid"], self.hub.xet.file_bytes(repo_id, value["oid"]))
+                if data is None:
+                    return self._error(422, None, f"large file {value['oid']} was never uploaded")
+                files[value["path"]] = StoredFile(data, lfs=True)
             elif line["key"] == "deletedFile":
                 files.pop(value["path"], None)
         self.hub.commit_payloads.append(lines)
@@ -345,8 +349,36 @@ class _Handler(BaseHTTPRequestHandler):
         headers = {"X-Repo-Commit": oid, "ETag": f'"{stored.blob_id}"', "Accept-Ranges": "bytes"}
         if stored.lfs:
             headers.update({"X-Linked-Etag": f'"{stored.sha256}"', "X-Linked-Size": str(len(stored.data))})
+            headers.update(self._xet_headers(f"{segments[0]}/{segments[1]}", oid, stored))
         start = int(self.headers.get("Range", "bytes=0-").removeprefix("bytes=").split("-")[0] or 0)
         self._send(206 if start else 200, headers=headers, body=stored.data[start:], head=self.command == "HEAD")
+
+    # -- Xet: the Hub grants tokens and names files by Xet hash; the CAS (tests/xet_cas.py) stores --------------
+    def xet_token(self, segments, query):
+        """``xet-write-token``/``xet-read-token``: a CAS token for one repository, as JSON (read by hf_xet) and
+        as ``X-Xet-*`` headers (read by huggingface_hub before a download)."""
+        repo_id, write = f"{segments[2]}/{segments[3]}", segments[4] == "xet-write-token"
+        repo = self._repo(repo_id, write=write)
+        if repo is None:
+            return
+        if repo.resolve(segments[5]) is None and not write:
+            return self._error(404, "RevisionNotFound", f"Invalid rev id: {segments[5]}")
+        grant = self.hub.xet.grant(repo_id, write, f"{self.base_url}/cas")
+        self._send(200, grant, {"X-Xet-Cas-Url": grant["casUrl"], "X-Xet-Access-Token": grant["accessToken"],
+                                "X-Xet-Token-Expiration": str(grant["exp"])})
+
+    def _xet_headers(self, repo_id: str, commit: str, stored: StoredFile) -> dict:
+        """A file stored through Xet is downloaded through Xet: its hash and where to get a read token."""
+        xet_hash = self.hub.xet.file_of(repo_id, stored.sha256)
+        if xet_hash is None:
+            return {}
+        refresh = f"{self.base_url}/api/models/{repo_id}/xet-read-token/{commit}"
+        return {"X-Xet-Hash": xet_hash, "Link": f'<{refresh}>; rel="xet-auth"'}
+
+    def xet_cas(self, segments, query):
+        status, body, headers = self.hub.xet.serve(self.command, segments[1:], query, self.headers, self._body(),
+                                                   f"{self.base_url}/cas")
+        self._send(status, headers=headers, body=body)
 
 
 def _api(*shape):
@@ -375,6 +407,9 @@ ROUTES = (
     ("PUT", lambda s: len(s) == 2 and s[0] == "lfs-upload", _Handler.lfs_upload),
     ("POST", lambda s: len(s) == 2 and s[0] == "lfs-verify", _Handler.lfs_verify),
     ("GET HEAD", lambda s: len(s) >= 5 and s[2] == "resolve", _Handler.resolve),
+    ("GET", _api("xet-write-token", None), _Handler.xet_token),
+    ("GET", _api("xet-read-token", None), _Handler.xet_token),
+    ("GET POST", lambda s: s[0] == "cas", _Handler.xet_cas),
 )
 
 
