@@ -14,7 +14,17 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from xet_cas import DATA_KEY, VERIFICATION_KEY, blake3_keyed, file_hash, lz4_frame, merkle_root, xet_hex
+from xet_cas import (
+    DATA_KEY,
+    DECOMPRESS,
+    VERIFICATION_KEY,
+    bg4_regroup,
+    blake3_keyed,
+    file_hash,
+    lz4_frame,
+    merkle_root,
+    xet_hex,
+)
 
 from helpers import small_recipe
 from hub_server import HubServer
@@ -100,14 +110,18 @@ def test_blake3_matches_the_published_test_vectors():
     assert [d.hex() for d in digests] == list(vectors.values())
 
 
-def test_lz4_frames_decode_literals_matches_and_overlapping_copies():
-    """A frame as lz4_flex writes one: "abcabcabcabcX" as 3 literals, a 9-byte match at distance 3 (overlapping),
-    then the literal tail; and a block stored raw (high bit of its size)."""
+def test_chunks_decompress_from_lz4_frames_and_bg4_planes():
+    """An LZ4 frame as lz4_flex writes one: "abcabcabcabcX" as 3 literals, a 9-byte match at distance 3
+    (overlapping), then the literal tail; a block stored raw (high bit of its size); and BG4's byte planes
+    (bytes 0, 4, 8.. first, then 1, 5, 9..) put back in order, for a length that is not a multiple of 4."""
     block = bytes([0x35]) + b"abc" + bytes([3, 0]) + bytes([0x10]) + b"X"
     frame = b"\x04\x22\x4d\x18" + bytes([0x60, 0x40, 0x82]) + struct.pack("<I", len(block)) + block
     assert lz4_frame(frame + bytes(4)) == b"abcabcabcabcX"
     raw = b"\x04\x22\x4d\x18" + bytes([0x60, 0x40, 0x82]) + struct.pack("<I", 0x80000003) + b"xyz" + bytes(4)
     assert lz4_frame(raw) == b"xyz"
+    data = bytes(range(11))
+    assert bg4_regroup(b"".join(data[k::4] for k in range(4))) == data
+    assert DECOMPRESS[2](frame + bytes(4)) == bg4_regroup(b"abcabcabcabcX")
 
 
 def _hash_bytes(text: str) -> bytes:
