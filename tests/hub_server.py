@@ -11,11 +11,18 @@ Hub's status codes and headers, and keeps repositories in memory:
   /api/models/{repo}/commit/{rev}`` (the ndjson commit);
 - downloading: ``GET /api/models/{repo}/revision/{rev}`` (model info with the commit sha), the tree
   listing, and ``HEAD``/``GET /{repo}/resolve/{rev}/{path}`` with ``X-Repo-Commit``, ``ETag`` and, for
-  large files, ``X-Linked-Etag``/``X-Linked-Size``.
+  large files, ``X-Linked-Etag``/``X-Linked-Size``;
+- Xet (what huggingface_hub 2.4.0 uses for large files whenever hf_xet is installed, deciding on the client
+  side, ``_commit_api._upload_files``): ``GET /api/models/{repo}/xet-write-token/{rev}`` and
+  ``xet-read-token/{rev}`` grant a CAS token for one repository (JSON ``accessToken``/``exp``/``casUrl`` for
+  hf_xet, the same as ``X-Xet-*`` headers for huggingface_hub); a ``resolve`` of a file stored through Xet
+  adds ``X-Xet-Hash`` and a ``Link: <read-token url>; rel="xet-auth"``, so the client downloads it through
+  Xet; the commit accepts an ``lfsFile`` whose SHA-256 is a file the repository's CAS verified. The CAS
+  itself (xorbs, shards, reconstructions; ``XetCAS`` in tests/xet_cas.py) is served under ``/cas``.
 
-Large files go through Git LFS, not Xet: huggingface_hub 2.4.0 chooses Xet on the client side whenever
-hf_xet is installed, without asking the server (``_commit_api._upload_files``), so tests set
-``HF_HUB_DISABLE_XET`` and this server never advertises Xet (no ``X-Xet-Hash`` on downloads).
+With ``HF_HUB_DISABLE_XET`` set, the client takes the Git LFS path instead (tests/test_hub.py does, to check
+that path); tests/test_hub_xet.py leaves Xet on, as users have it.
+
 Nothing it receives is written to disk; ``auth_headers`` keeps the Authorization values in memory so a
 test can check the token was sent.
 """
