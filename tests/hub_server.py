@@ -37,6 +37,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import yaml
+
 from xet_cas import XetCAS
 
 LFS_SUFFIXES = (".safetensors", ".gguf")

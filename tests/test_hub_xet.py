@@ -14,6 +14,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from helpers import small_recipe
+from hub_server import HubServer
 from xet_cas import (
     DATA_KEY,
     DECOMPRESS,
@@ -25,9 +28,6 @@ from xet_cas import (
     merkle_root,
     xet_hex,
 )
-
-from helpers import small_recipe
-from hub_server import HubServer
 
 TOKEN = "hf_quantkitXetToken0123456789abcdef"
 BASE = "openbmb/MiniCPM4.1-8B"
