@@ -29,6 +29,10 @@ def sparse_config_for(mode: str, checkpoint_config: SparseAttentionConfig | None
     if overrides is not None and not isinstance(overrides, dict):
         raise ValueError(f"sparse_config overrides must be an object of sparse_config keys, got "
                          f"{type(overrides).__name__}")
+    unknown = sorted(set(overrides or ()) - set(SparseAttentionConfig().to_dict()))
+    if unknown:
+        raise ValueError(f"sparse_config overrides: unknown keys {unknown}; expected a subset of "
+                         f"{sorted(SparseAttentionConfig().to_dict())}")
     chosen = None if mode == "off" else checkpoint_config
     if mode == "on" and chosen is None:
         chosen = SparseAttentionConfig()
