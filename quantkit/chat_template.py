@@ -14,10 +14,10 @@ sandbox with a budget:
   read (repetition, padding to a width, ``replace``, ``join``, ``indent``, ``format`` widths, powers) are
   refused before they allocate.
 
-A legitimate template spends a few times its output (MiniCPM4.1's renders a conversation in about 10
-units a character: ``tests/test_hostile_inputs.py`` measures it), so the budget is far from anything a
-real conversation reaches, while a hostile template stops within a fraction of a second and a few
-hundred megabytes. Deep macro recursion ends in Python's RecursionError, reported the same way.
+A legitimate template spends a few times its output (MiniCPM4.1's about 5 units a character), so the
+size limit binds long before the budget on any real conversation, while a hostile template stops within
+a second and a few hundred megabytes. Deep macro recursion ends in Python's RecursionError, reported the
+same way. docs/runtime.md has the measurements.
 """
 from __future__ import annotations
 
