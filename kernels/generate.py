@@ -110,7 +110,8 @@ class TextGenerator:
     def chat_prompt(self, messages: list[dict], enable_thinking: bool = True) -> list[int]:
         """MiniCPM4.1's chat template with its hybrid-reasoning switch, as token ids."""
         for message in messages:
-            checked_text(message["content"], f"the {message['role']} message")
+            if isinstance(message.get("content"), str):
+                checked_text(message["content"], f"the {message.get('role', 'chat')} message")
         return render_chat(self.tokenizer, messages, add_generation_prompt=True, enable_thinking=enable_thinking)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
