@@ -22,15 +22,24 @@ SPARSE_MODES = ("auto", "on", "off")
 def sparse_config_for(mode: str, checkpoint_config: SparseAttentionConfig | None,
                       overrides: dict | None = None) -> SparseAttentionConfig | None:
     """The InfLLM v2 settings to run with, or None for dense attention. ``overrides`` replace single
-    keys (e.g. a smaller dense_len and window for a model trained on 8K tokens)."""
+    keys (e.g. a smaller dense_len and window for a model trained on 8K tokens); they are refused when
+    they are not a mapping of known keys, or when attention is dense and they would change nothing."""
     if mode not in SPARSE_MODES:
         raise ValueError(f"sparse must be one of {SPARSE_MODES}, got {mode!r}")
-    if mode == "off":
-        return None
-    chosen = checkpoint_config
+    if overrides is not None and not isinstance(overrides, dict):
+        raise ValueError(f"sparse_config overrides must be an object of sparse_config keys, got "
+                         f"{type(overrides).__name__}")
+    unknown = sorted(set(overrides or ()) - set(SparseAttentionConfig().to_dict()))
+    if unknown:
+        raise ValueError(f"sparse_config overrides: unknown keys {unknown}; expected a subset of "
+                         f"{sorted(SparseAttentionConfig().to_dict())}")
+    chosen = None if mode == "off" else checkpoint_config
     if mode == "on" and chosen is None:
         chosen = SparseAttentionConfig()
-    if chosen is not None and overrides:
+    if overrides and chosen is None:
+        raise ValueError("sparse_config overrides were given but attention is dense (sparse off, or a checkpoint "
+                         "without sparse_config under sparse auto): use sparse on")
+    if overrides:
         chosen = SparseAttentionConfig.from_dict({**chosen.to_dict(), **overrides})
     return chosen
 

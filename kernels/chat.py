@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from quantkit.kernels.generate import TextGenerator, TextStream
+from quantkit.kernels.generate import TextGenerator, TextStream, checked_text
 
 
 class ChatSession:
@@ -20,9 +20,14 @@ class ChatSession:
         self.cached_tokens: list[int] = []  # the tokens whose keys and values the cache holds
 
     def reply(self, text: str, **generation) -> Iterator[str]:
-        """Streams the model's answer to a user message and records it in the conversation."""
-        self.messages.append({"role": "user", "content": text})
-        prompt = self.generator.chat_prompt(self.messages, enable_thinking=self.enable_thinking)
+        """Streams the model's answer to a user message; the turn joins the conversation once answered. The
+        message is checked and the conversation rendered here, before the first piece is asked for, so that a
+        message that is not text, or a template that fails, is refused while the conversation goes on."""
+        user = {"role": "user", "content": checked_text(text, "the message")}
+        prompt = self.generator.chat_prompt([*self.messages, user], enable_thinking=self.enable_thinking)
+        return self._answer(user, prompt, generation)
+
+    def _answer(self, user: dict, prompt: list[int], generation: dict) -> Iterator[str]:
         reused = 0
         for cached, new in zip(self.cached_tokens, prompt[:-1]):  # at least one token is prefilled
             if cached != new:
@@ -40,5 +45,5 @@ class ChatSession:
             if piece:
                 yield piece
         self.cached_tokens = (prompt + answer)[:self.cache.length]
-        self.messages.append({"role": "assistant",
-                              "content": self.generator.tokenizer.decode(answer, skip_special_tokens=True)})
+        self.messages += [user, {"role": "assistant",
+                                 "content": self.generator.tokenizer.decode(answer, skip_special_tokens=True)}]

@@ -16,6 +16,8 @@ from typing import Iterator
 
 import torch
 
+from quantkit.chat_template import render_chat
+from quantkit.errors import QuantkitError
 from quantkit.kernels.attention import make_attention, sparse_config_for
 from quantkit.kernels.kv_cache import KVCache
 from quantkit.kernels.model import RuntimeModel
@@ -24,6 +26,21 @@ from quantkit.kernels.speculative import Acceptance, Drafter, ModelDrafter, Tree
 
 DEFAULT_PREFILL_CHUNK = 512
 DEFAULT_DRAFT_TOKENS = 3  # vLLM's num_speculative_tokens in OpenBMB's serving recipe for the EAGLE-3 head
+CONTEXT_LIMIT = "context limit"  # a stop reason: the model's context (max_position_embeddings) is full
+
+
+class PromptError(QuantkitError, ValueError):
+    """A prompt the runtime cannot take: text that is not valid UTF-8, or more tokens than the context holds."""
+
+
+def checked_text(text: str, what: str = "the prompt") -> str:
+    """``text`` if it is valid Unicode text. Bytes that are not UTF-8 reach Python's arguments and streams as
+    lone surrogates (surrogateescape), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PromptError(f"{what} is not valid UTF-8: an undecodable byte at character {e.start}") from None
+    return text
 
 
 @dataclass
@@ -31,7 +48,7 @@ class Generation:
     text: str
     tokens: list[int]
     prompt_tokens: int
-    stop_reason: str  # "stop token" or "length"
+    stop_reason: str  # "stop token", "length" or CONTEXT_LIMIT
     prefill_seconds: float
     decode_seconds: float
     acceptance: dict | None = None  # speculative decoding: Acceptance.to_dict()
@@ -92,20 +109,25 @@ class TextGenerator:
 
     def chat_prompt(self, messages: list[dict], enable_thinking: bool = True) -> list[int]:
         """MiniCPM4.1's chat template with its hybrid-reasoning switch, as token ids."""
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  enable_thinking=enable_thinking, return_dict=False)
+        for message in messages:
+            if isinstance(message.get("content"), str):
+                checked_text(message["content"], f"the {message.get('role', 'chat')} message")
+        return render_chat(self.tokenizer, messages, add_generation_prompt=True, enable_thinking=enable_thinking)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
-        return list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt)
+        return list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(checked_text(prompt))
+
+    @property
+    def context(self) -> int:
+        return self.runtime.config.max_position_embeddings
 
     def prefill(self, tokens: list[int], cache: KVCache) -> torch.Tensor:
         """Runs the prompt through the model in chunks; returns the last position's logits."""
         if not tokens:
             raise ValueError("the prompt is empty")
-        context = self.runtime.config.max_position_embeddings
-        if len(tokens) + cache.length > context:
-            raise ValueError(f"the prompt ({len(tokens)} tokens) does not fit the model's context of {context} "
-                             "tokens (max_position_embeddings)")
+        if len(tokens) + cache.length > self.context:
+            raise PromptError(f"the prompt ({cache.length + len(tokens)} tokens) does not fit the model's context "
+                              f"of {self.context} tokens (max_position_embeddings)")
         ids = torch.tensor(tokens, dtype=torch.long)
         for start in range(0, len(tokens), self.prefill_chunk):
             logits = self.runtime.forward(ids[start:start + self.prefill_chunk], cache)
@@ -113,19 +135,30 @@ class TextGenerator:
 
     def tokens(self, prompt: str | list[int], max_new_tokens: int = 128, sampling: Sampling = Sampling(),
                cache: KVCache | None = None, timings: dict | None = None) -> Iterator[int]:
-        """Yields new token ids until a stop token (not yielded) or max_new_tokens."""
+        """Yields new token ids until a stop token (not yielded), max_new_tokens, or the model's context is
+        full: as llama.cpp stops at n_ctx, generation ends there (stop reason CONTEXT_LIMIT) rather than run
+        positions the model was never trained on."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         cache = cache if cache is not None else self.new_cache()
         sampler = Sampler(sampling)
         timings = timings if timings is not None else {}
+        prompt = self.encode(prompt)
+        room = self.context - cache.length - len(prompt)  # new tokens whose positions the context holds
+        if room < 1:
+            raise PromptError(f"the prompt ({cache.length + len(prompt)} tokens) leaves no room for a new token in "
+                              f"the model's context of {self.context} tokens (max_position_embeddings)")
+        limit = "length" if max_new_tokens <= room else CONTEXT_LIMIT
+        max_new_tokens = min(max_new_tokens, room)
         if self.drafter is not None:
-            yield from self._speculative(self.encode(prompt), max_new_tokens, sampler, cache, timings)
+            yield from self._speculative(prompt, max_new_tokens, sampler, cache, timings)
+            if timings["stop_reason"] == "length":
+                timings["stop_reason"] = limit
             return
         start = time.perf_counter()
-        logits = self.prefill(self.encode(prompt), cache)
+        logits = self.prefill(prompt, cache)
         timings["prefill_seconds"] = time.perf_counter() - start
-        timings["stop_reason"] = "length"
+        timings["stop_reason"] = limit
         start = time.perf_counter()
         for step in range(max_new_tokens):
             token = sampler(logits)
@@ -235,9 +268,20 @@ def load_text_generator(model_dir: str | Path, *, sparse: str = "auto", sparse_o
         attention = make_attention(sparse_config, "triton" if device == "cuda" else "cpu")
         runtime = RuntimeModel(model, attention)
         tokenizer = tokenizer_read.result()
+    refuse_tokens_beyond_vocabulary(model_dir, tokenizer, model.config.vocab_size)
     drafter = None if draft is None else load_drafter(draft, runtime, device, linear_backend, draft_window)
     return TextGenerator(runtime, tokenizer, stop_tokens_of(model_dir, tokenizer, model.config), prefill_chunk,
                          drafter, draft_tokens, draft_tree)
+
+
+def refuse_tokens_beyond_vocabulary(model_dir: Path, tokenizer, vocab_size: int) -> None:
+    """A token id the embedding has no row for would fail deep in the first forward pass that meets it."""
+    from quantkit.checkpoint import CheckpointError
+
+    token, largest = max(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    if largest >= vocab_size:
+        raise CheckpointError(f"{model_dir}: the tokenizer's token {token[:40]!r} has id {largest}, beyond the model's "
+                              f"vocab_size of {vocab_size} (config.json)")
 
 
 def load_drafter(draft: str | Path, target: RuntimeModel, device: str = "cpu", linear_backend: str = "cpu",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import reprlib
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -33,6 +34,57 @@ from quantkit.training import fake_quant
 
 class RecipeError(QuantkitError, ValueError):
     """A recipe that cannot be used as written."""
+
+
+# A value quoted in an error is cut short: a recipe may hold a megabyte string, and the message is one line.
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 2, 60, 60, 40
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 4
+
+
+def _shown(value: Any) -> str:
+    return _SHORT.repr(value)
+
+
+def _clipped(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """YAML as a recipe may be written: no anchors or aliases (nine levels of nested aliases expand a few
+    hundred bytes into billions of values, the "billion laughs"), and no key stated twice in a mapping
+    (PyYAML would keep the last one silently)."""
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or event.anchor is not None:
+            raise yaml.composer.ComposerError(None, None, "anchors and aliases (&name, *name) are not allowed "
+                                              "in a recipe", event.start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # a list or mapping as a key is refused as unhashable; `<<` merges, as in YAML
+            key = self.construct_object(key_node)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {_shown(key)} is stated twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _read_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_RecipeLoader)
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """A YAML error in one line: where and what (PyYAML's own message quotes the text over several lines)."""
+    mark, problem = getattr(error, "problem_mark", None), getattr(error, "problem", None)
+    if problem is None:
+        return " ".join(str(error).split())[:200]
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem
 
 
 def _whole_groups(names: list) -> bool:
@@ -116,7 +168,8 @@ def _validate(raw: Any, schema: dict, where: str, source: str) -> dict:
     unknown = sorted(set(raw) - set(schema))
     if unknown:
         known = ", ".join(sorted(schema))
-        raise RecipeError(f"{source}: unknown key '{where}{unknown[0]}' (allowed here: {known})")
+        raise RecipeError(f"{source}: unknown key '{where}{_clipped(str(unknown[0]))}' "
+                          f"(allowed here: {known})")
     out = {}
     for key, spec in schema.items():
         path = f"{where}{key}"
@@ -137,11 +190,11 @@ def _validate(raw: Any, schema: dict, where: str, source: str) -> dict:
         if spec.kind is float and (type(value) is int or type(value) is str):
             value = _as_float(value)
         if type(value) is not spec.kind:
-            raise RecipeError(f"{source}: '{path}' must be {spec.kind.__name__}, got {value!r}")
+            raise RecipeError(f"{source}: '{path}' must be {spec.kind.__name__}, got {_shown(value)}")
         if spec.choices is not None and value not in spec.choices:
-            raise RecipeError(f"{source}: '{path}' = {value!r} is not one of {list(spec.choices)}")
+            raise RecipeError(f"{source}: '{path}' = {_shown(value)} is not one of {list(spec.choices)}")
         if spec.check is not None and not spec.check(value):
-            raise RecipeError(f"{source}: '{path}' = {value!r} must be {spec.rule}")
+            raise RecipeError(f"{source}: '{path}' = {_shown(value)} must be {spec.rule}")
         out[key] = value
     return out
 
@@ -158,12 +211,12 @@ def parse_override(text: str) -> tuple[str, Any]:
     """`quant.bits=3` -> ("quant.bits", 3); the value is read as YAML (numbers, booleans, strings)."""
     key, sep, value = text.partition("=")
     if not sep or not key:
-        raise RecipeError(f"override {text!r} must look like section.key=value")
+        raise RecipeError(f"override {_shown(text)} must look like section.key=value")
     try:
-        return key.strip(), yaml.safe_load(value)
+        return key.strip(), _read_yaml(value)
     except yaml.YAMLError as e:
-        raise RecipeError(f"override '{key.strip()}': value {value!r} is not valid YAML "
-                          f"({str(e).splitlines()[0]})") from None
+        raise RecipeError(f"override '{key.strip()}': value {_shown(value)} is not valid YAML "
+                          f"({_yaml_problem(e)})") from None
 
 
 def _apply_overrides(raw: dict, overrides: dict[str, Any], source: str) -> dict:
@@ -188,9 +241,11 @@ def load_recipe(name_or_path: str | Path, overrides: dict[str, Any] | None = Non
     if not path.is_file():
         raise RecipeError(f"recipe file not found: {path}")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise RecipeError(f"{path}: not valid YAML: {e}") from e
+        raw = _read_yaml(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: not valid YAML: {_yaml_problem(e)}") from None
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"{path}: not valid YAML: {e}") from None
     if overrides:
         raw = _apply_overrides(raw if isinstance(raw, dict) else {}, overrides, str(path))
     values = _validate(raw, SCHEMA, "", str(path))
@@ -245,7 +300,7 @@ def _codec_conflict(values: dict, config: QuantConfig) -> str | None:
 
 def purpose(path: Path) -> str:
     """The one-line purpose a recipe states in its `description`."""
-    return yaml.safe_load(path.read_text()).get("description", "")
+    return _read_yaml(path.read_text()).get("description", "")
 
 
 def schema_table(schema: dict = SCHEMA, prefix: str = "") -> list[list[str]]:

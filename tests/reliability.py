@@ -52,6 +52,7 @@ class Outcome:
     code: int  # exit code, or -signal
     stdout: str
     stderr: str
+    peak_kb: int = 0  # the run's peak resident memory (ru_maxrss)
 
     @property
     def traceback(self) -> bool:
@@ -88,10 +89,11 @@ def _serve() -> None:
         else:
             flags = os.WNOHANG if request["op"] == "poll" else 0
             try:
-                done, status = os.waitpid(request["pid"], flags)
+                done, status, usage = os.wait4(request["pid"], flags)
             except ChildProcessError:
-                done, status = request["pid"], 0
-            answer = {"code": os.waitstatus_to_exitcode(status) if done else None}
+                done, status, usage = request["pid"], 0, None
+            answer = {"code": os.waitstatus_to_exitcode(status) if done else None,
+                      "peak_kb": usage.ru_maxrss if done and usage else 0}
         out.write(json.dumps(answer) + "\n")
         out.flush()
 
@@ -107,8 +109,7 @@ def _child(request: dict) -> None:
         sys.stdin = open(0, closefd=False)
         sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
         os.environ.update(request["env"])
-        if request["fsize"] is not None:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (request["fsize"], request["fsize"]))
+        _limit(request["fsize"], request.get("memory"))
         from quantkit.cli import main
 
         sys.argv = ["quantkit", *request["argv"]]
@@ -128,6 +129,16 @@ def _child(request: dict) -> None:
         os._exit(code)
 
 
+def _limit(fsize: int | None, memory: int | None) -> None:
+    """A run's limits: the largest file it may write, and the address space it may add to what it has."""
+    if fsize is not None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+    if memory is not None:
+        with open("/proc/self/statm") as statm:
+            mapped = int(statm.read().split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (mapped + memory, mapped + memory))
+
+
 def _child_env() -> dict:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
@@ -141,22 +152,33 @@ class Proc:
     def __init__(self, launcher: "Launcher", pid: int, stdout: Path, stderr: Path, popen=None):
         self.launcher, self.pid, self._stdout, self._stderr, self._popen = launcher, pid, stdout, stderr, popen
         self.code: int | None = None
+        self.peak_kb = 0
 
     def poll(self) -> int | None:
         if self.code is None:
             if self._popen:
-                self.code = self._popen.poll()
+                self._reap(os.WNOHANG)
             else:
-                self.code = self.launcher._ask({"op": "poll", "pid": self.pid})["code"]
+                self._answer(self.launcher._ask({"op": "poll", "pid": self.pid}))
         return self.code
 
     def wait(self, timeout: float = 600) -> Outcome:
         if self.code is None:
             if self._popen:
-                self.code = self._popen.wait(timeout)
+                self._reap(0)
             else:
-                self.code = self.launcher._ask({"op": "wait", "pid": self.pid})["code"]
-        return Outcome(self.code, _text(self._stdout), _text(self._stderr))
+                self._answer(self.launcher._ask({"op": "wait", "pid": self.pid}))
+        return Outcome(self.code, _text(self._stdout), _text(self._stderr), self.peak_kb)
+
+    def _answer(self, answer: dict) -> None:
+        self.code, self.peak_kb = answer["code"], answer.get("peak_kb", 0)
+
+    def _reap(self, flags: int) -> None:
+        """A subprocess's exit and peak memory (os.wait4, which Popen does not give)."""
+        done, status, usage = os.wait4(self.pid, flags)
+        if done:
+            self.code, self.peak_kb = os.waitstatus_to_exitcode(status), usage.ru_maxrss
+            self._popen.returncode = self.code
 
     def kill(self) -> None:
         if self.poll() is None:
@@ -190,21 +212,22 @@ class Launcher:
             raise RuntimeError("the fork server died")
         return json.loads(line)
 
-    def start(self, argv: list[str], *, fsize: int | None = None, env: dict | None = None) -> Proc:
+    def start(self, argv: list[str], *, fsize: int | None = None, env: dict | None = None,
+              memory: int | None = None) -> Proc:
+        """``fsize``: RLIMIT_FSIZE; ``memory``: bytes of address space the run may add to the server's."""
         env = {**self.env, **(env or {})}
         self._count += 1
         stdout, stderr = (self.workdir / f"run{self._count}.{kind}" for kind in ("out", "err"))
         argv = [str(a) for a in argv]
         if self.subprocess:
             def limit():
-                if fsize is not None:
-                    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+                _limit(fsize, memory)
             popen = subprocess.Popen([sys.executable, "-m", "quantkit.cli", *argv], cwd=self.workdir,
                                      stdout=open(stdout, "w"), stderr=open(stderr, "w"), stdin=subprocess.DEVNULL,
                                      env={**_child_env(), **(env or {})}, preexec_fn=limit)
             return Proc(self, popen.pid, stdout, stderr, popen)
         pid = self._ask({"op": "run", "argv": argv, "cwd": str(self.workdir), "stdout": str(stdout),
-                         "stderr": str(stderr), "fsize": fsize, "env": env or {}})["pid"]
+                         "stderr": str(stderr), "fsize": fsize, "memory": memory, "env": env or {}})["pid"]
         return Proc(self, pid, stdout, stderr)
 
     def run(self, argv: list[str], **kwargs) -> Outcome:

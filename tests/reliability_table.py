@@ -1,4 +1,5 @@
-"""Run tests/test_reliability.py with every case and print one table (`make test-reliability`).
+"""Run tests/test_reliability.py and tests/test_hostile_inputs.py with every case and print one table
+(`make test-reliability`).
 
     python tests/reliability_table.py [pytest args...]
 
@@ -26,7 +27,8 @@ def main(argv: list[str]) -> int:
         record = Path(tmp) / "rows.jsonl"
         env = {**os.environ, CASES_ENV: os.environ.get(CASES_ENV) or "full", RECORD_ENV: str(record)}
         started = time.monotonic()
-        code = subprocess.call([sys.executable, "-m", "pytest", str(HERE / "test_reliability.py"), "-q",
+        code = subprocess.call([sys.executable, "-m", "pytest", str(HERE / "test_reliability.py"),
+                                str(HERE / "test_hostile_inputs.py"), "-q",
                                 "-p", "no:cacheprovider", *argv], env=env, cwd=HERE.parent)
         seconds = time.monotonic() - started
         rows = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []

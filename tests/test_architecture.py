@@ -22,7 +22,7 @@ LAYERS = {
                "quantkit.memory", "quantkit.atomic", "quantkit.lock", "quantkit.table", "quantkit.cpu_ops",
                "quantkit.rdata", "quantkit.recipes", "quantkit.calib_data"),
     "io": ("quantkit.checkpoint", "quantkit.artifact", "quantkit.inspect", "quantkit.cache", "quantkit.corpora",
-           "quantkit.calib"),
+           "quantkit.calib", "quantkit.chat_template"),
     "models": ("quantkit.models",),
     "gguf types": ("quantkit.gguf",),
     "algorithms": ("quantkit.algorithms",),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import click
 
@@ -28,7 +29,8 @@ runtime_options = stack(
     click.option("--max-new-tokens", default=256, show_default=True, type=int),
     click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy."),
     click.option("--top-p", default=1.0, show_default=True, type=float),
-    click.option("--seed", default=0, show_default=True, type=int),
+    # torch's generators take a seed of at most 64 bits
+    click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**64 - 1)),
     click.option("--prefill-chunk", default=512, show_default=True, type=int,
                  help="Prompt tokens per forward pass (bounds activation memory on long prompts)."),
     click.option("--thinking/--no-thinking", default=False, show_default=True,
@@ -74,6 +76,7 @@ def runtime_from_options(model, revision, sparse, sparse_config, device, prefill
 def generate(prompt, chat, model, revision, sparse, sparse_config, device, max_new_tokens, temperature, top_p, seed,
              prefill_chunk, thinking, draft, draft_tokens, draft_tree, draft_window, as_json):
     """Generate text with quantkit's runtime, streaming it as it is decoded."""
+    from quantkit.kernels.generate import CONTEXT_LIMIT
     from quantkit.kernels.sampling import Sampling
 
     generator = runtime_from_options(model, revision, sparse, sparse_config, device, prefill_chunk, draft,
@@ -95,8 +98,11 @@ def generate(prompt, chat, model, revision, sparse, sparse_config, device, max_n
     click.echo()
     speculative = (f"; tau {timings['acceptance'].tau:.2f} over {timings['acceptance'].rounds} rounds"
                    if "acceptance" in timings else "")
+    reason = timings["stop_reason"]
+    if reason == CONTEXT_LIMIT:
+        reason += f" ({generator.context} tokens, max_position_embeddings)"
     click.echo(f"[{len(ids)} prompt tokens in {timings['prefill_seconds']:.2f} s; stopped on "
-               f"{timings['stop_reason']}; decode {timings['decode_seconds']:.2f} s{speculative}]", err=True)
+               f"{reason}; decode {timings['decode_seconds']:.2f} s{speculative}]", err=True)
 
 
 @click.command()
@@ -107,12 +113,16 @@ def chat(model, revision, sparse, sparse_config, device, max_new_tokens, tempera
     """Interactive chat. The KV cache is kept between turns: each turn prefills only the new tokens.
     Type /reset to start over, /exit (or Ctrl-D) to leave."""
     from quantkit.kernels.chat import ChatSession
+    from quantkit.kernels.generate import PromptError
     from quantkit.kernels.sampling import Sampling
 
     generator = runtime_from_options(model, revision, sparse, sparse_config, device, prefill_chunk, draft,
                                      draft_tokens, draft_tree, draft_window)
     session = ChatSession(generator, enable_thinking=thinking)
     settings = dict(max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_p, seed))
+    # Bytes that are not UTF-8 arrive as lone surrogates, which the session refuses in one line and goes on,
+    # rather than a decoding error that would end the conversation.
+    sys.stdin.reconfigure(errors="surrogateescape")
     while True:
         try:
             line = click.prompt("you", prompt_suffix="> ")
@@ -123,9 +133,17 @@ def chat(model, revision, sparse, sparse_config, device, max_new_tokens, tempera
         if line.strip() == "/reset":
             session.reset()
             continue
-        click.echo("model> ", nl=False)
-        for piece in session.reply(line, **settings):
-            click.echo(piece, nl=False)
+        answering = False
+        try:
+            reply = session.reply(line, **settings)
+            click.echo("model> ", nl=False)
+            answering = True
+            for piece in reply:
+                click.echo(piece, nl=False)
+        except PromptError as e:  # this message is refused; the conversation goes on
+            click.echo(nl=answering)
+            click.echo(f"Error: {e}", err=True)
+            continue
         click.echo()
 
 
