@@ -94,10 +94,13 @@ sys.meta_path.insert(0, _Blocked())
 '''
 
 
-def run_without(blocked: set[str], code: str, *args: str, cwd: Path | None = None):
-    """Run ``code`` (``python -c``) in a child Python where importing ``blocked``'s packages fails."""
+def run_without(blocked: set[str], code: str, *args: str, env: dict | None = None):
+    """Run ``code`` (``python -c``) in a child Python where importing ``blocked``'s packages fails; no
+    standard input (nothing it runs may wait for an answer), ``env`` added to the environment."""
+    import os
     import subprocess
     import sys
 
     return subprocess.run([sys.executable, "-c", _BLOCKER.format(blocked=blocked) + code, *args],
-                          capture_output=True, text=True, cwd=cwd, timeout=600)
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600,
+                          env={**os.environ, **(env or {})})
