@@ -46,7 +46,8 @@ def _logits(model_dir: Path) -> torch.Tensor:
         return load_model(model_dir).eval()(torch.tensor([TOKEN_IDS])).logits
 
 
-def _stock_logits(model_dir: Path, tmp_path: Path, code: str = LOAD) -> torch.Tensor:
+def _stock_logits(model_dir: Path, tmp_path: Path, code: str = LOAD):
+    """What ``code`` (run on stock transformers, quantkit blocked, with ``model_dir`` and an output path) saved."""
     out = tmp_path / "logits.pt"
     run = run_without(QUANTKIT, code, str(model_dir), str(out), env={"HF_MODULES_CACHE": str(tmp_path / "modules")})
     assert run.returncode == 0, run.stderr[-3000:]
@@ -262,3 +263,27 @@ def test_an_earlier_quantkits_files_are_regenerated(tiny_checkpoint, tmp_path):
     stale = {name: f"{MARKER}\n# an older quantkit's code\n" for name in bundle()}
     source = _with_code(tiny_checkpoint, tmp_path / "stale", stale)
     assert remote_code.remote_code_for(source, json.loads((source / "config.json").read_text())).files == bundle()
+
+
+def test_the_cards_transformers_snippet_runs_as_written_without_quantkit(converted, tmp_path):
+    """The card of an unquantized checkpoint (a converted GGUF file) shows transformers and vLLM; its
+    transformers block, the repository id pointed at the local copy, runs in a Python without quantkit
+    and gives quantkit's logits."""
+    from quantkit.hub.publish import check, render_card
+    from quantkit.hub.repo import RepoRef
+
+    checkpoint, ref = converted("longrope"), RepoRef("someone/tiny-minicpm")
+    card = render_card(check(checkpoint, ref), ref, "openbmb/MiniCPM4.1-8B")
+    usage = card.split("## Use it")[1]
+    assert [line for line in usage.splitlines() if line.startswith("### ")] == [
+        "### transformers", "### vLLM", "### quantkit's runtime"]
+    assert "vllm serve someone/tiny-minicpm --trust-remote-code" in usage and "GPTQModel" not in usage
+    snippet = usage.split("```python\n")[1].split("\n```")[0]
+    assert "import quantkit" not in snippet and snippet.count("trust_remote_code=True") == 2
+    code = (snippet.replace('"someone/tiny-minicpm"', "sys.argv[1]") + "\nimport sys, torch\n"
+            f"ids = tokenizer('{'hello world ' * 20}', return_tensors='pt').input_ids\n"
+            "torch.save({'ids': ids, 'logits': model(ids).logits.detach()}, sys.argv[2])\n"
+            "assert not [m for m in sys.modules if m.split('.')[0] == 'quantkit']\n")
+    saved = _stock_logits(checkpoint, tmp_path, "import sys\n" + code)
+    with torch.no_grad():
+        assert torch.equal(saved["logits"], load_model(checkpoint).eval()(saved["ids"]).logits)
