@@ -66,9 +66,10 @@ $(INSTALLED): pyproject.toml
 	$(BIN)/python -m pip install -e .
 	touch $@
 
-# The mlx extra (MLX's CPU backend and mlx-lm) is what tests/test_format_mlx.py and bench-mlx check against.
+# The mlx extra (MLX's CPU backend and mlx-lm) is what tests/test_format_mlx.py and bench-mlx check against;
+# the tasks extra (HumanEval, reasoning-gym) what tests/test_eval_tasks.py scores.
 $(TEST_INSTALLED): $(INSTALLED)
-	$(BIN)/python -m pip install -e ".[test,mlx]"
+	$(BIN)/python -m pip install -e ".[test,mlx,tasks]"
 	touch $@
 
 install: $(TEST_INSTALLED)

@@ -62,11 +62,13 @@ class ArtifactWriter:
         return json.loads((self.staging / PROGRESS_FILE).read_text())["layer_errors"]
 
     def finish(self, source_dir: Path, config: dict, quantize_config: dict | None, report: dict,
-               weights_file: str | None = None, extra_configs: dict[str, dict] | None = None) -> None:
+               weights_file: str | None = None, extra_configs: dict[str, dict] | None = None,
+               code_files: dict[str, str] | None = None) -> None:
         """Write the index (or merge the shards into ``weights_file``), configs, the report and copies:
         every file but the manifest (``write_manifest``). A plain (fake-quantized) checkpoint has no
         ``quantize_config``. ``extra_configs`` are further JSON files some consumer reads (file name ->
-        content)."""
+        content); ``code_files`` the model code config.json's auto_map names (file name -> text:
+        ``quantkit.models.remote_code``), written in place of the source's files of those names."""
         shards = [self.shard_path(index) for index in range(self.total)]
         if weights_file is None:
             weight_map, total_size = {}, 0
@@ -86,9 +88,12 @@ class ArtifactWriter:
         if quantize_config is not None:
             atomic.write_json(self.staging / "quantize_config.json", quantize_config)
         atomic.write_json(self.staging / REPORT_FILE, report)
+        for name, text in (code_files or {}).items():
+            atomic.write_text(self.staging / name, text)
         # Tokenizer, chat template, generation config and anything else travel verbatim.
         for path in sorted(source_dir.iterdir()):
-            if path.is_file() and path.name not in _NOT_COPIED and path.suffix != ".safetensors":
+            if (path.is_file() and path.name not in _NOT_COPIED and path.suffix != ".safetensors"
+                    and path.name not in (code_files or {})):
                 with atomic.atomic_path(self.staging / path.name) as tmp:  # a failed copy names its file
                     shutil.copyfile(path, tmp)
 

@@ -46,6 +46,7 @@ from quantkit.models.layers import (
     layer_prefix,
     scaling_groups_for,
 )
+from quantkit.models.remote_code import remote_code_for
 from quantkit.quant import QuantConfig
 from quantkit.reader import dequantize_layer
 from quantkit.recipe import Recipe
@@ -354,6 +355,7 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
         return report
 
     source_config = json.loads((model_dir / "config.json").read_text())
+    code = remote_code_for(model_dir, source_config)
     recorded = ALGORITHMS[recipe["algorithm"]].recorded_settings(recipe.values)
     quantization_config = fmt.quantization_config(qconfig, **recorded, quantizer=f"quantkit:{__version__}")
     manifest = {
@@ -365,10 +367,11 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
                          "calibration": calibration.fingerprint, "run": run.fingerprint},
         "calibration": calibration.describe(),
         "layer_errors": layer_errors,
+        "remote_code": code.record,
     }
-    configs = fmt.config_files({**source_config, "quantization_config": quantization_config})
+    configs = fmt.config_files(code.config({**source_config, "quantization_config": quantization_config}))
     writer.finish(model_dir, configs.pop("config.json"), quantization_config, report.to_dict(),
-                  weights_file=fmt.weights_file, extra_configs=configs)
+                  weights_file=fmt.weights_file, extra_configs=configs, code_files=code.files)
     with run.publishing():
         writer.write_manifest(manifest)
     return report

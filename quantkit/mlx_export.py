@@ -24,6 +24,7 @@ import torch
 from quantkit import atomic
 from quantkit.checkpoint import INDEX_FILE
 from quantkit.formats import mlx
+from quantkit.models.remote_code import remote_code_for
 from quantkit.quant import QuantConfig, QuantizedTensor
 from quantkit.reader import ArtifactReader
 
@@ -116,10 +117,15 @@ def export_mlx(model_dir: str | Path, out: str | Path, dtype: str = "float32") -
     grid = mlx.MLXGrid(reader.qconfig.bits, reader.qconfig.group_size, sym=False, float_bias=True, scale_dtype=chosen)
     source = json.loads((model_dir / "config.json").read_text())
     source.pop("configuration_files", None)
-    for name, content in mlx.config_files({**source, "quantization_config": mlx.quantization_config(grid)}).items():
+    code = remote_code_for(model_dir, source)
+    configs = mlx.config_files(code.config({**source, "quantization_config": mlx.quantization_config(grid)}))
+    for name, content in configs.items():
         atomic.write_json(staging / name, content)
+    for name, text in code.files.items():
+        atomic.write_text(staging / name, text)
     for path in sorted(model_dir.iterdir()):
-        if path.is_file() and path.name not in _NOT_COPIED and path.suffix != ".safetensors":
+        if (path.is_file() and path.name not in _NOT_COPIED and path.suffix != ".safetensors"
+                and path.name not in code.files):
             shutil.copyfile(path, staging / path.name)
     atomic.publish_dir(staging, out)
     return MLXExport(str(out), str(chosen).removeprefix("torch."), linears, grid.bits, grid.group_size)

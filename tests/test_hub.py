@@ -4,6 +4,7 @@ endpoints. What arrives must be the artifact's bytes; a second run sends nothing
 upload resumes; a download gives the same bytes back and loads; bad inputs send nothing."""
 import hashlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -20,6 +21,8 @@ from quantkit.hub.check import ArtifactCheckError, check_artifact
 from quantkit.hub.publish import NOT_CONSULTED, UNCHANGED, UPLOAD, check, publish, render_card
 from quantkit.hub.pull import PULL_PATTERNS, choose_gguf, pull_model
 from quantkit.hub.repo import RepoRef, parse_repo_ref
+from quantkit.models import MiniCPMConfig
+from quantkit.models.decoder import weight_shapes
 from quantkit.zoo import resolve_model
 
 from helpers import small_recipe
@@ -58,8 +61,9 @@ def hub(tmp_path, monkeypatch):
         yield server
 
 
-def _artifact_bytes(directory: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()}
+def _artifact_bytes(directory: Path, code: bool = True) -> dict[str, bytes]:
+    """Every file's bytes; without the Python files (``code=False``: what a pull fetches, PULL_PATTERNS)."""
+    return {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file() and (code or p.suffix != ".py")}
 
 
 def _sent(server, method="PUT"):
@@ -138,7 +142,8 @@ def test_a_pulled_repository_has_the_same_bytes_and_loads(hub, artifact):
     publish(artifact, REPO, base_model=BASE)
     pulled = resolve_model(REPO.repo_id)
     assert pulled.parents[1].name == "models--someone--tiny-w4"  # huggingface_hub's own cache
-    assert _artifact_bytes(pulled) == {**_artifact_bytes(artifact), "README.md": hub.files(REPO.repo_id)["README.md"]}
+    assert _artifact_bytes(pulled) == {**_artifact_bytes(artifact, code=False),
+                                       "README.md": hub.files(REPO.repo_id)["README.md"]}
     ids = torch.tensor([[1, 5, 9, 14, 3]])
     with torch.no_grad():
         assert torch.equal(load_model(pulled)(ids).logits, load_model(artifact)(ids).logits)
@@ -151,7 +156,7 @@ def test_pull_fetches_weights_configs_and_tokenizer_but_no_pickle_or_code(hub, a
               "modeling_minicpm.py": StoredFile(b"import os", lfs=False)}
     hub.seed("someone/mixed", files | unsafe)
     pulled = pull_model(parse_repo_ref("someone/mixed"))
-    assert {p.name for p in pulled.iterdir()} == set(_artifact_bytes(artifact))
+    assert {p.name for p in pulled.iterdir()} == set(_artifact_bytes(artifact, code=False))
     hub.seed("someone/pickles-only", {"config.json": files["config.json"], **unsafe})
     with pytest.raises(FileNotFoundError, match="no safetensors weights"):
         pull_model(parse_repo_ref("someone/pickles-only"))
@@ -333,7 +338,25 @@ def test_the_card_front_matter_parses_with_huggingface_hub(artifact):
     manifest = json.loads((artifact / "quantkit.json").read_text())
     assert manifest["calibration"]["fingerprint"] in card
     assert "name: rtn-w4g128" in card and "No evaluation report" in card
-    assert "import quantkit  # registers MiniCPM" in card and "trust_remote_code" not in card  # no auto_map
+    # the artifact carries MiniCPM's code (auto_map): stock transformers needs no quantkit, vLLM reads the config
+    assert 'from_pretrained("someone/tiny-w4", device_map="auto", trust_remote_code=True)' in card
+    assert "import quantkit" not in card and "vllm serve someone/tiny-w4 --trust-remote-code" in card
+
+
+def test_the_card_says_what_is_quantized_and_the_bits_of_each(artifact):
+    """gptq W4 g128: a linear [N, K] stores K·N/2 bytes of codes, K/128·N float16 scales and 4-bit zeros,
+    and K int32 g_idx; the embedding, the norms and the LM head stay float32, which is why the whole files
+    come to twice the linears' bits per weight here (13.9 for the default model)."""
+    shapes = weight_shapes(MiniCPMConfig.from_pretrained(artifact))
+    linears = [shape for name, shape in shapes.items() if name.startswith("model.layers.") and "norm" not in name]
+    codes = sum(n * k // 2 + k // 128 * n * 2 + k // 128 * n // 2 + 4 * k for n, k in linears)
+    quantized, total = sum(n * k for n, k in linears), sum(math.prod(shape) for shape in shapes.values())
+    files = sum(p.stat().st_size for p in artifact.glob("*.safetensors"))
+    card = render_card(check(artifact, REPO), REPO, BASE)
+    assert (f"| bits per weight | {8 * codes / quantized:.3f} in the quantized tensors (the decoder layers' "
+            f"linears: {quantized:,} of {total:,} parameters); {8 * files / total:.3f} over the whole weight files, "
+            f"which keep the embedding, the norms and the LM head ({total - quantized:,} parameters) in F32 |") in card
+    assert 4 < 8 * codes / quantized < 4.5 and 8 * files / total > 8
 
 
 def test_remote_code_the_config_names_is_used_in_the_usage_and_noted_when_missing(artifact, tmp_path):
@@ -343,6 +366,7 @@ def test_remote_code_the_config_names_is_used_in_the_usage_and_noted_when_missin
                               "AutoTokenizer": ["tokenization_minicpm.MiniCPMTokenizer", None]}
         (directory / "config.json").write_text(json.dumps(config))
         (directory / "tokenization_minicpm.py").write_text("")
+        (directory / "modeling_minicpm.py").unlink()
         _rewrite_records(directory)
 
     checked = check_artifact(_broken_copy(artifact, tmp_path, add_auto_map))

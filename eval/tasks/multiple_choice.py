@@ -99,4 +99,4 @@ def _run_family(lm: TaskModel, limit: int, progress: bool) -> TaskResult:
 
 
 FAMILY = Task("family", "reasoning-gym family_relationships, 16-way log-likelihood choice (acc, acc_norm)",
-              default_limit=40, run=_run_family)
+              default_limit=40, run=_run_family, requires=("reasoning_gym",))

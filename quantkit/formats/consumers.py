@@ -2,7 +2,7 @@
 file's is ``LLAMA_CPP``). Which program reads which format: docs/formats.md, "Which consumer reads what"."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -15,6 +15,9 @@ class Consumer:
     command: str
     note: str = ""
     library: str | None = None  # the Hub's library_name of a repository this program reads first
+    # it reads config.json through transformers' AutoConfig, which knows model_type minicpm only from the
+    # code config.json's auto_map names (quantkit/models/remote_code.py): no auto_map, no run
+    needs_auto_map: bool = False
 
 
 TRANSFORMERS = Consumer(
@@ -25,7 +28,8 @@ TRANSFORMERS = Consumer(
     "transformers loads GPTQ and AWQ checkpoints through GPTQModel: `pip install gptqmodel optimum`.",
     library="transformers")
 VLLM = Consumer("vLLM", "bash", "vllm serve {repo}{remote_flag}",
-                "vLLM takes the method from `quantization_config` (GPTQ runs on its Marlin kernels).")
+                "vLLM takes the method from `quantization_config` (GPTQ runs on its Marlin kernels).",
+                needs_auto_map=True)
 SGLANG = Consumer("SGLang", "bash", "python -m sglang.launch_server --model-path {repo}{remote_flag}")
 CPMCU = Consumer(
     "CPM.cu", "bash",
@@ -37,3 +41,6 @@ LLAMA_CPP = Consumer("llama.cpp", "bash", "llama-cli -hf {repo}:{file_type}\nlla
 MLX_LM = Consumer("mlx-lm", "bash", 'pip install "mlx-lm>=0.32"\nmlx_lm.generate --model {repo} --prompt "Hello"',
                   "mlx-lm reads `config.json`'s `quantization` (group size, bits) and the packed uint32 "
                   "weights with their scales and biases; Apple silicon, or `mlx[cpu]` on Linux.", library="mlx")
+# An artifact stored unquantized (a fake-quantized QAT checkpoint, a converted GGUF file): what reads a
+# MiniCPM checkpoint reads it, with no quantization backend.
+UNQUANTIZED = (replace(TRANSFORMERS, note=""), replace(VLLM, note=""), QUANTKIT)

@@ -35,7 +35,7 @@ from tokenizers.pre_tokenizers import Digits, Sequence
 from tqdm import tqdm
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
-from quantkit.atomic import publish_dir, refuse_existing, save_safetensors, write_json
+from quantkit.atomic import publish_dir, refuse_existing, save_safetensors, write_json, write_text
 from quantkit.checkpoint import sha256_file
 from quantkit.gguf.names import LAYER_TENSOR_NAME, LAYER_TENSORS, minicpm_name, unpermute_rows
 from quantkit.gguf.reader import open_gguf
@@ -43,6 +43,7 @@ from quantkit.models import CHAT_TEMPLATE
 from quantkit.models.configuration_minicpm import MiniCPMConfig
 from quantkit.models.decoder import MiniCPMRotaryEmbedding
 from quantkit.models.layers import DOWN, EMBEDDING, LM_HEAD, O_PROJ, K, Q, layer_prefix
+from quantkit.models.remote_code import generated
 
 # MiniCPM4.1-8B's μP constants (docs/model.md, "μP scaling"); models converted from llama/qwen2 carry them.
 SCALE_EMB = 12.0
@@ -382,7 +383,11 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *,
         save_safetensors(staging / "model.safetensors", tensors, metadata={"format": "pt"})
         tied = LM_HEAD not in tensors
         config = minicpm_config(hparams, tensors[EMBEDDING].shape[0], token_ids, tied)
+        code = generated()
+        config.auto_map = code.auto_map  # stock transformers opens the checkpoint with trust_remote_code=True
         config.save_pretrained(str(staging))
+        for name, text in code.files.items():
+            write_text(staging / name, text)
         GenerationConfig(**token_ids).save_pretrained(str(staging))
         save_tokenizer(gguf_path, staging, reader)
         write_json(staging / "quantkit_source.json", {

@@ -48,7 +48,7 @@ def _front_matter(base: BaseModel, library: str, tags: list[str]) -> str:
     return f"---\n{data.to_yaml()}\n---\n"
 
 
-def _usage(consumers: tuple[Consumer, ...], fields: dict) -> str:
+def _usage(consumers: list[Consumer] | tuple[Consumer, ...], fields: dict) -> str:
     blocks = []
     for consumer in consumers:
         note = f"\n{consumer.note}\n" if consumer.note else ""
@@ -152,7 +152,7 @@ def load_report(path: Path | None, directory: Path) -> dict | None:
 
 def artifact_card(checked: CheckedArtifact, ref: RepoRef, base: BaseModel, report: dict | None) -> str:
     from quantkit.formats import FORMATS
-    from quantkit.formats.consumers import QUANTKIT
+    from quantkit.formats.consumers import UNQUANTIZED
     from quantkit.inspect import describe
     from quantkit.models import MiniCPMConfig
     from quantkit.models.decoder import weight_shapes
@@ -162,19 +162,19 @@ def artifact_card(checked: CheckedArtifact, ref: RepoRef, base: BaseModel, repor
     recipe = manifest.get("recipe", {})
     info = describe(checked.directory)
     shapes = weight_shapes(MiniCPMConfig.from_pretrained(checked.directory))
-    parameters = sum(math.prod(shape) for shape in shapes.values())
-    consumers = FORMATS[fmt].consumers if fmt in FORMATS else (QUANTKIT,)
-    library = next((consumer.library for consumer in consumers if consumer.library), "quantkit")
-    # MiniCPM's code: the config's own (auto_map, remote code), else quantkit's, registered on import
+    # MiniCPM's code: what config.json's auto_map names (quantkit's own, generated into every artifact it
+    # writes, or the base model's), else quantkit's classes, registered with transformers on import
     remote = "auto_map" in checked.config
+    consumers = [consumer for consumer in (FORMATS[fmt].consumers if fmt in FORMATS else UNQUANTIZED)
+                 if remote or not consumer.needs_auto_map]
+    library = next((consumer.library for consumer in consumers if consumer.library), "quantkit")
     fields = {"repo": ref.repo_id, "ref": str(ref), "remote": ", trust_remote_code=True" if remote else "",
               "remote_flag": " --trust-remote-code" if remote else "", "local": _cpmcu_folder(ref.name),
               "register": "" if remote else "import quantkit  # registers MiniCPM's model code with transformers\n"}
     summary = FORMATS[fmt].summary if fmt in FORMATS else fmt
     facts = [["format", f"`{fmt}`: {summary}"], ["quantization", info["quantization"]],
              ["weights", f"{checked.weight_bytes / 2**20:.1f} MB"],
-             ["bits per weight", f"{8 * checked.weight_bytes / parameters:.3f} (weight files over the "
-                                 f"{parameters:,} parameters of the unquantized model)"]]
+             ["bits per weight", _bits_per_weight(checked, shapes)]]
     if info.get("max_layer_rel_error") is not None:
         facts.append(["largest layer error", f"{info['max_layer_rel_error']:.4g} (relative output error of one "
                                              "linear on calibration data)"])
@@ -192,6 +192,103 @@ def artifact_card(checked: CheckedArtifact, ref: RepoRef, base: BaseModel, repor
     tags = ["quantkit", "quantized", recipe.get("algorithm", ""), fmt,
             *([f"{recipe['quant']['bits']}-bit"] if recipe.get("quant", {}).get("bits") else [])]
     return _front_matter(base, library, [t for t in tags if t]) + "\n" + "\n".join(body)
+
+
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})  # safetensors dtypes a tensor stored as it is has
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One part of the artifact's weights: parameters of the unquantized model, the bytes that store them,
+    what they are, and their dtypes as stored."""
+
+    parameters: int
+    bytes: int
+    parts: tuple[str, ...]
+    dtypes: tuple[str, ...]
+
+    @property
+    def bits(self) -> float:
+        return 8 * self.bytes / self.parameters
+
+    def says(self) -> str:
+        return _listed(self.parts)
+
+
+PARTS = ("the embedding", "the decoder layers' linears", "the norms", "the LM head", "other tensors")  # model order
+
+
+def _part(module: str) -> str:
+    """What a module of the model is, as the card names it."""
+    from quantkit.models.layers import EMBEDDING, FINAL_NORM, LAYER_NORMS, LM_HEAD
+
+    names = {EMBEDDING.rpartition(".")[0]: "the embedding", LM_HEAD.rpartition(".")[0]: "the LM head",
+             FINAL_NORM.rpartition(".")[0]: "the norms"}
+    if module in names:
+        return names[module]
+    if module.endswith(LAYER_NORMS):
+        return "the norms"
+    return "the decoder layers' linears" if module.startswith("model.layers.") else "other tensors"
+
+
+def _listed(parts: tuple[str, ...]) -> str:
+    return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
+
+
+def _module_parameters(module: str, shapes: dict[str, tuple[int, ...]]) -> int:
+    """The unquantized model's parameters a stored module holds; a fused module (CPM.cu's qkv_proj) holds
+    those of its parts."""
+    from quantkit.models.layers import FUSIONS
+
+    members = {module}
+    for fused, parts in FUSIONS.items():
+        if module.endswith("." + fused):
+            members = {module.removesuffix(fused) + part for part in parts}
+    return sum(math.prod(shape) for name, shape in shapes.items() if name.rpartition(".")[0] in members)
+
+
+def stored_weights(checked: CheckedArtifact, shapes: dict[str, tuple[int, ...]]) -> tuple[Stored, Stored]:
+    """(quantized, kept): the artifact's modules whose stored tensors are codes (any tensor not a float
+    ``weight``/``bias``), and those stored as they are, from the safetensors headers."""
+    from quantkit.checkpoint import read_header
+
+    modules: dict[str, list[tuple[str, str, int]]] = {}  # module -> (suffix, dtype, bytes) of its tensors
+    for file in checked.files:
+        if file.path_in_repo.endswith(".safetensors"):
+            header, _ = read_header(file.path)
+            for name, info in header.items():
+                if name != "__metadata__":
+                    module, _, suffix = name.rpartition(".")
+                    start, end = info["data_offsets"]
+                    modules.setdefault(module, []).append((suffix, info["dtype"], end - start))
+    groups: dict[bool, list[str]] = {True: [], False: []}
+    for module, tensors in modules.items():
+        groups[any(dtype not in FLOAT_DTYPES or suffix not in ("weight", "bias") for suffix, dtype, _ in tensors)
+               ].append(module)
+
+    def part(members: list[str]) -> Stored:
+        return Stored(sum(_module_parameters(m, shapes) for m in members),
+                      sum(size for m in members for _, _, size in modules[m]),
+                      tuple(sorted({_part(m) for m in members}, key=PARTS.index)),
+                      tuple(sorted({dtype for m in members for _, dtype, _ in modules[m]})))
+
+    return part(groups[True]), part(groups[False])
+
+
+def _bits_per_weight(checked: CheckedArtifact, shapes: dict[str, tuple[int, ...]]) -> str:
+    """The "bits per weight" fact: of the quantized tensors, and of the whole weight files, saying in the
+    same line what is quantized and what is kept (a W4 artifact of the default model is 4.2 bits in its
+    linears and 13.9 over its files: its embedding and LM head, 35 % of the parameters, stay float32)."""
+    parameters = sum(math.prod(shape) for shape in shapes.values())
+    whole = 8 * checked.weight_bytes / parameters
+    quantized, kept = stored_weights(checked, shapes)
+    if not quantized.parameters:
+        return (f"{whole:.3f} over the weight files ({parameters:,} parameters); nothing is quantized: every "
+                f"tensor is stored as {'/'.join(kept.dtypes)}")
+    rest = (f", which keep {kept.says()} ({kept.parameters:,} parameters) in {'/'.join(kept.dtypes)}"
+            if kept.parameters else "")
+    return (f"{quantized.bits:.3f} in the quantized tensors ({quantized.says()}: {quantized.parameters:,} of "
+            f"{parameters:,} parameters); {whole:.3f} over the whole weight files{rest}")
 
 
 def _facts(rows: list[list[str]]) -> str:

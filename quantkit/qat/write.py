@@ -24,6 +24,7 @@ from quantkit.artifact import MANIFEST_FILE, ArtifactWriter
 from quantkit.checkpoint import SINGLE_FILE, CheckpointReader
 from quantkit.formats import FORMATS
 from quantkit.models.layers import EMBEDDING, FINAL_NORM, LM_HEAD, layer_prefix
+from quantkit.models.remote_code import remote_code_for
 from quantkit.qat.trainer import LOG_FILE, TrainedModel
 from quantkit.recipe import Recipe
 from quantkit.version import __version__
@@ -92,6 +93,8 @@ def write_outputs(trained: TrainedModel, model_dir: Path, recipe: Recipe, *, fak
     report = {**trained.report.to_dict(), "seconds": trained.report.teacher_seconds + trained.report.train_seconds}
     source_config = json.loads((model_dir / "config.json").read_text())
     source_config.pop("quantization_config", None)
+    code = remote_code_for(model_dir, source_config)
+    source_config = code.config(source_config)
     qconfig = trained.qconfig
     outside = {n: reader.get(n) for n in (EMBEDDING, LM_HEAD) if n in reader}
     outside[FINAL_NORM] = trained.model.model.norm.weight.detach().to(reader.dtype(FINAL_NORM))
@@ -115,12 +118,13 @@ def write_outputs(trained: TrainedModel, model_dir: Path, recipe: Recipe, *, fak
         writer.write_shard(index, tensors)
     writer.write_shard(config.num_hidden_layers, outside)
     manifest = _manifest(trained, recipe, FAKE_QUANT if fake_quant else fmt.name, reader.fingerprint(), init)
+    manifest["remote_code"] = code.record
     if fake_quant:
-        writer.finish(model_dir, source_config, None, report, weights_file=SINGLE_FILE)
+        writer.finish(model_dir, source_config, None, report, weights_file=SINGLE_FILE, code_files=code.files)
     else:
         quantization_config = fmt.quantization_config(qconfig, quantizer=f"quantkit:{__version__}")
         configs = fmt.config_files({**source_config, "quantization_config": quantization_config})
         writer.finish(model_dir, configs.pop("config.json"), quantization_config, report,
-                      weights_file=fmt.weights_file, extra_configs=configs)
+                      weights_file=fmt.weights_file, extra_configs=configs, code_files=code.files)
     with trained.run.publishing():
         writer.write_manifest(manifest, FAKE_QUANT_MANIFEST if fake_quant else MANIFEST_FILE)
