@@ -175,12 +175,12 @@ def resolve_model(name_or_dir: str | os.PathLike, cache_dir: str | os.PathLike |
     directory here is a Hub repository, pulled into the Hugging Face cache (``quantkit.hub.pull``;
     ``revision`` applies when the name carries none); ``owner/name:QUANT`` is one GGUF file of a
     repository, converted like the built-in models (:func:`hub_gguf_model`)."""
-    from quantkit.hub.repo import is_repo_ref, parse_repo_ref
+    from quantkit.hub.repo import RepoIdError, RevisionError, looks_like_repo_ref, parse_repo_ref
 
     name = str(name_or_dir)
     path = Path(name_or_dir)
-    if revision is not None and (path.is_dir() or not is_repo_ref(name)):
-        raise ValueError(f"--revision {revision} applies to a Hub repo id, and {name} is "
+    if revision is not None and (path.is_dir() or not looks_like_repo_ref(name)):
+        raise RevisionError(f"--revision {revision} applies to a Hub repo id, and {name} is "
                          f"{'a local directory' if path.is_dir() else 'not one'}")
     if name == "default":
         name = DEFAULT_MODEL
@@ -188,10 +188,13 @@ def resolve_model(name_or_dir: str | os.PathLike, cache_dir: str | os.PathLike |
         return ensure_model(name, cache_dir, progress)
     if path.is_dir():
         return path
-    if is_repo_ref(name):
+    if looks_like_repo_ref(name):
         from quantkit.hub.pull import pull_model
 
-        ref = parse_repo_ref(name, revision)
+        try:
+            ref = parse_repo_ref(name, revision)
+        except RepoIdError as error:  # perhaps a mistyped path: say both readings
+            raise RepoIdError(name, f"it is no local directory either, and {error.why}") from error
         try:
             return hub_gguf_model(ref, cache_dir, progress) if ref.gguf else pull_model(ref)
         except (FileNotFoundError, RuntimeError) as error:  # say why the Hub was asked: perhaps a mistyped path

@@ -6,19 +6,24 @@ from pathlib import Path
 
 import click
 
-from quantkit.cli import emit, friendly_errors, json_option
+from quantkit.cli import emit, friendly_errors, json_option, revision_option
 from quantkit.table import format_table
 
 
 @click.command()
-@click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("model")
+@revision_option("MODEL")
 @json_option
 @friendly_errors
-def inspect(model_dir, as_json):
-    """Describe a checkpoint or artifact: architecture, quantization, size, recipe."""
+def inspect(model, revision, as_json):
+    """Describe a checkpoint or artifact: architecture, quantization, size, recipe. MODEL is anything --model
+    takes: a directory, a built-in model name, or a Hub repo id (owner/name[:QUANT][@revision])."""
     from quantkit.inspect import describe
+    from quantkit.zoo import resolve_model
 
-    info = describe(model_dir)
+    model_dir = resolve_model(model, revision=revision)
+    named = {} if Path(model) == model_dir else {"model": model}  # a name or repo id: say which, beside the path
+    info = {**named, **describe(model_dir)}
     emit(as_json, info, format_table(["field", "value"], [[k, v] for k, v in info.items()]))
 
 

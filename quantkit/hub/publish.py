@@ -13,12 +13,40 @@ import hashlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from quantkit.errors import QuantkitError
 from quantkit.hub.card import artifact_card, base_model_of, gguf_base_model, gguf_card, load_report
 from quantkit.hub.check import CARD_FILE, CheckedArtifact, CheckedGGUF, check_artifact, check_gguf
-from quantkit.hub.repo import DEFAULT_REVISION, TOKEN_HELP, RepoRef, hub_endpoint, hub_token
+from quantkit.hub.repo import (
+    DEFAULT_REVISION,
+    RATE_LIMITED,
+    RETRY_TRIES,
+    STALE_PARENT,
+    TOKEN_HELP,
+    HubError,
+    RepoRef,
+    check_repo_id,
+    hub_endpoint,
+    hub_response,
+    hub_token,
+    retry_after,
+    retrying,
+)
 
 # What happens to each file: the plan's vocabulary.
 UPLOAD, UNCHANGED, NOT_CONSULTED = "upload", "unchanged", "upload (remote not consulted: dry run)"
+_REFUSED_TOKEN = "the Hub refused the token for {repo}: " + TOKEN_HELP
+# What a run that stopped on each answer of the Hub says (the fields: _stopped's), else _FAILED.
+_ANSWERS = {
+    401: _REFUSED_TOKEN,
+    403: _REFUSED_TOKEN,
+    400: "the Hub refused to publish {ref}: {error}. Nothing was committed.",
+    RATE_LIMITED: "the Hub still answers 429 Too Many Requests to publishing {ref} after {tries} attempts (it asks to "
+                  "wait {wait} s). Nothing was committed: wait, then run the same command again.",
+    STALE_PARENT: "the branch {revision} of {repo} moved under each of {tries} attempts to publish (412 Precondition "
+                  "Failed: another writer commits to it). Nothing was committed: run the same command again.",
+}
+_FAILED = ("publishing to {ref} on {endpoint} failed, nothing was committed ({error}). Run the same command again: "
+           "it sends only what the Hub does not hold yet.")
 
 
 @dataclass(frozen=True)
@@ -77,16 +105,11 @@ def _planned(checked: CheckedArtifact | CheckedGGUF, card: str) -> list[PlannedF
     return [_card_file(card)] + [PlannedFile(f.path_in_repo, f.size, f.sha256, UPLOAD, f.path) for f in local]
 
 
-def _remote_files(api, ref: RepoRef) -> dict:
-    """path -> RepoFile of what the revision holds (empty for a new repository or branch)."""
+def _remote_files(api, repo_id: str, commit: str) -> dict:
+    """path -> RepoFile of what ``commit`` holds (every page of the Hub's listing)."""
     from huggingface_hub import RepoFile
-    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
-    try:
-        return {f.path: f for f in api.list_repo_tree(ref.repo_id, revision=ref.revision, recursive=True)
-                if isinstance(f, RepoFile)}
-    except (RepositoryNotFoundError, RevisionNotFoundError):
-        return {}
+    return {f.path: f for f in api.list_repo_tree(repo_id, revision=commit, recursive=True) if isinstance(f, RepoFile)}
 
 
 def _unchanged(planned: PlannedFile, remote) -> bool:
@@ -110,15 +133,53 @@ def _operation(planned: PlannedFile):
     return operation
 
 
+def _send(api, checked: CheckedArtifact | CheckedGGUF, ref: RepoRef, revision: str, private: bool, notes: list[str],
+          card_for) -> Publication:
+    """One attempt: compare with what the branch's head commit holds, and commit what differs on top of that
+    commit only (``parent_commit``): when another writer moved the branch in between, the Hub answers 412
+    and nothing is committed, so the next attempt compares again instead of keeping a file the other
+    commit changed. Safe to repeat: the repository and branch are created if missing, and large-file
+    objects the Hub already holds are not sent again."""
+    api.create_repo(ref.repo_id, private=private, exist_ok=True)
+    if revision != DEFAULT_REVISION:
+        api.create_branch(ref.repo_id, branch=revision, exist_ok=True)
+    head = api.model_info(ref.repo_id, revision=revision).sha
+    remote = _remote_files(api, ref.repo_id, head)
+    card = card_for([(path, f.size) for path, f in remote.items() if path.endswith(".gguf")])
+    files = [PlannedFile(f.path_in_repo, f.size, f.sha256, UNCHANGED if _unchanged(f, remote.get(f.path_in_repo))
+                         else UPLOAD, f.source) for f in _planned(checked, card)]
+    publication = Publication(ref.repo_id, revision, private, card, files, notes, dry_run=False)
+    if publication.sent:
+        commit = api.create_commit(ref.repo_id, [_operation(f) for f in publication.sent], revision=revision,
+                                   parent_commit=head,
+                                   commit_message=f"quantkit publish: {len(publication.sent)} files")
+        publication.commit, publication.commit_url = commit.oid, commit.commit_url
+    return publication
+
+
+def _stopped(error: Exception, ref: RepoRef, revision: str) -> HubError:
+    """A run that stopped on ``error``, in one line saying what to do."""
+    response = hub_response(error)
+    status = None if response is None else response.status_code
+    wait = retry_after(response) if status == RATE_LIMITED else None
+    return HubError(_ANSWERS.get(status, _FAILED).format(
+        repo=ref.repo_id, ref=ref, revision=revision, endpoint=hub_endpoint(), tries=RETRY_TRIES, wait=wait,
+        error=" ".join(str(error).split())))
+
+
 def publish(target: str | Path, ref: RepoRef, *, base_model: str | None = None, report: str | Path | None = None,
             private: bool = False, dry_run: bool = False) -> Publication:
     """Publish ``target`` (an artifact directory or a .gguf file) to ``ref``; ``dry_run`` checks and
-    plans without any network request."""
+    plans without any network request. The Hub's 429 (rate limit) and 412 (the branch moved under the
+    commit) repeat the attempt (:func:`quantkit.hub.repo.retrying`)."""
     from httpx2 import HTTPError  # huggingface_hub 2.x's HTTP client
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
     target, report = Path(target), Path(report) if report else None
+    check_repo_id(ref.repo_id)  # a RepoRef made in Python skips parse_repo_ref
+    if base_model is not None:
+        check_repo_id(base_model)
     if ref.gguf is not None:
         raise ValueError(f"publish to a repository ({ref.repo_id}), not to one file of it (:{ref.gguf}): a GGUF "
                          "file's name in the repository follows from the file")
@@ -136,25 +197,15 @@ def publish(target: str | Path, ref: RepoRef, *, base_model: str | None = None, 
         return Publication(ref.repo_id, revision, private, card, files, notes, dry_run=True)
 
     card = render_card(checked, ref, base_model, report)  # fails on a bad --base-model or report before sending
+
+    def card_for(ggufs: list[tuple[str, int]]) -> str:  # a GGUF repository's card lists every type it holds
+        return render_card(checked, ref, base_model, report, ggufs) if ggufs else card
+
     api = HfApi(endpoint=hub_endpoint(), token=hub_token())
     try:
-        api.create_repo(ref.repo_id, private=private, exist_ok=True)
-        if revision != DEFAULT_REVISION:
-            api.create_branch(ref.repo_id, branch=revision, exist_ok=True)
-        remote = _remote_files(api, ref)
-        ggufs = [(path, f.size) for path, f in remote.items() if path.endswith(".gguf")]
-        if ggufs:  # a GGUF repository's card lists every type it holds
-            card = render_card(checked, ref, base_model, report, ggufs)
-        files = [PlannedFile(f.path_in_repo, f.size, f.sha256, UNCHANGED if _unchanged(f, remote.get(f.path_in_repo))
-                             else UPLOAD, f.source) for f in _planned(checked, card)]
-        publication = Publication(ref.repo_id, revision, private, card, files, notes, dry_run=False)
-        if publication.sent:
-            commit = api.create_commit(ref.repo_id, [_operation(f) for f in publication.sent], revision=revision,
-                                       commit_message=f"quantkit publish: {len(publication.sent)} files")
-            publication.commit, publication.commit_url = commit.oid, commit.commit_url
-    except (HfHubHTTPError, HTTPError, RuntimeError, OSError) as error:  # HTTP status, transport, upload thread
-        if getattr(getattr(error, "response", None), "status_code", None) in (401, 403):
-            raise RuntimeError(f"the Hub refused the token for {ref.repo_id}: {TOKEN_HELP}") from error
-        raise RuntimeError(f"publishing to {ref} on {hub_endpoint()} failed, nothing was committed ({error}). Run the "
-                           "same command again: it sends only what the Hub does not hold yet.") from error
-    return publication
+        return retrying(lambda: _send(api, checked, ref, revision, private, notes, card_for),
+                        (RATE_LIMITED, STALE_PARENT))
+    except (HfHubHTTPError, HTTPError, RuntimeError, OSError, ValueError) as error:  # HTTP, transport, upload thread
+        if isinstance(error, QuantkitError) or (isinstance(error, ValueError) and hub_response(error) is None):
+            raise  # quantkit's own error, already one line
+        raise _stopped(error, ref, revision) from error

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from quantkit.hub.repo import RepoRef, hub_endpoint
+from quantkit.hub.repo import RATE_LIMITED, RETRY_TRIES, HubError, RepoRef, hub_endpoint, hub_status, retrying
 
 PULL_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.json", "*.jinja", "tokenizer.model", "*.tiktoken",
                  "merges.txt", "vocab.txt", "README.md")
@@ -31,8 +31,14 @@ def download_command(ref: RepoRef) -> str:
 @contextmanager
 def _hub_errors(ref: RepoRef, download: str) -> Iterator[None]:
     """huggingface_hub's errors as one line that says what to do; ``download`` is the command that
-    fills the cache where there is network."""
-    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+    fills the cache where there is network. A rate limit is told apart from an unreachable Hub:
+    snapshot_download reports both as a LocalEntryNotFoundError, the 429 behind it as its cause."""
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     try:
         yield
@@ -41,7 +47,12 @@ def _hub_errors(ref: RepoRef, download: str) -> Iterator[None]:
     except RepositoryNotFoundError as error:
         raise FileNotFoundError(f"no model repository {ref.repo_id} on {hub_endpoint()} (for a private or gated "
                                 "one, set HF_TOKEN or run `hf auth login`)") from error
-    except LocalEntryNotFoundError as error:
+    except (HfHubHTTPError, LocalEntryNotFoundError) as error:
+        if hub_status(error) == RATE_LIMITED:
+            raise HubError(f"the Hub at {hub_endpoint()} still answers 429 Too Many Requests for {ref} after "
+                           f"{RETRY_TRIES} attempts: wait, then run the same command again") from error
+        if isinstance(error, HfHubHTTPError):
+            raise
         raise RuntimeError(
             f"{ref} is not in the Hugging Face cache and the Hub cannot be reached ({error.__class__.__name__}). "
             f"Where there is network, download it with\n  {download}\nthen run again; with "
@@ -54,8 +65,8 @@ def pull_model(ref: RepoRef, cache_dir: str | Path | None = None) -> Path:
     from huggingface_hub import snapshot_download
 
     with _hub_errors(ref, download_command(ref)):
-        folder = Path(snapshot_download(ref.repo_id, revision=ref.revision, allow_patterns=list(PULL_PATTERNS),
-                                        cache_dir=cache_dir, endpoint=hub_endpoint()))
+        folder = Path(retrying(lambda: snapshot_download(ref.repo_id, revision=ref.revision, cache_dir=cache_dir,
+                                                         allow_patterns=list(PULL_PATTERNS), endpoint=hub_endpoint())))
     if not any(folder.glob("*.safetensors")):
         ggufs = _gguf_files(ref, cache_dir)
         if ggufs:
@@ -106,6 +117,6 @@ def pull_gguf(ref: RepoRef, cache_dir: str | Path | None = None) -> Path:
     revision = f" --revision {ref.revision}" if ref.revision else ""
     with _hub_errors(ref, f"hf download {ref.repo_id}{revision} --include '*{ref.gguf}*.gguf'"):
         if not name.endswith(".gguf"):
-            name = choose_gguf(ref, _gguf_files(ref, cache_dir))
-        return Path(hf_hub_download(ref.repo_id, name, revision=ref.revision, cache_dir=cache_dir,
-                                    endpoint=hub_endpoint()))
+            name = choose_gguf(ref, retrying(lambda: _gguf_files(ref, cache_dir)))
+        return Path(retrying(lambda: hf_hub_download(ref.repo_id, name, revision=ref.revision, cache_dir=cache_dir,
+                                                     endpoint=hub_endpoint())))
