@@ -11,7 +11,8 @@ Hub's status codes and headers, and keeps repositories in memory:
   /api/models/{repo}/commit/{rev}`` (the ndjson commit);
 - downloading: ``GET /api/models/{repo}/revision/{rev}`` (model info with the commit sha), the tree
   listing, and ``HEAD``/``GET /{repo}/resolve/{rev}/{path}`` with ``X-Repo-Commit``, ``ETag`` and, for
-  large files, ``X-Linked-Etag``/``X-Linked-Size``;
+  large files, ``X-Linked-Etag``/``X-Linked-Size``: on a 307 redirect to a CDN address (Git LFS), or with
+  Xet's headers (below);
 - Xet (what huggingface_hub 2.4.0 uses for large files whenever hf_xet is installed, deciding on the client
   side, ``_commit_api._upload_files``): ``GET /api/models/{repo}/xet-write-token/{rev}`` and
   ``xet-read-token/{rev}`` grant a CAS token for one repository (JSON ``accessToken``/``exp``/``casUrl`` for
@@ -23,18 +24,33 @@ Hub's status codes and headers, and keeps repositories in memory:
 With ``HF_HUB_DISABLE_XET`` set, the client takes the Git LFS path instead (tests/test_hub.py does, to check
 that path); tests/test_hub_xet.py leaves Xet on, as users have it.
 
+As strict as the Hub where a publish or a pull can meet it: repository names are checked by the Hub's
+rules (400); a new repository's first commit holds the Hub's default ``.gitattributes``, which (with
+the file's size and whether its first bytes are binary) decides what goes through LFS, and the commit
+adds a rule for an LFS file no pattern covers; Git LFS objects belong to the repository they were
+uploaded to; a commit whose ``parentCommit`` is no longer the branch's head is refused (412); the tree
+listing comes in pages (``Link: <...>; rel="next"``, ``HubState.tree_page_size`` entries each); Git LFS
+files upload to and download from another host (``localhost`` for ``127.0.0.1``), which refuses an
+Authorization header as a signed URL's storage does; the card's front matter must parse and its keys
+have the Hub's types. Faults are switched on per test: ``HubState.fail`` (any route, any status and
+headers, e.g. 429 with ``Retry-After``) and ``HubState.before`` (run something, another writer's commit
+say, before a route answers).
+
 Nothing it receives is written to disk; ``auth_headers`` keeps the Authorization values in memory so a
 test can check the token was sent.
 """
 from __future__ import annotations
 
 import base64
+import fnmatch
 import hashlib
 import json
+import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlencode, urlsplit
 
 import yaml
 
@@ -42,6 +58,44 @@ from xet_cas import XetCAS
 
 LFS_SUFFIXES = (".safetensors", ".gguf")
 LFS_THRESHOLD = 10 * 2**20  # the Hub stores larger files in LFS whatever their name
+
+# -- the Hub's own rules (hubstrict) ---------------------------------------------------------------------
+GITATTRIBUTES = ".gitattributes"
+LFS_RULE = "filter=lfs diff=lfs merge=lfs -text"
+# The patterns of the .gitattributes the Hub commits into every new model repository.
+DEFAULT_LFS_PATTERNS = ("*.7z", "*.arrow", "*.bin", "*.bz2", "*.ckpt", "*.ftz", "*.gz", "*.h5", "*.joblib", "*.lfs.*",
+                        "*.mlmodel", "*.model", "*.msgpack", "*.npy", "*.npz", "*.onnx", "*.ot", "*.parquet", "*.pb",
+                        "*.pickle", "*.pkl", "*.pt", "*.pth", "*.rar", "*.safetensors", "saved_model/**/*", "*.tar.*",
+                        "*.tar", "*.tflite", "*.tgz", "*.wasm", "*.xz", "*.zip", "*.zst", "*tfevents*")
+DEFAULT_GITATTRIBUTES = "".join(f"{pattern} {LFS_RULE}\n" for pattern in DEFAULT_LFS_PATTERNS).encode()
+# One part of owner/name as the Hub accepts it: written independently of quantkit's validator, to check it.
+HUB_NAME = re.compile(r"(?!.*(?:--|\.\.))(?![-.])[A-Za-z0-9_.-]{1,96}(?<![-.])", re.ASCII)
+TREE_PAGE_SIZE = 4  # the Hub's is 1000; small here so that every listing a test makes comes in pages
+CDN_PREFIX = "cdn-lfs"
+
+
+def hub_name_error(owner: str, name: str) -> str | None:
+    """Why the Hub would refuse ``owner/name`` as a repository name, or None."""
+    if not (HUB_NAME.fullmatch(owner) and HUB_NAME.fullmatch(name)) or name.endswith(".git"):
+        return f"Invalid repo name {owner}/{name}: letters, digits, '-', '_' and '.' only, at most 96 characters"
+    return None
+
+
+def lfs_patterns(gitattributes: bytes | None) -> list[str]:
+    """The patterns a .gitattributes stores in LFS (``filter=lfs``)."""
+    lines = (gitattributes or b"").decode().splitlines()
+    return [line.split()[0] for line in lines if "filter=lfs" in line.split()[1:]]
+
+
+def tracked_by(patterns: list[str], path: str) -> bool:
+    """git's matching, as far as the Hub's patterns need it: a pattern without '/' matches the file's name."""
+    return any(fnmatch.fnmatchcase(path if "/" in p else path.rsplit("/", 1)[-1], p) for p in patterns)
+
+
+def is_binary(sample: bytes) -> bool:
+    """git's own test for a binary file (a NUL byte among its first bytes), which the Hub applies to the
+    sample huggingface_hub sends of each file."""
+    return b"\0" in sample
 
 
 def git_blob_id(data: bytes) -> str:
@@ -78,6 +132,7 @@ class Repo:
     private: bool
     branches: dict[str, str] = field(default_factory=dict)  # branch -> commit oid
     commits: dict[str, dict[str, StoredFile]] = field(default_factory=dict)  # oid -> path -> file
+    lfs: dict[str, bytes] = field(default_factory=dict)  # its large-file objects, kept across failed commits
 
     def resolve(self, revision: str) -> str | None:
         return self.branches.get(revision) or (revision if revision in self.commits else None)
@@ -85,37 +140,61 @@ class Repo:
 
 @dataclass
 class Failure:
-    """Answer ``count`` requests of ``kind`` (for ``oid``, when given) with ``status``."""
+    """Answer ``count`` requests of ``kind`` (a route's handler name with '-' for '_': "lfs-upload",
+    "create-repo", "model-info", "tree", "resolve", "commit", ...; for ``oid`` when given: a segment of
+    the request's path) with ``status`` and ``headers``."""
 
     kind: str
     status: int
     count: int
     oid: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Interleaved:
+    """Run ``action`` before answering each of the next ``count`` requests of ``kind``."""
+
+    kind: str
+    action: Callable[[], None]
+    count: int
 
 
 class HubState:
     def __init__(self, token: str):
         self.token = token
         self.repos: dict[str, Repo] = {}
-        self.lfs_objects: dict[str, bytes] = {}  # kept across failed commits, as on the Hub
         self.lfs_received: list[str] = []  # oid of every accepted upload, in order
         self.commit_payloads: list[list[dict]] = []
         self.requests: list[tuple[str, str]] = []  # (method, route kind)
         self.auth_headers: list[str] = []
         self.failures: list[Failure] = []
+        self.interleaved: list[Interleaved] = []
+        self.tree_page_size = TREE_PAGE_SIZE
+        self.cdn_requests: list[tuple[str, str | None]] = []  # (path, Authorization) of every CDN download
         self.lock = threading.Lock()
         self._commit_counter = 0
         self.xet = XetCAS()  # Xet storage, per repository (tests/xet_cas.py)
 
-    def fail(self, kind: str, status: int = 500, count: int = 1, oid: str | None = None) -> None:
-        self.failures.append(Failure(kind, status, count, oid))
+    def fail(self, kind: str, status: int = 500, count: int = 1, oid: str | None = None,
+             headers: dict[str, str] | None = None) -> None:
+        self.failures.append(Failure(kind, status, count, oid, dict(headers or {})))
 
-    def injected(self, kind: str, oid: str | None = None) -> int | None:
+    def before(self, kind: str, action: Callable[[], None], count: int = 1) -> None:
+        self.interleaved.append(Interleaved(kind, action, count))
+
+    def injected(self, kind: str, segments: list[str] = ()) -> Failure | None:
         for failure in self.failures:
-            if failure.kind == kind and failure.count > 0 and failure.oid in (None, oid):
+            if failure.kind == kind and failure.count > 0 and (failure.oid is None or failure.oid in segments):
                 failure.count -= 1
-                return failure.status
+                return failure
         return None
+
+    def interleave(self, kind: str) -> None:
+        for interleaved in self.interleaved:
+            if interleaved.kind == kind and interleaved.count > 0:
+                interleaved.count -= 1
+                interleaved.action()
 
     def new_commit(self, repo: Repo, branch: str, files: dict[str, StoredFile]) -> str:
         self._commit_counter += 1
@@ -128,6 +207,7 @@ class HubState:
 class _Handler(BaseHTTPRequestHandler):
     hub: HubState
     base_url: str
+    storage_url: str  # the large-file storage: the same server under another host name, as S3 is to the Hub
 
     def log_message(self, format, *args):  # quiet: tests read the state, not a log
         pass
@@ -158,9 +238,10 @@ class _Handler(BaseHTTPRequestHandler):
         if not head:
             self.wfile.write(data)
 
-    def _error(self, status: int, code: str | None, message: str) -> None:
-        headers = {"X-Error-Message": message, **({"X-Error-Code": code} if code else {})}
-        self._send(status, {"error": message}, headers)
+    def _error(self, status: int, code: str | None, message: str, headers: dict | None = None) -> None:
+        header = message.encode("ascii", "backslashreplace").decode()  # a header is latin-1: keep it ASCII
+        headers = {"X-Error-Message": header, **({"X-Error-Code": code} if code else {}), **(headers or {})}
+        self._send(status, {"error": message}, headers, head=self.command == "HEAD")
 
     def _authorized(self) -> bool:
         value = self.headers.get("Authorization")
@@ -200,6 +281,13 @@ class _Handler(BaseHTTPRequestHandler):
             for kind, matches, handler in ROUTES:
                 if method in kind and matches(segments):
                     self.hub.requests.append((method, handler.__name__))
+                    fault_kind = handler.__name__.replace("_", "-")
+                    self.hub.interleave(fault_kind)
+                    failure = self.hub.injected(fault_kind, segments)
+                    if failure is not None:
+                        self._body()  # read what was sent, as a server does before it answers
+                        return self._error(failure.status, None, f"simulated {failure.status} answer",
+                                           failure.headers)
                     return handler(self, segments, query)
         self._error(404, None, f"no route for {method} {self.path}")
 
@@ -221,11 +309,14 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._authorized():
             return self._error(401, None, "Invalid credentials in Authorization header")
         repo_id = f"{payload['organization']}/{payload['name']}"
+        invalid = hub_name_error(payload["organization"], payload["name"])
+        if invalid:
+            return self._error(400, None, invalid)
         if repo_id in self.hub.repos:  # huggingface_hub reads the url from the 409 answer too
             return self._send(409, {"error": "You already created this model repo",
                                     "url": f"{self.base_url}/{repo_id}"})
         repo = self.hub.repos[repo_id] = Repo(private=payload.get("visibility") == "private")
-        self.hub.new_commit(repo, "main", {})
+        self.hub.new_commit(repo, "main", {GITATTRIBUTES: StoredFile(DEFAULT_GITATTRIBUTES, lfs=False)})
         self._send(200, {"url": f"{self.base_url}/{repo_id}", "name": repo_id})
 
     def create_branch(self, segments, query):
@@ -255,16 +346,22 @@ class _Handler(BaseHTTPRequestHandler):
             return
         repo, oid = found
         files = repo.commits[oid]
-        self._send(200, [files[path].tree_entry(path) for path in sorted(files)])
+        start = int(query.get("cursor", ["0"])[0])
+        page = sorted(files)[start:start + self.hub.tree_page_size]
+        headers = {}
+        if start + len(page) < len(files):  # the Hub's cursor pages, announced as GitHub's API does
+            following = urlencode({**{k: v[0] for k, v in query.items()}, "cursor": start + len(page)})
+            headers["Link"] = f'<{self.base_url}{urlsplit(self.path).path}?{following}>; rel="next"'
+        self._send(200, [files[path].tree_entry(path) for path in page], headers)
 
     def validate_yaml(self, segments, query):
         content = json.loads(self._body())["content"]
         try:
             front = content.split("---\n")[1] if content.startswith("---\n") else ""
-            yaml.safe_load(front)
+            errors = card_metadata_errors(yaml.safe_load(front))
         except (yaml.YAMLError, IndexError) as error:
-            return self._send(400, {"errors": [{"message": str(error)}], "warnings": []})
-        self._send(200, {"errors": [], "warnings": []})
+            errors = [f"Invalid YAML in the metadata: {error}"]
+        self._send(400 if errors else 200, {"errors": [{"message": e} for e in errors], "warnings": []})
 
     # -- uploads ----------------------------------------------------------------------------------
     def preupload(self, segments, query):
@@ -273,9 +370,11 @@ class _Handler(BaseHTTPRequestHandler):
         if repo is None:
             return
         current = repo.commits.get(repo.resolve(segments[5]) or "", {})
+        patterns = lfs_patterns(current[GITATTRIBUTES].data if GITATTRIBUTES in current else None)
         answers = []
         for entry in payload["files"]:
-            lfs = entry["path"].endswith(LFS_SUFFIXES) or entry["size"] > LFS_THRESHOLD
+            lfs = (tracked_by(patterns, entry["path"]) or entry["size"] > LFS_THRESHOLD
+                   or is_binary(base64.b64decode(entry["sample"])))
             held = current.get(entry["path"])
             remote_oid = None if held is None else (held.sha256 if held.lfs else git_blob_id(held.data))
             answers.append({"path": entry["path"], "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False,
@@ -288,29 +387,27 @@ class _Handler(BaseHTTPRequestHandler):
         if repo is None:
             return
         objects = []
+        repo_path = f"{segments[0]}/{segments[1].removesuffix('.git')}"
         for obj in payload["objects"]:
             answer = {"oid": obj["oid"], "size": obj["size"], "authenticated": True}
-            if obj["oid"] not in self.hub.lfs_objects:
-                answer["actions"] = {"upload": {"href": f"{self.base_url}/lfs-upload/{obj['oid']}"},
-                                     "verify": {"href": f"{self.base_url}/lfs-verify/{obj['oid']}"}}
+            if obj["oid"] not in repo.lfs:  # this repository's objects: another's are no use to it
+                answer["actions"] = {"upload": {"href": f"{self.storage_url}/lfs-upload/{repo_path}/{obj['oid']}"},
+                                     "verify": {"href": f"{self.base_url}/lfs-verify/{repo_path}/{obj['oid']}"}}
             objects.append(answer)
         self._send(200, {"transfer": "basic", "objects": objects})
 
     def lfs_upload(self, segments, query):
-        oid = segments[1]
+        oid = segments[3]
         data = self._body()
-        status = self.hub.injected("lfs-upload", oid)
-        if status is not None:
-            return self._error(status, None, "simulated failure of the storage backend")
         if hashlib.sha256(data).hexdigest() != oid:
             return self._error(400, None, "content does not match its oid")
-        self.hub.lfs_objects[oid] = data
+        self.hub.repos[f"{segments[1]}/{segments[2]}"].lfs[oid] = data
         self.hub.lfs_received.append(oid)
         self._send(200, body=b"")
 
     def lfs_verify(self, segments, query):
         payload = json.loads(self._body())
-        held = self.hub.lfs_objects.get(payload["oid"])
+        held = self.hub.repos[f"{segments[1]}/{segments[2]}"].lfs.get(payload["oid"])
         if held is None or len(held) != payload["size"]:
             return self._error(404, None, "object not found")
         self._send(200, {})
@@ -321,24 +418,26 @@ class _Handler(BaseHTTPRequestHandler):
         repo = self._repo(repo_id, write=True)
         if repo is None:
             return
-        status = self.hub.injected("commit")
-        if status is not None:
-            return self._error(status, None, "simulated failure of the commit")
         branch = segments[5]
         if branch not in repo.branches:
             return self._error(404, "RevisionNotFound", f"Invalid rev id: {branch}")
+        parent = next((line["value"].get("parentCommit") for line in lines if line["key"] == "header"), None)
+        if parent is not None and parent != repo.branches[branch]:
+            return self._error(412, None, f"Parent commit {parent} is not the head of {branch} "
+                                          f"({repo.branches[branch]}): the branch moved since")
         files = dict(repo.commits[repo.branches[branch]])
         for line in lines:
             value = line["value"]
             if line["key"] == "file":
                 files[value["path"]] = StoredFile(base64.b64decode(value["content"]), lfs=False)
-            elif line["key"] == "lfsFile":  # its content arrived through Git LFS or through Xet
-                data = self.hub.lfs_objects.get(value["oid"], self.hub.xet.file_bytes(repo_id, value["oid"]))
+            elif line["key"] == "lfsFile":  # its content arrived through Git LFS or through Xet, to this repository
+                data = repo.lfs.get(value["oid"], self.hub.xet.file_bytes(repo_id, value["oid"]))
                 if data is None:
-                    return self._error(422, None, f"large file {value['oid']} was never uploaded")
+                    return self._error(422, None, f"large file {value['oid']} was never uploaded to this repository")
                 files[value["path"]] = StoredFile(data, lfs=True)
             elif line["key"] == "deletedFile":
                 files.pop(value["path"], None)
+        track_new_lfs_paths(files)
         self.hub.commit_payloads.append(lines)
         oid = self.hub.new_commit(repo, branch, files)
         self._send(200, {"commitUrl": f"{self.base_url}/{segments[2]}/{segments[3]}/commit/{oid}",
@@ -357,9 +456,35 @@ class _Handler(BaseHTTPRequestHandler):
         headers = {"X-Repo-Commit": oid, "ETag": f'"{stored.blob_id}"', "Accept-Ranges": "bytes"}
         if stored.lfs:
             headers.update({"X-Linked-Etag": f'"{stored.sha256}"', "X-Linked-Size": str(len(stored.data))})
-            headers.update(self._xet_headers(f"{segments[0]}/{segments[1]}", oid, stored))
+            xet = self._xet_headers(f"{segments[0]}/{segments[1]}", oid, stored)
+            if not xet:  # a Git LFS object: from the storage's host
+                return self._redirect_to_cdn(f"{segments[0]}/{segments[1]}", stored, headers)
+            headers.update(xet)
+        self._send_range(stored.data, headers)
+
+    def _send_range(self, data: bytes, headers: dict) -> None:
         start = int(self.headers.get("Range", "bytes=0-").removeprefix("bytes=").split("-")[0] or 0)
-        self._send(206 if start else 200, headers=headers, body=stored.data[start:], head=self.command == "HEAD")
+        self._send(206 if start else 200, headers=headers, body=data[start:], head=self.command == "HEAD")
+
+    # -- large files from the CDN (hubstrict) -----------------------------------------------------
+    def _redirect_to_cdn(self, repo_id: str, stored: StoredFile, headers: dict) -> None:
+        """The Hub answers a large file's resolve with a redirect to its storage's signed address, and the
+        file's metadata on the redirect itself; the storage is another host."""
+        headers["Location"] = f"{self.storage_url}/{CDN_PREFIX}/{repo_id}/{stored.sha256}?signature=stand-in"
+        self._send(307, headers=headers, body=b"", head=self.command == "HEAD")
+
+    def cdn(self, segments, query):
+        """A signed address: it carries its own authorization, and the storage refuses a second one (as S3
+        refuses a request with both); it serves only objects of the repository it was signed for."""
+        authorization = self.headers.get("Authorization")
+        self.hub.cdn_requests.append(("/".join(segments), authorization))
+        if authorization is not None:
+            return self._error(400, None, "Only one auth mechanism allowed")
+        repo = self.hub.repos.get(f"{segments[1]}/{segments[2]}")
+        data = None if repo is None else repo.lfs.get(segments[3])
+        if data is None:
+            return self._error(403, None, "Access denied")
+        self._send_range(data, {"Accept-Ranges": "bytes", "ETag": f'"{segments[3]}"'})
 
     # -- Xet: the Hub grants tokens and names files by Xet hash; the CAS (tests/xet_cas.py) stores --------------
     def xet_token(self, segments, query):
@@ -412,13 +537,53 @@ ROUTES = (
     ("GET", _api("tree", None, ...), _Handler.tree),
     ("POST", lambda s: len(s) == 6 and s[1].endswith(".git") and s[2:] == ["info", "lfs", "objects", "batch"],
      _Handler.lfs_batch),
-    ("PUT", lambda s: len(s) == 2 and s[0] == "lfs-upload", _Handler.lfs_upload),
-    ("POST", lambda s: len(s) == 2 and s[0] == "lfs-verify", _Handler.lfs_verify),
+    ("PUT", lambda s: len(s) == 4 and s[0] == "lfs-upload", _Handler.lfs_upload),
+    ("POST", lambda s: len(s) == 4 and s[0] == "lfs-verify", _Handler.lfs_verify),
     ("GET HEAD", lambda s: len(s) >= 5 and s[2] == "resolve", _Handler.resolve),
     ("GET", _api("xet-write-token", None), _Handler.xet_token),
     ("GET", _api("xet-read-token", None), _Handler.xet_token),
     ("GET POST", lambda s: s[0] == "cas", _Handler.xet_cas),
+    ("GET HEAD", lambda s: len(s) == 4 and s[0] == CDN_PREFIX, _Handler.cdn),
 )
+
+
+# -- the Hub's checks of what it is sent (hubstrict) -----------------------------------------------------
+# The card's front matter keys the Hub checks, and the form each must have.
+STRING, STRINGS, EITHER = "a string", "a list of strings", "a string or a list of strings"
+CARD_KEYS = {"license": STRING, "library_name": STRING, "pipeline_tag": STRING, "base_model_relation": STRING,
+             "language": EITHER, "base_model": EITHER, "tags": STRINGS}
+
+
+def card_metadata_errors(metadata) -> list[str]:
+    """What the Hub says is wrong with a card's front matter (empty: nothing)."""
+    if metadata is None:
+        return []
+    if not isinstance(metadata, dict):
+        return ["The metadata must be a YAML mapping"]
+    errors = []
+    for key, form in CARD_KEYS.items():
+        value = metadata.get(key)
+        if value is None:
+            continue
+        is_list = isinstance(value, list) and all(isinstance(item, str) for item in value)
+        if not {STRING: isinstance(value, str), STRINGS: is_list, EITHER: isinstance(value, str) or is_list}[form]:
+            errors.append(f'"{key}" must be {form}')
+    models = metadata.get("base_model") or []
+    for model in models if isinstance(models, list) else [models]:
+        if isinstance(model, str) and (model.count("/") != 1 or hub_name_error(*model.split("/"))):
+            errors.append(f'"base_model" {model!r} is not a valid model id')
+    return errors
+
+
+def track_new_lfs_paths(files: dict[str, StoredFile]) -> None:
+    """What the Hub's commit does for an LFS file no .gitattributes pattern covers (one stored in LFS for
+    its size or its binary bytes): it adds the file's own path to .gitattributes, in the same commit."""
+    held = files.get(GITATTRIBUTES)
+    patterns = lfs_patterns(held.data if held else None)
+    missing = [path for path, stored in sorted(files.items()) if stored.lfs and not tracked_by(patterns, path)]
+    if missing:
+        text = (held.data if held else b"") + "".join(f"{path} {LFS_RULE}\n" for path in missing).encode()
+        files[GITATTRIBUTES] = StoredFile(text, lfs=False)
 
 
 class HubServer:
@@ -430,6 +595,7 @@ class HubServer:
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         handler.base_url = self.url
+        handler.storage_url = self.url.replace("127.0.0.1", "localhost")
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
     def __enter__(self) -> "HubServer":
@@ -443,7 +609,16 @@ class HubServer:
     def seed(self, repo_id: str, files: dict[str, StoredFile]) -> None:
         """A public repository holding ``files`` on main, as if someone had pushed them."""
         repo = self.state.repos[repo_id] = Repo(private=False)
+        repo.lfs.update({stored.sha256: stored.data for stored in files.values() if stored.lfs})
         self.state.new_commit(repo, "main", dict(files))
+
+    def push(self, repo_id: str, changes: dict[str, StoredFile], branch: str = "main") -> str:
+        """Another writer's commit on ``branch``: ``changes`` on top of its head."""
+        repo = self.state.repos[repo_id]
+        for stored in changes.values():
+            if stored.lfs:
+                repo.lfs[stored.sha256] = stored.data
+        return self.state.new_commit(repo, branch, {**repo.commits[repo.branches[branch]], **changes})
 
     def files(self, repo_id: str, revision: str = "main") -> dict[str, bytes]:
         repo = self.state.repos[repo_id]

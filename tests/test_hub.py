@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,13 +21,13 @@ from quantkit.formats import FORMATS, consumers
 from quantkit.hub.check import ArtifactCheckError, check_artifact
 from quantkit.hub.publish import NOT_CONSULTED, UNCHANGED, UPLOAD, check, publish, render_card
 from quantkit.hub.pull import PULL_PATTERNS, choose_gguf, pull_model
-from quantkit.hub.repo import RepoRef, parse_repo_ref
+from quantkit.hub.repo import RETRY_TRIES, RepoIdError, RepoRef, looks_like_repo_ref, parse_repo_ref
 from quantkit.models import MiniCPMConfig
 from quantkit.models.decoder import weight_shapes
 from quantkit.zoo import resolve_model
 
 from helpers import small_recipe
-from hub_server import HubServer, StoredFile
+from hub_server import DEFAULT_GITATTRIBUTES, TREE_PAGE_SIZE, HubServer, StoredFile
 
 TOKEN = "hf_quantkitTestToken0123456789abcdef"
 BASE = "openbmb/MiniCPM4.1-8B"
@@ -73,14 +74,15 @@ def _sent(server, method="PUT"):
 def test_publish_sends_exactly_the_artifact_and_a_second_run_sends_nothing(hub, artifact):
     result = publish(artifact, REPO, base_model=BASE)
     arrived = hub.files(REPO.repo_id)
-    assert arrived == {**_artifact_bytes(artifact), "README.md": result.card.encode()}
+    assert arrived == {**_artifact_bytes(artifact), "README.md": result.card.encode(),
+                       ".gitattributes": DEFAULT_GITATTRIBUTES}  # the Hub's, from the new repository's first commit
     shards = sorted(p for p in artifact.glob("*.safetensors"))
     assert sorted(hub.state.lfs_received) == sorted(hashlib.sha256(p.read_bytes()).hexdigest()
                                                     for p in shards)
     (payload,) = hub.state.commit_payloads  # one commit; weights through LFS, the rest inline
     assert {line["value"]["path"] for line in payload if line["key"] == "lfsFile"} == {p.name for p in shards}
     assert {line["value"]["path"] for line in payload if line["key"] == "file"} == \
-        set(arrived) - {p.name for p in shards}
+        set(arrived) - {p.name for p in shards} - {".gitattributes"}
     assert result.commit == hub.state.repos[REPO.repo_id].branches["main"]
     assert set(hub.state.auth_headers) == {f"Bearer {TOKEN}"}
 
@@ -88,7 +90,8 @@ def test_publish_sends_exactly_the_artifact_and_a_second_run_sends_nothing(hub, 
     again = publish(artifact, REPO, base_model=BASE)
     assert again.commit is None and {f.action for f in again.files} == {UNCHANGED}
     new = [kind for _, kind in hub.state.requests[len(before):]]
-    assert new == ["create_repo", "tree"]  # looked, sent nothing
+    pages = -(-len(arrived) // TREE_PAGE_SIZE)  # the listing came in pages, and every page was read
+    assert new == ["create_repo", "model_info", *["tree"] * pages] and pages > 1  # looked, sent nothing
     assert len(hub.state.commit_payloads) == 1
 
 
@@ -117,8 +120,8 @@ def test_an_interrupted_upload_resumes_and_sends_only_what_is_missing(hub, artif
     hub.state.fail("lfs-upload", status=403, count=1, oid=oid)  # not retried: the run stops
     with pytest.raises(RuntimeError, match="nothing was committed.*Run the same command again"):
         publish(artifact, REPO, base_model=BASE)
-    assert hub.files(REPO.repo_id) == {} and hub.state.commit_payloads == []
-    assert len(hub.state.lfs_objects) == 2  # the other two objects arrived before the run stopped
+    assert hub.files(REPO.repo_id).keys() == {".gitattributes"} and hub.state.commit_payloads == []
+    assert len(hub.state.repos[REPO.repo_id].lfs) == 2  # the other two objects arrived before the run stopped
 
     received = len(hub.state.lfs_received)
     publish(artifact, REPO, base_model=BASE)
@@ -133,7 +136,7 @@ def test_a_failed_commit_is_resumed_without_sending_the_weights_again(hub, artif
     assert len(hub.state.lfs_received) == 3
     publish(artifact, REPO, base_model=BASE)
     assert len(hub.state.lfs_received) == 3  # the Hub held them: no upload action, no PUT
-    assert hub.files(REPO.repo_id).keys() == {*_artifact_bytes(artifact), "README.md"}
+    assert hub.files(REPO.repo_id).keys() == {*_artifact_bytes(artifact), "README.md", ".gitattributes"}
 
 
 def test_a_pulled_repository_has_the_same_bytes_and_loads(hub, artifact):
@@ -165,7 +168,7 @@ def test_pull_fetches_weights_configs_and_tokenizer_but_no_pickle_or_code(hub, a
 
 def test_a_revision_is_published_to_and_pulled_from_its_branch(hub, artifact):
     result = publish(artifact, parse_repo_ref(REPO.repo_id, "w4-rtn"), base_model=BASE)
-    assert result.revision == "w4-rtn" and hub.files(REPO.repo_id, "main") == {}
+    assert result.revision == "w4-rtn" and hub.files(REPO.repo_id, "main").keys() == {".gitattributes"}
     assert "quantkit generate --model someone/tiny-w4@w4-rtn" in result.card
     pulled = resolve_model(f"{REPO.repo_id}@w4-rtn")
     assert (pulled / "quantkit.json").read_bytes() == (artifact / "quantkit.json").read_bytes()
@@ -212,14 +215,80 @@ def test_offline_uses_the_cache_and_says_how_to_fill_it(hub, artifact, monkeypat
         resolve_model("someone/never-pulled@v1")
 
 
-@pytest.mark.parametrize("text", ["no-slash", "a/b/c", "-owner/name", "owner/name-", "own--er/name", "owner/na..me",
-                                  "owner/name@", "owner/" + "x" * 97, "owner/na me"])
-def test_a_malformed_repo_id_is_refused_before_any_request(hub, artifact, text):
-    with pytest.raises(ValueError, match="malformed Hub repo id"):
+# Every form the Hub's rules refuse, each with the rule quantkit names (huggingface_hub's validate_repo_id
+# refuses each too: the test checks). The first two are no repo id shape at all.
+REFUSED_IDS = {
+    "no-slash": "expected owner/name", "a/b/c": "expected owner/name",
+    "me/démo-w4": "the name 'démo-w4' may hold only ASCII letters", "o/文件": "may hold only ASCII letters",
+    "owner/na me": "may hold only ASCII letters", "owner/name-": "must not start or end with '-' or '.'",
+    "-owner/name": "the owner '-owner' must not start", ".o/name": "must not start or end",
+    "own--er/name": "must not contain '--' or '..'", "owner/na..me": "must not contain '--' or '..'",
+    "owner/" + "x" * 97: "must be 1 to 96 characters long", "x" * 97 + "/name": "the owner 'xxx",
+    "owner/name.git": "must not end in '.git'", "owner/": "the name '' must be 1 to 96",
+}
+VALID_IDS = ["a/b", "_o/_x", "Org-1/Model.v2_final-w4", "o/" + "x" * 96, "x" * 96 + "/y", "owner/name.gi"]
+
+
+def _one_line_error(result) -> str:
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 1 and len(lines) == 1 and lines[0].startswith("Error: "), result.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("text", list(REFUSED_IDS))
+def test_a_repo_id_the_hub_refuses_is_one_line_before_any_request(hub, artifact, text):
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    rule = REFUSED_IDS[text]
+    if text != "no-slash":  # the Hub's validator refuses it too (it takes a bare name, quantkit wants owner/name)
+        with pytest.raises(HFValidationError):
+            validate_repo_id(text)
+    with pytest.raises(RepoIdError, match=re.escape(rule)):
         parse_repo_ref(text)
-    result = CliRunner().invoke(main, ["publish", str(artifact), "--repo-id", text, "--base-model", BASE])
-    assert result.exit_code == 1 and "malformed Hub repo id" in result.output
+    for dry_run in ([], ["--dry-run"]):
+        line = _one_line_error(CliRunner().invoke(main, ["publish", str(artifact), "--repo-id", text,
+                                                         "--base-model", BASE, *dry_run]))
+        assert line.startswith(f"Error: malformed Hub repo id {text!r}") and rule in line
+    if looks_like_repo_ref(text):  # --model and inspect: not a directory here, so it must be a repo id
+        for argv in (["eval", "ppl", "--model", text], ["inspect", "--", text]):
+            line = _one_line_error(CliRunner().invoke(main, argv))
+            assert "it is no local directory either" in line and rule in line
+    with pytest.raises(RepoIdError, match=re.escape(rule)):
+        publish(artifact, RepoRef(text), base_model=BASE)  # a RepoRef made in Python is held to the rules too
+    line = _one_line_error(CliRunner().invoke(main, ["publish", str(artifact), "--repo-id", REPO.repo_id,
+                                                     "--base-model", text, "--dry-run"]))
+    assert rule in line
     assert hub.state.requests == []
+
+
+@pytest.mark.parametrize("text", VALID_IDS)
+def test_a_repo_id_the_hub_accepts_passes(hub, artifact, text):
+    from huggingface_hub.utils import validate_repo_id
+
+    validate_repo_id(text)
+    assert parse_repo_ref(f"{text}@v1") == RepoRef(text, "v1")
+    result = CliRunner().invoke(main, ["publish", str(artifact), "--repo-id", text, "--base-model", BASE,
+                                       "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["repo_id"] == text and hub.state.requests == []
+
+
+def test_the_stand_in_refuses_names_and_cards_as_the_hub_does(hub):
+    """The stand-in's own checks (written apart from quantkit's validator): what the Hub answers 400 to."""
+    import httpx2
+
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    for text in [t for t in REFUSED_IDS if t.count("/") == 1 and t.split("/")[1]] + VALID_IDS:
+        owner, name = text.split("/")
+        answer = httpx2.post(f"{hub.url}/api/repos/create", json={"organization": owner, "name": name,
+                                                                  "type": "model"}, headers=auth)
+        assert answer.status_code == (200 if text in VALID_IDS else 400), text
+    cards = {"---\nlicense: mit\nbase_model: a/b\ntags: [x]\n---\n# ok": 200,
+             "---\nlicense: [mit, apache-2.0]\n---\n": 400, "---\nbase_model: not a model\n---\n": 400,
+             "---\ntags: x\n---\n": 400, "---\n- a list\n---\n": 400, "---\nkey: [unclosed\n---\n": 400}
+    for card, status in cards.items():
+        answer = httpx2.post(f"{hub.url}/api/validate-yaml", json={"content": card, "repoType": "model"})
+        assert answer.status_code == status, card
 
 
 def test_a_missing_token_is_refused_before_any_request(hub, artifact, monkeypatch):

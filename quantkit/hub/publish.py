@@ -161,6 +161,8 @@ def _stopped(error: Exception, ref: RepoRef, revision: str) -> HubError:
     """A run that stopped on ``error``, in one line saying what to do."""
     response = hub_response(error)
     status = None if response is None else response.status_code
+    if status in (401, 403) and not str(response.request.url).startswith(hub_endpoint()):
+        status = None  # the large-file storage's refusal (an expired upload address, say) says nothing of the token
     wait = retry_after(response) if status == RATE_LIMITED else None
     return HubError(_ANSWERS.get(status, _FAILED).format(
         repo=ref.repo_id, ref=ref, revision=revision, endpoint=hub_endpoint(), tries=RETRY_TRIES, wait=wait,

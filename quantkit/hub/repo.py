@@ -96,8 +96,8 @@ def looks_like_repo_ref(text: str) -> bool:
 
 def check_repo_id(repo_id: str) -> str:
     """``repo_id`` when it is a plain ``owner/name`` the Hub accepts, else RepoIdError naming the rule."""
-    owner, slash, name = repo_id.partition("/")
-    broken = _broken_rule(owner, name) if slash else "expected owner/name"
+    owner, _, name = repo_id.partition("/")
+    broken = _broken_rule(owner, name) if repo_id.count("/") == 1 else "expected owner/name"
     if broken:
         raise RepoIdError(repo_id, broken)
     return repo_id
