@@ -291,6 +291,141 @@ def test_the_stand_in_refuses_names_and_cards_as_the_hub_does(hub):
         assert answer.status_code == status, card
 
 
+def test_large_files_download_from_another_host_without_the_token(hub, artifact):
+    """The Hub redirects a large file's resolve (307) to its storage's signed address: the client follows
+    it without the Authorization header, and the listing it pulls by comes in pages."""
+    publish(artifact, REPO, base_model=BASE)
+    requests = len(hub.state.requests)
+    pulled = resolve_model(REPO.repo_id)
+    assert _artifact_bytes(pulled) == {**_artifact_bytes(artifact), "README.md": hub.files(REPO.repo_id)["README.md"]}
+    shards = {hashlib.sha256(p.read_bytes()).hexdigest() for p in artifact.glob("*.safetensors")}
+    assert {path.rsplit("/", 1)[-1] for path, _ in hub.state.cdn_requests} == shards
+    assert {authorization for _, authorization in hub.state.cdn_requests} == {None}
+    assert [kind for _, kind in hub.state.requests[requests:]].count("tree") > 1
+
+
+def test_large_file_objects_belong_to_their_repository(hub, artifact):
+    import httpx2
+
+    publish(artifact, REPO, base_model=BASE)
+    other = RepoRef("someone-else/copy")
+    shards = sorted(hashlib.sha256(p.read_bytes()).hexdigest() for p in artifact.glob("*.safetensors"))
+    for oid in shards:  # an address signed for the other repository does not reach this one's objects
+        assert httpx2.get(f"{hub.url.replace('127.0.0.1', 'localhost')}/cdn-lfs/{other.repo_id}/{oid}").status_code \
+            == 403
+    publish(artifact, other, base_model=BASE)
+    assert sorted(hub.state.lfs_received) == sorted(shards * 2)  # the second repository was sent its own copies
+    assert hub.files(other.repo_id).keys() == hub.files(REPO.repo_id).keys()
+    for path in (artifact / name for name in ("model-00001-of-00003.safetensors", "config.json")):
+        assert (resolve_model(other.repo_id) / path.name).read_bytes() == path.read_bytes()
+
+
+def test_what_goes_through_lfs_follows_the_repositorys_gitattributes(hub, artifact):
+    """The Hub decides, not the client: its .gitattributes patterns, a file's size, binary bytes. An LFS
+    file no pattern covers gets its own line in the same commit; either kind is compared right on the
+    next run."""
+    hub.seed(REPO.repo_id, {".gitattributes": StoredFile(b"*.json filter=lfs diff=lfs merge=lfs -text\n", lfs=False)})
+    publish(artifact, REPO, base_model=BASE)
+    (payload,) = hub.state.commit_payloads
+    lfs = {line["value"]["path"] for line in payload if line["key"] == "lfsFile"}
+    shards = {p.name for p in artifact.glob("*.safetensors")}
+    assert lfs == shards | {p.name for p in artifact.glob("*.json")}  # binary shards, and the pattern's files
+    attributes = hub.files(REPO.repo_id)[".gitattributes"].decode().splitlines()
+    assert attributes == ["*.json filter=lfs diff=lfs merge=lfs -text",
+                          *[f"{name} filter=lfs diff=lfs merge=lfs -text" for name in sorted(shards)]]
+    again = publish(artifact, REPO, base_model=BASE)
+    assert again.commit is None and {f.action for f in again.files} == {UNCHANGED}
+
+
+def _waits(monkeypatch) -> list[float]:
+    """quantkit's own waits between attempts, recorded instead of slept."""
+    import types
+
+    import quantkit.hub.repo
+
+    waits: list[float] = []
+    monkeypatch.setattr(quantkit.hub.repo, "time", types.SimpleNamespace(sleep=waits.append))
+    return waits
+
+
+def test_a_rate_limited_publish_and_pull_wait_as_asked_and_succeed(hub, artifact, monkeypatch):
+    waits = _waits(monkeypatch)
+    hub.state.fail("create-repo", 429, headers={"Retry-After": "7"})  # huggingface_hub does not retry this call
+    result = publish(artifact, REPO, base_model=BASE)
+    assert result.commit == hub.state.repos[REPO.repo_id].branches["main"] and waits == [7]
+    hub.state.fail("model-info", 429, headers={"Retry-After": "3"})  # snapshot_download's first request
+    pulled = resolve_model(REPO.repo_id)
+    assert (pulled / "config.json").read_bytes() == (artifact / "config.json").read_bytes() and waits == [7, 3]
+
+
+@pytest.mark.parametrize("retry_after, attempts", [("0", RETRY_TRIES), ("3600", 1)])
+def test_a_lasting_rate_limit_is_one_line(hub, artifact, monkeypatch, retry_after, attempts):
+    """Retried RETRY_TRIES times in all, or not at all when the Hub asks to wait longer than quantkit waits."""
+    _waits(monkeypatch)
+    hub.state.fail("create-repo", 429, count=99, headers={"Retry-After": retry_after})
+    line = _one_line_error(CliRunner().invoke(main, ["publish", str(artifact), "--repo-id", REPO.repo_id,
+                                                     "--base-model", BASE]))
+    assert f"429 Too Many Requests to publishing {REPO.repo_id} after {RETRY_TRIES} attempts (it asks to wait " \
+           f"{retry_after} s). Nothing was committed" in line
+    assert _sent(hub, "POST").count("create_repo") == attempts
+    hub.seed("someone/seeded", {"config.json": StoredFile(b"{}", lfs=False)})
+    hub.state.fail("model-info", 429, count=99, headers={"Retry-After": retry_after})
+    line = _one_line_error(CliRunner().invoke(main, ["inspect", "someone/seeded"]))
+    assert f"the Hub at {hub.url} still answers 429 Too Many Requests for someone/seeded" in line
+
+
+def test_a_commit_on_a_branch_that_moved_is_planned_again(hub, artifact):
+    """Another writer commits between quantkit's listing and its commit: the Hub refuses the commit (412,
+    its parent is stale), and quantkit compares again, so the file the other commit changed is sent too."""
+    publish(artifact, REPO, base_model=BASE)
+    hub.state.before("commit", lambda: hub.push(REPO.repo_id, {"config.json": StoredFile(b"{}", lfs=False)}))
+    result = publish(artifact, REPO, base_model="someone-else/other-base")  # only the card differs, at first
+    assert hub.files(REPO.repo_id)["config.json"] == (artifact / "config.json").read_bytes()
+    assert sorted(f.path_in_repo for f in result.files if f.action == UPLOAD) == ["README.md", "config.json"]
+    assert _sent(hub, "POST").count("commit") == 3 and len(hub.state.commit_payloads) == 2  # one refused
+
+
+def test_a_branch_that_keeps_moving_is_one_line(hub, artifact):
+    publish(artifact, REPO, base_model=BASE)
+    hub.state.before("commit", lambda: hub.push(REPO.repo_id, {"config.json": StoredFile(b"{}", lfs=False)}),
+                     count=99)
+    line = _one_line_error(CliRunner().invoke(main, ["publish", str(artifact), "--repo-id", REPO.repo_id,
+                                                     "--base-model", "someone-else/other-base"]))
+    assert line == (f"Error: the branch main of {REPO.repo_id} moved under each of {RETRY_TRIES} attempts to publish "
+                    "(412 Precondition Failed: another writer commits to it). Nothing was committed: run the same "
+                    "command again.")
+    assert len(hub.state.commit_payloads) == 1  # the first run's
+
+
+def test_a_card_the_hub_refuses_is_one_line(hub, artifact, tmp_path):
+    """A base model card whose licence is a list: the Hub's metadata check refuses the card (400) before
+    anything is uploaded, and says why."""
+    base_card = "---\nlicense: [apache-2.0, mit]\n---\n# A base\n"
+    copy = _broken_copy(artifact, tmp_path, lambda d: (d / "README.md").write_text(base_card))
+    line = _one_line_error(CliRunner().invoke(main, ["publish", str(copy), "--repo-id", REPO.repo_id,
+                                                     "--base-model", BASE]))
+    assert line.startswith(f"Error: the Hub refused to publish {REPO.repo_id}: Invalid metadata in README.md.")
+    assert '"license" must be a string' in line and line.endswith("Nothing was committed.")
+    assert hub.state.lfs_received == [] and hub.state.commit_payloads == []
+
+
+def test_inspect_takes_what_model_takes(hub, artifact):
+    repo = "Org_1/tiny.w4-rtn"  # a valid id at the edges of the rules
+    publish(artifact, RepoRef(repo), base_model=BASE)
+    here = json.loads(CliRunner().invoke(main, ["inspect", str(artifact), "--json"]).stdout)
+    result = CliRunner().invoke(main, ["inspect", repo, "--json"])
+    assert result.exit_code == 0, result.output
+    there = json.loads(result.stdout)
+    assert there.pop("model") == repo and "model" not in here
+    assert there.pop("path") == str(resolve_model(repo)) and here.pop("path") == str(artifact)
+    assert there == here and there["quantization"].startswith("gptq 4-bit")
+    publish(artifact, parse_repo_ref(repo, "v2"), base_model=BASE)
+    assert CliRunner().invoke(main, ["inspect", repo, "--revision", "v2"]).exit_code == 0
+    line = _one_line_error(CliRunner().invoke(main, ["inspect", repo, "--revision", "v9"]))
+    assert line == f"Error: {repo} is no local directory, so it was looked up on the Hub: {repo} has no revision " \
+                   f"'v9' on {hub.url}"
+
+
 def test_a_missing_token_is_refused_before_any_request(hub, artifact, monkeypatch):
     monkeypatch.delenv("HF_TOKEN")
     with pytest.raises(RuntimeError, match="no Hugging Face token found: set HF_TOKEN.*hf auth login"):
