@@ -56,7 +56,6 @@ import yaml
 
 from xet_cas import XetCAS
 
-LFS_SUFFIXES = (".safetensors", ".gguf")
 LFS_THRESHOLD = 10 * 2**20  # the Hub stores larger files in LFS whatever their name
 
 # -- the Hub's own rules (hubstrict) ---------------------------------------------------------------------
