@@ -77,11 +77,18 @@ class Run:
         self._progress_file: str | None = None
         atomic.refuse_existing(self.out)
         self._lock = OutputLock(self.out).acquire()
+        try:
+            self._judge_staging(resumable)
+        except Exception:  # a run refused here leaves no lock file behind, even where no exit hook runs
+            self._lock.release()
+            raise
+
+    def _judge_staging(self, resumable: bool) -> None:
         if atomic.existing_staging(self.staging):
             _record(self.staging)  # refuses a staging no quantkit run made, with or without resume
             if not resumable:
                 atomic.remove_tree(self.staging)
-            elif not resume:
+            elif not self.resume:
                 raise RunError(f"{self.staging} holds an interrupted run: pass --resume to continue it, or remove it")
 
     def begin(self, inputs: dict, progress_file: str) -> bool:
