@@ -136,7 +136,8 @@ class Run:
 def _record(staging: Path) -> dict:
     """The record a run left in its ``staging`` ({} when there is none yet: a run killed as it made the
     staging, which then holds nothing else). A staging holding files but no record was not made by a run
-    (or by one older than records): it is refused, never continued, emptied or published."""
+    (or by a quantkit older than this record's place): it is refused, never continued, emptied or
+    published."""
     try:
         record = json.loads((staging / RUN_DIR / RECORD_FILE).read_text())
     except (OSError, ValueError):
