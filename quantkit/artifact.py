@@ -14,17 +14,13 @@ from pathlib import Path
 import torch
 
 from quantkit import atomic
-from quantkit.checkpoint import INDEX_FILE, SINGLE_FILES, read_header, sha256_file
+from quantkit.checkpoint import FILES_KEY, INDEX_FILE, MANIFEST_FILE, SINGLE_FILES, read_header, sha256_file
 
 PROGRESS_FILE = "progress.json"
-MANIFEST_FILE = "quantkit.json"
 REPORT_FILE = "quantize_report.json"  # timings and memory: the only file that differs between runs
 
 # Files of the source checkpoint that the artifact replaces rather than copies.
 _NOT_COPIED = {"config.json", INDEX_FILE, *SINGLE_FILES, "quantize_config.json", MANIFEST_FILE, REPORT_FILE}
-
-
-FILES_KEY = "files"  # manifest key: each file's size and SHA-256, so a copy can be checked (quantkit publish)
 
 
 def file_records(directory: Path, skipped: set[str]) -> dict[str, dict]:

@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import shutil
+import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,8 +27,12 @@ class OutputExistsError(QuantkitError, FileExistsError):
 
 def refuse_existing(out: str | os.PathLike) -> None:
     """The one refusal of every command that writes ``out``: before any work, and again at publishing,
-    in case another run finished it meanwhile."""
-    if Path(out).exists():
+    in case another run finished it meanwhile. A symbolic link is refused too, dangling or not: quantkit
+    writes a new entry under the name the user gave, never through a link to somewhere else."""
+    if os.path.islink(out):
+        raise OutputExistsError(f"{out} already exists (a symbolic link to {os.readlink(out)}); choose another "
+                                "--out or remove it")
+    if os.path.lexists(out):
         raise OutputExistsError(f"{out} already exists; choose another --out or remove it")
 
 
@@ -143,9 +148,34 @@ def staging_dir(out: str | os.PathLike) -> Path:
     return out.with_name(out.name + ".partial")
 
 
+def existing_staging(staging: str | os.PathLike) -> bool:
+    """Whether a staging directory is there. Anything else under its name is refused (a symbolic link,
+    which would send the output's files to where it points, or a file): a staging is a directory that
+    a run made itself."""
+    try:
+        mode = os.lstat(staging).st_mode
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISDIR(mode):
+        kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a directory"
+        raise OutputExistsError(f"{staging} is {kind}, not a staging directory a quantkit run made; remove it")
+    return True
+
+
+def make_staging(staging: str | os.PathLike) -> None:
+    """Make the staging directory, or keep the one there (``existing_staging``'s refusals apply)."""
+    try:
+        os.mkdir(staging)
+    except FileExistsError:
+        existing_staging(staging)
+    except OSError as e:
+        raise OutputWriteError(f"cannot make {staging}: {e.strerror or e}") from e
+
+
 def publish_dir(staging: str | os.PathLike, final: str | os.PathLike) -> None:
     """Rename a finished staging directory onto its final name (which must not exist)."""
     refuse_existing(final)
+    existing_staging(staging)
     os.replace(staging, final)
 
 

@@ -22,6 +22,8 @@ import torch
 from quantkit.errors import QuantkitError
 
 INDEX_FILE = "model.safetensors.index.json"
+MANIFEST_FILE = "quantkit.json"  # an artifact's manifest (quantkit.artifact writes it)
+FILES_KEY = "files"  # its key: each file's size and SHA-256, so that a changed or truncated file is found
 SINGLE_FILE = "model.safetensors"
 SINGLE_FILES = (SINGLE_FILE, "model_gptq.safetensors")  # the second is CPM.cu's Marlin checkpoint
 
@@ -44,6 +46,38 @@ class CheckpointError(QuantkitError, ValueError):
     """A checkpoint that is missing, corrupt or does not match what it should contain."""
 
 
+def manifest_records(directory: str | Path) -> dict[str, dict]:
+    """The files an artifact's manifest records ({name: {"size", "sha256"}}); {} without a manifest, or with
+    one older than file records."""
+    path = Path(directory) / MANIFEST_FILE
+    if not path.is_file():
+        return {}
+    records = read_json_object(path).get(FILES_KEY, {})
+    if not isinstance(records, dict) or not all(
+            isinstance(r, dict) and type(r.get("size")) is int and isinstance(r.get("sha256"), str)
+            for r in records.values()):
+        raise CheckpointError(f"{path}: '{FILES_KEY}' is not an object of {{size, sha256}} records")
+    return records
+
+
+def check_files(directory: str | Path, records: dict[str, dict], *, hashes: bool) -> None:
+    """Each file of ``records`` (``manifest_records``) against the one in ``directory``: there, of that size,
+    and with ``hashes`` of that SHA-256. Sizes cost a stat a file; hashes read every byte (1.4 s a GiB
+    here, so about 6 s for an 8B model at 4 bits)."""
+    directory = Path(directory)
+    for name, record in sorted(records.items()):
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"incomplete artifact {directory}: {name} is missing ({MANIFEST_FILE} records it)")
+        size = path.stat().st_size
+        if size != record["size"]:
+            raise CheckpointError(f"{directory}: {name} has {size} bytes, {MANIFEST_FILE} records {record['size']}: "
+                                  "the file was changed or truncated")
+        if hashes and sha256_file(path) != record["sha256"]:
+            raise CheckpointError(f"{directory}: {name}'s SHA-256 differs from the one {MANIFEST_FILE} records: the "
+                                  "file was changed after quantkit wrote it")
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     path: Path
@@ -59,8 +93,18 @@ MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit on the JSON h
 def _unique_keys(pairs: list) -> dict:
     names = [name for name, _ in pairs]
     if len(set(names)) != len(names):
-        raise ValueError(f"duplicate name '{next(n for n in names if names.count(n) > 1)}' in the header")
+        raise ValueError(f"duplicate key '{next(n for n in names if names.count(n) > 1)}'")
     return dict(pairs)
+
+
+def _not_a_number(token: str):
+    raise ValueError(f"{token} is not a JSON number")
+
+
+def loads_json(text: str | bytes):
+    """JSON as its standard defines it. Python's parser accepts a bare NaN or Infinity, and keeps the last of
+    two values under one key, which hides one from any reader that keeps the first: both are refused."""
+    return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_not_a_number)
 
 
 def _check_entries(header, data_start: int, file_size: int) -> str | None:
@@ -109,7 +153,7 @@ def read_header(path: Path) -> tuple[dict, int]:
             (length,) = struct.unpack("<Q", f.read(8))
             if length > file_size - 8 or length > MAX_HEADER_BYTES:
                 raise ValueError(f"header length {length} exceeds the file or the format's limit")
-            header = json.loads(f.read(length), object_pairs_hook=_unique_keys)
+            header = loads_json(f.read(length))
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint shard missing: {path}") from None
     except (OSError, ValueError, struct.error, RecursionError) as e:
@@ -121,20 +165,31 @@ def read_header(path: Path) -> tuple[dict, int]:
     return header, data_start
 
 
-_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
+# A decoder layer's tensor names; at most 9 digits, so that int() of a hostile name's digits stays cheap
+# (a longer number is no layer, and the run's checks refuse the name).
+_LAYER_KEY = re.compile(r"model\.layers\.(\d{1,9})\.")
+
+# config.json sizes that a stored tensor's first dimension shows in every format quantkit reads: norms
+# are never quantized, and a quantized embedding (MLX's) still stores one row per token.
+SIZE_TENSORS = {"hidden_size": "model.norm.weight", "vocab_size": "model.embed_tokens.weight"}
+
+
+def read_json_object(path: str | Path) -> dict:
+    """A JSON file holding an object, read strictly (``loads_json``), or one clear error naming it
+    (transformers reports a malformed config from deep inside its loader)."""
+    path = Path(path)
+    try:
+        value = loads_json(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path}: not a readable JSON file ({e})") from e
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def read_config_json(directory: str | Path) -> dict:
-    """``directory``'s config.json as a dict, or one clear error (transformers reports a malformed one
-    from deep inside its loader)."""
-    path = Path(directory) / "config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"{path}: not a readable JSON file ({e})") from e
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(config).__name__}")
-    return config
+    """``directory``'s config.json as a dict (``read_json_object``)."""
+    return read_json_object(Path(directory) / "config.json")
 
 
 # tokenizer_config.json's names for a tokenizer with no code of its own: AutoTokenizer loads those files as
@@ -175,13 +230,38 @@ class CheckpointReader:
             raise CheckpointError(f"model directory not found: {self.directory}")
         if not (self.directory / "config.json").is_file():
             raise CheckpointError(f"{self.directory} has no config.json: not a Hugging Face checkpoint")
-        layers = read_config_json(self.directory).get("num_hidden_layers")
+        config = read_config_json(self.directory)
         self._entries = self._read_entries()
-        if isinstance(layers, int):
-            beyond = sorted({int(m[1]) for m in map(_LAYER_KEY.match, self._entries) if m and int(m[1]) >= layers})
-            if beyond:
-                raise CheckpointError(f"{self.directory} holds tensors of layer {beyond[0]}, but its config.json "
+        self._check_sizes(config)
+        # An artifact's weight files are held to the sizes its manifest records (a stat each: a weight
+        # file changed in place is found by hashing, which `quantkit inspect` does, but a truncated or
+        # grown one never gets as far as the runtime).
+        weights = {path.name for path in self.files()}
+        check_files(self.directory, {name: r for name, r in manifest_records(self.directory).items()
+                                     if name in weights}, hashes=False)
+
+    def _check_sizes(self, config: dict) -> None:
+        """The config's layer count and sizes against the tensors present, before anything is built from
+        the config (a shape table of a billion layers alone fills the memory): both ways for the layers
+        (no tensor beyond the count, and some tensor of every layer), and ``SIZE_TENSORS``. Values of the
+        wrong type are left to the config's own checks."""
+        layers = config.get("num_hidden_layers")
+        stored = {int(m[1]) for m in map(_LAYER_KEY.match, self._entries) if m}
+        if stored and type(layers) is int:
+            if max(stored) >= layers:
+                beyond = min(index for index in stored if index >= layers)
+                raise CheckpointError(f"{self.directory} holds tensors of layer {beyond}, but its config.json "
                                       f"has num_hidden_layers = {layers}: config and weights disagree")
+            if len(stored) < layers:
+                first = next(index for index in range(layers) if index not in stored)
+                raise CheckpointError(f"{self.directory}: its config.json has num_hidden_layers = {layers}, but the "
+                                      f"weights hold no tensor of layer {first} ({len(stored)} layers in all): "
+                                      "config and weights disagree")
+        for key, name in SIZE_TENSORS.items():
+            size = config.get(key)
+            if type(size) is int and name in self._entries and self._entries[name].shape[:1] != (size,):
+                raise CheckpointError(f"{self.directory}: its config.json has {key} = {size}, but {name} has shape "
+                                      f"{list(self._entries[name].shape)}: config and weights disagree")
 
     def _weight_files(self) -> list[Path]:
         index = self.directory / INDEX_FILE

@@ -1,11 +1,13 @@
-"""What a checkpoint or artifact is, read only from its self-describing files."""
+"""What a checkpoint or artifact is, read only from its self-describing files, once they are known to be
+whole: every safetensors header within its file, the config's layer count and sizes held to the tensors
+present, and each file an artifact's manifest records of that size and SHA-256 (a shard changed after
+quantkit wrote it is an error, never described as if it were the artifact)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from quantkit.artifact import MANIFEST_FILE, REPORT_FILE
-from quantkit.checkpoint import read_config_json
+from quantkit.checkpoint import CheckpointReader, check_files, manifest_records, read_config_json, read_json_object
 
 
 def _quantization(quant: dict) -> str:
@@ -25,6 +27,8 @@ def describe(model_dir: str | Path) -> dict:
     if not config_path.is_file():
         raise FileNotFoundError(f"{model_dir} has no config.json")
     config = read_config_json(model_dir)
+    CheckpointReader(model_dir)
+    check_files(model_dir, manifest_records(model_dir), hashes=True)
     quant = config.get("quantization_config") or {}
     weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     info = {
@@ -40,13 +44,13 @@ def describe(model_dir: str | Path) -> dict:
     }
     manifest_path = model_dir / MANIFEST_FILE
     if manifest_path.is_file():
-        manifest = json.loads(manifest_path.read_text())
+        manifest = read_json_object(manifest_path)
         errors = [max(e["errors"].values()) for e in manifest["layer_errors"]]
         info.update({"recipe": manifest["recipe"]["name"], "quantkit_version": manifest["quantkit_version"],
                      "run_fingerprint": manifest["fingerprints"]["run"][:16],
                      "max_layer_rel_error": max(errors) if errors else None})
     report_path = model_dir / REPORT_FILE
     if report_path.is_file():
-        report = json.loads(report_path.read_text())
+        report = read_json_object(report_path)
         info.update({"quantize_seconds": report["seconds"], "peak_rss_mb": report["peak_rss_mb"]})
     return info

@@ -1,4 +1,4 @@
-"""Run tests/test_reliability.py and tests/test_hostile_inputs.py with every case and print one table
+"""Run tests/test_reliability.py and the hostile-input suites (FILES) with every case and print one table
 (`make test-reliability`).
 
     python tests/reliability_table.py [pytest args...]
@@ -21,14 +21,15 @@ sys.path.insert(0, str(HERE))
 
 from reliability import CASES_ENV, RECORD_ENV, format_rows  # noqa: E402
 
+FILES = ("test_reliability.py", "test_hostile_inputs.py", "test_hostile_paths.py")  # the tests that record rows (tests/reliability.py)
+
 
 def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         record = Path(tmp) / "rows.jsonl"
         env = {**os.environ, CASES_ENV: os.environ.get(CASES_ENV) or "full", RECORD_ENV: str(record)}
         started = time.monotonic()
-        code = subprocess.call([sys.executable, "-m", "pytest", str(HERE / "test_reliability.py"),
-                                str(HERE / "test_hostile_inputs.py"), "-q",
+        code = subprocess.call([sys.executable, "-m", "pytest", *(str(HERE / f) for f in FILES), "-q",
                                 "-p", "no:cacheprovider", *argv], env=env, cwd=HERE.parent)
         seconds = time.monotonic() - started
         rows = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []

@@ -346,6 +346,14 @@ BAD_CONFIGS = {
     ),
     "sparse-value": (dict(sparse_config={"block_size": 60}), "block_size \\(60\\) must be a multiple of kernel_stride"),
     "sparse-unknown": (dict(sparse_config={**MINICPM41_SPARSE_CONFIG, "topK": 1}), "unknown keys \\['topK'\\]"),
+    "negative-size": (dict(hidden_size=-1), "hidden_size must be an integer >= 1, got -1"),
+    "nan-eps": (dict(rms_norm_eps=float("nan")), "rms_norm_eps must be a finite number > 0, got nan"),
+    "fractional-layers": (dict(num_hidden_layers=2.5), "num_hidden_layers must be an integer >= 1, got 2.5"),
+    "heads-not-dividing": (dict(hidden_size=250, head_dim=None), "hidden_size \\(250\\) must be a multiple of"),
+    "other-architecture": (dict(architectures=["LlamaForCausalLM"]), "architectures must be null or a list of"),
+    "nan-rope-factor": (dict(head_dim=2, rope_scaling={"rope_type": "longrope", "short_factor": [float("nan")],
+                                                       "long_factor": [1.0], "original_max_position_embeddings": 8}),
+                        "short_factor must be a list, each entry a finite number > 0"),
 }
 
 

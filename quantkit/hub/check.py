@@ -12,8 +12,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from quantkit.artifact import FILES_KEY, MANIFEST_FILE, PROGRESS_FILE
-from quantkit.checkpoint import CheckpointError, CheckpointReader, sha256_file
+from quantkit.artifact import MANIFEST_FILE, PROGRESS_FILE
+from quantkit.checkpoint import FILES_KEY, CheckpointError, CheckpointReader, check_files, sha256_file
 from quantkit.errors import QuantkitError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
@@ -80,20 +80,13 @@ def _check_weights(directory: Path) -> None:
 
 
 def _check_manifest_files(directory: Path, manifest: dict, notes: list[str]) -> None:
-    records = manifest.get(FILES_KEY)
-    if records is None:
+    if manifest.get(FILES_KEY) is None:
         notes.append(f"{MANIFEST_FILE} predates file hashes: only the safetensors headers were checked")
         return
-    for name, record in sorted(records.items()):
-        path = directory / name
-        if not path.is_file():
-            raise ArtifactCheckError(f"incomplete artifact: {name} is missing ({MANIFEST_FILE} records it)")
-        if path.stat().st_size != record["size"]:
-            raise ArtifactCheckError(f"{name} has {path.stat().st_size} bytes, {MANIFEST_FILE} records "
-                                     f"{record['size']}: the file was changed or truncated")
-        if sha256_file(path) != record["sha256"]:
-            raise ArtifactCheckError(f"{name}: SHA-256 differs from the one {MANIFEST_FILE} records: the file "
-                                     "was changed after quantkit wrote it")
+    try:
+        check_files(directory, manifest[FILES_KEY], hashes=True)
+    except CheckpointError as error:
+        raise ArtifactCheckError(str(error)) from error
 
 
 def _check_quantization(directory: Path, config: dict) -> str | None:

@@ -13,8 +13,14 @@ The output is built in ``<out>.partial`` and renamed onto ``<out>`` whole (``qua
 writer per output (``quantkit.lock``: a killed run's lock is stale and taken over). An interrupted run's
 staging is continued only with ``resume``, and only by a run with the same inputs: ``begin`` records
 their fingerprint there and compares it with the recorded one. A ``resume`` that finds no checkpoint (a
-run killed before its first) starts over rather than refusing what a user cannot fix. This module
-imports no torch: the command line reads it at startup.
+run killed before its first) starts over, in an emptied staging, rather than refusing what a user
+cannot fix.
+
+Nothing is written outside the output the user named: a symbolic link under the output's name, its
+staging's or its lock's is refused, never followed, and so is a staging that holds files but no run
+record (a directory quantkit did not make: a resume would publish its files as the output's). All of
+this is judged when the ``Run`` is made, before any work. This module imports no torch: the command
+line reads it at startup.
 """
 from __future__ import annotations
 
@@ -31,7 +37,11 @@ from quantkit import atomic
 from quantkit.errors import QuantkitError
 from quantkit.lock import OutputLock
 
-RECORD_FILE = "run.json"  # in the staging: the fingerprint of the inputs the run started with
+# In the staging, the run's own folder: the record of the inputs it started with (their fingerprint). A
+# folder, so that a manifest, which lists the staging's files, leaves it out; it goes last, just before
+# the rename, so that a staging killed while publishing is still known as quantkit's own.
+RUN_DIR = ".run"
+RECORD_FILE = "run.json"
 
 
 class RunError(QuantkitError, RuntimeError):
@@ -51,11 +61,12 @@ def peak_rss_mb() -> float:
 class Run:
     """A run that writes the directory ``out``.
 
-    Made before any work: refuses an existing ``out`` (``atomic.refuse_existing``), takes the output's
-    lock (a live run writing it is named before its staging is judged), and refuses an interrupted run's
-    staging without ``resume``. A run that cannot be resumed (``resumable=False``: nothing it leaves
-    could be continued) removes such a staging instead. The lock is released when the output is
-    published, or when the process exits."""
+    Made before any work: refuses an existing ``out`` or a link under its name (``atomic.refuse_existing``),
+    takes the output's lock (a live run writing it is named before its staging is judged; a lock that
+    cannot be made is refused), refuses a staging that is a link, a file or a directory no run made,
+    and an interrupted run's staging without ``resume``. A run that cannot be resumed
+    (``resumable=False``: nothing it leaves could be continued) removes such a staging instead. The lock
+    is released when the output is published, or when the process exits."""
 
     def __init__(self, out: str | os.PathLike, *, resume: bool = False, resumable: bool = True):
         self.out = Path(out)
@@ -66,10 +77,18 @@ class Run:
         self._progress_file: str | None = None
         atomic.refuse_existing(self.out)
         self._lock = OutputLock(self.out).acquire()
-        if self.staging.exists():
+        try:
+            self._judge_staging(resumable)
+        except Exception:  # a run refused here leaves no lock file behind, even where no exit hook runs
+            self._lock.release()
+            raise
+
+    def _judge_staging(self, resumable: bool) -> None:
+        if atomic.existing_staging(self.staging):
+            _record(self.staging)  # refuses a staging no quantkit run made, with or without resume
             if not resumable:
                 atomic.remove_tree(self.staging)
-            elif not resume:
+            elif not self.resume:
                 raise RunError(f"{self.staging} holds an interrupted run: pass --resume to continue it, or remove it")
 
     def begin(self, inputs: dict, progress_file: str) -> bool:
@@ -78,25 +97,34 @@ class Run:
         A continued run must have the inputs it started with: ``RunError`` names those that count."""
         self.fingerprint = fingerprint(inputs)
         self._progress_file = progress_file
-        record = self.staging / RECORD_FILE
-        continuing = self.resume and (self.staging / progress_file).is_file()
-        if continuing and _recorded(record) != self.fingerprint:
+        recorded = _record(self.staging).get("fingerprint") if atomic.existing_staging(self.staging) else None
+        checkpointed = (self.staging / progress_file).is_file()
+        if self.resume and checkpointed and recorded != self.fingerprint:
             *most, last = inputs
             named = f"{', '.join(most)} or {last}" if most else last
             raise RunError(f"{self.staging} was started with a different {named}; remove it to start over")
-        self.staging.mkdir(parents=True, exist_ok=True)
-        atomic.write_json(record, {"fingerprint": self.fingerprint})
+        continuing = self.resume and checkpointed
+        if not continuing:  # what an earlier start left (its own files, judged above) is not this run's
+            atomic.remove_tree(self.staging)
+        self._make_staging()
         return continuing
+
+    def _make_staging(self) -> None:
+        atomic.make_staging(self.staging)
+        atomic.make_staging(self.staging / RUN_DIR)
+        atomic.write_json(self.staging / RUN_DIR / RECORD_FILE, {"fingerprint": self.fingerprint})
 
     @contextmanager
     def publishing(self) -> Iterator[Path]:
-        """Around the output's last files: the run's own files (its record and checkpoint) leave the
-        staging first, so that what a manifest lists is the output; when the block ends, the staging
-        is renamed onto the output and the lock released. An error in the block publishes nothing."""
-        for name in (self._progress_file, RECORD_FILE):  # so that a kill between leaves a run that starts over
-            if name is not None:
-                (self.staging / name).unlink(missing_ok=True)
+        """Around the output's last files: the run's checkpoint leaves the staging first, so that what a
+        manifest lists is the output; when the block ends, the run's record goes, the staging is renamed
+        onto the output and the lock released. An error in the block publishes nothing."""
+        if self._progress_file is None:
+            self._make_staging()  # a run without checkpoints (never resumed) makes its staging here
+        else:  # so that a kill after this leaves a run that starts over
+            (self.staging / self._progress_file).unlink(missing_ok=True)
         yield self.staging
+        atomic.remove_tree(self.staging / RUN_DIR)
         atomic.publish_dir(self.staging, self.out)
         self._lock.release()
 
@@ -105,5 +133,18 @@ class Run:
         return time.perf_counter() - self._started
 
 
-def _recorded(record: Path) -> str | None:
-    return json.loads(record.read_text())["fingerprint"] if record.is_file() else None
+def _record(staging: Path) -> dict:
+    """The record a run left in its ``staging`` ({} when there is none yet: a run killed as it made the
+    staging, which then holds nothing else). A staging holding files but no record was not made by a run
+    (or by a quantkit older than this record's place): it is refused, never continued, emptied or
+    published."""
+    try:
+        record = json.loads((staging / RUN_DIR / RECORD_FILE).read_text())
+    except (OSError, ValueError):
+        record = None
+    if isinstance(record, dict):
+        return record
+    if any(entry.name != RUN_DIR for entry in os.scandir(staging)):
+        raise RunError(f"{staging} holds files but no record of the quantkit run that made it ({RUN_DIR}/"
+                       f"{RECORD_FILE}): remove it, or choose another --out")
+    return {}

@@ -15,9 +15,15 @@ from quantkit.run import RunError
 
 def validate_checkpoint(reader: CheckpointReader, config: MiniCPMConfig, qconfig: QuantConfig, fmt: Format,
                         desc_act: bool, progress: bool = False) -> None:
-    """Refuse a bad checkpoint before any work starts: missing tensors, wrong shapes, NaN/Inf
-    values, and shapes the format cannot pack."""
+    """Refuse a bad checkpoint before any work starts: missing or unexpected tensors, wrong shapes,
+    NaN/Inf values, and shapes the format cannot pack. (The reader has already held the config's layer
+    count to the tensors present, so the shape table is as small as the checkpoint.)"""
     shapes = weight_shapes(config)
+    unexpected = [name for name in reader.names if name not in shapes]
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise RunError(f"checkpoint {reader.directory} holds tensor {unexpected[0]!r}{more}, which a MiniCPM model "
+                       "of its config.json has no place for")
     for name, shape in shapes.items():
         if name not in reader:
             raise RunError(f"checkpoint {reader.directory} lacks tensor '{name}'")
