@@ -21,7 +21,8 @@ sys.path.insert(0, str(HERE))
 
 from reliability import CASES_ENV, RECORD_ENV, format_rows  # noqa: E402
 
-FILES = ("test_reliability.py", "test_hostile_inputs.py", "test_hostile_paths.py")  # the tests that record rows (tests/reliability.py)
+# the tests that record rows (tests/reliability.py)
+FILES = ("test_reliability.py", "test_hostile_inputs.py", "test_hostile_paths.py")
 
 
 def main(argv: list[str]) -> int:
