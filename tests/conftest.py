@@ -78,3 +78,29 @@ def training_text(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("training-text") / "train.txt"
     path.write_text("\n\n".join(load_documents("en"))[:60_000])
     return path
+
+
+# The fixtures of the suites that record reliability rows (tests/reliability.py; `make test-reliability`):
+# each module gets its own tally (flushed when the module ends), fork-server launcher and tiny model.
+
+@pytest.fixture(scope="module")
+def tally():
+    from reliability import Tally
+
+    t = Tally()
+    yield t
+    t.flush()
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory):
+    from reliability import Launcher
+
+    runs = Launcher(tmp_path_factory.mktemp("runs"))
+    yield runs
+    runs.close()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint_factory) -> Path:
+    return tiny_checkpoint_factory()

@@ -20,8 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from reliability import Launcher, Tally
-
 pytestmark = pytest.mark.reliability
 
 SECONDS = 120  # a run of the tiny model takes seconds, or two minutes when it compiles quantkit.cpu_ops
@@ -29,25 +27,6 @@ MEMORY = 2 << 30  # the address space a run may add to the fork server's
 IMPORTER_MEMORY = 3 << 30  # the address space of a process that imports torch (1.1 GB) and converts
 PEAK_KB = 3 << 20  # the fork server (~0.5 GB), the run, and the compiler when it builds quantkit.cpu_ops
 GENERATE = ["--prompt", "Hi", "--max-new-tokens", "2"]
-
-
-@pytest.fixture(scope="module")
-def tally():
-    t = Tally()
-    yield t
-    t.flush()
-
-
-@pytest.fixture(scope="module")
-def launcher(tmp_path_factory):
-    runs = Launcher(tmp_path_factory.mktemp("hostile-runs"))
-    yield runs
-    runs.close()
-
-
-@pytest.fixture(scope="module")
-def model(tiny_checkpoint_factory) -> Path:
-    return tiny_checkpoint_factory()
 
 
 def _copy(model: Path, where: Path) -> Path:

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from quantkit.atomic import staging_dir
 from quantkit.run import Run, RunError
 
-from reliability import Launcher, Outcome, Tally
+from reliability import Outcome
 
 pytestmark = pytest.mark.reliability
 
@@ -35,25 +35,6 @@ QUANTIZE = ["quantize", "--recipe", "rtn-w4g128", "--set", "calibration.n_sample
             "calibration.seq_len=64", "--no-progress"]
 ADDRESS_SPACE = 3 << 30  # a refused run's whole address space (torch's libraries included: 251 MB resident)
 PEAK_RSS_MB = 1024
-
-
-@pytest.fixture(scope="module")
-def tally():
-    t = Tally()
-    yield t
-    t.flush()
-
-
-@pytest.fixture(scope="module")
-def launcher(tmp_path_factory):
-    runs = Launcher(tmp_path_factory.mktemp("hostile-runs"))
-    yield runs
-    runs.close()
-
-
-@pytest.fixture(scope="module")
-def model(tiny_checkpoint_factory) -> Path:
-    return tiny_checkpoint_factory()
 
 
 def tree(root: Path) -> dict[str, object]:
@@ -262,6 +243,9 @@ def _run_bounded(argv: list, logs: Path) -> tuple[Outcome, float]:
 
 
 def test_hostile_checkpoints_are_refused_before_any_work(launcher, hostile_checkpoints, tmp_path, tally):
+    from quantkit import cpu_ops
+
+    cpu_ops.load()  # built here if it is not yet, so that a bounded run's peak is its own and not the compiler's
     row = tally.row("quantize", "hostile config.json or tensors")
     problems = []
     for number, (name, folder) in enumerate(hostile_checkpoints.items()):

@@ -35,8 +35,6 @@ from quantkit.checkpoint import CheckpointError, CheckpointReader, read_header
 
 from reliability import (
     KillCase,
-    Launcher,
-    Tally,
     cases,
     full_run,
     kill_cases,
@@ -49,25 +47,6 @@ from reliability import (
 pytestmark = pytest.mark.reliability
 
 QUANTIZE_SETTINGS = ["--set", "calibration.n_samples=8", "--set", "calibration.seq_len=64", "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def tally():
-    t = Tally()
-    yield t
-    t.flush()
-
-
-@pytest.fixture(scope="module")
-def launcher(tmp_path_factory):
-    runs = Launcher(tmp_path_factory.mktemp("reliability-runs"))
-    yield runs
-    runs.close()
-
-
-@pytest.fixture(scope="module")
-def model(tiny_checkpoint_factory) -> Path:
-    return tiny_checkpoint_factory()
 
 
 @pytest.fixture(scope="module")

@@ -111,8 +111,7 @@ def test_the_generated_files_are_quantkits_modules_not_a_copy():
 
 def _package_copy(tmp_path: Path) -> Path:
     root = tmp_path / "quantkit"
-    shutil.copytree(remote_code.ROOT / "models", root / "models")
-    shutil.copy(remote_code.ROOT / "errors.py", root / "errors.py")
+    shutil.copytree(remote_code.ROOT, root, ignore=shutil.ignore_patterns("__pycache__"))
     return root
 
 

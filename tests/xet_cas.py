@@ -179,34 +179,35 @@ class Refused(ValueError):
     """Input the CAS refuses; the message says what is wrong (answered with 400)."""
 
 
+def _lz4_length(data: bytes, i: int, nibble: int) -> tuple[int, int]:
+    """An LZ4 length: the token's 4-bit ``nibble``, and when that is 15, the bytes from ``i`` added to it up
+    to and including the first that is not 255. Returns the length and the position after it."""
+    length = nibble
+    if nibble == 15:
+        while True:
+            extra = data[i]
+            i += 1
+            length += extra
+            if extra != 255:
+                break
+    return length, i
+
+
 def _lz4_block(data: bytes, out: bytearray) -> None:
     """Append the LZ4 block ``data`` decodes to ``out`` (earlier output may be referenced: linked blocks)."""
     i, n = 0, len(data)
     while i < n:
         token = data[i]
         i += 1
-        literals = token >> 4
-        if literals == 15:
-            while True:
-                extra = data[i]
-                i += 1
-                literals += extra
-                if extra != 255:
-                    break
+        literals, i = _lz4_length(data, i, token >> 4)
         out += data[i:i + literals]
         i += literals
         if i >= n:  # the last sequence has literals only
             return
         offset = data[i] | data[i + 1] << 8
         i += 2
-        length = (token & 15) + 4
-        if token & 15 == 15:
-            while True:
-                extra = data[i]
-                i += 1
-                length += extra
-                if extra != 255:
-                    break
+        length, i = _lz4_length(data, i, token & 15)
+        length += 4  # a match is at least 4 bytes long
         if offset == 0 or offset > len(out):
             raise Refused("LZ4 match points before the start of the data")
         start = len(out) - offset

@@ -16,9 +16,12 @@ from pathlib import Path
 from typing import Iterator
 
 from quantkit.hub.repo import RATE_LIMITED, RETRY_TRIES, HubError, RepoRef, hub_endpoint, hub_status, retrying
+from quantkit.models.remote_code import BUNDLE
 
+# The weights, configs and tokenizer, and the model code an artifact carries for stock transformers
+# (quantkit.models.remote_code: its manifest records it, so a copy without it is incomplete; quantkit never runs it).
 PULL_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.json", "*.jinja", "tokenizer.model", "*.tiktoken",
-                 "merges.txt", "vocab.txt", "README.md")
+                 "merges.txt", "vocab.txt", "README.md", *BUNDLE)
 
 
 def download_command(ref: RepoRef) -> str:
