@@ -203,11 +203,11 @@ def load_tokenizer(directory: str | Path):
     """The checkpoint's tokenizer as transformers' AutoTokenizer loads it, or one clear error naming the
     directory: a missing or malformed tokenizer file otherwise fails deep inside transformers."""
     try:
-        settings = json.loads((Path(directory) / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-        settings = {}  # AutoTokenizer reports it
-    generic = (isinstance(settings, dict) and settings.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES
-               and "auto_map" not in settings and (Path(directory) / "tokenizer.json").is_file())
+        settings = read_json_object(Path(directory) / "tokenizer_config.json")
+    except CheckpointError:
+        settings = {}  # AutoTokenizer reports it, in its own words
+    generic = (settings.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES and "auto_map" not in settings
+               and (Path(directory) / "tokenizer.json").is_file())
     try:
         if generic:
             from transformers import TokenizersBackend

@@ -236,8 +236,7 @@ def _run_bounded(argv: list, logs: Path) -> Outcome:
         proc = subprocess.Popen([sys.executable, "-m", "quantkit.cli", *map(str, argv)], stdout=out, stderr=err,
                                 stdin=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"},
                                 preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, limit))
-        _, status, _ = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
+        proc.wait()
     return Outcome(proc.returncode, stdout.read_text(), stderr.read_text())
 
 
