@@ -27,8 +27,6 @@ CASES_ENV = "QUANTKIT_RELIABILITY_CASES"  # "full": every case; unset: the reduc
 RECORD_ENV = "QUANTKIT_RELIABILITY_RECORD"
 SUBPROCESS_ENV = "QUANTKIT_RELIABILITY_SUBPROCESS"
 TRACEBACK = "Traceback (most recent call last)"
-# Output names that may sit beside an output while it is written: the staging dir, its lock, temp files.
-TEMPORARY_SUFFIXES = (".partial", ".lock", ".tmp")
 
 
 def full_run() -> bool:

@@ -25,7 +25,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from quantkit.atomic import staging_dir
-from quantkit.run import Run, RunError
+from quantkit.run import Run, RunError, parked_record
 
 from reliability import Outcome
 
@@ -163,6 +163,30 @@ def test_a_run_killed_while_publishing_is_still_known_as_its_own(tmp_path):
         raise KeyboardInterrupt  # the kill, as the manifest is written
     assert Run(out, resume=True).begin(inputs, "progress.json") is False
     assert not (staging_dir(out) / "quantkit.json").exists()
+
+
+def test_a_run_killed_between_parking_its_record_and_the_rename_starts_over(tmp_path, monkeypatch):
+    """The record leaves the staging just before the rename, so that the output never holds it; a kill
+    between the two (seen by `make test`'s kill cases) leaves it beside the staging, where it still counts."""
+    out, inputs = tmp_path / "out", {"model": "m"}
+    run = Run(out)
+    run.begin(inputs, "progress.json")
+
+    def killed(staging, final):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("quantkit.atomic.publish_dir", killed)
+    with pytest.raises(KeyboardInterrupt), run.publishing() as staging:
+        (staging / "quantkit.json").write_text("{}")
+    assert not (staging_dir(out) / ".run").exists() and parked_record(staging_dir(out)).is_dir()
+    monkeypatch.undo()
+    rerun = Run(out, resume=True)
+    assert rerun.begin(inputs, "progress.json") is False
+    assert not (staging_dir(out) / "quantkit.json").exists() and not parked_record(staging_dir(out)).exists()
+    with rerun.publishing() as staging:
+        (staging / "quantkit.json").write_text("{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in out.iterdir()) == ["quantkit.json"]
 
 
 # ---------------------------------------------------------------------------------------------------

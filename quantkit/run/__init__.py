@@ -38,8 +38,9 @@ from quantkit.errors import QuantkitError
 from quantkit.lock import OutputLock
 
 # In the staging, the run's own folder: the record of the inputs it started with (their fingerprint). A
-# folder, so that a manifest, which lists the staging's files, leaves it out; it goes last, just before
-# the rename, so that a staging killed while publishing is still known as quantkit's own.
+# folder, so that a manifest, which lists the staging's files, leaves it out. Just before the rename it
+# moves beside the staging (``parked_record``), so that the output never holds it and a staging killed
+# between that move and the rename is still known as quantkit's own; it is removed after the rename.
 RUN_DIR = ".run"
 RECORD_FILE = "run.json"
 
@@ -84,6 +85,9 @@ class Run:
             raise
 
     def _judge_staging(self, resumable: bool) -> None:
+        if os.path.islink(parked_record(self.staging)):
+            raise RunError(f"{parked_record(self.staging)} is a symbolic link, not a record a quantkit run made; "
+                           "remove it")
         if atomic.existing_staging(self.staging):
             _record(self.staging)  # refuses a staging no quantkit run made, with or without resume
             if not resumable:
@@ -106,6 +110,7 @@ class Run:
         continuing = self.resume and checkpointed
         if not continuing:  # what an earlier start left (its own files, judged above) is not this run's
             atomic.remove_tree(self.staging)
+        atomic.remove_tree(parked_record(self.staging))  # left by a kill while publishing; superseded
         self._make_staging()
         return continuing
 
@@ -124,8 +129,11 @@ class Run:
         else:  # so that a kill after this leaves a run that starts over
             (self.staging / self._progress_file).unlink(missing_ok=True)
         yield self.staging
-        atomic.remove_tree(self.staging / RUN_DIR)
+        parked = parked_record(self.staging)
+        atomic.remove_tree(parked)
+        os.replace(self.staging / RUN_DIR, parked)
         atomic.publish_dir(self.staging, self.out)
+        atomic.remove_tree(parked)
         self._lock.release()
 
     def elapsed(self) -> float:
@@ -133,17 +141,30 @@ class Run:
         return time.perf_counter() - self._started
 
 
-def _record(staging: Path) -> dict:
-    """The record a run left in its ``staging`` ({} when there is none yet: a run killed as it made the
-    staging, which then holds nothing else). A staging holding files but no record was not made by a run
-    (or by a quantkit older than this record's place): it is refused, never continued, emptied or
-    published."""
+def parked_record(staging: Path) -> Path:
+    """Where the run's folder waits while its staging is renamed onto the output: ``<out>.partial.run``."""
+    return staging.with_name(staging.name + RUN_DIR)
+
+
+def _read_record(folder: Path) -> dict | None:
+    if os.path.islink(folder):  # never read through a link to somewhere else
+        return None
     try:
-        record = json.loads((staging / RUN_DIR / RECORD_FILE).read_text())
+        record = json.loads((folder / RECORD_FILE).read_text())
     except (OSError, ValueError):
-        record = None
-    if isinstance(record, dict):
-        return record
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _record(staging: Path) -> dict:
+    """The record a run left in its ``staging``, or beside it if killed while publishing ({} when there
+    is none yet: a run killed as it made the staging, which then holds nothing else). A staging holding
+    files but no record was not made by a run (or by a quantkit older than this record's place): it is
+    refused, never continued, emptied or published."""
+    for folder in (staging / RUN_DIR, parked_record(staging)):
+        record = _read_record(folder)
+        if record is not None:
+            return record
     if any(entry.name != RUN_DIR for entry in os.scandir(staging)):
         raise RunError(f"{staging} holds files but no record of the quantkit run that made it ({RUN_DIR}/"
                        f"{RECORD_FILE}): remove it, or choose another --out")
