@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from quantkit.chat_template import render_chat
 from quantkit.corpora import DOWNLOADED, corpus_file, split_documents
 
 DATA_PACKAGE = "quantkit.calib_data"
@@ -174,8 +175,7 @@ class _Encoder:
     def row(self, text: str) -> list[int]:
         if self.chat:
             # Like apply_chat_template(tokenize=True): the template itself places any BOS.
-            wrapped = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                         tokenize=False)
+            wrapped = render_chat(self.tokenizer, [{"role": "user", "content": text}], tokenize=False)
             return self.tokenizer(wrapped, add_special_tokens=False, verbose=False)["input_ids"]
         return self.tokenizer(text, verbose=False)["input_ids"]  # the tokenizer's own BOS/EOS
 

@@ -59,14 +59,15 @@ def template_source(tokenizer) -> str:
     return str(directory / name)
 
 
-def render_chat(tokenizer, messages: list[dict], **template_kwargs) -> list[int]:
-    """``tokenizer.apply_chat_template(messages, **template_kwargs)`` as token ids, rendered within the budget;
-    any failure of the template is one ``ChatTemplateError`` line naming its source."""
+def render_chat(tokenizer, messages: list[dict], tokenize: bool = True, **template_kwargs) -> list[int] | str:
+    """``tokenizer.apply_chat_template(messages, **template_kwargs)`` as token ids (as text if not
+    ``tokenize``), rendered within the budget; any failure of the template is one ``ChatTemplateError``
+    line naming its source. Every chat template quantkit renders goes through here."""
     from transformers.utils import chat_template_utils
 
     try:
         with _substituted(chat_template_utils, "_compile_jinja_template", _compile):
-            return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **template_kwargs)
+            return tokenizer.apply_chat_template(messages, tokenize=tokenize, return_dict=False, **template_kwargs)
     except (TemplateError, RecursionError) as e:
         raise ChatTemplateError(f"chat template {template_source(tokenizer)}: {_one_line(e)}") from None
 

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from quantkit.atomic import atomic_path, refuse_existing
 from quantkit.gguf.names import gguf_name
+from quantkit.gguf.reader import open_gguf
 from quantkit.models.layers import LINEARS, layer_prefix
 
 GENERAL_TYPE = "imatrix"
@@ -132,7 +133,7 @@ def write_imatrix(imatrix: Imatrix, out: str | Path) -> Path:
 
 def read_imatrix(path: str | Path) -> Imatrix:
     """A GGUF imatrix file (quantkit's or ``llama-imatrix``'s) read back, as llama.cpp's loader reads it."""
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(path)  # every stated length checked against the file's size first
     missing = [key for key in (DATASETS, CHUNK_COUNT, CHUNK_SIZE) if reader.get_field(key) is None]
     if missing:
         raise ValueError(f"{path}: not an imatrix file, it lacks {', '.join(missing)}")

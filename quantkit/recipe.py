@@ -28,7 +28,7 @@ from quantkit.errors import QuantkitError
 from quantkit.formats import FORMATS
 from quantkit.models.layers import LINEARS, SEQUENTIAL_GROUPS
 from quantkit.quant import FLOAT_BIAS_BITS, QuantConfig
-from quantkit.recipes.fields import Field, Section, positive
+from quantkit.recipes.fields import Field, Section, positive, seed_field
 from quantkit.training import fake_quant
 
 
@@ -125,7 +125,7 @@ SCHEMA: dict[str, Any] = {
         "source": Field(str, default="default", help="corpus or mix name, local file, or hf:<dataset>"),
         "n_samples": Field(int, default=128, check=positive, rule="> 0", help="calibration sequences"),
         "seq_len": Field(int, default=512, check=lambda v: v >= 16, rule=">= 16", help="tokens per sequence"),
-        "seed": Field(int, default=0, help="seed of the sample draw"),
+        "seed": seed_field("seed of the sample draw"),
         "chat": Field(bool, default=False, help="wrap each sample in the chat template"),
         "batch_size": Field(int, default=8, check=positive, rule="> 0",
                             help="samples per forward batch (memory, not results)"),

@@ -22,6 +22,15 @@ class Field:
     help: str = ""
 
 
+# Seeds are 32-bit everywhere: torch's generators take 64 bits, and the data order's seeds are derived
+# from the one given (times a prime, plus the epoch), which must still fit.
+MAX_SEED = 2**32 - 1
+
+
+def seed_field(help: str) -> Field:
+    return Field(int, default=0, check=lambda v: 0 <= v <= MAX_SEED, rule=f"in [0, {MAX_SEED}]", help=help)
+
+
 def positive(value) -> bool:
     return value > 0
 

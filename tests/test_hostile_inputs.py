@@ -214,7 +214,6 @@ def test_a_token_id_beyond_the_vocabulary_is_refused_at_load(launcher, model, tm
 ARGUMENTS = {  # case -> (arguments, exit code, what the line says)
     "invalid UTF-8 prompt": (["--prompt", "ab\udcff", "--max-new-tokens", "2"], 1, "not valid UTF-8"),
     "invalid UTF-8 prompt (raw)": (["--prompt", "ab\udcff", "--raw", "--max-new-tokens", "2"], 1, "not valid UTF-8"),
-    "seed beyond 64 bits": ([*GENERATE, "--seed", "1180591620717411303424"], 2, "--seed"),
     "sparse config not an object": ([*GENERATE, "--sparse-config", "[1]"], 1, "must be an object"),
     "sparse config with an unknown key": ([*GENERATE, "--sparse-config", '{"topk_": 2}'], 1, "unknown keys"),
     "sparse config for dense attention": ([*GENERATE, "--sparse-config", '{"topk": 2}'], 1, "attention is dense"),
@@ -228,6 +227,53 @@ def test_bad_runtime_arguments_are_one_clear_line(case, launcher, model, tally):
     problems, error = _bounded_run(launcher, ["generate", "--model", model, *arguments], row, code)
     assert not problems, "\n".join(problems)
     assert says in error, error
+
+
+# Every seed a user gives, on the command line or in a recipe, is 32-bit (recipes/fields.py's MAX_SEED): the
+# data order's seeds are derived from it and torch's generators overflow past 64 bits.
+HUGE_SEED = str(2**70)
+SEED_CASES = {  # command -> (argv, with {model} and {out}; exit code: click's 2 for options, 1 for recipes)
+    "generate --seed": (["generate", "--model", "{model}", *GENERATE, "--seed", HUGE_SEED], 2),
+    "imatrix --seed": (["imatrix", "--model", "{model}", "--out", "{out}", "--seed", HUGE_SEED], 2),
+    "draft train --seed": (["draft", "train", "--target", "{model}", "--out", "{out}", "--seed", HUGE_SEED], 2),
+    "eval niah --seed": (["eval", "niah", "--model", "{model}", "--seed", HUGE_SEED], 2),
+    "quantize calibration.seed": (["quantize", "--recipe", "rtn-w4g128", "--model", "{model}", "--out", "{out}",
+                                   "--set", f"calibration.seed={HUGE_SEED}"], 1),
+    "qat qat.seed": (["qat", "ternary", "--model", "{model}", "--out", "{out}", "--set", f"qat.seed={HUGE_SEED}"], 1),
+}
+
+
+@pytest.mark.parametrize("case", list(SEED_CASES))
+def test_a_seed_beyond_32_bits_is_one_clear_line(case, launcher, model, tmp_path, tally):
+    template, code = SEED_CASES[case]
+    argv = [str(a).format(model=model, out=tmp_path / "out") for a in template]
+    problems, error = _bounded_run(launcher, argv, tally.row(case.split()[0], f"{case.split()[1]} of 2^70"), code)
+    assert not problems, "\n".join(problems)
+    assert "seed" in error and "4294967295" in error, error
+    assert not (tmp_path / "out").exists()
+
+
+def test_calibration_renders_chat_templates_within_the_budget(model, tmp_path):
+    """Calibration's chat rows (`calibration.chat`) go through the same bounded rendering as the runtime."""
+    from quantkit.calib import calibration_set
+    from quantkit.chat_template import ChatTemplateError
+    from quantkit.checkpoint import load_tokenizer
+
+    folder = _copy(model, tmp_path / "model")
+    (folder / "chat_template.jinja").write_text(TEMPLATES["three nested range(100000) loops"])
+    started = time.monotonic()
+    with pytest.raises(ChatTemplateError, match="exceeds its budget"):
+        calibration_set(load_tokenizer(folder), n_samples=2, seq_len=32, seed=0, chat=True)
+    assert time.monotonic() - started < SECONDS
+
+
+def test_an_imatrix_file_longer_than_it_is_is_one_clear_error(tmp_path):
+    from quantkit.imatrix import read_imatrix
+
+    path = tmp_path / "hostile.imatrix.gguf"
+    path.write_bytes(_gguf_with_array(1 << 62))
+    with pytest.raises(ValueError, match="past the end of the file"):
+        read_imatrix(path)
 
 
 def test_chat_reports_invalid_utf8_and_goes_on(model, tally):

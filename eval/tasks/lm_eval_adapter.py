@@ -28,6 +28,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
+from quantkit.chat_template import render_chat
 from quantkit.eval.ppl import window_log_probs, windows
 from quantkit.eval.tasks.model import TaskModel
 
@@ -64,7 +65,7 @@ class QuantkitLM(LM):
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if not add_generation_prompt:
-            return self.lm.tokenizer.apply_chat_template(chat_history, tokenize=False, continue_final_message=True)
+            return render_chat(self.lm.tokenizer, chat_history, tokenize=False, continue_final_message=True)
         return self.lm.chat_prompt(chat_history)
 
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:

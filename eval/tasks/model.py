@@ -12,10 +12,12 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicCache
 
-from quantkit.loading import load_model  # importing quantkit registers MiniCPM for AutoTokenizer
+from quantkit.chat_template import render_chat
+from quantkit.checkpoint import load_tokenizer
+from quantkit.loading import load_model
 from quantkit.models import MiniCPMForCausalLM
 
 
@@ -33,7 +35,7 @@ class TaskModel:
     @classmethod
     def load(cls, model_dir: str | Path, device: str = "cpu") -> "TaskModel":
         """The model of ``model_dir`` on ``device`` (a resolved device: "cpu" or "cuda") and its tokenizer."""
-        return cls(load_model(model_dir).to(device), AutoTokenizer.from_pretrained(model_dir))
+        return cls(load_model(model_dir).to(device), load_tokenizer(model_dir))
 
     @property
     def device(self) -> torch.device:
@@ -52,8 +54,8 @@ class TaskModel:
         """The chat template's text for ``messages``, ending in the assistant's turn. Reasoning ("thinking")
         is switched off where the template supports it (MiniCPM4.1's), so the answer comes directly.
         Encode it with ``special_tokens=False``: the template writes its own (as transformers does)."""
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                  enable_thinking=False)
+        return render_chat(self.tokenizer, messages, tokenize=False, add_generation_prompt=True,
+                           enable_thinking=False)
 
     @cached_property
     def stop_token_ids(self) -> set[int]:

@@ -109,6 +109,14 @@ out_dir_option = click.option("--out", required=True, type=click.Path(path_type=
                               help="Output directory (must not exist).")
 
 
+def seed_option(what: str, default: int = 0):
+    """``--seed``, as wide as any seed quantkit takes (recipes' too)."""
+    from quantkit.recipes.fields import MAX_SEED
+
+    return click.option("--seed", default=default, show_default=True, type=click.IntRange(0, MAX_SEED),
+                        help=f"Seed of {what}.")
+
+
 def revision_option(of: str):
     """``--revision`` for a command's main model option (other model options take owner/name@revision)."""
     return click.option("--revision", default=None, metavar="REV",

@@ -13,6 +13,7 @@ from quantkit.cli import (
     out_dir_option,
     progress_option,
     revision_option,
+    seed_option,
 )
 from quantkit.draft.settings import DraftSettings
 from quantkit.table import format_table
@@ -52,7 +53,7 @@ def draft_group():
               help="Continue from this head (re-alignment: an FP target's head trained on for a quantized TARGET).")
 @click.option("--w4", type=click.Choice(["gptq", "marlin", "cpmcu"]), default=None,
               help="Quantization-aware: train the head's linears through W4 g128 and write them in this layout.")
-@click.option("--seed", default=DRAFT_DEFAULTS.seed, show_default=True)
+@seed_option("the data order and the head's initialisation", DRAFT_DEFAULTS.seed)
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its last checkpoint.")
 @device_option
 @progress_option

@@ -7,7 +7,15 @@ from pathlib import Path
 
 import click
 
-from quantkit.cli import device_option, emit, friendly_errors, json_option, progress_option, revision_option
+from quantkit.cli import (
+    device_option,
+    emit,
+    friendly_errors,
+    json_option,
+    progress_option,
+    revision_option,
+    seed_option,
+)
 from quantkit.cli.eval import eval_runtime_options, evaluated_model, heldout_tokens
 from quantkit.table import format_table
 
@@ -20,7 +28,7 @@ from quantkit.table import format_table
 @click.option("--depths", default="0,0.25,0.5,0.75,1", show_default=True,
               help="Comma-separated needle depths (0 = start of the context, 1 = just before the question).")
 @click.option("--trials", default=1, show_default=True, type=click.IntRange(min=1), help="Needles per cell.")
-@click.option("--seed", default=0, show_default=True, help="Seed of the needles' numbers.")
+@seed_option("the needles' numbers")
 @click.option("--plot", "plot_path", default=None, type=click.Path(path_type=Path), help="Write a heatmap PNG here.")
 @device_option
 @eval_runtime_options
@@ -99,7 +107,7 @@ def eval_tasks(model, revision, task_names, limit, record, device, progress, as_
 @click.option("--prompts", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option("--prompt-tokens", default=64, show_default=True, type=click.IntRange(min=2))
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
-@click.option("--seed", default=0, show_default=True, help="Seed of the sampler (temperature > 0).")
+@seed_option("the sampler (temperature > 0)")
 @device_option
 @friendly_errors
 @json_option

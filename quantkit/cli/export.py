@@ -7,7 +7,15 @@ from pathlib import Path
 
 import click
 
-from quantkit.cli import emit, friendly_errors, json_option, out_dir_option, progress_option, revision_option
+from quantkit.cli import (
+    emit,
+    friendly_errors,
+    json_option,
+    out_dir_option,
+    progress_option,
+    revision_option,
+    seed_option,
+)
 from quantkit.table import format_table
 
 
@@ -71,7 +79,7 @@ def export_mlx(model, revision, out, dtype, as_json):
               help="Calibration source, as the recipes' calibration.source (corpus or mix name, file, hf:<dataset>).")
 @click.option("--n-samples", default=128, show_default=True, type=click.IntRange(min=1), help="Calibration sequences.")
 @click.option("--seq-len", default=512, show_default=True, type=click.IntRange(min=16), help="Tokens per sequence.")
-@click.option("--seed", default=0, show_default=True, help="Seed of the sample draw.")
+@seed_option("the sample draw")
 @click.option("--prefix-tokens", default=0, show_default=True, type=click.IntRange(min=0),
               help="P-GPTQ's cut: leave the first N positions of every sequence (the attention sink's massive "
                    "activations) out of the sums; the MiniCPM4 report uses 4.")

@@ -12,6 +12,7 @@ from quantkit.cli import (
     friendly_errors,
     json_option,
     revision_option,
+    seed_option,
     sparse_config_option,
     sparse_option,
     stack,
@@ -29,8 +30,7 @@ runtime_options = stack(
     click.option("--max-new-tokens", default=256, show_default=True, type=int),
     click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy."),
     click.option("--top-p", default=1.0, show_default=True, type=float),
-    # torch's generators take a seed of at most 64 bits
-    click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**64 - 1)),
+    seed_option("the sampler (temperature > 0)"),
     click.option("--prefill-chunk", default=512, show_default=True, type=int,
                  help="Prompt tokens per forward pass (bounds activation memory on long prompts)."),
     click.option("--thinking/--no-thinking", default=False, show_default=True,

@@ -31,7 +31,7 @@ from quantkit.quant import (
     rtn_quantize,
     stored_affine_params,
 )
-from quantkit.recipes.fields import Field, Section, fraction, positive
+from quantkit.recipes.fields import Field, Section, fraction, positive, seed_field
 
 
 @torch.no_grad()
@@ -262,7 +262,7 @@ SETTINGS = Section({
     "top_k": Field(int, default=32, check=positive, rule="> 0",
                    help="teacher logits cached per token (its distribution renormalised over them)"),
     "data": Field(str, default="default", help="training text: a calibration corpus or mix, or a local file"),
-    "seed": Field(int, default=0, help="seed of the data order"),
+    "seed": seed_field("seed of the data order"),
     "eval_interval": Field(int, default=50, check=positive, rule="> 0",
                            help="steps between held-out perplexity measurements"),
     "eval_tokens": Field(int, default=4096, check=lambda v: v >= 2, rule=">= 2",
