@@ -16,6 +16,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -60,10 +61,11 @@ def manifest_records(directory: str | Path) -> dict[str, dict]:
     return records
 
 
-def check_files(directory: str | Path, records: dict[str, dict], *, hashes: bool) -> None:
-    """Each file of ``records`` (``manifest_records``) against the one in ``directory``: there, of that size,
-    and with ``hashes`` of that SHA-256. Sizes cost a stat a file; hashes read every byte (1.4 s a GiB
-    here, so about 6 s for an 8B model at 4 bits)."""
+def check_files(directory: str | Path, records: dict[str, dict], *,
+                digest: Callable[[Path], str] | None = None) -> None:
+    """Each file of ``records`` (``manifest_records``) against the one in ``directory``: there, of that size
+    (a stat a file), and with a ``digest`` of that SHA-256: ``sha256_file`` reads every byte (1.4 s a GiB
+    here), ``quantkit.file_hashes.remembered_sha256`` only those of a file not hashed in this version."""
     directory = Path(directory)
     for name, record in sorted(records.items()):
         path = directory / name
@@ -73,7 +75,7 @@ def check_files(directory: str | Path, records: dict[str, dict], *, hashes: bool
         if size != record["size"]:
             raise CheckpointError(f"{directory}: {name} has {size} bytes, {MANIFEST_FILE} records {record['size']}: "
                                   "the file was changed or truncated")
-        if hashes and sha256_file(path) != record["sha256"]:
+        if digest is not None and digest(path) != record["sha256"]:
             raise CheckpointError(f"{directory}: {name}'s SHA-256 differs from the one {MANIFEST_FILE} records: the "
                                   "file was changed after quantkit wrote it")
 
@@ -233,12 +235,14 @@ class CheckpointReader:
         config = read_config_json(self.directory)
         self._entries = self._read_entries()
         self._check_sizes(config)
-        # An artifact's weight files are held to the sizes its manifest records (a stat each: a weight
-        # file changed in place is found by hashing, which `quantkit inspect` does, but a truncated or
-        # grown one never gets as far as the runtime).
+        # An artifact's weight files are held to the sizes its manifest records (a stat each), so that a
+        # truncated or grown one never gets as far as a model; `quantkit.reader` holds them to the hashes.
+        check_files(self.directory, self.weight_records())
+
+    def weight_records(self) -> dict[str, dict]:
+        """What the manifest (if any) records of the weight files."""
         weights = {path.name for path in self.files()}
-        check_files(self.directory, {name: r for name, r in manifest_records(self.directory).items()
-                                     if name in weights}, hashes=False)
+        return {name: r for name, r in manifest_records(self.directory).items() if name in weights}
 
     def _check_sizes(self, config: dict) -> None:
         """The config's layer count and sizes against the tensors present, before anything is built from

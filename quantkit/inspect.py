@@ -7,7 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from quantkit.artifact import MANIFEST_FILE, REPORT_FILE
-from quantkit.checkpoint import CheckpointReader, check_files, manifest_records, read_config_json, read_json_object
+from quantkit.checkpoint import (
+    CheckpointReader,
+    check_files,
+    manifest_records,
+    read_config_json,
+    read_json_object,
+    sha256_file,
+)
 
 
 def _quantization(quant: dict) -> str:
@@ -28,7 +35,7 @@ def describe(model_dir: str | Path) -> dict:
         raise FileNotFoundError(f"{model_dir} has no config.json")
     config = read_config_json(model_dir)
     CheckpointReader(model_dir)
-    check_files(model_dir, manifest_records(model_dir), hashes=True)
+    check_files(model_dir, manifest_records(model_dir), digest=sha256_file)  # inspect reads every byte
     quant = config.get("quantization_config") or {}
     weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     info = {

@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from quantkit.artifact import MANIFEST_FILE
-from quantkit.checkpoint import CheckpointReader
+from quantkit.checkpoint import CheckpointReader, check_files
+from quantkit.file_hashes import remembered_sha256
 from quantkit.formats import FORMATS, Format
 from quantkit.models import MiniCPMConfig
 from quantkit.models.decoder import weight_shapes
@@ -112,6 +113,8 @@ class ArtifactReader:
     def __init__(self, model_dir: str | Path):
         self.dir = Path(model_dir)
         self.tensors = CheckpointReader(self.dir)
+        # and to their SHA-256: a file changed in place after quantkit wrote it (hashed once a version)
+        check_files(self.dir, self.tensors.weight_records(), digest=remembered_sha256)
         self.config = MiniCPMConfig.from_pretrained(self.dir)
         self.format = artifact_format(self.dir, self.config)
         self.quantization_config: dict = dict(self.config.quantization_config or {}) if self.format else {}

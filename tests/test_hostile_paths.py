@@ -316,7 +316,7 @@ def _flip_last_byte(path: Path) -> None:
 SHARD = "model-00002-of-00003.safetensors"
 # case -> (change, the commands that must refuse the changed artifact)
 ARTIFACT_CASES = {
-    "a shard changed in place (same size)": (_flip_last_byte, ["inspect"]),
+    "a shard changed in place (same size)": (_flip_last_byte, ["inspect", "generate"]),
     "a shard truncated": (lambda p: os.truncate(p, p.stat().st_size - 4), ["inspect", "generate"]),
     "a shard grown": (lambda p: p.write_bytes(p.read_bytes() + b"\0" * 4), ["inspect", "generate"]),
 }
@@ -325,8 +325,8 @@ COMMANDS = {"inspect": lambda folder: ["inspect", folder],
 
 
 def test_an_artifact_changed_after_it_was_written_is_one_clear_error(launcher, artifact, tmp_path, tally):
-    """`generate` holds the weight files to their recorded sizes only (a stat each): hashing a 4-bit 8B
-    model's 5 GB at this machine's 1.4 s a GiB would add 6 s to a 2 s first answer. `inspect` hashes."""
+    """Every reader holds the weight files to their recorded sizes and SHA-256 (hashed once per version of
+    a file: `remembered_sha256`); `inspect` hashes every file every time."""
     problems = []
     for number, (name, (change, commands)) in enumerate(ARTIFACT_CASES.items()):
         changed = tmp_path / f"artifact{number}"
@@ -340,3 +340,23 @@ def test_an_artifact_changed_after_it_was_written_is_one_clear_error(launcher, a
     assert not problems, "\n\n".join(problems)
     for command in COMMANDS:  # the unchanged artifact passes the same checks
         assert launcher.run(COMMANDS[command](artifact)).code == 0
+
+
+def test_a_file_is_hashed_once_per_version(tmp_path, monkeypatch):
+    """What lets the runtime check an 8B artifact's 5 GB at every start: a second read costs a stat, and a
+    write in place (same size, even with the modification time set back) is hashed again."""
+    from quantkit import file_hashes
+
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"a" * 4096)
+    hashed = []
+    real = file_hashes.sha256_file
+    monkeypatch.setattr(file_hashes, "sha256_file", lambda p: hashed.append(p) or real(p))
+    first = file_hashes.remembered_sha256(path)
+    assert file_hashes.remembered_sha256(path) == first and len(hashed) == 1
+    status = path.stat()
+    with open(path, "r+b") as f:
+        f.write(b"b")
+    os.utime(path, ns=(status.st_atime_ns, status.st_mtime_ns))
+    assert file_hashes.remembered_sha256(path) == real(path) != first and len(hashed) == 2
