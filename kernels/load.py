@@ -34,7 +34,7 @@ def load_runtime_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat1
     quantized = artifact.format is not None
     linears = load_linears(artifact.dir, linear_backend, dtype) if quantized else {}
     with torch.device("meta"):
-        model = MiniCPMSkeleton(artifact.model_config())
+        model = MiniCPMSkeleton(artifact.config)
     for name, module in linears.items():
         parent, _, child = name.rpartition(".")
         model.get_submodule(parent).register_module(child, module.to(device))

@@ -11,7 +11,6 @@ the conformance check) goes through this module and never imports the engine.
 """
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -23,7 +22,7 @@ from quantkit.artifact import MANIFEST_FILE
 from quantkit.checkpoint import CheckpointReader, check_files
 from quantkit.file_hashes import remembered_sha256
 from quantkit.formats import FORMATS, Format
-from quantkit.models import MiniCPMConfig
+from quantkit.models import MiniCPMSettings
 from quantkit.models.decoder import weight_shapes
 from quantkit.models.eagle3 import (
     CONFIG_FILE,
@@ -35,18 +34,19 @@ from quantkit.models.eagle3 import (
     Eagle3Head,
 )
 from quantkit.models.layers import LINEARS, layer_prefix
+from quantkit.models.settings import checked_values
 from quantkit.quant import QuantConfig, QuantizedTensor
 
 # (quant_method, checkpoint_format) of checkpoints other tools wrote -> the format that reads them
 _FOREIGN_METHODS = {key: fmt.name for fmt in FORMATS.values() for key in fmt.reads}
 
 
-def artifact_format(model_dir: Path, config: MiniCPMConfig) -> Format | None:
-    """The format of a quantized checkpoint: from quantkit's manifest, else from its quant_method."""
+def artifact_format(model_dir: Path, quantization: dict | None) -> Format | None:
+    """The format of a quantized checkpoint: from quantkit's manifest, else from its ``quantization``
+    settings' quant_method (config.json's ``quantization_config``)."""
     manifest = Path(model_dir) / MANIFEST_FILE
     if manifest.is_file():
         return FORMATS[json.loads(manifest.read_text())["format"]]
-    quantization = getattr(config, "quantization_config", None) or {}
     if not quantization:
         return None
     key = (quantization.get("quant_method"), quantization.get("checkpoint_format"))  # mlx-lm writes neither
@@ -58,13 +58,13 @@ def artifact_format(model_dir: Path, config: MiniCPMConfig) -> Format | None:
     return FORMATS[_FOREIGN_METHODS[key]]
 
 
-def linear_shapes(config: MiniCPMConfig) -> dict[str, tuple[int, int]]:
+def linear_shapes(config: MiniCPMSettings) -> dict[str, tuple[int, int]]:
     """(out_features, in_features) of each linear of a decoder layer."""
     shapes = weight_shapes(config)
     return {linear: shapes[f"{layer_prefix(0)}{linear}.weight"] for linear in LINEARS}
 
 
-def layer_records(tensors: dict, index: int, config: MiniCPMConfig, qconfig: QuantConfig,
+def layer_records(tensors: dict, index: int, config: MiniCPMSettings, qconfig: QuantConfig,
                   fmt: Format) -> tuple[dict, dict[str, QuantizedTensor]]:
     """Layer ``index``'s unquantized tensors, and its linears' records keyed by weight name."""
     prefix = layer_prefix(index)
@@ -76,7 +76,7 @@ def layer_records(tensors: dict, index: int, config: MiniCPMConfig, qconfig: Qua
     return plain, {f"{prefix}{name}.weight": qt for name, qt in records.items()}
 
 
-def dequantize_layer(tensors: dict, index: int, config: MiniCPMConfig, qconfig: QuantConfig, fmt: Format) -> dict:
+def dequantize_layer(tensors: dict, index: int, config: MiniCPMSettings, qconfig: QuantConfig, fmt: Format) -> dict:
     """Layer ``index``'s tensors with its quantized linears replaced by dequantized weights."""
     plain, records = layer_records(tensors, index, config, qconfig, fmt)
     return plain | {key: qt.dequantize(torch.float32) for key, qt in records.items()}
@@ -115,9 +115,10 @@ class ArtifactReader:
         self.tensors = CheckpointReader(self.dir)
         # and to their SHA-256: a file changed in place after quantkit wrote it (hashed once a version)
         check_files(self.dir, self.tensors.weight_records(), digest=remembered_sha256)
-        self.config = MiniCPMConfig.from_pretrained(self.dir)
-        self.format = artifact_format(self.dir, self.config)
-        self.quantization_config: dict = dict(self.config.quantization_config or {}) if self.format else {}
+        values = checked_values(self.dir / "config.json")
+        self.config = MiniCPMSettings.from_values(values)  # what the runtime builds from, without transformers
+        self.format = artifact_format(self.dir, values.get("quantization_config"))
+        self.quantization_config: dict = dict(values.get("quantization_config") or {}) if self.format else {}
         self.qconfig = self.format.parse_config(self.quantization_config) if self.format else None
         self.shapes = linear_shapes(self.config)
 
@@ -151,10 +152,12 @@ class ArtifactReader:
             return tensors
         return dequantize_layer(tensors, index, self.config, self.qconfig, self.format)
 
-    def model_config(self) -> MiniCPMConfig:
-        """The config a model of these weights is built from: without ``quantization_config``, because the
-        model's linears are plain modules (dequantized) or the quantized linears themselves, put in place."""
-        config = copy.deepcopy(self.config)
+    def model_config(self):
+        """The transformers config a model of these weights is built from: without ``quantization_config``,
+        because the model's linears are plain modules (dequantized), put in place."""
+        from quantkit.models.configuration_minicpm import MiniCPMConfig
+
+        config = MiniCPMConfig.from_pretrained(self.dir)
         config.quantization_config = None
         return config
 
@@ -193,7 +196,7 @@ def _dequantized_head_linears(tensors: Mapping[str, Tensor], quantization_config
     return {f"{name}.weight": record.dequantize() for name, record in records.items()}
 
 
-def load_head(directory: str | Path, target: MiniCPMConfig, dtype: torch.dtype = torch.float32) -> Eagle3Head:
+def load_head(directory: str | Path, target: MiniCPMSettings, dtype: torch.dtype = torch.float32) -> Eagle3Head:
     """An EAGLE-3 head in the official layout, FP or quantized (gptq, marlin, cpmcu: its linears
     dequantized), checked against ``target`` before any weight is read."""
     directory = Path(directory)

@@ -25,7 +25,7 @@ from torch import nn
 from quantkit.models.layers import layer_prefix
 
 if TYPE_CHECKING:
-    from quantkit.models.configuration_minicpm import MiniCPMConfig
+    from quantkit.models.settings import MiniCPMSettings
 
 # query [B, Hq, T, d], key/value [B, Hkv, S, d] (KV heads not repeated), mask, softmax scale
 # -> [B, Hq, T, d]. The mask is None (causal when T > 1, aligned to the first key), or a boolean
@@ -62,7 +62,7 @@ class MiniCPMRotaryEmbedding(nn.Module):
     """Half-split RoPE, optionally LongRoPE. cos/sin are computed on the fly from the config (no
     buffers), so the module is exact on any device, including models built on the meta device."""
 
-    def __init__(self, config: MiniCPMConfig):
+    def __init__(self, config: MiniCPMSettings):
         super().__init__()
         self.head_dim = config.head_dim
         self.base = config.rope_theta
@@ -115,7 +115,7 @@ def apply_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 
 
 class MiniCPMAttention(nn.Module):
-    def __init__(self, config: MiniCPMConfig, layer_idx: int):
+    def __init__(self, config: MiniCPMSettings, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.head_dim = config.head_dim
@@ -149,7 +149,7 @@ class MiniCPMAttention(nn.Module):
 
 
 class MiniCPMMLP(nn.Module):
-    def __init__(self, config: MiniCPMConfig):
+    def __init__(self, config: MiniCPMSettings):
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
@@ -164,7 +164,7 @@ class MiniCPMMLP(nn.Module):
 
 
 class MiniCPMDecoderLayer(nn.Module):
-    def __init__(self, config: MiniCPMConfig, layer_idx: int):
+    def __init__(self, config: MiniCPMSettings, layer_idx: int):
         super().__init__()
         self.residual_scale = config.residual_scale
         self.self_attn = MiniCPMAttention(config, layer_idx)
@@ -201,7 +201,7 @@ class MiniCPMDecoderLayer(nn.Module):
         return hidden_states + self.mlp.down_proj(gated) * self.residual_scale
 
 
-def add_decoder_modules(model: nn.Module, config: MiniCPMConfig, initialized: bool = True) -> None:
+def add_decoder_modules(model: nn.Module, config: MiniCPMSettings, initialized: bool = True) -> None:
     """The base model's modules, in the official order and names: embed_tokens, layers, norm, rotary_emb.
     ``initialized=False`` leaves the embedding's values unset (a skeleton's are loaded): its random
     initialisation on the meta device imports torch's compiler (~1 s) to do nothing."""
@@ -216,7 +216,7 @@ class MiniCPMSkeleton(nn.Module):
     """``MiniCPMForCausalLM``'s module tree and state-dict names (``model.*``, ``lm_head``) with no forward
     of its own: what the runtime fills with weights and replays (``quantkit.kernels.model``)."""
 
-    def __init__(self, config: MiniCPMConfig):
+    def __init__(self, config: MiniCPMSettings):
         super().__init__()
         self.config = config
         self.model = nn.Module()
@@ -228,7 +228,7 @@ class MiniCPMSkeleton(nn.Module):
         self.lm_head.weight = self.model.embed_tokens.weight
 
 
-def weight_shapes(config: MiniCPMConfig) -> dict[str, tuple[int, ...]]:
+def weight_shapes(config: MiniCPMSettings) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of this config stores, with its shape, in the model's order (no memory:
     meta device). The decoder layers are alike, so one is built and its shapes repeated: building all
     of them took 0.05 s of every GGUF export of the default model."""

@@ -36,9 +36,9 @@ import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
-from quantkit.models.configuration_minicpm import MiniCPMConfig
 from quantkit.models.decoder import MiniCPMAttention, MiniCPMMLP, MiniCPMRMSNorm, MiniCPMRotaryEmbedding
 from quantkit.models.layers import SEQUENTIAL_GROUPS
+from quantkit.models.settings import MiniCPMSettings
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -115,23 +115,23 @@ class Eagle3Config:
             raise DraftHeadError(f"{directory} has no {CONFIG_FILE}: not a draft head")
         return cls.from_dict(json.loads(path.read_text()))
 
-    def to_dict(self, target: MiniCPMConfig) -> dict:
+    def to_dict(self, target: MiniCPMSettings) -> dict:
         """config.json in the layout vLLM, SGLang and CPM.cu read, plus ``aux_states``; the aux layer ids
         are also written under vLLM's key (the entering-layer convention)."""
         return {"architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
                 **asdict(self), "tie_word_embeddings": False,
                 "eagle_aux_hidden_state_layer_ids": list(self.aux_layers(target))}
 
-    def aux_layers(self, target: MiniCPMConfig) -> tuple[int, int, int]:
+    def aux_layers(self, target: MiniCPMSettings) -> tuple[int, int, int]:
         return AUX_STATES[self.aux_states].layers(target.num_hidden_layers)
 
-    def midlayer_config(self) -> MiniCPMConfig:
+    def midlayer_config(self) -> MiniCPMSettings:
         """The draft layer's own shape as a MiniCPM config (its attention, MLP and RoPE)."""
-        return MiniCPMConfig(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                             num_hidden_layers=1, num_attention_heads=self.num_attention_heads,
-                             num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-                             rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
-                             max_position_embeddings=self.max_position_embeddings, vocab_size=self.vocab_size)
+        return MiniCPMSettings(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                               num_hidden_layers=1, num_attention_heads=self.num_attention_heads,
+                               num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+                               rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+                               max_position_embeddings=self.max_position_embeddings, vocab_size=self.vocab_size)
 
 
 def is_draft_head(directory: str | Path) -> bool:
@@ -143,7 +143,7 @@ def is_draft_head(directory: str | Path) -> bool:
     return "draft_vocab_size" in config or any("Eagle3" in name for name in config.get("architectures", []))
 
 
-def check_pairing(config: Eagle3Config, target: MiniCPMConfig) -> None:
+def check_pairing(config: Eagle3Config, target: MiniCPMSettings) -> None:
     """A head serves a target only if it reads its hidden size and embeds and predicts its vocabulary."""
     problems = []
     if config.target_hidden_size != target.hidden_size:
@@ -191,7 +191,7 @@ class Eagle3Head(nn.Module):
     """The head for one target. ``draft`` runs one drafting step over a sequence; the caller supplies
     the target's embedding of the tokens (``embed``) and, at the first step, its aux states (``project``)."""
 
-    def __init__(self, config: Eagle3Config, target: MiniCPMConfig):
+    def __init__(self, config: Eagle3Config, target: MiniCPMSettings):
         super().__init__()
         check_pairing(config, target)
         self.config, self.target = config, target
