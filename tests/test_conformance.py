@@ -1,10 +1,13 @@
 """Every format as its consumers read it (quantkit.eval.conformance): each consumer's decoding of
 quantkit's files must equal quantkit's dequantized weights bit for bit, on edge-case records and on
 artifacts the engine wrote; and a planted v1 zero point of 0 must be caught."""
+import json
+
 import numpy as np
 import pytest
 import torch
 
+from quantkit.checkpoint import FILES_KEY, MANIFEST_FILE, sha256_file
 from quantkit.engine import quantize
 from quantkit.eval.conformance import (
     MARLIN_WEIGHT_PERM,
@@ -195,6 +198,9 @@ def test_planted_zero_point_of_zero_is_caught(tiny_checkpoint, tmp_path):
     zeros[0, 3] = 15
     tensors[key] = gptq.pack_cols(zeros, 4)
     save_file(tensors, str(shard), metadata={"format": "pt"})
+    manifest = json.loads((out / MANIFEST_FILE).read_text())  # as another tool's, whose hash it would hold
+    manifest[FILES_KEY][shard.name] = {"size": shard.stat().st_size, "sha256": sha256_file(shard)}
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest))
     report = check_conformance(out)
     assert not report.passed
     assert "ambiguous" in report.quantkit_error and "mlp.down_proj.qzeros" in report.quantkit_error
