@@ -16,13 +16,13 @@ from typing import Iterator
 
 import torch
 
-from quantkit.chat_template import render_chat
 from quantkit.errors import QuantkitError
 from quantkit.kernels.attention import make_attention, sparse_config_for
 from quantkit.kernels.kv_cache import KVCache
 from quantkit.kernels.model import RuntimeModel
 from quantkit.kernels.sampling import Sampler, Sampling
 from quantkit.kernels.speculative import Acceptance, Drafter, ModelDrafter, TreeShape, speculative_tokens
+from quantkit.kernels.tokenizer_process import RuntimeTokenizer, TokenizerProcess
 
 DEFAULT_PREFILL_CHUNK = 512
 DEFAULT_DRAFT_TOKENS = 3  # vLLM's num_speculative_tokens in OpenBMB's serving recipe for the EAGLE-3 head
@@ -112,7 +112,7 @@ class TextGenerator:
         for message in messages:
             if isinstance(message.get("content"), str):
                 checked_text(message["content"], f"the {message.get('role', 'chat')} message")
-        return render_chat(self.tokenizer, messages, add_generation_prompt=True, enable_thinking=enable_thinking)
+        return self.tokenizer.chat_ids(messages, add_generation_prompt=True, enable_thinking=enable_thinking)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         return list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(checked_text(prompt))
@@ -230,19 +230,16 @@ class TextGeneratorLM:
         return torch.tensor([prompt + new])
 
 
-def stop_tokens_of(model_dir: Path, tokenizer, config) -> set[int]:
-    """EOS ids from the config and generation_config, plus the chat turn end ``<|im_end|>``."""
-    from transformers import GenerationConfig
+def stop_tokens_of(model_dir: Path, tokenizer: RuntimeTokenizer, config) -> set[int]:
+    """EOS ids from the config, generation_config.json and the tokenizer, and the chat turn's end."""
+    from quantkit.json_files import read_json_object
 
-    ids: set[int] = set()
-    sources = [config.eos_token_id, tokenizer.eos_token_id]
+    ids = tokenizer.end_ids()
+    sources = [config.eos_token_id]
     if (model_dir / "generation_config.json").is_file():
-        sources.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+        sources.append(read_json_object(model_dir / "generation_config.json").get("eos_token_id"))
     for source in sources:
         ids.update(source if isinstance(source, (list, tuple)) else [] if source is None else [source])
-    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if isinstance(end_of_turn, int) and end_of_turn != tokenizer.unk_token_id:
-        ids.add(end_of_turn)
     return ids
 
 
@@ -250,11 +247,13 @@ def load_text_generator(model_dir: str | Path, *, sparse: str = "auto", sparse_o
                         device: str = "cpu", dtype: torch.dtype = torch.bfloat16, linear_backend: str = "cpu",
                         lm_head: str = "auto", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                         draft: str | Path | None = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS,
-                        draft_tree: TreeShape | None = None, draft_window: int | None = None) -> TextGenerator:
+                        draft_tree: TreeShape | None = None, draft_window: int | None = None,
+                        tokenizer: RuntimeTokenizer | TokenizerProcess | None = None) -> TextGenerator:
     """A text generator for any checkpoint quantkit reads: unquantized, or an artifact it wrote; with ``draft``
     (``load_drafter``) it decodes speculatively, ``draft_tokens`` drafts a round or, greedy, a
-    ``draft_tree``; an EAGLE-3 head attends the last ``draft_window`` positions (all when None)."""
-    from quantkit.checkpoint import load_tokenizer
+    ``draft_tree``; an EAGLE-3 head attends the last ``draft_window`` positions (all when None).
+    ``tokenizer``: the model's, already started (the command line forks a ``TokenizerProcess`` before it
+    imports torch); by default it is loaded here, beside the weights."""
     from quantkit.device import resolve_device
     from quantkit.kernels.load import load_runtime_model
 
@@ -262,12 +261,12 @@ def load_text_generator(model_dir: str | Path, *, sparse: str = "auto", sparse_o
     model_dir = Path(model_dir)
     # The tokenizer is read (Python, holding the GIL) while the weights are (torch, releasing it).
     with ThreadPoolExecutor(1) as reading:
-        tokenizer_read = reading.submit(load_tokenizer, model_dir)
+        tokenizer_read = reading.submit(RuntimeTokenizer.load, model_dir) if tokenizer is None else None
         model = load_runtime_model(model_dir, dtype, "triton" if device == "cuda" else linear_backend, device, lm_head)
         sparse_config = sparse_config_for(sparse, model.config.sparse_attention, sparse_overrides)
         attention = make_attention(sparse_config, "triton" if device == "cuda" else "cpu")
         runtime = RuntimeModel(model, attention)
-        tokenizer = tokenizer_read.result()
+        tokenizer = tokenizer if tokenizer_read is None else tokenizer_read.result()
     refuse_tokens_beyond_vocabulary(model_dir, tokenizer, model.config.vocab_size)
     drafter = None if draft is None else load_drafter(draft, runtime, device, linear_backend, draft_window)
     return TextGenerator(runtime, tokenizer, stop_tokens_of(model_dir, tokenizer, model.config), prefill_chunk,
@@ -278,7 +277,7 @@ def refuse_tokens_beyond_vocabulary(model_dir: Path, tokenizer, vocab_size: int)
     """A token id the embedding has no row for would fail deep in the first forward pass that meets it."""
     from quantkit.checkpoint import CheckpointError
 
-    token, largest = max(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    token, largest = tokenizer.largest_token()
     if largest >= vocab_size:
         raise CheckpointError(f"{model_dir}: the tokenizer's token {token[:40]!r} has id {largest}, beyond the model's "
                               f"vocab_size of {vocab_size} (config.json)")

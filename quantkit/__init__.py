@@ -66,9 +66,9 @@ def evaluate(model, ref="default", *, data: str = "austen", max_tokens: int = 81
     from dataclasses import asdict
 
     from quantkit import calib
-    from quantkit.checkpoint import load_tokenizer
     from quantkit.eval.kld import kl_divergence
     from quantkit.loading import load_model
+    from quantkit.tokenizer import load_tokenizer
     from quantkit.zoo import resolve_model
 
     model_dir, ref_dir = resolve_model(model), resolve_model(ref)

@@ -20,7 +20,8 @@ from typing import Callable
 
 import torch
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import CheckpointError
+from quantkit.json_files import loads_json, read_config_json, read_json_object
 
 INDEX_FILE = "model.safetensors.index.json"
 MANIFEST_FILE = "quantkit.json"  # an artifact's manifest (quantkit.artifact writes it)
@@ -41,10 +42,6 @@ def sha256_file(path: str | os.PathLike) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-class CheckpointError(QuantkitError, ValueError):
-    """A checkpoint that is missing, corrupt or does not match what it should contain."""
 
 
 def manifest_records(directory: str | Path) -> dict[str, dict]:
@@ -90,23 +87,6 @@ class TensorEntry:
 
 
 MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit on the JSON header
-
-
-def _unique_keys(pairs: list) -> dict:
-    names = [name for name, _ in pairs]
-    if len(set(names)) != len(names):
-        raise ValueError(f"duplicate key '{next(n for n in names if names.count(n) > 1)}'")
-    return dict(pairs)
-
-
-def _not_a_number(token: str):
-    raise ValueError(f"{token} is not a JSON number")
-
-
-def loads_json(text: str | bytes):
-    """JSON as its standard defines it. Python's parser accepts a bare NaN or Infinity, and keeps the last of
-    two values under one key, which hides one from any reader that keeps the first: both are refused."""
-    return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_not_a_number)
 
 
 def _check_entries(header, data_start: int, file_size: int) -> str | None:
@@ -174,55 +154,6 @@ _LAYER_KEY = re.compile(r"model\.layers\.(\d{1,9})\.")
 # config.json sizes that a stored tensor's first dimension shows in every format quantkit reads: norms
 # are never quantized, and a quantized embedding (MLX's) still stores one row per token.
 SIZE_TENSORS = {"hidden_size": "model.norm.weight", "vocab_size": "model.embed_tokens.weight"}
-
-
-def read_json_object(path: str | Path) -> dict:
-    """A JSON file holding an object, read strictly (``loads_json``), or one clear error naming it
-    (transformers reports a malformed config from deep inside its loader)."""
-    path = Path(path)
-    try:
-        value = loads_json(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"{path}: not a readable JSON file ({e})") from e
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(value).__name__}")
-    return value
-
-
-def read_config_json(directory: str | Path) -> dict:
-    """``directory``'s config.json as a dict (``read_json_object``)."""
-    return read_json_object(Path(directory) / "config.json")
-
-
-# tokenizer_config.json's names for a tokenizer with no code of its own: AutoTokenizer loads those files as
-# TokenizersBackend whatever the model, so they are loaded directly, which spares importing AutoTokenizer
-# (it imports transformers' Auto model registry, and so quantkit's registration, the model classes and
-# their modeling code: about 2 s of the runtime's first answer).
-GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
-
-
-def load_tokenizer(directory: str | Path):
-    """The checkpoint's tokenizer as transformers' AutoTokenizer loads it, or one clear error naming the
-    directory: a missing or malformed tokenizer file otherwise fails deep inside transformers."""
-    try:
-        settings = read_json_object(Path(directory) / "tokenizer_config.json")
-    except CheckpointError:
-        settings = {}  # AutoTokenizer reports it, in its own words
-    generic = (settings.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES and "auto_map" not in settings
-               and (Path(directory) / "tokenizer.json").is_file())
-    try:
-        if generic:
-            from transformers import TokenizersBackend
-
-            return TokenizersBackend.from_pretrained(str(directory))
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(directory))
-    except Exception as e:  # transformers and tokenizers raise many kinds for a broken tokenizer
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{directory}: its tokenizer cannot be loaded ({type(e).__name__}: {reason}); a "
-                              "checkpoint needs tokenizer.json (or the files of a slow tokenizer) and "
-                              "tokenizer_config.json") from e
 
 
 class CheckpointReader:

@@ -301,7 +301,7 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
     dtype = compute_dtype(recipe["compute_dtype"])
     store = plan_activations(config, recipe["calibration"], dtype, device, activations, out_dir.absolute().parent)
 
-    from quantkit.checkpoint import load_tokenizer
+    from quantkit.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     cal = recipe["calibration"]

@@ -5,3 +5,7 @@ one-line error report among them, knows quantkit's errors without importing the 
 
 class QuantkitError(Exception):
     """An error quantkit raised on purpose; its message is the whole story for the user."""
+
+
+class CheckpointError(QuantkitError, ValueError):
+    """A checkpoint that is missing, corrupt or does not match what it should contain."""

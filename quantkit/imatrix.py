@@ -96,7 +96,7 @@ def imatrix_for(model_dir: str | Path, out: str | Path, *, source: str = "defaul
     """Write ``out`` from the calibration rows a recipe with these ``calibration`` settings uses (the
     recipes' defaults unless told), so llama-quantize weighs channels as quantkit's GPTQ does."""
     from quantkit import calib
-    from quantkit.checkpoint import load_tokenizer
+    from quantkit.tokenizer import load_tokenizer
 
     out = Path(out)
     refuse_existing(out)

@@ -127,8 +127,8 @@ def test_own_text_rows_keep_their_prompt_and_train_a_head(target_dir, training_t
     a run on them is the same bytes again when it reads the cached continuations."""
     import json
 
-    from quantkit.checkpoint import load_tokenizer
     from quantkit.draft.trainer import train_head
+    from quantkit.tokenizer import load_tokenizer
     from quantkit.training.data import training_data
     from quantkit.training.own_text import greedy_continuation, own_text
 

@@ -10,7 +10,6 @@ from safetensors.torch import load_file
 from test_qat import STEP_TOKENS, overrides
 
 from quantkit import calib
-from quantkit.checkpoint import load_tokenizer
 from quantkit.cli import main
 from quantkit.engine import quantize
 from quantkit.eval.kld import kl_divergence
@@ -23,6 +22,7 @@ from quantkit.qat.write import write_outputs
 from quantkit.reader import ArtifactReader
 from quantkit.recipe import RecipeError, load_recipe
 from quantkit.run import RunError
+from quantkit.tokenizer import load_tokenizer
 from quantkit.training.fake_quant import AffineLinear, grid_weight, quantized_record
 
 from helpers import small_recipe

@@ -128,8 +128,8 @@ def test_legitimate_templates_render_as_transformers_renders_them(model):
     """MiniCPM4.1's template (the default model's too) and the tiny model's: the same ids, thinking on and
     off, over conversations up to a megabyte of text."""
     from quantkit.chat_template import render_chat
-    from quantkit.checkpoint import load_tokenizer
     from quantkit.models import CHAT_TEMPLATE
+    from quantkit.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model)
     conversations = []
@@ -257,7 +257,7 @@ def test_calibration_renders_chat_templates_within_the_budget(model, tmp_path):
     """Calibration's chat rows (`calibration.chat`) go through the same bounded rendering as the runtime."""
     from quantkit.calib import calibration_set
     from quantkit.chat_template import ChatTemplateError
-    from quantkit.checkpoint import load_tokenizer
+    from quantkit.tokenizer import load_tokenizer
 
     folder = _copy(model, tmp_path / "model")
     (folder / "chat_template.jinja").write_text(TEMPLATES["three nested range(100000) loops"])

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -186,6 +188,34 @@ def test_chat_prompt_thinking_switch(default_model):
     on = generator.tokenizer.decode(generator.chat_prompt(messages, enable_thinking=True))
     assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert on.endswith("<|im_start|>assistant\n")
+
+
+def test_the_tokenizer_process_answers_as_the_tokenizer_here(default_model, tiny_checkpoint, tmp_path):
+    """What `generate` and `chat` ask of their tokenizer, answered by the child process they start before
+    torch: the same ids, text and turn ends as in this process, and the same one-line errors."""
+    from quantkit.chat_template import ChatTemplateError
+    from quantkit.errors import CheckpointError
+    from quantkit.kernels.tokenizer_process import RuntimeTokenizer, TokenizerProcess
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Où est la tour Eiffel ? 🗼"}]
+    for model in (default_model, tiny_checkpoint):
+        here, there = RuntimeTokenizer.load(model), TokenizerProcess.start(model)
+        assert isinstance(there, TokenizerProcess)
+        for thinking in (False, True):
+            ids = here.chat_ids(messages, add_generation_prompt=True, enable_thinking=thinking)
+            assert there.chat_ids(messages, add_generation_prompt=True, enable_thinking=thinking) == ids
+        text = "Ünïcode, spaces  and\nnew lines <|im_end|>"
+        assert there.encode(text) == here.encode(text)
+        for skip in (False, True):
+            assert there.decode(here.encode(text), skip_special_tokens=skip) == here.decode(here.encode(text), skip)
+        assert there.end_ids() == here.end_ids() and there.largest_token() == here.largest_token()
+    hostile = Path(shutil.copytree(tiny_checkpoint, tmp_path / "hostile"))
+    (hostile / "chat_template.jinja").write_text("{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        TokenizerProcess.start(hostile).chat_ids(messages, add_generation_prompt=True)
+    (hostile / "tokenizer.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="its tokenizer cannot be loaded"):
+        TokenizerProcess.start(hostile).encode("hi")
 
 
 def test_default_model_answers_and_stops(default_model):

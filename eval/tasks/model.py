@@ -16,9 +16,9 @@ from transformers import PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicCache
 
 from quantkit.chat_template import render_chat
-from quantkit.checkpoint import load_tokenizer
 from quantkit.loading import load_model
 from quantkit.models import MiniCPMForCausalLM
+from quantkit.tokenizer import load_tokenizer
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ def evaluated_model(model_dir: Path, runtime: bool, sparse: str, sparse_config: 
 def heldout_tokens(model_dir: Path, data: str, max_tokens: int):
     """At most ``max_tokens`` of the held-out text ``data``, in the tokens of the model at ``model_dir``."""
     from quantkit import calib
-    from quantkit.checkpoint import load_tokenizer
+    from quantkit.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     return calib.heldout_tokens(tokenizer, name=data, max_tokens=max_tokens)

@@ -38,9 +38,9 @@ def eval_niah(model, revision, data, lengths, depths, trials, seed, plot_path, d
               sparse_config):
     """Needle in a haystack: retrieval accuracy over context length x needle depth."""
     from quantkit import calib
-    from quantkit.checkpoint import load_tokenizer
     from quantkit.device import resolve_device
     from quantkit.eval import niah
+    from quantkit.tokenizer import load_tokenizer
     from quantkit.zoo import resolve_model
 
     device = resolve_device(device)

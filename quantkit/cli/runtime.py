@@ -49,9 +49,10 @@ runtime_options = stack(
 
 def runtime_from_options(model, revision, sparse, sparse_config, device, prefill_chunk, draft=None,
                          draft_tokens=3, draft_tree=None, draft_window=None):
-    """The runtime for the command line's model options: MODEL (and a DRAFT) resolved, --sparse-config parsed."""
-    from quantkit.kernels.generate import load_text_generator
-    from quantkit.kernels.speculative import TreeShape
+    """The runtime for the command line's model options: MODEL (and a DRAFT) resolved, --sparse-config parsed.
+    The model's tokenizer starts in a process of its own before torch is imported here, so that the two
+    load side by side (kernels/tokenizer_process.py)."""
+    from quantkit.kernels.tokenizer_process import TokenizerProcess
     from quantkit.zoo import resolve_model
 
     overrides = None
@@ -60,11 +61,17 @@ def runtime_from_options(model, revision, sparse, sparse_config, device, prefill
             overrides = json.loads(sparse_config)
         except json.JSONDecodeError as e:
             raise click.ClickException(f"--sparse-config is not valid JSON: {e}") from e
-    return load_text_generator(resolve_model(model, revision=revision), sparse=sparse, sparse_overrides=overrides,
-                       device=device, prefill_chunk=prefill_chunk,
-                       draft=None if draft is None else resolve_model(draft), draft_tokens=draft_tokens,
-                       draft_tree=None if draft_tree is None else TreeShape.parse(draft_tree),
-                       draft_window=draft_window)
+    model_dir = resolve_model(model, revision=revision)
+    tokenizer = TokenizerProcess.start(model_dir)
+
+    from quantkit.kernels.generate import load_text_generator
+    from quantkit.kernels.speculative import TreeShape
+
+    return load_text_generator(model_dir, sparse=sparse, sparse_overrides=overrides, device=device,
+                               prefill_chunk=prefill_chunk, draft=None if draft is None else resolve_model(draft),
+                               draft_tokens=draft_tokens,
+                               draft_tree=None if draft_tree is None else TreeShape.parse(draft_tree),
+                               draft_window=draft_window, tokenizer=tokenizer)
 
 
 @click.command()

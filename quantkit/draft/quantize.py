@@ -42,7 +42,7 @@ def quantize_head(head_dir: str | Path, target_dir: str | Path, recipe: Recipe, 
     ``out_dir``; returns a report (per-linear relative output error, seconds)."""
     from tqdm.auto import tqdm
 
-    from quantkit.checkpoint import load_tokenizer
+    from quantkit.tokenizer import load_tokenizer
 
     run = Run(out_dir, resumable=False)
     if FORMATS[recipe["format"]].draft_head_fc is None:

@@ -140,7 +140,7 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
     """Train a head for the checkpoint or artifact ``target_dir`` (from scratch, or from the head ``init``)
     on ``device`` (cpu, cuda, or auto: ``resolve_device``) and write it to ``out_dir`` (official layout,
     plus ``draft_train.json``). ``stop_after_steps`` leaves the run as an interruption would (tests)."""
-    from quantkit.checkpoint import load_tokenizer
+    from quantkit.tokenizer import load_tokenizer
 
     target_dir = Path(target_dir)
     run = Run(out_dir, resume=resume)

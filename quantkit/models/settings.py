@@ -13,7 +13,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable
 
-from quantkit.checkpoint import CheckpointError, read_json_object
+from quantkit.errors import CheckpointError
+from quantkit.json_files import read_json_object
 from quantkit.models.sparse_attention import SparseAttentionConfig
 
 MODEL_TYPE = "minicpm"

@@ -168,7 +168,7 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, perplex
             raise RunError(str(e)) from e
         init_fingerprint = CheckpointReader(init).fingerprint()
 
-    from quantkit.checkpoint import load_tokenizer
+    from quantkit.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     data = training_data(tokenizer, settings["data"], settings["seq_len"], settings["seed"])
