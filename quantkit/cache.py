@@ -148,7 +148,7 @@ def fetch_deb(part: DebianFile, downloads: Path, progress: bool, manual: str,
                 shutil.copyfileobj(response, out)
         except OSError as error:
             raise RuntimeError(f"could not download {part.url} ({error}).\n{manual}") from error
-    from quantkit.checkpoint import sha256_file  # imports torch, which the light callers of this module skip
+    from quantkit.file_hashes import sha256_file
 
     actual = sha256_file(deb)
     if actual != part.sha256:

@@ -35,15 +35,6 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    """The SHA-256 of one file's bytes, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def manifest_records(directory: str | Path) -> dict[str, dict]:
     """The files an artifact's manifest records ({name: {"size", "sha256"}}); {} without a manifest, or with
     one older than file records."""

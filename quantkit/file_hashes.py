@@ -1,4 +1,4 @@
-"""Files' SHA-256, read once per version of a file.
+"""Files' SHA-256, read whole (``sha256_file``) or once per version of a file (``remembered_sha256``). No torch.
 
 Holding an artifact to its manifest at every start means hashing its weights: 5 GB for an 8B model at
 4 bits, about 7 s at this machine's 1.4 s a GiB, against a first answer of about 2 s. So each digest is
@@ -8,11 +8,23 @@ so a file is hashed when quantkit writes its manifest or first reads it, and aga
 """
 from __future__ import annotations
 
+import hashlib
 import os
 
 from quantkit import atomic
 from quantkit.cache import cache_root
-from quantkit.checkpoint import CheckpointError, read_json_object, sha256_file
+from quantkit.errors import CheckpointError
+from quantkit.json_files import read_json_object
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """The SHA-256 of one file's bytes, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
 
 HASHED_FILES = "hashed-files.json"  # under the cache root
 HASHED_FILES_KEPT = 10_000  # the most recently hashed; an older file is hashed again when next read

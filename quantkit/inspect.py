@@ -13,8 +13,8 @@ from quantkit.checkpoint import (
     manifest_records,
     read_config_json,
     read_json_object,
-    sha256_file,
 )
+from quantkit.file_hashes import sha256_file
 
 
 def _quantization(quant: dict) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from quantkit.atomic import atomic_path
 from quantkit.cache import WheelFile, by_hand, cache_root, fetch_wheel
-from quantkit.checkpoint import sha256_file
+from quantkit.file_hashes import sha256_file
 
 
 @dataclass(frozen=True)

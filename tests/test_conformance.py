@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from quantkit.checkpoint import FILES_KEY, MANIFEST_FILE, sha256_file
+from quantkit.checkpoint import FILES_KEY, MANIFEST_FILE
 from quantkit.engine import quantize
 from quantkit.eval.conformance import (
     MARLIN_WEIGHT_PERM,
@@ -18,6 +18,7 @@ from quantkit.eval.conformance import (
     unpack_stream,
     vllm_v1_zeros,
 )
+from quantkit.file_hashes import sha256_file
 from quantkit.formats import FORMATS, gptq
 from quantkit.formats.gptq import pack_cols, storable_grid
 from quantkit.models.layers import LINEARS

@@ -20,11 +20,13 @@ from quantkit.errors import QuantkitError
 DEBUG_ENV = "QUANTKIT_DEBUG"  # set to 1: every error shows its traceback
 
 # PyTorch's CPU allocator backs tensors of 2 MB and more with transparent huge pages when this is set. A
-# layer's calibration batches and a prefill allocate temporaries of hundreds of MB that glibc maps
-# afresh each time; in 4 KB pages their first touch costs one page fault per 4 KB (docs/results/quantize-8b.md, "One
-# layer with the full calibration set"). Read once, at the allocator's first use: set before any command
-# imports torch.
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+# layer's calibration batches allocate temporaries of hundreds of MB that glibc maps afresh each time; in 4
+# KB pages their first touch costs one page fault per 4 KB (docs/results/quantize-8b.md, "One layer with the
+# full calibration set"). Read once, at the allocator's first use: set before a command imports torch
+# (``main``). Not for the runtime's commands, which allocate their weights once: there the kernel's
+# compaction on first touch of huge pages cost the first answer 0.6 s (docs/results/runtime.md).
+HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
+WITHOUT_HUGE_PAGES = frozenset({"generate", "chat"})
 
 # command name -> "module:attribute" of the command (or group) it runs
 COMMANDS = {
@@ -147,5 +149,8 @@ class LazyGroup(click.Group):
                     f"(torch, transformers, ...) keeps its traceback. Set {DEBUG_ENV}=1 to see the traceback of "
                     "every error.")
 @click.version_option(package_name="quantkit")
-def main():
+@click.pass_context
+def main(ctx: click.Context):
     """quantkit: quantize MiniCPM4.1 (and its EAGLE3 head) and measure what it cost."""
+    if ctx.invoked_subcommand not in WITHOUT_HUGE_PAGES:
+        os.environ.setdefault(HUGE_PAGES_ENV, "1")

@@ -83,11 +83,11 @@ def runtime_from_options(model, revision, sparse, sparse_config, device, prefill
 def generate(prompt, chat, model, revision, sparse, sparse_config, device, max_new_tokens, temperature, top_p, seed,
              prefill_chunk, thinking, draft, draft_tokens, draft_tree, draft_window, as_json):
     """Generate text with quantkit's runtime, streaming it as it is decoded."""
+    generator = runtime_from_options(model, revision, sparse, sparse_config, device, prefill_chunk, draft,
+                                     draft_tokens, draft_tree, draft_window)  # first: it starts the tokenizer
     from quantkit.kernels.generate import CONTEXT_LIMIT
     from quantkit.kernels.sampling import Sampling
 
-    generator = runtime_from_options(model, revision, sparse, sparse_config, device, prefill_chunk, draft,
-                                     draft_tokens, draft_tree, draft_window)
     ids = (generator.chat_prompt([{"role": "user", "content": prompt}], enable_thinking=thinking) if chat
            else generator.encode(prompt))
     settings = dict(max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_p, seed))
@@ -119,12 +119,12 @@ def chat(model, revision, sparse, sparse_config, device, max_new_tokens, tempera
          thinking, draft, draft_tokens, draft_tree, draft_window):
     """Interactive chat. The KV cache is kept between turns: each turn prefills only the new tokens.
     Type /reset to start over, /exit (or Ctrl-D) to leave."""
+    generator = runtime_from_options(model, revision, sparse, sparse_config, device, prefill_chunk, draft,
+                                     draft_tokens, draft_tree, draft_window)  # first: it starts the tokenizer
     from quantkit.kernels.chat import ChatSession
     from quantkit.kernels.generate import PromptError
     from quantkit.kernels.sampling import Sampling
 
-    generator = runtime_from_options(model, revision, sparse, sparse_config, device, prefill_chunk, draft,
-                                     draft_tokens, draft_tree, draft_window)
     session = ChatSession(generator, enable_thinking=thinking)
     settings = dict(max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_p, seed))
     # Bytes that are not UTF-8 arrive as lone surrogates, which the session refuses in one line and goes on,

@@ -36,7 +36,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
 from quantkit.atomic import publish_dir, refuse_existing, save_safetensors, write_json, write_text
-from quantkit.checkpoint import sha256_file
+from quantkit.file_hashes import sha256_file
 from quantkit.gguf.names import LAYER_TENSOR_NAME, LAYER_TENSORS, minicpm_name, unpermute_rows
 from quantkit.gguf.reader import open_gguf
 from quantkit.models import CHAT_TEMPLATE

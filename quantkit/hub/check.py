@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantkit.artifact import MANIFEST_FILE, PROGRESS_FILE
-from quantkit.checkpoint import FILES_KEY, CheckpointError, CheckpointReader, check_files, sha256_file
+from quantkit.checkpoint import FILES_KEY, CheckpointError, CheckpointReader, check_files
 from quantkit.errors import QuantkitError
+from quantkit.file_hashes import sha256_file
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 CARD_FILE = "README.md"  # the artifact's copy is the base model's card; publishing writes its own
