@@ -281,6 +281,10 @@ class Row:
     partial_outputs: int = 0  # an incomplete output seen under its final name
     resumes: int = 0  # reruns after a kill (or a failed write)
     identical: int = 0  # of those, byte-identical to the uninterrupted run
+    peak_mb: int = 0  # the largest peak resident memory of a case's runs (the fork server's pages included)
+
+    def ran(self, outcome: "Outcome") -> None:
+        self.peak_mb = max(self.peak_mb, outcome.peak_kb >> 10)
 
 
 class Tally:
@@ -309,14 +313,16 @@ def format_rows(rows: list[dict]) -> str:
         key = (row["command"], row["fault"])
         if key in merged:
             for field, value in row.items():
-                if isinstance(value, int):
+                if field == "peak_mb":
+                    merged[key][field] = max(merged[key][field], value)
+                elif isinstance(value, int):
                     merged[key][field] += value
         else:
             merged[key] = dict(row)
     head = ["command", "fault", "cases", "clear errors", "tracebacks", "partial under final name",
-            "resumed/rerun", "identical bytes"]
+            "resumed/rerun", "identical bytes", "peak MB"]
     body = [[r["command"], r["fault"], r["cases"], r["clear_errors"], r["tracebacks"], r["partial_outputs"],
-             r["resumes"], r["identical"]] for r in merged.values()]
+             r["resumes"], r["identical"], r.get("peak_mb") or "-"] for r in merged.values()]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
     lines = ["  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip() for line in [head, *body]]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -399,6 +405,7 @@ def run_kill_case(launcher: Launcher, tally: Tally, command: str, argv: list[str
     proc = launcher.start(argv)
     partial, killed = watch(proc, final, complete, case, staging)
     first = proc.wait()
+    row.ran(first)
     if first.traceback:
         row.tracebacks += 1
         problems.append(f"{case.fault}: traceback in the first run:\n{first.stderr[-2000:]}")

@@ -46,6 +46,7 @@ def _bounded_run(launcher, argv, row, code: int = 1) -> tuple[list[str], str]:
     errors = [line for line in outcome.stderr.splitlines() if line.startswith("Error: ")]
     clear = outcome.code == code and len(errors) == 1 and not outcome.traceback
     row.cases += 1
+    row.ran(outcome)
     row.tracebacks += outcome.traceback
     row.clear_errors += clear
     problems = []
@@ -247,7 +248,8 @@ SEED_CASES = {  # command -> (argv, with {model} and {out}; exit code: click's 2
 def test_a_seed_beyond_32_bits_is_one_clear_line(case, launcher, model, tmp_path, tally):
     template, code = SEED_CASES[case]
     argv = [str(a).format(model=model, out=tmp_path / "out") for a in template]
-    problems, error = _bounded_run(launcher, argv, tally.row(case.split()[0], f"{case.split()[1]} of 2^70"), code)
+    command, _, option = case.rpartition(" ")
+    problems, error = _bounded_run(launcher, argv, tally.row(command, f"{option} of 2^70"), code)
     assert not problems, "\n".join(problems)
     assert "seed" in error and "4294967295" in error, error
     assert not (tmp_path / "out").exists()

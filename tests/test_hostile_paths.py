@@ -57,6 +57,7 @@ def judge(outcome: Outcome, row, name: str, before: dict, after: dict, lock_left
     if lock_left and before.get("out.lock") is None:
         after = {n: entry for n, entry in after.items() if n != "out.lock"}
     row.cases += 1
+    row.ran(outcome)
     row.tracebacks += outcome.traceback
     row.clear_errors += outcome.clear_error
     problems = []
