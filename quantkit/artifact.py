@@ -15,7 +15,7 @@ import torch
 
 from quantkit import atomic
 from quantkit.checkpoint import FILES_KEY, INDEX_FILE, MANIFEST_FILE, SINGLE_FILES, read_header
-from quantkit.file_hashes import remembered_sha256
+from quantkit.file_hashes import remembered_sha256s
 
 PROGRESS_FILE = "progress.json"
 REPORT_FILE = "quantize_report.json"  # timings and memory: the only file that differs between runs
@@ -26,8 +26,9 @@ _NOT_COPIED = {"config.json", INDEX_FILE, *SINGLE_FILES, "quantize_config.json",
 
 def file_records(directory: Path, skipped: set[str]) -> dict[str, dict]:
     """``{name: {"size", "sha256"}}`` of every file in ``directory`` whose name is not in ``skipped``."""
-    return {path.name: {"size": path.stat().st_size, "sha256": remembered_sha256(path)}
-            for path in sorted(directory.iterdir()) if path.is_file() and path.name not in skipped}
+    paths = [path for path in sorted(directory.iterdir()) if path.is_file() and path.name not in skipped]
+    return {path.name: {"size": path.stat().st_size, "sha256": digest}
+            for path, digest in zip(paths, remembered_sha256s(paths))}
 
 
 def shard_name(index: int, total: int) -> str:

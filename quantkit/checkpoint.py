@@ -50,20 +50,24 @@ def manifest_records(directory: str | Path) -> dict[str, dict]:
 
 
 def check_files(directory: str | Path, records: dict[str, dict], *,
-                digest: Callable[[Path], str] | None = None) -> None:
+                digests: Callable[[list[Path]], list[str]] | None = None) -> None:
     """Each file of ``records`` (``manifest_records``) against the one in ``directory``: there, of that size
-    (a stat a file), and with a ``digest`` of that SHA-256: ``sha256_file`` reads every byte (1.4 s a GiB
-    here), ``quantkit.file_hashes.remembered_sha256`` only those of a file not hashed in this version."""
+    (a stat a file), and with ``digests`` of that SHA-256: ``quantkit.file_hashes.sha256_files`` reads every
+    byte (1.4 s a GiB here), ``remembered_sha256s`` only those of a file not hashed in this version."""
     directory = Path(directory)
-    for name, record in sorted(records.items()):
+    names = sorted(records)
+    for name in names:
         path = directory / name
         if not path.is_file():
             raise CheckpointError(f"incomplete artifact {directory}: {name} is missing ({MANIFEST_FILE} records it)")
         size = path.stat().st_size
-        if size != record["size"]:
-            raise CheckpointError(f"{directory}: {name} has {size} bytes, {MANIFEST_FILE} records {record['size']}: "
-                                  "the file was changed or truncated")
-        if digest is not None and digest(path) != record["sha256"]:
+        if size != records[name]["size"]:
+            raise CheckpointError(f"{directory}: {name} has {size} bytes, {MANIFEST_FILE} records "
+                                  f"{records[name]['size']}: the file was changed or truncated")
+    if digests is None:
+        return
+    for name, actual in zip(names, digests([directory / name for name in names])):
+        if actual != records[name]["sha256"]:
             raise CheckpointError(f"{directory}: {name}'s SHA-256 differs from the one {MANIFEST_FILE} records: the "
                                   "file was changed after quantkit wrote it")
 

@@ -14,7 +14,7 @@ from quantkit.checkpoint import (
     read_config_json,
     read_json_object,
 )
-from quantkit.file_hashes import sha256_file
+from quantkit.file_hashes import sha256_files
 
 
 def _quantization(quant: dict) -> str:
@@ -35,7 +35,7 @@ def describe(model_dir: str | Path) -> dict:
         raise FileNotFoundError(f"{model_dir} has no config.json")
     config = read_config_json(model_dir)
     CheckpointReader(model_dir)
-    check_files(model_dir, manifest_records(model_dir), digest=sha256_file)  # inspect reads every byte
+    check_files(model_dir, manifest_records(model_dir), digests=sha256_files)  # inspect reads every byte
     quant = config.get("quantization_config") or {}
     weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     info = {

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from quantkit.artifact import MANIFEST_FILE
 from quantkit.checkpoint import CheckpointReader, check_files
-from quantkit.file_hashes import remembered_sha256
+from quantkit.file_hashes import remembered_sha256s
 from quantkit.formats import FORMATS, Format
 from quantkit.models import MiniCPMSettings
 from quantkit.models.decoder import weight_shapes
@@ -114,7 +114,7 @@ class ArtifactReader:
         self.dir = Path(model_dir)
         self.tensors = CheckpointReader(self.dir)
         # and to their SHA-256: a file changed in place after quantkit wrote it (hashed once a version)
-        check_files(self.dir, self.tensors.weight_records(), digest=remembered_sha256)
+        check_files(self.dir, self.tensors.weight_records(), digests=remembered_sha256s)
         values = checked_values(self.dir / "config.json")
         self.config = MiniCPMSettings.from_values(values)  # what the runtime builds from, without transformers
         self.format = artifact_format(self.dir, values.get("quantization_config"))

@@ -327,7 +327,7 @@ COMMANDS = {"inspect": lambda folder: ["inspect", folder],
 
 def test_an_artifact_changed_after_it_was_written_is_one_clear_error(launcher, artifact, tmp_path, tally):
     """Every reader holds the weight files to their recorded sizes and SHA-256 (hashed once per version of
-    a file: `remembered_sha256`); `inspect` hashes every file every time."""
+    a file: `remembered_sha256s`); `inspect` hashes every file every time."""
     problems = []
     for number, (name, (change, commands)) in enumerate(ARTIFACT_CASES.items()):
         changed = tmp_path / f"artifact{number}"
@@ -354,10 +354,10 @@ def test_a_file_is_hashed_once_per_version(tmp_path, monkeypatch):
     hashed = []
     real = file_hashes.sha256_file
     monkeypatch.setattr(file_hashes, "sha256_file", lambda p: hashed.append(p) or real(p))
-    first = file_hashes.remembered_sha256(path)
-    assert file_hashes.remembered_sha256(path) == first and len(hashed) == 1
+    first = file_hashes.remembered_sha256s([path])[0]
+    assert file_hashes.remembered_sha256s([path])[0] == first and len(hashed) == 1
     status = path.stat()
     with open(path, "r+b") as f:
         f.write(b"b")
     os.utime(path, ns=(status.st_atime_ns, status.st_mtime_ns))
-    assert file_hashes.remembered_sha256(path) == real(path) != first and len(hashed) == 2
+    assert file_hashes.remembered_sha256s([path])[0] == real(path) != first and len(hashed) == 2

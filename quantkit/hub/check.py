@@ -15,7 +15,7 @@ from pathlib import Path
 from quantkit.artifact import MANIFEST_FILE, PROGRESS_FILE
 from quantkit.checkpoint import FILES_KEY, CheckpointError, CheckpointReader, check_files
 from quantkit.errors import QuantkitError
-from quantkit.file_hashes import sha256_file
+from quantkit.file_hashes import sha256_file, sha256_files
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 CARD_FILE = "README.md"  # the artifact's copy is the base model's card; publishing writes its own
@@ -85,7 +85,7 @@ def _check_manifest_files(directory: Path, manifest: dict, notes: list[str]) -> 
         notes.append(f"{MANIFEST_FILE} predates file hashes: only the safetensors headers were checked")
         return
     try:
-        check_files(directory, manifest[FILES_KEY], digest=sha256_file)  # what is published is read whole
+        check_files(directory, manifest[FILES_KEY], digests=sha256_files)  # what is published is read whole
     except CheckpointError as error:
         raise ArtifactCheckError(str(error)) from error
 
