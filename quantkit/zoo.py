@@ -181,7 +181,7 @@ def resolve_model(name_or_dir: str | os.PathLike, cache_dir: str | os.PathLike |
     path = Path(name_or_dir)
     if revision is not None and (path.is_dir() or not looks_like_repo_ref(name)):
         raise RevisionError(f"--revision {revision} applies to a Hub repo id, and {name} is "
-                         f"{'a local directory' if path.is_dir() else 'not one'}")
+                            f"{'a local directory' if path.is_dir() else 'not one'}")
     if name == "default":
         name = DEFAULT_MODEL
     if name in MODELS:
