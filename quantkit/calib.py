@@ -3,6 +3,10 @@
 The bundled texts live in the data package ``quantkit.calib_data`` (see its README and
 manifest.json). Calibration rows are cut from disjoint runs of text that start at a paragraph
 (or, inside very long paragraphs, at a line); each row is fed to the model as a sequence of its own.
+
+Held-out text has one of two roles. Validation texts (``VALIDATION_TEXTS``) are what defaults are
+chosen on: ablations, damping, clip ranges, alpha grids, QAT and draft-head hyperparameters. Test
+texts (``TEST_TEXTS``) are for reported figures only and must never be used to choose anything.
 """
 from __future__ import annotations
 
@@ -32,10 +36,14 @@ CUT_MARGIN_TOKENS = 16
 BLANK_LINE = re.compile(r"\n[ \t]*\n+")
 
 
+CALIBRATION, VALIDATION, TEST = "calibration", "validation", "test"
+
+
 @dataclass(frozen=True)
 class Corpus:
     file: str
     description: str
+    role: str = CALIBRATION  # held-out text: VALIDATION or TEST
 
 
 CORPORA: dict[str, Corpus] = {
@@ -45,10 +53,19 @@ CORPORA: dict[str, Corpus] = {
     "math": Corpus("math_calib.txt", "GSM-style word problems with worked answers"),
 }
 
+# Every held-out text, validation and test alike: what heldout_tokens reads and calibration refuses.
 HELDOUT: dict[str, Corpus] = {
-    "austen": Corpus("en_heldout.txt", "English: Jane Austen, Pride and Prejudice"),
-    "zh-heldout": Corpus("zh_heldout.txt", "Chinese: LibreOffice help pages held out from 'zh'"),
+    "austen": Corpus("en_heldout.txt", "English: Jane Austen, Pride and Prejudice", VALIDATION),
+    "zh-heldout": Corpus("zh_heldout.txt", "Chinese: LibreOffice help pages held out from 'zh'", VALIDATION),
+    "test-fiction": Corpus("test_fiction.txt", "English fiction: Herman Melville, Moby-Dick, chapters 1-67",
+                           TEST),
+    "test-manual": Corpus("test_manual.txt", "English technical prose: The Debian Administrator's Handbook, "
+                          "preface to section 11.3", TEST),
+    "test-code": Corpus("test_code.txt", "Python: NetworkX library modules (not the standard library)", TEST),
+    "test-zh": Corpus("test_zh.txt", "Chinese: Debian Reference (zh-CN), not LibreOffice help", TEST),
 }
+VALIDATION_TEXTS: tuple[str, ...] = tuple(name for name, c in HELDOUT.items() if c.role == VALIDATION)
+TEST_TEXTS: tuple[str, ...] = tuple(name for name, c in HELDOUT.items() if c.role == TEST)
 
 # Shares of calibration rows. MiniCPM4.1 is a bilingual chat model that also writes code and math.
 MIXES: dict[str, dict[str, float]] = {
@@ -276,8 +293,8 @@ def calibration_set(tokenizer, source: str = "default", n_samples: int | None = 
     the seed and the data, not on Python's hash salt. Mix shares are met by largest remainder.
     """
     if source in HELDOUT:
-        raise ValueError(f"{source!r} is a held-out evaluation set; calibrating on it would "
-                         "contaminate the evaluation")
+        raise ValueError(f"{source!r} is a held-out evaluation set ({HELDOUT[source].role} text); "
+                         "calibrating on it would contaminate the evaluation")
     if (n_samples is not None and n_samples < 1) or seq_len < 2:
         raise ValueError(f"need n_samples >= 1 and seq_len >= 2, got {n_samples} and {seq_len}")
     encoder = _Encoder(tokenizer, chat)
@@ -327,7 +344,8 @@ def _most_rows(shares: dict[str, float], available: dict[str, int]) -> int:
 
 def heldout_tokens(tokenizer, name: str = "austen", max_tokens: int | None = None) -> torch.Tensor:
     """One LongTensor [T] of the held-out text (documents joined by a blank line), tokenized with
-    the tokenizer's default special tokens. ``name`` is a held-out set, a local file or hf: spec;
+    the tokenizer's default special tokens. ``name`` is a held-out set (a validation text, on which
+    defaults may be chosen, or a test text, for reported figures only), a local file or hf: spec;
     calibration corpora are refused. Only as much text as ``max_tokens`` needs is tokenized."""
     if name in MIXES:
         raise ValueError(f"{name!r} is calibration text; evaluating on it would be contaminated. "

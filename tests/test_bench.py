@@ -160,3 +160,67 @@ def test_runtime_bench_times_a_fresh_generate_to_its_first_token_and_its_whole_a
     assert len(latency["runs"]) == 2 and latency["command"][-4:-2] == ["--model", str(tiny_checkpoint)]
     assert all(0 < run["first_token_seconds"] <= run["answer_seconds"] for run in latency["runs"])
     assert latency["passed"] == (latency["first_token_seconds"] <= FIRST_TOKEN_TARGET_SECONDS == 2.0)
+
+
+def _scored(method, seed, path, kls):
+    from quantkit.eval.bench.bench_methods import Scored
+
+    return Scored(method, 4, seed, path, 10.0, 100.0,
+                  {text: {"mean_kl": kl, "perplexity": 20.0, "top1_agreement": 0.7} for text, kl in kls.items()})
+
+
+def test_methods_bench_wins_only_with_its_whole_range_below_the_peer_on_every_text():
+    from quantkit.eval.bench.bench_methods import tables
+
+    texts = ["fiction", "code"]
+    variants = [_scored("GPTQ", 0, "bf16", {"fiction": 0.30, "code": 0.20}),
+                _scored("GPTQ", 1, "bf16", {"fiction": 0.32, "code": 0.22}),
+                _scored("S-P-GPTQ", 0, "bf16", {"fiction": 0.20, "code": 0.10}),
+                _scored("S-P-GPTQ", 1, "bf16", {"fiction": 0.22, "code": 0.18}),  # above the peer's code 0.17
+                _scored("S-P-GPTQ", 0, "fp32", {"fiction": 0.21, "code": 0.11}),
+                _scored("S-P-GPTQ", 1, "fp32", {"fiction": 0.23, "code": 0.19}),
+                _scored("GPTQModel", 0, "bf16", {"fiction": 0.34, "code": 0.17}),
+                _scored("GPTQModel", 1, "bf16", {"fiction": 0.36, "code": 0.25})]
+    summary, per_text, verdicts = tables(variants, texts, "GPTQ", {"GPTQModel": "command"})
+    # S-P-GPTQ bf16: mean 0.175 over texts and seeds; GPTQModel's 0.28; ratio 0.625 -> PASS, but its code
+    # range (0.10-0.18) overlaps the peer's (0.17-0.25), so it does not win outright
+    assert "S-P-GPTQ W4 bf16 vs GPTQModel (bf16): mean KL 0.62x (target <= 0.8: PASS); every seed and text " \
+           "below: no" in verdicts
+    assert "GPTQ W4 bf16 vs GPTQModel (bf16): mean KL 0.93x (target <= 0.8: FAIL); every seed and text below: no" \
+           in verdicts
+    # the fp32 path's mean 0.185 against bf16's 0.175: 1.057, outside 5 %
+    assert "S-P-GPTQ W4: fp32 path / bf16 path mean KL 1.057 (target within 5%: FAIL)" in verdicts
+    assert "0.175 (0.1–0.22)" in summary and "0.625" not in summary  # ratios go against GPTQ of the same path
+    assert "0.21 (0.2–0.22)" in per_text and "0.14 (0.1–0.18)" in per_text
+
+
+def test_beats_needs_every_value_below_on_every_text():
+    from quantkit.eval.bench.across_texts import Spread, beats
+
+    assert beats({"a": [0.1, 0.2], "b": [0.3]}, {"a": [0.21], "b": [0.31, 0.5]})
+    assert not beats({"a": [0.1, 0.2], "b": [0.3]}, {"a": [0.2], "b": [0.31]})
+    assert str(Spread.of([0.1, 0.2, 0.3])) == "0.2 (0.1–0.3)" and str(Spread.of([0.25])) == "0.25"
+
+
+def test_scores_are_remembered_per_text_and_redone_when_the_tokens_change(tmp_path):
+    import torch
+
+    from quantkit.eval.bench.across_texts import remembered_scores
+    from quantkit.eval.kld import KLResult
+
+    calls = []
+
+    def score(tokens):
+        calls.append(int(tokens.sum()))
+        return KLResult(float(tokens.sum()), 0.0, 1.0, 2.0, 2.0, len(tokens), 4)
+
+    path = tmp_path / "a.scores.json"
+    first = remembered_scores(path, score, {"x": torch.tensor([1, 2]), "y": torch.tensor([3])}, 4, reuse=True)
+    assert first["x"]["mean_kl"] == 3.0 and calls == [3, 3]
+    # another run asking for one known text and one new: only the new one is scored, the others are kept
+    second = remembered_scores(path, score, {"x": torch.tensor([1, 2]), "z": torch.tensor([5])}, 4, reuse=True)
+    assert calls == [3, 3, 5] and set(second) == {"x", "z"}
+    # changed tokens (or a run without reuse) are scored again
+    remembered_scores(path, score, {"y": torch.tensor([4])}, 4, reuse=True)
+    remembered_scores(path, score, {"x": torch.tensor([1, 2])}, 4, reuse=False)
+    assert calls == [3, 3, 5, 4, 3]

@@ -64,19 +64,105 @@ def test_manifest_matches_shipped_files():
         assert hashlib.sha256(content).hexdigest() == entry["sha256"], file
         assert len(content) == entry["bytes"] <= build.MAX_FILE_BYTES
         assert len(calib.load_documents(registered[file])) == entry["documents"]
-        assert entry["role"] == ("heldout" if registered[file] in calib.HELDOUT else "calibration")
+        assert entry["role"] == {**calib.CORPORA, **calib.HELDOUT}[registered[file]].role
         assert entry["license"] and entry["source"]["version"] and entry["method"]
+        assert (f"ngram{build.NGRAM}_overlap" in entry) == (entry["role"] == calib.TEST)
 
 
-def test_heldout_text_shares_no_200_char_span_with_calibration():
+def test_roles_come_from_one_table():
+    assert calib.VALIDATION_TEXTS == ("austen", "zh-heldout")
+    assert calib.TEST_TEXTS == ("test-fiction", "test-manual", "test-code", "test-zh")
+    assert set(calib.VALIDATION_TEXTS) | set(calib.TEST_TEXTS) == set(calib.HELDOUT)
+    assert {c.role for c in calib.CORPORA.values()} == {calib.CALIBRATION}
+    for name in calib.TEST_TEXTS:  # new files, each within the builders' budget
+        assert len(resources.files(calib.DATA_PACKAGE).joinpath(calib.HELDOUT[name].file).read_bytes()) \
+            <= build.FILE_BUDGET_BYTES
+
+
+def _other_text(excluded: str) -> list[str]:
+    """Calibration, validation and test files but ``excluded``."""
+    files = [c.file for c in (*calib.CORPORA.values(), *calib.HELDOUT.values())]
+    return [_text(file) for file in files if file != excluded]
+
+
+def test_heldout_text_shares_no_200_char_span_with_calibration_or_other_roles():
     calibration = [_text(c.file) for c in calib.CORPORA.values()]
     rng = random.Random(7)
-    for corpus in calib.HELDOUT.values():
+    for name, corpus in calib.HELDOUT.items():
         heldout = _text(corpus.file)
+        # Validation text is checked against calibration text; test text against everything else.
+        others = calibration if name in calib.VALIDATION_TEXTS else _other_text(corpus.file)
         for _ in range(150):
             start = rng.randrange(len(heldout) - build.HELDOUT_SPAN)
             span = heldout[start:start + build.HELDOUT_SPAN]
-            assert not any(span in text for text in calibration), (corpus.file, span)
+            assert not any(span in text for text in others), (corpus.file, span)
+
+
+# --- contamination: 13-gram overlap of the test texts -------------------------------------------
+
+@pytest.fixture(scope="module")
+def texts_by_role() -> dict[str, dict[str, list[str]]]:
+    return {"calibration": {name: calib.load_documents(name) for name in calib.CORPORA},
+            "validation": {name: calib.load_documents(name) for name in calib.VALIDATION_TEXTS},
+            "test": {name: calib.load_documents(name) for name in calib.TEST_TEXTS}}
+
+
+def _shares(texts_by_role, tests: dict[str, list[str]]) -> dict[str, dict[str, float]]:
+    return build.overlap_shares([d for docs in texts_by_role["calibration"].values() for d in docs],
+                                [d for docs in texts_by_role["validation"].values() for d in docs], tests)
+
+
+def test_test_texts_share_almost_no_13_grams_with_other_text(texts_by_role):
+    # The limit, build.MAX_TEST_OVERLAP (0.01 %), and why it is that: see its comment. Measured: 0 for
+    # all twelve shares; `python calib_data/build.py --overlap` prints them.
+    shares = _shares(texts_by_role, texts_by_role["test"])
+    print({name: {what: f"{share:.4%}" for what, share in against.items()} for name, against in shares.items()})
+    build.assert_low_overlap(shares)
+    assert all(set(against) == {"calibration", "validation", "test"} for against in shares.values())
+    manifest = json.loads(_text("manifest.json"))["files"]
+    for name, against in shares.items():  # the build recorded the same numbers
+        recorded = manifest[calib.HELDOUT[name].file][f"ngram{build.NGRAM}_overlap"]
+        assert recorded == {what: round(share, build.OVERLAP_DIGITS) for what, share in against.items()}
+
+
+# Calibration corpora of each test text's kind, for planting.
+PLANTED_FROM = {"test-fiction": "en", "test-manual": "en", "test-code": "code", "test-zh": "zh"}
+
+
+@pytest.mark.parametrize("name", calib.TEST_TEXTS)
+def test_overlap_check_flags_a_planted_calibration_paragraph(texts_by_role, name):
+    """The check can fail: one calibration paragraph of a few sentences, pasted into a test text (in
+    Chinese, some 50 characters: too short for the 200-character span check to see)."""
+    source = texts_by_role["calibration"][PLANTED_FROM[name]]
+    paragraphs = [p for document in source for p in re.split(r"\n\s*\n", document)]
+    # The first paragraph of 40 to 80 units: a few sentences, or a few lines of Chinese or code.
+    planted = next(p for p in paragraphs if 40 <= len(build.ngram_units(p)) <= 80)
+    documents = list(texts_by_role["test"][name])
+    middle = len(documents) // 2
+    documents[middle] = documents[middle] + "\n\n" + planted
+    shares = _shares(texts_by_role, {name: documents})
+    total = sum(len(build.ngrams(d)) for d in documents)
+    # At least the planted paragraph's own 13-grams are found in the calibration text.
+    assert shares[name]["calibration"] >= (len(build.ngram_units(planted)) - build.NGRAM + 1) / total
+    assert shares[name]["calibration"] >= build.MAX_TEST_OVERLAP
+    with pytest.raises(ValueError, match=f"test text {name} occur in calibration text"):
+        build.assert_low_overlap(shares)
+
+
+def test_ngram_units_are_words_and_cjk_characters():
+    assert build.ngram_units("Don't PANIC: self.max_len=3.5 使用 apt-get 命令。") == \
+        ["don", "t", "panic", "self", "max", "len", "3", "5", "使", "用", "apt", "get", "命", "令"]
+    grams = build.ngrams(" ".join(f"w{i}" for i in range(15)))
+    assert len(grams) == 3 and len(set(grams)) == 3
+    assert build.ngrams(" ".join(["w"] * 12)) == []  # too short for one 13-gram
+
+
+def test_test_texts_give_at_least_20k_smollm2_tokens(default_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model)
+    for name in calib.TEST_TEXTS:
+        assert calib.heldout_tokens(tokenizer, name).numel() >= 20_000, name
 
 
 def test_sotu_cleaning_keeps_inserted_words_and_drops_notes():
@@ -344,8 +430,9 @@ def test_chat_wraps_each_row_as_a_user_turn(tokenizer):
 
 
 def test_calibration_errors(tokenizer, tmp_path):
-    with pytest.raises(ValueError, match="held-out"):
-        calib.calibration_set(tokenizer, "austen", n_samples=2, seq_len=16)
+    for name in calib.HELDOUT:  # validation and test text alike
+        with pytest.raises(ValueError, match=f"held-out evaluation set \\({calib.HELDOUT[name].role} text\\)"):
+            calib.calibration_set(tokenizer, name, n_samples=2, seq_len=16)
     with pytest.raises(ValueError, match="unknown calibration source"):
         calib.calibration_set(tokenizer, "wikitext2", n_samples=2, seq_len=16)
     small = tmp_path / "small.txt"
@@ -367,8 +454,25 @@ def test_heldout_tokens_prefix_matches_full_tokenization(tokenizer, name):
     assert torch.equal(prefix, full[:3_000])
 
 
+def test_test_text_tokens(tokenizer):
+    tokens = calib.heldout_tokens(tokenizer, "test-code", 2_000)
+    assert tokens.shape == (2_000,) and tokenizer.decode(tokens[1:40]).startswith("# networkx/")
+
+
 def test_heldout_tokens_refuses_calibration_text(tokenizer):
     with pytest.raises(ValueError, match="calibration text"):
         calib.heldout_tokens(tokenizer, "en")
     with pytest.raises(ValueError, match="max_tokens"):
         calib.heldout_tokens(tokenizer, "austen", max_tokens=0)
+
+
+def test_eval_help_names_every_held_out_text_with_its_role():
+    from quantkit.cli.eval import data_option
+
+    @data_option
+    def command(data):
+        pass
+
+    help_text = command.__click_params__[0].help
+    for role, names in (("validation", calib.VALIDATION_TEXTS), ("test", calib.TEST_TEXTS)):
+        assert f"{', '.join(names)} ({role}" in help_text

@@ -1,5 +1,5 @@
 """`make bench-gguf`: quantkit's GGUF export against llama.cpp's own quantizer, and GPTQ on the GGUF
-grids, every file measured in llama.cpp on the same held-out tokens.
+grids, every file measured in llama.cpp on the same tokens of each test text.
 
 For each type, quantkit exports the model directly and llama.cpp's ``llama_model_quantize``
 quantizes quantkit's F32 export; the table says whether their tensors are identical and how long
@@ -23,9 +23,11 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import fmean
 
 import click
 
+from quantkit.eval.bench.across_texts import names, text_tokens, texts_option
 from quantkit.eval.bench.common import machine, quantize_command, report, timed
 from quantkit.eval.bench.llama_build import NATIVE, llama_cpp_programs
 from quantkit.table import format_table
@@ -123,6 +125,16 @@ class Row:
     top1: float
     seconds: float
     same_tensors_as_llama_cpp: str
+    kl_per_text: dict[str, float]
+
+
+def target_line(file_type: str, ours: Row, anchor: Row) -> str:
+    """Whether quantkit's best file of the type is within TARGET_RATIO of llama.cpp + imatrix on every text."""
+    ratios = {text: kl / anchor.kl_per_text[text] for text, kl in ours.kl_per_text.items()}
+    passed = all(ratio <= TARGET_RATIO for ratio in ratios.values())
+    return (f"target {file_type}: {ours.file} / llama.cpp+imatrix per text "
+            f"{', '.join(f'{text} {ratio:.2f}' for text, ratio in ratios.items())} (<= {TARGET_RATIO} on every "
+            f"text: {'PASS' if passed else 'FAIL'})")
 
 
 def tensor_digest(path: Path) -> str:
@@ -140,7 +152,8 @@ def tensor_digest(path: Path) -> str:
 @click.option("--model", default="default", show_default=True)
 @click.option("--types", default="q8_0,q6_k,q5_k_m,q4_k_m,q4_k_s,q4_1,q4_0", show_default=True,
               help="Comma-separated GGUF types.")
-@click.option("--max-tokens", default=4096, show_default=True, help="Held-out tokens scored.")
+@texts_option("test-fiction,test-manual,test-code,test-zh")
+@click.option("--max-tokens", default=4096, show_default=True, help="Tokens scored per text.")
 @click.option("--window", default=512, show_default=True, help="Tokens per llama.cpp evaluation window.")
 @click.option("--recipes", default=",".join(GPTQ_RECIPES), show_default=True,
               help=f"Comma-separated GPTQ-on-GGUF rows, of {', '.join(GPTQ_RECIPES)}.")
@@ -152,11 +165,11 @@ def tensor_digest(path: Path) -> str:
 @click.option("--seq-len", default=512, show_default=True)
 @click.option("--threads", default=2, show_default=True, help="Threads of the llama.cpp tools.")
 @click.option("--out", default="out/bench-gguf", show_default=True, type=click.Path(path_type=Path))
-def main(model, types, recipes, imatrix_types, use_llama_tools, max_tokens, window, n_samples, seq_len, threads, out):
+def main(model, types, recipes, imatrix_types, use_llama_tools, texts, max_tokens, window, n_samples, seq_len,
+         threads, out):
     """Export every type both ways, score each file in llama.cpp, print one table."""
     from transformers import AutoTokenizer
 
-    from quantkit import calib
     from quantkit.eval.kld import kl_divergence
     from quantkit.eval.llamacpp import LlamaCppModel, llama_quantize
     from quantkit.gguf.export import export_gguf
@@ -167,26 +180,30 @@ def main(model, types, recipes, imatrix_types, use_llama_tools, max_tokens, wind
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.gguf"):
         stale.unlink()
-    tokens = calib.heldout_tokens(AutoTokenizer.from_pretrained(model_dir), name="austen", max_tokens=max_tokens)
+    tokens = text_tokens(AutoTokenizer.from_pretrained(model_dir), names(texts), max_tokens)
     f32 = out / "f32.gguf"
     weights = export_gguf(model_dir, f32, "f32", progress=False).weights
     reference = LlamaCppModel(f32, n_ctx=window)
 
+    def on_every_text(model) -> dict:
+        return {name: kl_divergence(model, reference, text, window=window) for name, text in tokens.items()}
+
     def score(path: Path, made_by: str, seconds: float, same: str) -> Row:
         candidate = LlamaCppModel(path, n_ctx=window)
         try:
-            kl = kl_divergence(candidate, reference, tokens, window=window)
+            kls = on_every_text(candidate)
         finally:
             candidate.close()
         size = path.stat().st_size
-        row = Row(path.name, made_by, 8 * size / weights, size / 2**20, kl.perplexity, kl.mean_kl,
-                  kl.top1_agreement, round(seconds, 1), same)
+        row = Row(path.name, made_by, 8 * size / weights, size / 2**20, fmean(k.perplexity for k in kls.values()),
+                  fmean(k.mean_kl for k in kls.values()), fmean(k.top1_agreement for k in kls.values()),
+                  round(seconds, 1), same, {name: k.mean_kl for name, k in kls.items()})
         click.echo(f"[{row.file}] KL {row.mean_kl:.4f}", err=True)
         return row
 
-    fp = kl_divergence(reference, reference, tokens, window=window)
+    fp = on_every_text(reference)
     rows = [Row(f32.name, "quantkit export", 8 * f32.stat().st_size / weights, f32.stat().st_size / 2**20,
-                fp.perplexity, 0.0, 1.0, 0.0, "")]
+                fmean(k.perplexity for k in fp.values()), 0.0, 1.0, 0.0, "", {name: 0.0 for name in fp})]
     for file_type in [t.strip() for t in types.split(",") if t.strip()]:
         ours, theirs = out / f"{file_type}.gguf", out / f"{file_type}-llama.cpp.gguf"
         started = time.perf_counter()
@@ -197,12 +214,12 @@ def main(model, types, recipes, imatrix_types, use_llama_tools, max_tokens, wind
         rows.append(score(ours, "quantkit export", export_seconds, same))
         rows.append(Row(theirs.name, "llama.cpp quantize (of f32.gguf)", rows[-1].bits_per_weight,
                         theirs.stat().st_size / 2**20, rows[-1].perplexity, rows[-1].mean_kl, rows[-1].top1,
-                        round(quantize_seconds, 1), same))
+                        round(quantize_seconds, 1), same, rows[-1].kl_per_text))
         if same != "yes":  # not expected: score llama.cpp's file on its own
             rows[-1] = score(theirs, "llama.cpp quantize (of f32.gguf)", quantize_seconds, same)
 
-    anchors: dict[str, float] = {}  # file type -> KL of llama.cpp + llama-imatrix
-    best: dict[str, float] = {}  # file type -> KL of quantkit's best GPTQ file
+    anchors: dict[str, Row] = {}  # file type -> llama.cpp + llama-imatrix
+    best: dict[str, Row] = {}  # file type -> quantkit's GPTQ file with the least mean KL
     wanted = [t.strip() for t in imatrix_types.split(",") if t.strip()]
     bin_dir = llama_tools(build=use_llama_tools) if wanted else None
     imatrix_note = ""
@@ -245,7 +262,7 @@ def main(model, types, recipes, imatrix_types, use_llama_tools, max_tokens, wind
                     check_loaded(log.read_text(), entries, (out / f"{file_type}-{theirs_imatrix.stem}.log").read_text())
                 rows.append(score(path, f"llama.cpp quantize --imatrix ({by}; seconds include it)",
                                   made[imatrix] + seconds, ""))
-            anchors[file_type] = rows[-3].mean_kl
+            anchors[file_type] = rows[-3]
 
     for name in [r.strip() for r in recipes.split(",") if r.strip()]:
         recipe, file_type, settings = GPTQ_RECIPES[name]
@@ -257,17 +274,18 @@ def main(model, types, recipes, imatrix_types, use_llama_tools, max_tokens, wind
         exported = export_gguf(artifact, out / f"{name}.gguf", file_type, progress=False)
         rows.append(score(out / f"{name}.gguf", f"quantkit {name} ({exported.exact_tensors} tensors solved by GPTQ)",
                           seconds + time.perf_counter() - started, ""))
-        best[file_type] = min(best.get(file_type, float("inf")), rows[-1].mean_kl)
+        if file_type not in best or rows[-1].mean_kl < best[file_type].mean_kl:
+            best[file_type] = rows[-1]
     reference.close()
-    targets = [f"target {t}: quantkit's best KL {best[t]:.4f} <= {TARGET_RATIO} x llama.cpp+imatrix {anchors[t]:.4f}: "
-               f"{'PASS' if best[t] <= TARGET_RATIO * anchors[t] else 'FAIL'}"
-               for t in TARGET_TYPES if t in anchors and t in best]
+    targets = [target_line(t, best[t], anchors[t]) for t in TARGET_TYPES if t in anchors and t in best]
 
-    table = format_table(["file", "made by", "bits/weight", "MB", "ppl", "mean KL", "top-1", "seconds",
+    table = format_table(["file", "made by", "bits/weight", "MB", "ppl", "mean KL", *tokens, "top-1", "seconds",
                           "same tensors"],
-                         [[r.file, r.made_by, r.bits_per_weight, r.size_mb, r.perplexity, r.mean_kl, r.top1,
-                           r.seconds, r.same_tensors_as_llama_cpp] for r in rows])
-    header = (f"model {model_dir.name}; held-out Austen, {fp.tokens} scored tokens, llama.cpp windows of {window} "
+                         [[r.file, r.made_by, r.bits_per_weight, r.size_mb, r.perplexity, r.mean_kl,
+                           *r.kl_per_text.values(), r.top1, r.seconds, r.same_tensors_as_llama_cpp] for r in rows])
+    scored = next(iter(fp.values())).tokens
+    header = (f"model {model_dir.name}; {', '.join(tokens)}, {scored} scored tokens each (ppl, KL and top-1 "
+              f"are means over the texts), llama.cpp windows of {window} "
               f"(weight repacking off, KV cache f16), reference f32.gguf in llama.cpp; GPTQ calibration "
               f"{n_samples} x {seq_len} tokens; machine: {machine()}")
     notes = "\n".join([*targets, imatrix_note])

@@ -41,7 +41,9 @@ def eval_group():
 
 
 data_option = click.option("--data", default="austen", show_default=True,
-                           help="Held-out set name (austen, zh-heldout) or a local text file.")
+                           help="Held-out text by name: austen, zh-heldout (validation: the defaults were "
+                                "chosen on them); test-fiction, test-manual, test-code, test-zh (test: "
+                                "never used to choose anything); or a local text file.")
 tokens_option = click.option("--max-tokens", default=16384, show_default=True, type=int,
                              help="Evaluate on at most this many tokens.")
 window_option = click.option("--window", default=2048, show_default=True, type=int, help="Context window.")
