@@ -37,7 +37,7 @@ help:
 	@echo "make lint       ruff (pyflakes, pycodestyle, import order; settings in pyproject.toml)"
 	@echo "make eval-tasks  HumanEval / GSM / family-relationships scores of the default model (EVAL_TASKS_ARGS='--limit N')"
 	@echo "make demo-marlin  the marlin recipe end to end on Qwen2.5-Coder-0.5B (Marlin-legal shapes), KL vs RTN and GPTQ"
-	@echo "make bench-gptq  GPTQ / S-P-GPTQ / GPTQModel at W4 g128 on the default model: 3 calibration seeds x both compute paths, scored per test text"
+	@echo "make bench-gptq  GPTQ / S-GPTQ / S-P-GPTQ / GPTQModel at W4 g128 on the default model: 3 calibration seeds x both compute paths, scored per test text"
 	@echo "make bench-awq   AWQ / RTN / GPTQ / S-P-GPTQ at W4 and W3 g128, then AWQ vs llm-compressor at W4 g64"
 	@echo "make bench-gguf  every GGUF type exported by quantkit and by llama.cpp's quantizer, plus GPTQ on the Q4_0 and Q4_K_M grids, scored in llama.cpp"
 	@echo "make bench-gguf-speed  quantkit export gguf vs llama.cpp's quantizer, time per type on the default model and an 8B-shaped slice (target <= 1.5x)"
@@ -112,7 +112,7 @@ demo-marlin: $(INSTALLED)
 	  $(BIN)/quantkit eval kld --model $(OUT)/$$v --ref $(MARLIN_MODEL) --max-tokens 4096 || exit 1; done
 
 GPTQMODEL_PEER = GPTQModel=$(INTEROP_BIN)/python -m quantkit.eval.interop.gptqmodel_quantize {model} {out} \
-	--bits {bits} --group-size {group_size} --nsamples {n_samples} --seqlen {seq_len} --seed {seed}
+	--bits {bits} --group-size {group_size} --nsamples {n_samples} --seqlen {seq_len} --seed {seed} --dtype {dtype}
 
 # Every method x calibration seed x compute path, scored on the four test texts (hours on 2 cores; an
 # interrupted run continues with BENCH_GPTQ_ARGS=--reuse, which keeps finished artifacts and scores).

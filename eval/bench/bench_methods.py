@@ -6,7 +6,7 @@ Each variant (method, bits, calibration seed, compute path) is quantized in its 
 unquantized model on every test text: perplexity, KL divergence and top-1 agreement. Peers that run
 in their own environment (GPTQModel, llm-compressor) join through `--peer NAME=COMMAND` lines that
 write a checkpoint quantkit loads into the directory given as `{out}`, on the same seed's rows; a
-peer has one compute path, its own.
+peer has one compute path, given as `{dtype}`: what quantkit's `compute_dtype: auto` picks on this CPU.
 
 The tables: each method's KL as the mean over texts and seeds with its range, then per text, then
 the verdicts (a method beats another only where its whole range is below the other's on every
@@ -61,6 +61,12 @@ def default_paths() -> str:
     return "bfloat16,float32" if BF16_IN_HARDWARE else "float32"
 
 
+def auto_path() -> str:
+    from quantkit.stats import BF16_IN_HARDWARE
+
+    return "bfloat16" if BF16_IN_HARDWARE else "float32"
+
+
 def peer_path(artifact: Path) -> str:
     """The dtype a peer says it computed in (GPTQModel's run file), or "own"."""
     run = artifact / "gptqmodel_run.json"
@@ -81,12 +87,12 @@ def peer_path(artifact: Path) -> str:
 @texts_option("test-fiction,test-manual,test-code,test-zh")
 @click.option("--max-tokens", default=16384, show_default=True, help="Tokens scored per text.")
 @click.option("--window", default=2048, show_default=True)
-@click.option("--methods", default="GPTQ,S-P-GPTQ", show_default=True,
+@click.option("--methods", default="GPTQ,S-GPTQ,S-P-GPTQ", show_default=True,
               help=f"Comma-separated, from {', '.join(METHODS)}.")
 @click.option("--baseline", default="GPTQ", show_default=True, help="The method KL ratios are taken against.")
 @click.option("--out", default="out/bench-gptq", show_default=True, type=click.Path(path_type=Path))
 @click.option("--peer", "peers", multiple=True, help="NAME=COMMAND producing a checkpoint quantkit loads in {out} "
-              "(run with {model}, {bits}, {group_size}, {n_samples}, {seq_len}, {seed} substituted).")
+              "(run with {model}, {bits}, {group_size}, {n_samples}, {seq_len}, {seed}, {dtype} substituted).")
 @click.option("--reuse", is_flag=True, help="Keep artifacts and scores an earlier run made with the same commands "
               "and tokens (and continue interrupted quantizations).")
 def main(model, bit_widths, group_size, n_samples, seq_len, seeds, compute_dtypes, texts, max_tokens, window,
@@ -119,7 +125,7 @@ def main(model, bit_widths, group_size, n_samples, seq_len, seeds, compute_dtype
             jobs = [(method, path) for method in chosen for path in paths] + [(peer, None) for peer in peer_commands]
             for method, path in jobs:
                 settings = {"bits": bits, "group_size": group_size, "n_samples": n_samples, "seq_len": seq_len,
-                            "seed": seed}
+                            "seed": seed, "dtype": auto_path()}
                 if method in METHODS:
                     recipe, overrides = METHODS[method]
                     key = f"{method.lower()}-w{bits}-seed{seed}-{PATH_NAMES[path]}"
