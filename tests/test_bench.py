@@ -224,3 +224,18 @@ def test_scores_are_remembered_per_text_and_redone_when_the_tokens_change(tmp_pa
     remembered_scores(path, score, {"y": torch.tensor([4])}, 4, reuse=True)
     remembered_scores(path, score, {"x": torch.tensor([1, 2])}, 4, reuse=False)
     assert calls == [3, 3, 5, 4, 3]
+
+
+def test_gguf_target_holds_only_when_every_text_is_within_the_ratio():
+    from quantkit.eval.bench.bench_gguf import Row, target_line
+
+    def row(name, kls):
+        return Row(name, "", 4.5, 1.0, 20.0, sum(kls.values()) / len(kls), 0.8, 1.0, "", kls)
+
+    anchor = row("q4_k_m-imatrix-llama.cpp.gguf", {"fiction": 0.10, "code": 0.05})
+    assert target_line("q4_k_m", row("gguf-q4_k_m.gguf", {"fiction": 0.07, "code": 0.04}), anchor) == (
+        "target q4_k_m: gguf-q4_k_m.gguf / llama.cpp+imatrix per text fiction 0.70, code 0.80 (<= 0.8 on every "
+        "text: PASS)")
+    # a better mean (0.05 against 0.075) does not pass while one text is above the ratio
+    assert target_line("q4_k_m", row("gguf-q4_k_m.gguf", {"fiction": 0.05, "code": 0.045}), anchor).endswith(
+        "fiction 0.50, code 0.90 (<= 0.8 on every text: FAIL)")
