@@ -138,8 +138,9 @@ def test_dense_decode_runs_the_block_kernel_within_bf16_rounding_of_sdpa(heads_q
 
 
 def test_fused_kernels_built_without_avx512_bf16_compute_the_same(tmp_path):
-    """The float32 FMA paths, as a CPU with AVX-512 but no BF16 runs them (QUANTKIT_CPU_MARCH=skylake-avx512,
-    a process of its own), against the reference on every fused shape: a prefill chunk's block-sparse
+    """The float32 paths, as a CPU with AVX-512 but no BF16 runs them (QUANTKIT_CPU_MARCH=skylake-avx512,
+    a process of its own) or, on a CPU without AVX-512 (which cannot execute that build), as its own
+    portable build runs them, against the reference on every fused shape: a prefill chunk's block-sparse
     attention, and a speculative round's verification over the same cache (``verify_attention``: every
     cached key, and of the last 5 a tree's lineages) against SDPA with that mask."""
     import os
@@ -150,6 +151,9 @@ def test_fused_kernels_built_without_avx512_bf16_compute_the_same(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from quantkit import cpu_ops
+    from quantkit.eval.bench.common import cpu_flags
+
+    march, isa = ("skylake-avx512", "avx512") if "avx512f" in cpu_flags() else ("native", "portable")
 
     config = SparseAttentionConfig(window_size=256, topk=8, dense_len=1024)
     inputs, wanted, limits = {}, {}, {}
@@ -171,7 +175,7 @@ def test_fused_kernels_built_without_avx512_bf16_compute_the_same(tmp_path):
     save_file(inputs, tmp_path / "inputs.safetensors")
     script = (f"import torch; from safetensors.torch import load_file, save_file; from quantkit import cpu_ops;"
               f"t = load_file({str(tmp_path / 'inputs.safetensors')!r}); ops = cpu_ops.load(); "
-              f"assert ops.infllm_isa() == 'avx512', ops.infllm_isa(); "
+              f"assert ops.infllm_isa() == {isa!r}, ops.infllm_isa(); "
               f"out = {{f'out{{i}}': ops.infllm_block_attention(t[f'q{{i}}'], t[f'k{{i}}'], t[f'v{{i}}'], "
               f"t[f'blocks{{i}}'], int(t[f'first{{i}}']), 64, t[f'q{{i}}'].shape[-1] ** -0.5) "
               f"for i in range({len(FUSED_SHAPES)})}}; "
@@ -179,7 +183,7 @@ def test_fused_kernels_built_without_avx512_bf16_compute_the_same(tmp_path):
               f"int(t[f'first{{i}}']), t[f'visible{{i}}'], 64, t[f'q{{i}}'].shape[-1] ** -0.5) "
               f"for i in range({len(FUSED_SHAPES)})}}); save_file(out, {str(tmp_path / 'out.safetensors')!r})")
     done = subprocess.run([sys.executable, "-c", script],
-                          env={**os.environ, cpu_ops.MARCH_OVERRIDE: "skylake-avx512"},
+                          env={**os.environ, cpu_ops.MARCH_OVERRIDE: march},
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     got = load_file(tmp_path / "out.safetensors")
