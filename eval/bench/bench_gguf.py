@@ -204,7 +204,7 @@ def main(model, types, recipes, imatrix_types, use_llama_tools, texts, max_token
     fp = on_every_text(reference)
     rows = [Row(f32.name, "quantkit export", 8 * f32.stat().st_size / weights, f32.stat().st_size / 2**20,
                 fmean(k.perplexity for k in fp.values()), 0.0, 1.0, 0.0, "", {name: 0.0 for name in fp})]
-    for file_type in [t.strip() for t in types.split(",") if t.strip()]:
+    for file_type in names(types):
         ours, theirs = out / f"{file_type}.gguf", out / f"{file_type}-llama.cpp.gguf"
         started = time.perf_counter()
         export_gguf(model_dir, ours, file_type, progress=False)
@@ -220,7 +220,7 @@ def main(model, types, recipes, imatrix_types, use_llama_tools, texts, max_token
 
     anchors: dict[str, Row] = {}  # file type -> llama.cpp + llama-imatrix
     best: dict[str, Row] = {}  # file type -> quantkit's GPTQ file with the least mean KL
-    wanted = [t.strip() for t in imatrix_types.split(",") if t.strip()]
+    wanted = names(imatrix_types)
     bin_dir = llama_tools(build=use_llama_tools) if wanted else None
     imatrix_note = ""
     if bin_dir is not None:
@@ -264,7 +264,7 @@ def main(model, types, recipes, imatrix_types, use_llama_tools, texts, max_token
                                   made[imatrix] + seconds, ""))
             anchors[file_type] = rows[-3]
 
-    for name in [r.strip() for r in recipes.split(",") if r.strip()]:
+    for name in names(recipes):
         recipe, file_type, settings = GPTQ_RECIPES[name]
         artifact = out / name
         shutil.rmtree(artifact, ignore_errors=True)
