@@ -25,7 +25,7 @@ LLMC_BIN := $(LLMC_VENV)/bin
 LLMC_INSTALLED := $(LLMC_VENV)/.installed
 LLMCOMPRESSOR ?= llmcompressor==0.14.0.1
 
-.PHONY: install demo demo-marlin publish-demo test test-fast lint default-model bench-gptq bench-awq bench-gguf bench-gguf-speed llama-tools bench-mlx bench-scale bench-8b bench-hessian bench-runtime bench-qat bench-spec eval-sparse test-reliability interop interop-peer clean help \
+.PHONY: install demo demo-marlin publish-demo test test-fast lint default-model bench-gptq bench-awq bench-ct bench-gguf bench-gguf-speed llama-tools bench-mlx bench-scale bench-8b bench-hessian bench-runtime bench-qat bench-spec eval-sparse test-reliability interop interop-peer clean help \
 	eval-ppl eval-kld eval-report eval-niah eval-tasks eval-accept
 
 help:
@@ -37,6 +37,7 @@ help:
 	@echo "make lint       ruff (pyflakes, pycodestyle, import order; settings in pyproject.toml)"
 	@echo "make eval-tasks  HumanEval / GSM / family-relationships scores of the default model (EVAL_TASKS_ARGS='--limit N')"
 	@echo "make demo-marlin  the marlin recipe end to end on Qwen2.5-Coder-0.5B (Marlin-legal shapes), KL vs RTN and GPTQ"
+	@echo "make bench-ct    compressed-tensors W4A16: S-GPTQ vs llm-compressor's GPTQ at g64, on the same rows, per test text"
 	@echo "make bench-gptq  GPTQ / S-GPTQ / S-P-GPTQ / GPTQModel at W4 g128 on the default model: 3 calibration seeds x both compute paths, scored per test text"
 	@echo "make bench-awq   AWQ / RTN / GPTQ / S-P-GPTQ at W4 and W3 g128, then AWQ vs llm-compressor at W4 g64"
 	@echo "make bench-gguf  every GGUF type exported by quantkit and by llama.cpp's quantizer, plus GPTQ on the Q4_0 and Q4_K_M grids, scored in llama.cpp"
@@ -122,13 +123,22 @@ bench-gptq: $(INSTALLED) $(INTEROP_INSTALLED)
 
 # llm-compressor cannot quantize K = 576 in groups of 128 (it requires K % group_size == 0), so it
 # meets quantkit's AWQ in a second table at group 64, W4.
-LLMC_PEER = llm-compressor=$(LLMC_BIN)/python -m quantkit.eval.interop.llmcompressor_awq {model} {out} \
-	--bits {bits} --group-size {group_size} --nsamples {n_samples} --seqlen {seq_len} --seed {seed}
+LLMC_PEER = llm-compressor=$(LLMC_BIN)/python -m quantkit.eval.interop.llmcompressor_quantize {model} {out} \
+	--method awq --bits {bits} --group-size {group_size} --nsamples {n_samples} --seqlen {seq_len} --seed {seed}
 
 bench-awq: $(INSTALLED) $(LLMC_INSTALLED)
 	$(BIN)/python -m quantkit.eval.bench.bench_methods --out $(OUT)/bench-awq --methods AWQ,RTN,GPTQ,S-P-GPTQ --bits 4,3
 	$(BIN)/python -m quantkit.eval.bench.bench_methods --out $(OUT)/bench-awq-g64 --methods AWQ,RTN --bits 4 \
 	  --group-size 64 --baseline AWQ --peer "$(LLMC_PEER)"
+
+# compressed-tensors W4A16: quantkit's S-GPTQ against llm-compressor's GPTQModifier (its W4A16 scheme), both
+# at group 64 (the default model's K = 576 is no whole number of 128-groups, which the format needs).
+LLMC_GPTQ_PEER = llm-compressor-GPTQ=$(LLMC_BIN)/python -m quantkit.eval.interop.llmcompressor_quantize {model} \
+	{out} --method gptq --bits {bits} --group-size {group_size} --nsamples {n_samples} --seqlen {seq_len} --seed {seed}
+BENCH_CT_ARGS ?=
+bench-ct: $(INSTALLED) $(LLMC_INSTALLED)
+	$(BIN)/python -m quantkit.eval.bench.bench_methods --out $(OUT)/bench-ct --methods S-GPTQ-CT --group-size 64 \
+	  --baseline S-GPTQ-CT --peer "$(LLMC_GPTQ_PEER)" $(BENCH_CT_ARGS)
 
 bench-gguf: $(TEST_INSTALLED)
 	$(BIN)/python -m quantkit.eval.bench.bench_gguf --out $(OUT)/bench-gguf

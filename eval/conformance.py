@@ -216,6 +216,21 @@ def mlx_affine(tensors: Arrays, name: str, quant: Mapping, shape: tuple[int, int
     return codes.astype(np.float32) * scales + biases
 
 
+# --- compressed-tensors pack-quantized: each row of weight_packed one bit stream along K holding q + 2^(b-1),
+# the zero points (asymmetric only) one stream down each column of weight_zero_point, w = (q - zp) · scale ---
+
+def compressed_tensors_packed(tensors: Arrays, name: str, quant: Mapping, shape: tuple[int, int]) -> np.ndarray:
+    n, k = shape
+    weights = quant["config_groups"]["group_0"]["weights"]
+    bits, offset = weights["num_bits"], 1 << (weights["num_bits"] - 1)
+    signed = unpack_stream(tensors[f"{name}.weight_packed"], bits, axis=1)[:, :k] - offset  # [N, K]
+    zero = 0 if weights["symmetric"] else unpack_stream(tensors[f"{name}.weight_zero_point"], bits, axis=0)[:n] - offset
+    size = k if weights["strategy"] == "channel" else weights["group_size"]
+    scale = tensors[f"{name}.weight_scale"].astype(np.float32)  # [N, G]
+    zeros = np.broadcast_to(zero, scale.shape)
+    return ((signed.reshape(n, -1, size) - zeros[..., None]).astype(np.float32) * scale[..., None]).reshape(n, k)
+
+
 def rules_of(format_name: str, shapes: Mapping[str, tuple[int, int]]) -> tuple[ConsumerRule, ...]:
     """The rules of the consumers whose reading of ``format_name`` artifacts is checked."""
     gptq_marlin = ConsumerRule("vLLM gptq_marlin (sym 4/8-bit)", "vLLM gptq_marlin.py, uint4b8/uint8b128",
@@ -237,6 +252,9 @@ def rules_of(format_name: str, shapes: Mapping[str, tuple[int, int]]) -> tuple[C
                                make_cpmcu_decoder(shapes)),),
         "ternary": (ConsumerRule("quantkit runtime (documented planes)", "docs/formats.md, Ternary",
                                  ternary_planes),),
+        "compressed-tensors": (ConsumerRule(
+            "compressed-tensors / vLLM wNa16", "compressors/pack_quantized: unpack_from_int32, dequantize",
+            compressed_tensors_packed),),
         "mlx": (ConsumerRule("mlx / mlx-lm", "mlx/backend/cpu/quantized.cpp: dequantize, scale * q + bias",
                              mlx_affine),),
     }

@@ -22,6 +22,12 @@ def _quantization(quant: dict) -> str:
         return "none"
     if "file_type" in quant:  # GGUF blocks (format gguf-*): the file type names every tensor's type
         return f"{quant['quant_method']} {quant['file_type']}"
+    if quant.get("config_groups"):  # compressed-tensors: the grid is each config group's weights
+        grids = [group.get("weights") or {} for group in quant["config_groups"].values()]
+        return f"{quant['quant_method']} {quant.get('format')} " + ", ".join(
+            f"{w.get('num_bits')}-bit {w.get('type')} {w.get('strategy')}"
+            f"{'' if w.get('group_size') is None else ' g' + str(w['group_size'])} "
+            f"{'sym' if w.get('symmetric') else 'asym'}" for w in grids)
     symmetric = quant.get("sym", not quant.get("zero_point", True))
     method = quant.get("quant_method") or f"mlx {quant.get('mode', 'affine')}"  # mlx-lm writes no quant_method
     return (f"{method} {quant.get('bits')}-bit g{quant.get('group_size')} "

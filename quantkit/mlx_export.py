@@ -59,6 +59,9 @@ def as_float_bias(qt: QuantizedTensor, dtype: torch.dtype, name: str) -> Quantiz
     grid = QuantConfig(qt.config.bits, qt.config.group_size, sym=False, float_bias=True, scale_dtype=dtype)
     mlx.check_mlx(grid, k, n, name=name)
     mlx.require_natural_groups(qt, name)
+    if qt.scales.dtype == torch.float32:  # q · scale would need more than float32's 24 significant bits
+        raise ValueError(f"{name}: its scales are float32 (a compressed-tensors checkpoint of a float32 model), on "
+                         "which MLX's scale · q + bias cannot give (q − zero) · scale exactly")
     stored = _exact_parameters(qt, dtype)
     if stored is None:
         raise ValueError(f"{name}: its scales or biases (−zero · scale) are not exact in {dtype}; "

@@ -27,10 +27,15 @@ from torch import Tensor
 SUPPORTED_BITS = (2, 3, 4, 8)  # what the integer-zero formats (GPTQ, AWQ, ...) store
 FLOAT_BIAS_BITS = (2, 3, 4, 5, 6, 8)  # what MLX's affine grid stores
 FLOAT_BIAS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # MLX keeps scales in the model dtype
+# GPTQ, AWQ and Marlin store integer grids' scales in float16; compressed-tensors in the model's dtype
+INTEGER_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128, 256)  # -1: one group spanning every input channel
 
 # Smallest positive float16 (subnormal): scales below it would round to 0 in the checkpoint.
 _MIN_FP16_SCALE = 2.0**-24
+# The least scale each stored dtype keeps from rounding to 0
+_MIN_SCALE = {torch.float16: _MIN_FP16_SCALE, torch.bfloat16: torch.finfo(torch.bfloat16).tiny,
+              torch.float32: torch.finfo(torch.float32).tiny}
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,10 @@ class QuantConfig:
 
     ``float_bias`` is MLX's affine grid: a float bias per group instead of an integer zero point, the
     scale and bias both stored in ``scale_dtype`` (the model's dtype), the scale possibly negative.
-    It is asymmetric by nature (``sym`` False) and also holds 5 and 6 bits."""
+    It is asymmetric by nature (``sym`` False) and also holds 5 and 6 bits.
+
+    ``scale_dtype`` is what the format stores scales in: float16 for GPTQ, AWQ and Marlin; the model's
+    dtype for compressed-tensors and MLX. The solvers round each scale to it before choosing codes."""
 
     bits: int
     group_size: int
@@ -76,7 +84,7 @@ class QuantConfig:
         if self.float_bias and (self.sym or self.ternary or self.min_zero):
             raise ValueError("a float-bias grid has no integer zero point: it needs sym=False, ternary=False and "
                              f"min_zero=0, got sym={self.sym}, ternary={self.ternary}, min_zero={self.min_zero}")
-        allowed_dtypes = FLOAT_BIAS_DTYPES if self.float_bias else (torch.float16,)
+        allowed_dtypes = FLOAT_BIAS_DTYPES if self.float_bias else INTEGER_SCALE_DTYPES
         if self.scale_dtype not in allowed_dtypes:
             raise ValueError(f"scale_dtype must be one of {allowed_dtypes} on this grid, got {self.scale_dtype!r}")
 
@@ -113,7 +121,7 @@ def require_finite(weights: Tensor) -> None:
 
 
 class GroupParams(NamedTuple):
-    """Grid of one group, one entry per output row (float32; scale values are exact float16).
+    """Grid of one group, one entry per output row (float32; scales exact in the stored ``scale_dtype``).
 
     A float-bias grid has ``bias`` and no meaningful ``zero`` (all 0)."""
 
@@ -130,8 +138,8 @@ def find_group_params(weights: Tensor, config: QuantConfig) -> GroupParams:
     Asym: ``scale = (xmax - xmin) / maxq``, ``zero = round(-xmin / scale)``. Where that zero falls
     below ``config.min_zero`` (a row with no value under −scale/2), the zero is raised to it and the
     scale widened to ``max(xmax / (maxq - min_zero), -xmin / min_zero)``, the least that still
-    covers the row's range. An all-zero row gets the range [-1, 1]. The scale is rounded to float16
-    *before* the zero point and the codes are derived,
+    covers the row's range. An all-zero row gets the range [-1, 1]. The scale is rounded to the stored
+    dtype (``config.scale_dtype``) *before* the zero point and the codes are derived,
     so the stored checkpoint dequantizes to exactly the weights the algorithm saw.
     """
     if weights.dim() != 2 or weights.shape[1] == 0:
@@ -157,13 +165,13 @@ def find_group_params(weights: Tensor, config: QuantConfig) -> GroupParams:
         below = torch.round(-xmin / scale) < floor
         widened = torch.maximum(xmax / (config.maxq - floor), -xmin / floor)
         scale = torch.where(below, widened, scale)
-    scale16 = scale.clamp(min=_MIN_FP16_SCALE).to(torch.float16)
-    if not torch.isfinite(scale16).all():
+    stored = scale.clamp(min=_MIN_SCALE[config.scale_dtype]).to(config.scale_dtype)
+    if not torch.isfinite(stored).all():
         raise ValueError(
             f"weight range up to {float(xmax.max()):.4g} / down to {float(xmin.min()):.4g} "
-            "gives a scale beyond float16's range (65504)"
+            f"gives a scale beyond {config.scale_dtype}'s range ({torch.finfo(config.scale_dtype).max:.4g})"
         )
-    scale = scale16.to(torch.float32)
+    scale = stored.to(torch.float32)
     if config.sym:
         zero = torch.full_like(scale, float((config.maxq + 1) // 2))
     else:
@@ -325,10 +333,11 @@ def _check_tensor(tensor: Tensor, name: str, dtype: torch.dtype, shape: tuple[in
 class QuantizedTensor:
     """One quantized linear weight, independent of any checkpoint format.
 
-    ``codes`` uint8 [N, K] in the original input-channel order; ``scales`` float16 [G, N];
-    ``zeros`` uint8 [G, N] (the true integer zero point, no GPTQ-v1 offset); ``g_idx`` int32 [K]
-    (group of each input channel; non-monotonic under act-order). On a float-bias grid ``zeros`` is
-    None and ``biases`` [G, N] holds each group's bias; scales and biases are ``config.scale_dtype``.
+    ``codes`` uint8 [N, K] in the original input-channel order; ``scales`` [G, N] in
+    ``config.scale_dtype`` (float16 unless the format stores another); ``zeros`` uint8 [G, N] (the true
+    integer zero point, no GPTQ-v1 offset); ``g_idx`` int32 [K] (group of each input channel;
+    non-monotonic under act-order). On a float-bias grid ``zeros`` is None and ``biases`` [G, N] holds
+    each group's bias.
     """
 
     codes: Tensor

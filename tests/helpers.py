@@ -23,7 +23,7 @@ def built_cpu_ops():
 
 def random_record(config: QuantConfig, n: int, k: int, seed: int, g_idx=None) -> QuantizedTensor:
     """Random codes, zero points (symmetric: 2^(bits-1); asymmetric: from ``config.min_zero``) and
-    positive fp16 scales: a valid record no algorithm produced."""
+    positive scales in the grid's ``scale_dtype``: a valid record no algorithm produced."""
     gen = torch.Generator().manual_seed(seed)
     groups = config.num_groups(k)
     zeros = torch.randint(config.min_zero, config.maxq + 1, (groups, n), generator=gen, dtype=torch.uint8)
@@ -31,7 +31,7 @@ def random_record(config: QuantConfig, n: int, k: int, seed: int, g_idx=None) ->
         zeros.fill_((config.maxq + 1) // 2)
     return QuantizedTensor(
         codes=torch.randint(0, config.maxq + 1, (n, k), generator=gen, dtype=torch.uint8),
-        scales=(torch.rand(groups, n, generator=gen) + 0.01).half(),
+        scales=(torch.rand(groups, n, generator=gen) + 0.01).to(config.scale_dtype),
         zeros=zeros,
         g_idx=default_g_idx(k, config.group_size) if g_idx is None else g_idx,
         config=config,

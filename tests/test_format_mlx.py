@@ -487,6 +487,7 @@ def test_awq_artifact_means_the_same_weights_in_mlx_lm(awq_artifact):
     ("awq-w4g128", {}),
     ("gptq-w4g128", {"quant": {"group_size": 64}}),
     ("gptq-w4g128", {"quant": {"bits": 8, "sym": False}, "format": "gptq-v2"}),
+    ("s-gptq-w4a16-ct", {"quant": {"group_size": 64, "sym": False}}),
 ])
 def test_export_mlx_keeps_the_artifacts_weights(recipe, changes, mlx_checkpoint, awq_artifact, tmp_path):
     from mlx_lm import load

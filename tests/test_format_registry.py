@@ -46,8 +46,8 @@ def test_an_abstract_base_is_not_registered_and_a_name_is_taken_once(fresh_regis
 
 
 def test_the_registry_holds_every_format_in_listing_order():
-    assert list(FORMATS)[:6] == ["gptq", "gptq-v2", "awq", "marlin", "cpmcu", "ternary"]
-    assert list(FORMATS)[-1] == "mlx" and all(name.startswith("gguf-") for name in list(FORMATS)[6:-1])
+    assert list(FORMATS)[:7] == ["gptq", "gptq-v2", "awq", "compressed-tensors", "marlin", "cpmcu", "ternary"]
+    assert list(FORMATS)[-1] == "mlx" and all(name.startswith("gguf-") for name in list(FORMATS)[7:-1])
     assert [fmt.list_order for fmt in FORMATS.values()] == sorted(fmt.list_order for fmt in FORMATS.values())
     assert all(fmt.name == name for name, fmt in FORMATS.items())
 

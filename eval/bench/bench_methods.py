@@ -1,4 +1,4 @@
-"""`make bench-gptq`, `make bench-awq`: quantization methods side by side, in one run, on the same
+"""`make bench-gptq`, `make bench-awq`, `make bench-ct`: quantization methods side by side, in one run, on the same
 calibration tokens, over calibration seeds, compute paths and test texts.
 
 Each variant (method, bits, calibration seed, compute path) is quantized in its own process under
@@ -28,9 +28,10 @@ from quantkit.eval.bench.across_texts import Spread, beats, names, remembered_sc
 from quantkit.eval.bench.common import Variant, machine, make_variant, quantize_command, report
 from quantkit.table import format_table
 
-# method -> (recipe, overrides). Every variant is written as a GPTQ checkpoint: the weights do not
-# depend on the format (tests read AWQ/Marlin artifacts back equal to the GPTQ ones), and the GPTQ
-# format also holds W3 and the default model's ragged g128 groups, which AWQ's GEMM layout cannot.
+# method -> (recipe, overrides). Every variant but the compressed-tensors one is written as a GPTQ
+# checkpoint: those weights do not depend on the format (tests read AWQ/Marlin artifacts back equal to
+# the GPTQ ones), and the GPTQ format also holds W3 and the default model's ragged g128 groups, which
+# AWQ's GEMM layout cannot.
 METHODS = {
     "RTN": ("rtn-w4g128", ()),
     "AWQ": ("awq-w4g128", ("format=gptq",)),
@@ -38,6 +39,8 @@ METHODS = {
     "P-GPTQ": ("p-gptq-w4g128", ()),
     "S-GPTQ": ("s-gptq-w4g128", ()),
     "S-P-GPTQ": ("s-p-gptq-w4g128", ()),
+    # compressed-tensors keeps scales in the model's dtype, so its weights differ from the GPTQ format's
+    "S-GPTQ-CT": ("s-gptq-w4a16-ct", ()),
 }
 PATH_NAMES = {"bfloat16": "bf16", "float32": "fp32"}
 TARGET_RATIO = 0.8  # issue 70: S-P-GPTQ's mean KL at most this times the peer's

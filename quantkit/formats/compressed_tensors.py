@@ -1,0 +1,207 @@
+"""compressed-tensors checkpoints (``quant_method: compressed-tensors``), what llm-compressor writes and
+vLLM and SGLang serve, in its ``pack-quantized`` format: integer weights, activations in 16 bits (W4A16,
+W8A16).
+
+Per linear (N = out_features, K = in_features; see docs/formats.md, "compressed-tensors"):
+
+- ``weight_packed`` int32 [N, K·bits/32]: each row's codes as one LSB-first bit stream along K (GPTQ's
+  packing, transposed). compressed-tensors stores the signed value q ∈ [−2^(b−1), 2^(b−1)) plus
+  2^(b−1), which is quantkit's unsigned code itself.
+- ``weight_scale`` [N, G] in the model's dtype (G = 1 for a per-channel grid).
+- ``weight_zero_point`` int32 [N·bits/32, G], asymmetric grids only: the zero points packed along N the
+  same way (again quantkit's unsigned zero, the signed one plus 2^(b−1)); a symmetric grid stores none
+  (its zero is 2^(b−1)).
+- ``weight_shape`` int64 [2]: (N, K).
+
+Groups run in natural channel order and must tile K: compressed-tensors 0.19 reshapes K into groups and
+stores no ``g_idx`` (its act-order "group" mode is deprecated), so quantkit's act-order, which moves
+groups, is refused; GPTQ's group-aware order keeps them in place. vLLM's W4A16/W8A16 kernels take 4 and
+8 bits.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor
+
+from quantkit.formats.base import Format, fetch_packed, tensor_key
+from quantkit.formats.consumers import QUANTKIT, SGLANG, TRANSFORMERS, VLLM
+from quantkit.formats.gptq import pack_cols, pack_rows, unpack_cols, unpack_rows, values_per_run
+from quantkit.quant import INTEGER_SCALE_DTYPES, QuantConfig, QuantizedTensor, default_g_idx
+
+QUANT_METHOD = "compressed-tensors"
+# The compressed-tensors release whose layout and config this module writes (llm-compressor 0.14's)
+VERSION = "0.19.0"
+PACKED = "pack-quantized"
+BITS = (4, 8)  # vLLM's WNA16 kernels
+TENSOR_NAMES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+# Every linear of the decoder is quantized; llm-compressor's recipes leave the LM head out the same way.
+IGNORE = ["lm_head"]
+
+
+def _grid_rules(config: QuantConfig, desc_act: bool) -> tuple[tuple[str, bool, str], ...]:
+    """(rule, holds, what was found) of the grid itself."""
+    return (
+        (f"bits in {BITS} (vLLM's W4A16 and W8A16 kernels)", config.bits in BITS, f"bits={config.bits}"),
+        ("an integer grid", not (config.ternary or config.float_bias), "a ternary or float-bias grid"),
+        ("no act-order (compressed-tensors 0.19 stores no g_idx; gptq.group_aware keeps groups in place)",
+         not desc_act, f"desc_act={desc_act}"),
+    )
+
+
+def _refuse(rules: tuple[tuple[str, bool, str], ...], name: str) -> None:
+    broken = [f"{rule} ({found})" for rule, holds, found in rules if not holds]
+    if broken:
+        raise ValueError(f"{name or 'linear'}: cannot use compressed-tensors {PACKED}: " + "; ".join(broken))
+
+
+def check_packed(config: QuantConfig, in_features: int, out_features: int, desc_act: bool = False,
+                 name: str = "") -> None:
+    """Raise a ValueError naming ``name`` and every pack-quantized rule this linear breaks (before quantizing)."""
+    group = in_features if config.group_size == -1 else config.group_size
+    per_run = values_per_run(config.bits) if config.bits in BITS else 1
+    _refuse(_grid_rules(config, desc_act) + (
+        ("groups that tile K (compressed-tensors reshapes K into groups)", in_features % group == 0,
+         f"in_features K={in_features}, group_size={config.group_size}; try quant.group_size=64"),
+        (f"K a multiple of {per_run}", in_features % per_run == 0, f"in_features K={in_features}"),
+        (f"N a multiple of {per_run} (zero points are packed along N)", config.sym or out_features % per_run == 0,
+         f"out_features N={out_features}"),
+    ), name)
+
+
+def packed_tensors(record: QuantizedTensor, module: str) -> dict[str, Tensor]:
+    """``{module}.weight_packed/.weight_scale/(.weight_zero_point)/.weight_shape`` for one linear."""
+    n, k = record.shape
+    config = record.config
+    check_packed(config, k, n, name=module)
+    if not torch.equal(record.g_idx, default_g_idx(k, config.group_size)):
+        raise ValueError(f"{module}: compressed-tensors stores no g_idx; this record has an act-order one")
+    tensors = {
+        tensor_key(module, "weight_packed"): pack_cols(record.codes, config.bits),
+        tensor_key(module, "weight_scale"): record.scales.T.contiguous(),
+        tensor_key(module, "weight_shape"): torch.tensor([n, k], dtype=torch.int64),
+    }
+    if not config.sym:
+        tensors[tensor_key(module, "weight_zero_point")] = pack_rows(record.zeros.T.contiguous(), config.bits)
+    return tensors
+
+
+def read_packed_tensors(tensors: Mapping[str, Tensor], module: str, config: QuantConfig,
+                        shape: tuple[int, int]) -> QuantizedTensor:
+    """Exact inverse of ``packed_tensors``: each tensor checked against ``shape`` and the config."""
+    n, k = shape
+    check_packed(config, k, n, name=module)
+    groups = config.num_groups(k)
+    stored_shape = fetch_packed(tensors, tensor_key(module, "weight_shape"), torch.int64, (2,), "compressed-tensors")
+    if stored_shape.tolist() != [n, k]:
+        raise ValueError(f"compressed-tensors tensor {tensor_key(module, 'weight_shape')!r} says "
+                         f"{stored_shape.tolist()}, but the model's {module} is [{n}, {k}]")
+    packed = fetch_packed(tensors, tensor_key(module, "weight_packed"), torch.int32,
+                          (n, k * config.bits // 32), "compressed-tensors")
+    scale_key = tensor_key(module, "weight_scale")
+    if scale_key not in tensors:
+        raise KeyError(f"compressed-tensors tensor {scale_key!r} is missing")
+    scale_dtype = tensors[scale_key].dtype
+    if scale_dtype not in INTEGER_SCALE_DTYPES:
+        raise ValueError(f"compressed-tensors tensor {scale_key!r} must be one of {INTEGER_SCALE_DTYPES}, "
+                         f"got {scale_dtype}")
+    scales = fetch_packed(tensors, scale_key, scale_dtype, (n, groups), "compressed-tensors")
+    zero_key = tensor_key(module, "weight_zero_point")
+    if config.sym:
+        if zero_key in tensors:
+            raise ValueError(f"compressed-tensors tensor {zero_key!r} is present, but the config says symmetric")
+        zeros = torch.full((groups, n), 2 ** (config.bits - 1), dtype=torch.uint8)
+    else:
+        zeros = unpack_rows(fetch_packed(tensors, zero_key, torch.int32, (n * config.bits // 32, groups),
+                                         "compressed-tensors"), config.bits).T.contiguous()
+    return QuantizedTensor(unpack_cols(packed, config.bits), scales.T.contiguous(), zeros,
+                           default_g_idx(k, config.group_size), replace(config, scale_dtype=scale_dtype))
+
+
+def weight_arguments(config: QuantConfig) -> dict[str, Any]:
+    """A config group's ``weights``: compressed-tensors' ``QuantizationArgs``, every field as it dumps them."""
+    return {"actorder": None, "block_structure": None, "dynamic": False,
+            "group_size": None if config.group_size == -1 else config.group_size, "num_bits": config.bits,
+            "observer": None, "observer_kwargs": {}, "scale_dtype": None,
+            "strategy": "channel" if config.group_size == -1 else "group", "symmetric": config.sym,
+            "type": "int", "zp_dtype": None if config.sym else "torch.int8"}
+
+
+def quantization_config(config: QuantConfig, *, desc_act: bool = False, static_groups: bool = False,
+                        damp_percent: float | None = None, quantizer: str | None = None) -> dict[str, Any]:
+    """``config.json["quantization_config"]`` as compressed-tensors' ``ModelCompressor`` writes it: one
+    config group over every Linear, the LM head ignored. ``static_groups`` and ``damp_percent`` are
+    accepted for the formats' common signature (the format records neither); so is ``quantizer``."""
+    _refuse(_grid_rules(config, desc_act), "quantization_config")
+    return {
+        "config_groups": {"group_0": {"format": PACKED, "input_activations": None, "output_activations": None,
+                                      "targets": ["Linear"], "weights": weight_arguments(config)}},
+        "format": PACKED, "global_compression_ratio": None, "ignore": list(IGNORE), "kv_cache_scheme": None,
+        "quant_method": QUANT_METHOD, "quantization_status": "compressed", "sparsity_config": {},
+        "transform_config": {}, "version": VERSION,
+    }
+
+
+def parse_quantization_config(d: Mapping[str, Any]) -> QuantConfig:
+    """The grid of a pack-quantized compressed-tensors config (W4A16, W8A16); a scheme quantkit does not
+    read yet is refused naming the setting."""
+    if d.get("quant_method") != QUANT_METHOD:
+        raise ValueError(f"quant_method {d.get('quant_method')!r} is not {QUANT_METHOD!r}")
+    groups = d.get("config_groups") or {}
+    if len(groups) != 1:
+        raise ValueError(f"compressed-tensors: one config group is read, got {len(groups)} ({', '.join(groups)})")
+    (name, group), = groups.items()
+    fmt = group.get("format") or d.get("format")
+    refusals = (
+        ("format", fmt != PACKED, f"{fmt!r} (only {PACKED!r} is read)"),
+        (f"config_groups.{name}.targets", group.get("targets") != ["Linear"], f"{group.get('targets')!r}"),
+        (f"config_groups.{name}.input_activations", group.get("input_activations") is not None,
+         "activation quantization (W8A8) is not read"),
+        (f"config_groups.{name}.output_activations", group.get("output_activations") is not None, "set"),
+        ("ignore", any(module != "lm_head" for module in d.get("ignore") or ()), f"{d.get('ignore')!r}"),
+        ("kv_cache_scheme", d.get("kv_cache_scheme") is not None, "a quantized KV cache is not read"),
+        ("sparsity_config", bool(d.get("sparsity_config")), "sparse weights are not read"),
+        ("transform_config", bool(d.get("transform_config")), "rotations are not read"),
+    )
+    weights = group.get("weights") or {}
+    strategy, group_size = weights.get("strategy"), weights.get("group_size")
+    refusals += (
+        ("weights.type", weights.get("type") != "int", f"{weights.get('type')!r}"),
+        ("weights.num_bits", weights.get("num_bits") not in BITS, f"{weights.get('num_bits')!r}"),
+        ("weights.strategy", strategy not in ("group", "channel"), f"{strategy!r}"),
+        ("weights.group_size", (strategy == "group") == (group_size is None), f"{group_size!r} for {strategy!r}"),
+        ("weights.dynamic", weights.get("dynamic") is not False, f"{weights.get('dynamic')!r}"),
+        ("weights.actorder", weights.get("actorder") in ("group", "dynamic"), "act-order groups need a g_idx"),
+        ("weights.block_structure", weights.get("block_structure") is not None, "set"),
+        ("weights.symmetric", not isinstance(weights.get("symmetric"), bool), f"{weights.get('symmetric')!r}"),
+    )
+    refused = [f"{setting}: {found}" for setting, broken, found in refusals if broken]
+    if refused:
+        raise ValueError("compressed-tensors config not read: " + "; ".join(refused))
+    return QuantConfig(bits=weights["num_bits"], group_size=-1 if strategy == "channel" else group_size,
+                       sym=weights["symmetric"])
+
+
+class CompressedTensors(Format):
+    name = "compressed-tensors"
+    list_order = 25
+    summary = ("compressed-tensors pack-quantized W4A16/W8A16 (what llm-compressor writes; vLLM, SGLang, "
+               "transformers with compressed-tensors); scales in the model's dtype")
+    suffixes = TENSOR_NAMES
+    reads = ((QUANT_METHOD, None),)
+    consumers = (replace(TRANSFORMERS, note="transformers reads compressed-tensors checkpoints through the "
+                                            "compressed-tensors package: `pip install compressed-tensors`."),
+                 VLLM, SGLANG, QUANTKIT)
+    check = staticmethod(check_packed)
+    write_linear = staticmethod(packed_tensors)
+    read_linear = staticmethod(read_packed_tensors)
+    quantization_config = staticmethod(quantization_config)
+    parse_config = staticmethod(parse_quantization_config)
+
+    def grid(self, quant, model_dtype):
+        """Scales in a 16-bit model's dtype, as llm-compressor stores them and vLLM loads them; a float32
+        model's in float16, where every product of a code and a scale is exact in float32 (the runtime's
+        offsets and MLX export rely on it) and which float32 and float16 servers load unchanged."""
+        return QuantConfig(**quant, scale_dtype=torch.float16 if model_dtype == torch.float32 else model_dtype)

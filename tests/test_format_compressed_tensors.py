@@ -1,0 +1,245 @@
+"""compressed-tensors pack-quantized (W4A16, W8A16): the compressed-tensors package (the library vLLM parses
+these checkpoints with, the version llm-compressor 0.14 pins) reads quantkit's configs and decompresses its
+tensors to quantkit's weights bit for bit, quantkit reads what the package compresses, transformers loads
+a whole artifact through its compressed-tensors integration, and what cannot be stored is refused."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from compressed_tensors.compressors import ModelCompressor
+from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+from safetensors.torch import load_file
+
+from quantkit.engine import quantize
+from quantkit.formats import FORMATS
+from quantkit.formats.compressed_tensors import (
+    VERSION,
+    check_packed,
+    packed_tensors,
+    parse_quantization_config,
+    quantization_config,
+    read_packed_tensors,
+)
+from quantkit.quant import QuantConfig, default_g_idx, rtn_quantize
+from quantkit.reader import ArtifactReader
+
+from helpers import random_record, small_recipe
+
+MODULE = "model.layers.0.mlp.down_proj"
+GRIDS = [(4, 128, True, torch.bfloat16), (4, 64, False, torch.bfloat16), (8, -1, True, torch.float16),
+         (8, 128, False, torch.float32), (4, -1, False, torch.float16)]
+GRID_IDS = ["w4g128-sym-bf16", "w4g64-asym-bf16", "w8-channel-sym-fp16", "w8g128-asym-fp32", "w4-channel-asym-fp16"]
+
+
+def _record(bits, group_size, sym, dtype, n=96, k=256, seed=0):
+    return random_record(QuantConfig(bits, group_size, sym, scale_dtype=dtype), n, k, seed)
+
+
+def _scheme(config: dict) -> QuantizationScheme:
+    return QuantizationConfig.model_validate(config).config_groups["group_0"]
+
+
+@pytest.mark.parametrize("bits, group_size, sym, dtype", GRIDS, ids=GRID_IDS)
+def test_compressed_tensors_decompresses_to_quantkits_weights(bits, group_size, sym, dtype):
+    """The package's own pack-quantized decompressor, given quantkit's tensors and config, gives exactly
+    the record's dequantized weight in the scales' dtype; quantkit reads its own tensors back bit for bit."""
+    record = _record(bits, group_size, sym, dtype)
+    tensors = packed_tensors(record, MODULE)
+    n, k = record.shape
+    groups = record.config.num_groups(k)
+    expected = {"weight_packed": (torch.int32, (n, k * bits // 32)), "weight_scale": (dtype, (n, groups)),
+                "weight_shape": (torch.int64, (2,))}
+    if not sym:
+        expected["weight_zero_point"] = (torch.int32, (n * bits // 32, groups))
+    assert {key: (t.dtype, tuple(t.shape)) for key, t in tensors.items()} == {
+        f"{MODULE}.{name}": spec for name, spec in expected.items()}
+
+    config = quantization_config(record.config)
+    local = {key.rsplit(".", 1)[1]: tensor for key, tensor in tensors.items()}
+    weight = PackedQuantizationCompressor.decompress(local, _scheme(config))["weight"]
+    assert weight.dtype == dtype and torch.equal(weight, record.dequantize(dtype))
+
+    back = read_packed_tensors(tensors, MODULE, parse_quantization_config(config), (n, k))
+    for field in ("codes", "scales", "zeros", "g_idx"):
+        assert torch.equal(getattr(back, field), getattr(record, field)), field
+    assert back.config == record.config
+
+
+@pytest.mark.parametrize("bits, group_size, sym, dtype", GRIDS, ids=GRID_IDS)
+def test_quantkit_reads_what_compressed_tensors_compresses(bits, group_size, sym, dtype):
+    """A weight quantized and packed by the package (on scales and zero points from quantkit's RTN grid;
+    the package rounds in the weight's dtype) reads back as the weight the package decompresses."""
+    config = QuantConfig(bits, group_size, sym, scale_dtype=dtype)
+    weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(bits)).to(dtype)
+    record = rtn_quantize(weight.float(), config)
+    signed = 2 ** (bits - 1)
+    state = {"weight": weight, "weight_scale": record.scales.T.contiguous()}
+    if not sym:
+        state["weight_zero_point"] = (record.zeros.T.to(torch.int16) - signed).to(torch.int8)
+    scheme = _scheme(quantization_config(config))
+    compressed = {f"{MODULE}.{name}": t for name, t in PackedQuantizationCompressor.compress(state, scheme).items()}
+    theirs = PackedQuantizationCompressor.decompress({k.rsplit(".", 1)[1]: t for k, t in compressed.items()},
+                                                     scheme)["weight"]
+    ours = read_packed_tensors(compressed, MODULE, config, (64, 256))
+    assert torch.equal(ours.dequantize(dtype), theirs)
+
+
+@pytest.mark.parametrize("config", [QuantConfig(4, 128, True), QuantConfig(8, -1, False), QuantConfig(4, 32, False)],
+                         ids=["w4g128-sym", "w8-channel-asym", "w4g32-asym"])
+def test_config_is_what_compressed_tensors_writes(config, tmp_path):
+    """The package's ``ModelCompressor`` writes config.json's ``quantization_config`` from the parsed
+    config: field for field what quantkit wrote, and quantkit parses it back to the same grid."""
+    ours = quantization_config(config)
+    (tmp_path / "config.json").write_text("{}")
+    ModelCompressor(quantization_config=QuantizationConfig.model_validate(ours)).update_config(str(tmp_path))
+    theirs = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert theirs == json.loads(json.dumps(ours)) and theirs["version"] == VERSION
+    assert parse_quantization_config(theirs) == config
+
+
+@pytest.mark.parametrize("config, k, n, desc_act, message", [
+    (QuantConfig(4, 128, True), 576, 64, False, "groups that tile K"),
+    (QuantConfig(3, 128, True), 256, 64, False, "bits in"),
+    (QuantConfig(4, 128, True), 256, 64, True, "no act-order"),
+    (QuantConfig(4, 64, False), 256, 60, False, "N a multiple of 8"),
+    (QuantConfig(2, 64, False, ternary=True), 256, 64, False, "bits in"),
+], ids=["ragged", "3-bit", "act-order", "asym-ragged-n", "ternary"])
+def test_what_the_format_cannot_hold_is_refused_naming_the_rule(config, k, n, desc_act, message):
+    with pytest.raises(ValueError, match=f"{MODULE}: cannot use compressed-tensors pack-quantized: .*{message}"):
+        check_packed(config, k, n, desc_act, MODULE)
+
+
+def test_reader_refuses_tensors_that_disagree_with_the_config():
+    record = _record(4, 64, False, torch.bfloat16)
+    tensors = packed_tensors(record, MODULE)
+    config = record.config
+    with pytest.raises(ValueError, match="weight_shape.*says \\[96, 256\\].*\\[96, 512\\]"):
+        read_packed_tensors(tensors, MODULE, config, (96, 512))
+    with pytest.raises(KeyError, match="weight_zero_point"):
+        read_packed_tensors({k: t for k, t in tensors.items() if "zero" not in k}, MODULE, config, (96, 256))
+    with pytest.raises(ValueError, match="weight_zero_point.*config says symmetric"):
+        sym = QuantConfig(4, 64, True)
+        read_packed_tensors(tensors, MODULE, sym, (96, 256))
+    with pytest.raises(ValueError, match=r"weight_packed.*must be torch.int32 \(96, 64\), got torch.int32 \(96, 32\)"):
+        read_packed_tensors(tensors, MODULE, QuantConfig(8, 64, False), (96, 256))
+    act_order = random_record(QuantConfig(4, 64, True), 8, 128, 0, g_idx=default_g_idx(128, 64).flip(0))
+    with pytest.raises(ValueError, match="stores no g_idx"):
+        packed_tensors(act_order, MODULE)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d["config_groups"]["group_0"].update(format="float-quantized"), "format: 'float-quantized'"),
+    (lambda d: d["config_groups"]["group_0"].update(format=None, input_activations={"num_bits": 8}),
+     "input_activations: activation quantization"),
+    (lambda d: d["config_groups"]["group_0"]["weights"].update(num_bits=2), "weights.num_bits: 2"),
+    (lambda d: d["config_groups"]["group_0"]["weights"].update(actorder="group"), "weights.actorder"),
+    (lambda d: d["config_groups"]["group_0"]["weights"].update(strategy="tensor"), "weights.strategy: 'tensor'"),
+    (lambda d: d.update(ignore=["lm_head", "model.layers.0.mlp.down_proj"]), "ignore"),
+    (lambda d: d.update(kv_cache_scheme={"num_bits": 8}), "kv_cache_scheme"),
+    (lambda d: d["config_groups"].update(group_1=d["config_groups"]["group_0"]), "one config group is read, got 2"),
+], ids=["fp8", "w8a8", "2-bit", "g_idx", "tensor", "ignore", "kv-cache", "two-groups"])
+def test_configs_quantkit_does_not_read_are_refused_naming_the_setting(change, message):
+    config = quantization_config(QuantConfig(4, 128, True))
+    change(config)
+    with pytest.raises(ValueError, match=message):
+        parse_quantization_config(config)
+
+
+@pytest.fixture(scope="module")
+def artifacts(tiny_checkpoint_factory, tmp_path_factory):
+    """GPTQ W4 g64 on a bfloat16 tiny checkpoint, in compressed-tensors: {symmetric: its folder}."""
+    source = tiny_checkpoint_factory(dtype=torch.bfloat16)
+    folders = {}
+    for sym in (True, False):
+        out = tmp_path_factory.mktemp("ct") / "artifact"
+        quantize(source, small_recipe("gptq-w4g128", out.parent, format="compressed-tensors",
+                                      quant={"group_size": 64, "sym": sym}), out, progress=False)
+        folders[sym] = out
+    return folders
+
+
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
+def test_artifact_is_read_by_quantkit_and_by_compressed_tensors(artifacts, sym):
+    artifact = artifacts[sym]
+    reader = ArtifactReader(artifact)
+    assert reader.format is FORMATS["compressed-tensors"]
+    config = json.loads((artifact / "config.json").read_text())["quantization_config"]
+    scheme = _scheme(config)
+    tensors = {}
+    for shard in sorted(artifact.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    module = "model.layers.1.self_attn.q_proj"
+    local = {name: tensors[f"{module}.{name}"] for name in ("weight_packed", "weight_scale", "weight_zero_point",
+                                                             "weight_shape") if f"{module}.{name}" in tensors}
+    weight = PackedQuantizationCompressor.decompress(local, scheme)["weight"]
+    record = reader.layer(1)[1][f"{module}.weight"]
+    assert record.config.scale_dtype == torch.bfloat16 and torch.equal(weight, record.dequantize(torch.bfloat16))
+
+
+def test_transformers_runs_the_artifact_as_quantkit_does(artifacts):
+    """transformers' compressed-tensors integration decompresses on load; its logits on the CPU equal
+    quantkit's reference forward of the same artifact in float32 within 1e-3 (the same weights, and
+    float32 arithmetic in two orders). transformers 5.24 with compressed-tensors 0.19 cannot load an
+    asymmetric pack-quantized checkpoint from anyone (it builds the empty model's zero points unpacked,
+    [N, G], and reinitialises the packed ones it reads): compressed-tensors' own decompressor reads those
+    (above), as vLLM does, so the symmetric artifact is the one transformers runs."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.loading import load_model
+
+    artifact = artifacts[True]
+
+    ids = torch.tensor([[1, 17, 33, 250, 7, 99, 3]])
+    theirs = AutoModelForCausalLM.from_pretrained(artifact, dtype=torch.float32)
+    ours = load_model(artifact)
+    with torch.no_grad():
+        got, want = theirs(ids).logits.float(), ours(ids).logits.float()
+    assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
+def test_conformance_decodes_the_artifact_as_quantkit_reads_it(artifacts, sym):
+    from quantkit.eval.conformance import check_conformance
+
+    report = check_conformance(artifacts[sym])
+    assert report.passed and [check.linears for check in report.checks] == [14]
+
+
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
+def test_quantkit_runtime_runs_the_artifact(artifacts, sym):
+    """The runtime's packed linears on the artifact's bfloat16 scales, in float32, against the reference
+    forward of the dequantized weights (the 4-bit kernel folds an asymmetric zero point into a bfloat16
+    offset per group, as for GPTQ: within 1 % of the logits' scale; symmetric within 1e-4)."""
+    from quantkit.kernels.attention import make_attention
+    from quantkit.kernels.load import load_runtime_model
+    from quantkit.kernels.model import RuntimeModel
+    from quantkit.loading import load_model
+
+    ids = [1, 17, 33, 250, 7, 99, 3]
+    runtime = RuntimeModel(load_runtime_model(artifacts[sym], dtype=torch.float32), make_attention(None))
+    logits = runtime.forward(torch.tensor(ids), runtime.new_cache(), all_logits=True)
+    with torch.no_grad():
+        reference = load_model(artifacts[sym])(torch.tensor([ids])).logits[0]
+    assert (logits - reference).abs().max() <= (1e-4 if sym else 1e-2) * reference.abs().max()
+
+
+def test_inspect_names_the_scheme(artifacts):
+    from quantkit.inspect import describe
+
+    assert describe(artifacts[False])["quantization"] == "compressed-tensors pack-quantized 4-bit int group g64 asym"
+
+
+def test_float32_models_get_float16_scales_and_mlx_export_refuses_float32_ones():
+    """A float32 model's scales are float16, where (q − zero) · scale is exact in float32; MLX's
+    scale · q + bias cannot reproduce it on float32 scales (another tool's), so export refuses them."""
+    from quantkit.mlx_export import as_float_bias
+
+    fmt = FORMATS["compressed-tensors"]
+    assert fmt.grid({"bits": 4, "group_size": 64, "sym": True}, torch.float32).scale_dtype == torch.float16
+    assert fmt.grid({"bits": 4, "group_size": 64, "sym": True}, torch.bfloat16).scale_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=f"{MODULE}: its scales are float32"):
+        as_float_bias(_record(4, 64, False, torch.float32), torch.float32, MODULE)
