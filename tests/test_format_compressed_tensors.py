@@ -100,6 +100,30 @@ def test_config_is_what_compressed_tensors_writes(config, tmp_path):
     assert parse_quantization_config(theirs) == config
 
 
+# config.json's quantization_config from llm-compressor 0.14.0.1's GPTQModifier (W4A16, group 64) on the
+# default model (`make bench-ct`'s peer): it records the act-order it solved with ("static", which keeps
+# groups in place) and its observer, and keeps float32 scales for a model loaded in float32.
+LLM_COMPRESSOR_GPTQ = {
+    "config_groups": {"group_0": {
+        "format": "pack-quantized", "input_activations": None, "output_activations": None, "targets": ["Linear"],
+        "weights": {"actorder": "static", "block_structure": None, "dynamic": False, "group_size": 64, "num_bits": 4,
+                    "observer": "memoryless_minmax", "observer_kwargs": {}, "scale_dtype": None, "strategy": "group",
+                    "symmetric": True, "type": "int", "zp_dtype": None}}},
+    "format": "pack-quantized", "global_compression_ratio": None, "ignore": ["lm_head"], "kv_cache_scheme": None,
+    "quant_method": "compressed-tensors", "quantization_status": "compressed", "sparsity_config": {},
+    "transform_config": {}, "version": "0.19.0"}
+
+
+def test_llm_compressors_own_config_is_read():
+    assert parse_quantization_config(LLM_COMPRESSOR_GPTQ) == QuantConfig(4, 64, True)
+    ours = quantization_config(QuantConfig(4, 64, True))
+    differs = {key for key, value in ours["config_groups"]["group_0"]["weights"].items()
+               if LLM_COMPRESSOR_GPTQ["config_groups"]["group_0"]["weights"][key] != value}
+    assert differs == {"actorder", "observer"}  # how each tool solved, not what is stored
+    assert {key: value for key, value in ours.items() if key != "config_groups"} == {
+        key: value for key, value in LLM_COMPRESSOR_GPTQ.items() if key != "config_groups"}
+
+
 @pytest.mark.parametrize("config, k, n, desc_act, message", [
     (QuantConfig(4, 128, True), 576, 64, False, "groups that tile K"),
     (QuantConfig(3, 128, True), 256, 64, False, "bits in"),
