@@ -217,11 +217,14 @@ def mlx_affine(tensors: Arrays, name: str, quant: Mapping, shape: tuple[int, int
 
 
 # --- compressed-tensors pack-quantized: each row of weight_packed one bit stream along K holding q + 2^(b-1),
-# the zero points (asymmetric only) one stream down each column of weight_zero_point, w = (q - zp) · scale ---
+# the zero points (asymmetric only) one stream down each column of weight_zero_point, w = (q - zp) · scale;
+# int-quantized: the int8 weight itself times its channel's scale ---
 
 def compressed_tensors_packed(tensors: Arrays, name: str, quant: Mapping, shape: tuple[int, int]) -> np.ndarray:
     n, k = shape
     weights = quant["config_groups"]["group_0"]["weights"]
+    if quant["format"] == "int-quantized":  # int8 weights as they are, one scale per output channel
+        return tensors[f"{name}.weight"].astype(np.float32) * tensors[f"{name}.weight_scale"].astype(np.float32)
     bits, offset = weights["num_bits"], 1 << (weights["num_bits"] - 1)
     signed = unpack_stream(tensors[f"{name}.weight_packed"], bits, axis=1)[:, :k] - offset  # [N, K]
     zero = 0 if weights["symmetric"] else unpack_stream(tensors[f"{name}.weight_zero_point"], bits, axis=0)[:n] - offset
@@ -253,7 +256,7 @@ def rules_of(format_name: str, shapes: Mapping[str, tuple[int, int]]) -> tuple[C
         "ternary": (ConsumerRule("quantkit runtime (documented planes)", "docs/formats.md, Ternary",
                                  ternary_planes),),
         "compressed-tensors": (ConsumerRule(
-            "compressed-tensors / vLLM wNa16", "compressors/pack_quantized: unpack_from_int32, dequantize",
+            "compressed-tensors / vLLM wNa16, w8a8", "compressors: pack_quantized unpack_from_int32, dequantize",
             compressed_tensors_packed),),
         "mlx": (ConsumerRule("mlx / mlx-lm", "mlx/backend/cpu/quantized.cpp: dequantize, scale * q + bias",
                              mlx_affine),),

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from quantkit.errors import CheckpointError
 from quantkit.loading import load_weights
 from quantkit.models.decoder import MiniCPMSkeleton
 from quantkit.reader import ArtifactReader
@@ -32,6 +33,9 @@ def load_runtime_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat1
 
     artifact = ArtifactReader(model_dir)
     quantized = artifact.format is not None
+    if quantized and artifact.format.activation_grid(artifact.qconfig) is not None:
+        raise CheckpointError(f"{model_dir}: its activations are quantized too (W8A8), which the runtime does not do "
+                         "yet; `quantkit eval` scores it as a W8A8 kernel computes")
     linears = load_linears(artifact.dir, linear_backend, dtype) if quantized else {}
     with torch.device("meta"):
         model = MiniCPMSkeleton(artifact.config)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from quantkit.checkpoint import CheckpointError
+from quantkit.models.layers import layer_prefix
 from quantkit.reader import ArtifactReader
 
 if TYPE_CHECKING:
@@ -54,9 +55,18 @@ def load_weights(model: Model, tensors: Mapping[str, Tensor], source: Path,
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> MiniCPMForCausalLM:
+    """The model the artifact means: its quantized linears dequantized, and, where its format quantizes
+    activations too (W8A8), each quantized linear's input quantized as the serving kernel does."""
     from quantkit.models.minicpm import MiniCPMForCausalLM
 
     artifact = ArtifactReader(model_dir)
     tensors = artifact.dequantized_tensors()
     model = MiniCPMForCausalLM(artifact.model_config()).to(dtype)
-    return load_weights(model, tensors, artifact.dir, strict=True)
+    load_weights(model, tensors, artifact.dir, strict=True)
+    grid = artifact.format.activation_grid(artifact.qconfig) if artifact.format is not None else None
+    if grid is not None:
+        for index in range(artifact.num_layers):
+            for linear in artifact.shapes:
+                module = model.get_submodule(f"{layer_prefix(index)}{linear}")
+                module.register_forward_pre_hook(lambda _, inputs: (grid.fake_quantize(inputs[0]),))
+    return model

@@ -16,7 +16,9 @@ from safetensors.torch import load_file
 from quantkit.engine import quantize
 from quantkit.formats import FORMATS
 from quantkit.formats.compressed_tensors import (
+    ACTIVATIONS,
     VERSION,
+    CompressedTensorsGrid,
     check_packed,
     packed_tensors,
     parse_quantization_config,
@@ -156,15 +158,16 @@ def test_reader_refuses_tensors_that_disagree_with_the_config():
 
 @pytest.mark.parametrize("change, message", [
     (lambda d: d["config_groups"]["group_0"].update(format="float-quantized"), "format: 'float-quantized'"),
-    (lambda d: d["config_groups"]["group_0"].update(format=None, input_activations={"num_bits": 8}),
-     "input_activations: activation quantization"),
+    (lambda d: d["config_groups"]["group_0"].update(format="int-quantized", input_activations={
+        **ACTIVATIONS["int8-dynamic"][1], "strategy": "tensor", "dynamic": False}),
+     r"input_activations: .*'strategy': 'tensor'.* \(read: INT8 per token, dynamic\)"),
     (lambda d: d["config_groups"]["group_0"]["weights"].update(num_bits=2), "weights.num_bits: 2"),
     (lambda d: d["config_groups"]["group_0"]["weights"].update(actorder="group"), "weights.actorder"),
     (lambda d: d["config_groups"]["group_0"]["weights"].update(strategy="tensor"), "weights.strategy: 'tensor'"),
     (lambda d: d.update(ignore=["lm_head", "model.layers.0.mlp.down_proj"]), "ignore"),
     (lambda d: d.update(kv_cache_scheme={"num_bits": 8}), "kv_cache_scheme"),
     (lambda d: d["config_groups"].update(group_1=d["config_groups"]["group_0"]), "one config group is read, got 2"),
-], ids=["fp8", "w8a8", "2-bit", "g_idx", "tensor", "ignore", "kv-cache", "two-groups"])
+], ids=["fp8", "static-activations", "2-bit", "g_idx", "tensor", "ignore", "kv-cache", "two-groups"])
 def test_configs_quantkit_does_not_read_are_refused_naming_the_setting(change, message):
     config = quantization_config(QuantConfig(4, 128, True))
     change(config)
@@ -267,3 +270,98 @@ def test_float32_models_get_float16_scales_and_mlx_export_refuses_float32_ones()
     assert fmt.grid({"bits": 4, "group_size": 64, "sym": True}, torch.bfloat16).scale_dtype == torch.bfloat16
     with pytest.raises(ValueError, match=f"{MODULE}: its scales are float32"):
         as_float_bias(_record(4, 64, False, torch.float32), torch.float32, MODULE)
+
+
+# --- INT8 W8A8 (int-quantized): int8 weights per output channel, activations per token at run time ---
+
+def _w8a8(dtype=torch.bfloat16, n=96, k=256, seed=0):
+    return random_record(CompressedTensorsGrid(8, -1, True, scale_dtype=dtype, activations="int8-dynamic"), n, k, seed)
+
+
+def test_int8_activations_are_quantized_as_vllms_kernel_does():
+    """Per token: scale = absmax / 127, round to nearest even, saturate (vLLM's dynamic_scaled_int8_quant),
+    written here in NumPy; an all-zero token stays zero."""
+    import numpy as np
+
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)) * 3
+    x[2] = 0
+    x[3, :2] = torch.tensor([2.54, -2.54]) * x[3].abs().max() / 127 / 0.02  # ties are rare: make one
+    got = ACTIVATIONS["int8-dynamic"][0].fake_quantize(x)
+    values = x.numpy().astype(np.float32)
+    scale = np.abs(values).max(axis=1, keepdims=True) / np.float32(127)
+    scale[scale == 0] = 1
+    want = np.clip(np.rint(values / scale), -128, 127) * scale
+    assert np.array_equal(got.numpy(), want.astype(np.float32))
+    assert got.dtype == x.dtype and (got[2] == 0).all()
+    assert ACTIVATIONS["int8-dynamic"][0].fake_quantize(x.bfloat16()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w8a8_weights_decompress_and_config_is_llm_compressors_int8_scheme(dtype, tmp_path):
+    from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    record = _w8a8(dtype)
+    tensors = packed_tensors(record, MODULE)
+    assert {key: (t.dtype, tuple(t.shape)) for key, t in tensors.items()} == {
+        f"{MODULE}.weight": (torch.int8, (96, 256)), f"{MODULE}.weight_scale": (dtype, (96, 1))}
+    config = quantization_config(record.config)
+    local = {key.rsplit(".", 1)[1]: tensor for key, tensor in tensors.items()}
+    weight = IntQuantizationCompressor.decompress(local, _scheme(config))["weight"]
+    assert torch.equal(weight, record.dequantize(dtype))
+    back = read_packed_tensors(tensors, MODULE, parse_quantization_config(config), (96, 256))
+    assert all(torch.equal(getattr(back, f), getattr(record, f)) for f in ("codes", "scales", "zeros", "g_idx"))
+    assert back.config == record.config
+
+    preset = preset_name_to_scheme("INT8", ["Linear"]).model_dump()
+    group = config["config_groups"]["group_0"]
+    assert {key: group[key] for key in preset if key != "format"} == {k: v for k, v in preset.items() if k != "format"}
+    assert group["format"] == config["format"] == "int-quantized"
+    (tmp_path / "config.json").write_text("{}")
+    ModelCompressor(quantization_config=QuantizationConfig.model_validate(config)).update_config(str(tmp_path))
+    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"] == json.loads(json.dumps(config))
+
+
+def test_w8a8_needs_8_bit_channel_symmetric_weights():
+    with pytest.raises(ValueError, match="W8A8: 8-bit symmetric weights, one scale per output channel"):
+        check_packed(CompressedTensorsGrid(8, 128, True, activations="int8-dynamic"), 256, 64, False, MODULE)
+    from quantkit.recipe import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match="set quant.bits: 8, quant.group_size: -1, quant.sym: true"):
+        load_recipe("int8-w8a8", {"quant.group_size": 128})
+    with pytest.raises(RecipeError, match="is a setting of format compressed-tensors, not of 'gptq'"):
+        load_recipe("int8-w8a8", {"format": "gptq"})
+
+
+def test_w8a8_artifact_is_scored_with_its_activations_quantized(tiny_checkpoint_factory, tmp_path):
+    """The reference model quantizes every quantized linear's input as the scheme says (the same weights
+    without it give other logits); conformance decodes the int8 weights; the runtime refuses, naming why."""
+    from quantkit.eval.conformance import check_conformance
+    from quantkit.kernels.load import load_runtime_model
+    from quantkit.loading import load_model
+
+    source = tiny_checkpoint_factory(dtype=torch.bfloat16)
+    out = tmp_path / "w8a8"
+    quantize(source, small_recipe("int8-w8a8", tmp_path), out, progress=False)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "int-quantized" and ArtifactReader(out).qconfig.activations == "int8-dynamic"
+    assert check_conformance(out).passed
+
+    ids = torch.tensor([[1, 17, 33, 250, 7, 99, 3]])
+    model = load_model(out)
+    quantized_inputs = []
+    for index, linear in ((0, "self_attn.q_proj"), (1, "mlp.down_proj")):
+        module = model.get_submodule(f"model.layers.{index}.{linear}")
+        module.register_forward_hook(lambda m, inputs, output: quantized_inputs.append(inputs[0]))
+    with torch.no_grad():
+        logits = model(ids).logits
+    grid = ACTIVATIONS["int8-dynamic"][0]
+    for seen in quantized_inputs:  # what each linear multiplied: already on the per-token INT8 grid
+        assert torch.equal(grid.fake_quantize(seen), seen)
+    weights_only = load_model(out)
+    for module in weights_only.modules():
+        module._forward_pre_hooks.clear()
+    with torch.no_grad():
+        assert not torch.allclose(weights_only(ids).logits, logits)
+    with pytest.raises(ValueError, match="activations are quantized too"):
+        load_runtime_model(out)

@@ -56,5 +56,5 @@ def test_what_each_format_says_of_itself():
     assert {name for name, fmt in FORMATS.items() if fmt.draft_head_fc is not None} == {"gptq", "marlin", "cpmcu"}
     assert {name: fmt.stored_layout for name, fmt in FORMATS.items() if fmt.stored_layout} == {
         "awq": "awq", "marlin": "marlin", "ternary": "ternary planes"}
-    assert {name for name, fmt in FORMATS.items() if fmt.settings is not None} == {"mlx"}
+    assert {name for name, fmt in FORMATS.items() if fmt.settings is not None} == {"mlx", "compressed-tensors"}
     assert {name for name, fmt in FORMATS.items() if fmt.block_types} == {n for n in FORMATS if n.startswith("gguf-")}

@@ -20,6 +20,7 @@ FINGERPRINTS = {
     "gguf-q5_k_m": "1582fd57af316578504d6524c8532ac1ff462100d5ac489b59774fd6bcf7616f",
     "gptq-ternary-g32": "61be3f49e1a24eae79bfee9cfa9eeeefc700788cd8ddad6d3fc99023e5ada33f",
     "gptq-w4g128": "d4251035ec3396c5da54e881d005c72c99abf4510ff9c45cfe3792b05506cd1f",
+    "int8-w8a8": "a4f86cb02711827ab0598f15aab6fe30f91ef25ac7d217259aa301922b0c57d3",
     "marlin": "c29502c09ca4a6be3edc0a4e59dab211fc189ab6f2dcb7da087ffb20a438671c",
     "mlx-dwq-w4g64": "a01b75c2fca233a6a6b61e345d9a2ccea0571406a22b810e20cc9dfeafa80235",
     "mlx-rtn-mixed-4-6": "ef669faf20da3a133c6cca8355027e7f63e3cf4e72472a76edfccf7451725404",
@@ -117,6 +118,8 @@ def test_the_schema_is_assembled_from_the_sections_beside_their_code_in_recipe_o
 
     assert SCHEMA["gptq"] is gptq.SETTINGS and SCHEMA["smooth"] is smooth.SETTINGS
     assert SCHEMA["mlx"] is FORMATS["mlx"].settings and SCHEMA["qat"] is fake_quant.SETTINGS
+    assert SCHEMA["compressed-tensors"] is FORMATS["compressed-tensors"].settings
     # the order of Recipe.values, which every manifest records
     assert list(SCHEMA) == ["name", "description", "algorithm", "format", "prefix_tokens", "prefix_linears",
-                            "compute_dtype", "quant", "gptq", "smooth", "calibration", "mlx", "qat"]
+                            "compute_dtype", "quant", "gptq", "smooth", "calibration", "compressed-tensors", "mlx",
+                            "qat"]

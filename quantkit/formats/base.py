@@ -143,6 +143,11 @@ class Format:
         (N, K)) to so that this format stores it unambiguously."""
         return config
 
+    def activation_grid(self, config: QuantConfig) -> Any:
+        """How a serving kernel quantizes each quantized linear's input on this grid (an
+        ``activation_quant.ActivationGrid``), or None: the activations stay in 16 bits."""
+        return None
+
     def config_files(self, config: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """The full config.json -> every JSON file the consumers read it from ({"config.json": ...} at least)."""
         return {"config.json": config}

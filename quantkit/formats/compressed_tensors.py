@@ -1,6 +1,7 @@
 """compressed-tensors checkpoints (``quant_method: compressed-tensors``), what llm-compressor writes and
-vLLM and SGLang serve, in its ``pack-quantized`` format: integer weights, activations in 16 bits (W4A16,
-W8A16).
+vLLM and SGLang serve: ``pack-quantized`` (integer weights, activations in 16 bits: W4A16, W8A16) and
+``int-quantized`` (INT8 W8A8: int8 weights per output channel, activations quantized per token at run
+time; the recipe's ``compressed-tensors.activations``).
 
 Per linear (N = out_features, K = in_features; see docs/formats.md, "compressed-tensors"):
 
@@ -13,6 +14,9 @@ Per linear (N = out_features, K = in_features; see docs/formats.md, "compressed-
   (its zero is 2^(b−1)).
 - ``weight_shape`` int64 [2]: (N, K).
 
+``int-quantized`` stores ``weight`` int8 [N, K] (the signed value, quantkit's code − 128) and
+``weight_scale`` [N, 1]; the config's ``input_activations`` says how the input is quantized.
+
 Groups run in natural channel order and must tile K: compressed-tensors 0.19 reshapes K into groups and
 stores no ``g_idx`` (its act-order "group" mode is deprecated), so quantkit's act-order, which moves
 groups, is refused; GPTQ's group-aware order keeps them in place. vLLM's W4A16/W8A16 kernels take 4 and
@@ -20,29 +24,65 @@ groups, is refused; GPTQ's group-aware order keeps them in place. vLLM's W4A16/W
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 import torch
 from torch import Tensor
 
+from quantkit.activation_quant import ActivationGrid
 from quantkit.formats.base import Format, fetch_packed, tensor_key
 from quantkit.formats.consumers import QUANTKIT, SGLANG, TRANSFORMERS, VLLM
 from quantkit.formats.gptq import pack_cols, pack_rows, unpack_cols, unpack_rows, values_per_run
+from quantkit.models.layers import LINEARS
 from quantkit.quant import INTEGER_SCALE_DTYPES, QuantConfig, QuantizedTensor, default_g_idx
+from quantkit.recipes.fields import Field, Section
 
 QUANT_METHOD = "compressed-tensors"
 # The compressed-tensors release whose layout and config this module writes (llm-compressor 0.14's)
 VERSION = "0.19.0"
 PACKED = "pack-quantized"
+INTEGER = "int-quantized"
 BITS = (4, 8)  # vLLM's WNA16 kernels
 TENSOR_NAMES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+
+
+def _arguments(**values: Any) -> dict[str, Any]:
+    """compressed-tensors' ``QuantizationArgs`` with every field, as ``model_dump`` writes them."""
+    return {"actorder": None, "block_structure": None, "dynamic": False, "group_size": None, "observer": None,
+            "observer_kwargs": {}, "scale_dtype": None, "symmetric": True, "type": "int", "zp_dtype": None,
+            **values}
+
+
+# recipe value of compressed-tensors.activations -> how the runtime quantizes each linear's input, and
+# the config group's input_activations that says so (llm-compressor's INT8 W8A8 preset)
+ACTIVATIONS = {
+    "int8-dynamic": (ActivationGrid("int8", dynamic=True),
+                     _arguments(num_bits=8, strategy="token", dynamic=True)),
+}
+
+
+@dataclass(frozen=True)
+class CompressedTensorsGrid(QuantConfig):
+    """The weights' grid and the activations' (a key of ``ACTIVATIONS``); a grid with 16-bit activations
+    is a plain ``QuantConfig``."""
+
+    activations: str = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {tuple(ACTIVATIONS)}, got {self.activations!r}")
 # Every linear of the decoder is quantized; llm-compressor's recipes leave the LM head out the same way.
 IGNORE = ["lm_head"]
 
 
 def _grid_rules(config: QuantConfig, desc_act: bool) -> tuple[tuple[str, bool, str], ...]:
     """(rule, holds, what was found) of the grid itself."""
+    if getattr(config, "activations", None):
+        return (("W8A8: 8-bit symmetric weights, one scale per output channel (vLLM's INT8 W8A8 kernels)",
+                 config.bits == 8 and config.sym and config.group_size == -1 and not desc_act,
+                 f"bits={config.bits}, sym={config.sym}, group_size={config.group_size}, desc_act={desc_act}"),)
     return (
         (f"bits in {BITS} (vLLM's W4A16 and W8A16 kernels)", config.bits in BITS, f"bits={config.bits}"),
         ("an integer grid", not (config.ternary or config.float_bias), "a ternary or float-bias grid"),
@@ -72,12 +112,16 @@ def check_packed(config: QuantConfig, in_features: int, out_features: int, desc_
 
 
 def packed_tensors(record: QuantizedTensor, module: str) -> dict[str, Tensor]:
-    """``{module}.weight_packed/.weight_scale/(.weight_zero_point)/.weight_shape`` for one linear."""
+    """``{module}.weight_packed/.weight_scale/(.weight_zero_point)/.weight_shape`` for one linear, or on a
+    W8A8 grid ``{module}.weight/.weight_scale``."""
     n, k = record.shape
     config = record.config
     check_packed(config, k, n, name=module)
     if not torch.equal(record.g_idx, default_g_idx(k, config.group_size)):
         raise ValueError(f"{module}: compressed-tensors stores no g_idx; this record has an act-order one")
+    if getattr(config, "activations", None):
+        return {tensor_key(module, "weight"): (record.codes.to(torch.int16) - 128).to(torch.int8),
+                tensor_key(module, "weight_scale"): record.scales.T.contiguous()}
     tensors = {
         tensor_key(module, "weight_packed"): pack_cols(record.codes, config.bits),
         tensor_key(module, "weight_scale"): record.scales.T.contiguous(),
@@ -94,6 +138,8 @@ def read_packed_tensors(tensors: Mapping[str, Tensor], module: str, config: Quan
     n, k = shape
     check_packed(config, k, n, name=module)
     groups = config.num_groups(k)
+    if getattr(config, "activations", None):
+        return _read_int8(tensors, module, config, shape)
     stored_shape = fetch_packed(tensors, tensor_key(module, "weight_shape"), torch.int64, (2,), "compressed-tensors")
     if stored_shape.tolist() != [n, k]:
         raise ValueError(f"compressed-tensors tensor {tensor_key(module, 'weight_shape')!r} says "
@@ -120,13 +166,33 @@ def read_packed_tensors(tensors: Mapping[str, Tensor], module: str, config: Quan
                            default_g_idx(k, config.group_size), replace(config, scale_dtype=scale_dtype))
 
 
+def _scale_dtype_of(tensors: Mapping[str, Tensor], key: str) -> torch.dtype:
+    if key not in tensors:
+        raise KeyError(f"compressed-tensors tensor {key!r} is missing")
+    if tensors[key].dtype not in INTEGER_SCALE_DTYPES:
+        raise ValueError(f"compressed-tensors tensor {key!r} must be one of {INTEGER_SCALE_DTYPES}, "
+                         f"got {tensors[key].dtype}")
+    return tensors[key].dtype
+
+
+def _read_int8(tensors: Mapping[str, Tensor], module: str, config: QuantConfig,
+               shape: tuple[int, int]) -> QuantizedTensor:
+    """An int-quantized linear: ``weight`` int8 [N, K], ``weight_scale`` [N, 1]."""
+    n, k = shape
+    weight = fetch_packed(tensors, tensor_key(module, "weight"), torch.int8, (n, k), "compressed-tensors")
+    scale_key = tensor_key(module, "weight_scale")
+    scale_dtype = _scale_dtype_of(tensors, scale_key)
+    scales = fetch_packed(tensors, scale_key, scale_dtype, (n, 1), "compressed-tensors")
+    return QuantizedTensor((weight.to(torch.int16) + 128).to(torch.uint8), scales.T.contiguous(),
+                           torch.full((1, n), 128, dtype=torch.uint8), default_g_idx(k, -1),
+                           replace(config, scale_dtype=scale_dtype))
+
+
 def weight_arguments(config: QuantConfig) -> dict[str, Any]:
     """A config group's ``weights``: compressed-tensors' ``QuantizationArgs``, every field as it dumps them."""
-    return {"actorder": None, "block_structure": None, "dynamic": False,
-            "group_size": None if config.group_size == -1 else config.group_size, "num_bits": config.bits,
-            "observer": None, "observer_kwargs": {}, "scale_dtype": None,
-            "strategy": "channel" if config.group_size == -1 else "group", "symmetric": config.sym,
-            "type": "int", "zp_dtype": None if config.sym else "torch.int8"}
+    return _arguments(group_size=None if config.group_size == -1 else config.group_size, num_bits=config.bits,
+                      strategy="channel" if config.group_size == -1 else "group", symmetric=config.sym,
+                      zp_dtype=None if config.sym else "torch.int8")
 
 
 def quantization_config(config: QuantConfig, *, desc_act: bool = False, static_groups: bool = False,
@@ -135,10 +201,13 @@ def quantization_config(config: QuantConfig, *, desc_act: bool = False, static_g
     config group over every Linear, the LM head ignored. ``static_groups`` and ``damp_percent`` are
     accepted for the formats' common signature (the format records neither); so is ``quantizer``."""
     _refuse(_grid_rules(config, desc_act), "quantization_config")
+    activations = getattr(config, "activations", None)
+    fmt = INTEGER if activations else PACKED
     return {
-        "config_groups": {"group_0": {"format": PACKED, "input_activations": None, "output_activations": None,
-                                      "targets": ["Linear"], "weights": weight_arguments(config)}},
-        "format": PACKED, "global_compression_ratio": None, "ignore": list(IGNORE), "kv_cache_scheme": None,
+        "config_groups": {"group_0": {"format": fmt, "output_activations": None, "targets": ["Linear"],
+                                      "input_activations": ACTIVATIONS[activations][1] if activations else None,
+                                      "weights": weight_arguments(config)}},
+        "format": fmt, "global_compression_ratio": None, "ignore": list(IGNORE), "kv_cache_scheme": None,
         "quant_method": QUANT_METHOD, "quantization_status": "compressed", "sparsity_config": {},
         "transform_config": {}, "version": VERSION,
     }
@@ -154,11 +223,14 @@ def parse_quantization_config(d: Mapping[str, Any]) -> QuantConfig:
         raise ValueError(f"compressed-tensors: one config group is read, got {len(groups)} ({', '.join(groups)})")
     (name, group), = groups.items()
     fmt = group.get("format") or d.get("format")
+    inputs = group.get("input_activations")
+    activations = next((key for key, (_, stated) in ACTIVATIONS.items() if stated == inputs), None)
     refusals = (
-        ("format", fmt != PACKED, f"{fmt!r} (only {PACKED!r} is read)"),
+        ("format", fmt not in (PACKED, INTEGER), f"{fmt!r} (only {PACKED!r} and {INTEGER!r} are read)"),
+        ("format", (fmt == INTEGER) != (inputs is not None), f"{fmt!r} with input_activations {inputs!r}"),
         (f"config_groups.{name}.targets", group.get("targets") != ["Linear"], f"{group.get('targets')!r}"),
-        (f"config_groups.{name}.input_activations", group.get("input_activations") is not None,
-         "activation quantization (W8A8) is not read"),
+        (f"config_groups.{name}.input_activations", inputs is not None and activations is None,
+         f"{inputs!r} (read: INT8 per token, dynamic)"),
         (f"config_groups.{name}.output_activations", group.get("output_activations") is not None, "set"),
         ("ignore", any(module != "lm_head" for module in d.get("ignore") or ()), f"{d.get('ignore')!r}"),
         ("kv_cache_scheme", d.get("kv_cache_scheme") is not None, "a quantized KV cache is not read"),
@@ -180,8 +252,17 @@ def parse_quantization_config(d: Mapping[str, Any]) -> QuantConfig:
     refused = [f"{setting}: {found}" for setting, broken, found in refusals if broken]
     if refused:
         raise ValueError("compressed-tensors config not read: " + "; ".join(refused))
-    return QuantConfig(bits=weights["num_bits"], group_size=-1 if strategy == "channel" else group_size,
+    grid = QuantConfig(bits=weights["num_bits"], group_size=-1 if strategy == "channel" else group_size,
                        sym=weights["symmetric"])
+    return CompressedTensorsGrid(**vars(grid), activations=activations) if activations else grid
+
+
+# The recipe's ``compressed-tensors`` section: present only in recipes that state it
+SETTINGS = Section({
+    "activations": Field(str, required=True, choices=tuple(ACTIVATIONS),
+                         help="how vLLM quantizes each linear's input (format compressed-tensors): int8-dynamic "
+                              "is INT8 W8A8, a scale per token (needs quant.bits 8, group_size -1, sym)"),
+}, optional=True)
 
 
 class CompressedTensors(Format):
@@ -189,7 +270,8 @@ class CompressedTensors(Format):
     list_order = 25
     summary = ("compressed-tensors pack-quantized W4A16/W8A16 (what llm-compressor writes; vLLM, SGLang, "
                "transformers with compressed-tensors); scales in the model's dtype")
-    suffixes = TENSOR_NAMES
+    # int-quantized keeps a linear's "weight" name: only the decoder linears' count
+    suffixes = TENSOR_NAMES + tuple(f"{linear}.weight" for linear in LINEARS)
     reads = ((QUANT_METHOD, None),)
     consumers = (replace(TRANSFORMERS, note="transformers reads compressed-tensors checkpoints through the "
                                             "compressed-tensors package: `pip install compressed-tensors`."),
@@ -199,6 +281,28 @@ class CompressedTensors(Format):
     read_linear = staticmethod(read_packed_tensors)
     quantization_config = staticmethod(quantization_config)
     parse_config = staticmethod(parse_quantization_config)
+
+    settings = SETTINGS
+
+    def resolve(self, config, recipe, layers):
+        """The run's grid with the recipe's activation scheme, if it states one (the writer and the config
+        carry it)."""
+        activations = (recipe.get(self.name) or {}).get("activations")
+        return CompressedTensorsGrid(**vars(config), activations=activations) if activations else config
+
+    def recipe_refusal(self, values):
+        if values["format"] != self.name:
+            return f"'{self.name}.activations' is a setting of format {self.name}, not of '{values['format']}'"
+        quant = values["quant"]
+        if (quant["bits"], quant["group_size"], quant["sym"]) != (8, -1, True):
+            return (f"'{self.name}.activations' quantizes activations to INT8 (W8A8), whose weights vLLM takes as "
+                    "8 bits, one symmetric scale per output channel: set quant.bits: 8, quant.group_size: -1, "
+                    "quant.sym: true")
+        return None
+
+    def activation_grid(self, config):
+        activations = getattr(config, "activations", None)
+        return ACTIVATIONS[activations][0] if activations else None
 
     def grid(self, quant, model_dtype):
         """Scales in a 16-bit model's dtype, as llm-compressor stores them and vLLM loads them; a float32
