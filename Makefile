@@ -37,7 +37,7 @@ help:
 	@echo "make lint       ruff (pyflakes, pycodestyle, import order; settings in pyproject.toml)"
 	@echo "make eval-tasks  HumanEval / GSM / family-relationships scores of the default model (EVAL_TASKS_ARGS='--limit N')"
 	@echo "make demo-marlin  the marlin recipe end to end on Qwen2.5-Coder-0.5B (Marlin-legal shapes), KL vs RTN and GPTQ"
-	@echo "make bench-ct    compressed-tensors W4A16: S-GPTQ vs llm-compressor's GPTQ at g64, on the same rows, per test text"
+	@echo "make bench-ct    compressed-tensors: W4A16 S-GPTQ vs llm-compressor's GPTQ (g64), INT8 W8A8 vs its SmoothQuant + GPTQ"
 	@echo "make bench-gptq  GPTQ / S-GPTQ / S-P-GPTQ / GPTQModel at W4 g128 on the default model: 3 calibration seeds x both compute paths, scored per test text"
 	@echo "make bench-awq   AWQ / RTN / GPTQ / S-P-GPTQ at W4 and W3 g128, then AWQ vs llm-compressor at W4 g64"
 	@echo "make bench-gguf  every GGUF type exported by quantkit and by llama.cpp's quantizer, plus GPTQ on the Q4_0 and Q4_K_M grids, scored in llama.cpp"
@@ -135,10 +135,16 @@ bench-awq: $(INSTALLED) $(LLMC_INSTALLED)
 # at group 64 (the default model's K = 576 is no whole number of 128-groups, which the format needs).
 LLMC_GPTQ_PEER = llm-compressor-GPTQ=$(LLMC_BIN)/python -m quantkit.eval.interop.llmcompressor_quantize {model} \
 	{out} --method gptq --bits {bits} --group-size {group_size} --nsamples {n_samples} --seqlen {seq_len} --seed {seed}
+# INT8 W8A8: quantkit's GPTQ W8 per channel against llm-compressor's SmoothQuant + GPTQ W8A8, both scored with
+# their activations quantized per token as vLLM does.
+LLMC_W8A8_PEER = llm-compressor-W8A8=$(LLMC_BIN)/python -m quantkit.eval.interop.llmcompressor_quantize {model} \
+	{out} --method w8a8 --nsamples {n_samples} --seqlen {seq_len} --seed {seed}
 BENCH_CT_ARGS ?=
 bench-ct: $(INSTALLED) $(LLMC_INSTALLED)
 	$(BIN)/python -m quantkit.eval.bench.bench_methods --out $(OUT)/bench-ct --methods S-GPTQ-CT --group-size 64 \
 	  --baseline S-GPTQ-CT --peer "$(LLMC_GPTQ_PEER)" $(BENCH_CT_ARGS)
+	$(BIN)/python -m quantkit.eval.bench.bench_methods --out $(OUT)/bench-ct-w8a8 --methods INT8-W8A8 --bits 8 \
+	  --group-size -1 --baseline INT8-W8A8 --peer "$(LLMC_W8A8_PEER)" $(BENCH_CT_ARGS)
 
 bench-gguf: $(TEST_INSTALLED)
 	$(BIN)/python -m quantkit.eval.bench.bench_gguf --out $(OUT)/bench-gguf

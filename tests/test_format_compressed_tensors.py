@@ -365,3 +365,9 @@ def test_w8a8_artifact_is_scored_with_its_activations_quantized(tiny_checkpoint_
         assert not torch.allclose(weights_only(ids).logits, logits)
     with pytest.raises(ValueError, match="activations are quantized too"):
         load_runtime_model(out)
+
+
+def test_activations_are_read_by_what_they_say_not_by_the_observer_that_chose_them():
+    config = quantization_config(CompressedTensorsGrid(8, -1, True, activations="int8-dynamic"))
+    config["config_groups"]["group_0"]["input_activations"]["observer"] = "memoryless_minmax"
+    assert parse_quantization_config(config).activations == "int8-dynamic"

@@ -41,6 +41,7 @@ METHODS = {
     "S-P-GPTQ": ("s-p-gptq-w4g128", ()),
     # compressed-tensors keeps scales in the model's dtype, so its weights differ from the GPTQ format's
     "S-GPTQ-CT": ("s-gptq-w4a16-ct", ()),
+    "INT8-W8A8": ("int8-w8a8", ()),  # scored with its activations quantized per token (quantkit.loading)
 }
 PATH_NAMES = {"bfloat16": "bf16", "float32": "fp32"}
 TARGET_RATIO = 0.8  # issue 70: S-P-GPTQ's mean KL at most this times the peer's

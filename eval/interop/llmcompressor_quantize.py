@@ -6,7 +6,9 @@
 Each method is llm-compressor's own modifiers at their defaults (``METHODS``): ``awq`` is AWQModifier
 (smoothing: duo scaling, 20-point grid, mappings inferred from the model; no clipping search) and
 QuantizationModifier (asymmetric W{bits}A16 in ``group_size`` groups, min/max observer); ``gptq`` is
-GPTQModifier on its symmetric W{bits}A16 scheme (the ``W4A16`` preset's, in ``group_size`` groups).
+GPTQModifier on its symmetric W{bits}A16 scheme (the ``W4A16`` preset's, in ``group_size`` groups);
+``w8a8`` is SmoothQuantModifier then GPTQModifier on the ``W8A8`` preset (INT8 weights per channel,
+INT8 activations per token).
 Calibration is quantkit's token rows (``quantkit.calib.calibration_set``, same source and seed).
 OUT is the compressed-tensors checkpoint llm-compressor saves (quantkit reads it as format
 compressed-tensors), with the source's config files and tokenizer, plus llmcompressor_run.json
@@ -42,6 +44,13 @@ def _gptq(bits: int, group_size: int) -> list:
     return [GPTQModifier(config_groups={"group_0": _scheme(bits, group_size, sym=True)}, ignore=["lm_head"])]
 
 
+def _w8a8(bits: int, group_size: int) -> list:
+    from llmcompressor.modifiers.quantization import GPTQModifier
+    from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
+
+    return [SmoothQuantModifier(), GPTQModifier(scheme="W8A8", targets=["Linear"], ignore=["lm_head"])]
+
+
 def _scheme(bits: int, group_size: int, sym: bool):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
@@ -53,6 +62,9 @@ def _scheme(bits: int, group_size: int, sym: bool):
 METHODS = {
     "awq": (_awq, ["AWQModifier (defaults)", "QuantizationModifier (int, group, asymmetric)"]),
     "gptq": (_gptq, ["GPTQModifier (defaults; int, group, symmetric)"]),
+    # its INT8 W8A8 recipe: SmoothQuant (default strength 0.8), then GPTQ on the W8A8 preset (8-bit
+    # per-channel weights, INT8 activations per token); --bits and --group-size do not apply
+    "w8a8": (_w8a8, ["SmoothQuantModifier (defaults)", "GPTQModifier (scheme W8A8)"]),
 }
 
 

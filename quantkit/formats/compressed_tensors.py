@@ -62,6 +62,10 @@ ACTIVATIONS = {
 }
 
 
+# what an input_activations entry must say to be one of ACTIVATIONS (the observer that calibrated it may differ)
+ACTIVATION_FIELDS = ("num_bits", "type", "symmetric", "strategy", "dynamic", "group_size", "block_structure")
+
+
 @dataclass(frozen=True)
 class CompressedTensorsGrid(QuantConfig):
     """The weights' grid and the activations' (a key of ``ACTIVATIONS``); a grid with 16-bit activations
@@ -224,7 +228,8 @@ def parse_quantization_config(d: Mapping[str, Any]) -> QuantConfig:
     (name, group), = groups.items()
     fmt = group.get("format") or d.get("format")
     inputs = group.get("input_activations")
-    activations = next((key for key, (_, stated) in ACTIVATIONS.items() if stated == inputs), None)
+    activations = next((key for key, (_, stated) in ACTIVATIONS.items()
+                        if inputs and all(inputs.get(field) == stated[field] for field in ACTIVATION_FIELDS)), None)
     refusals = (
         ("format", fmt not in (PACKED, INTEGER), f"{fmt!r} (only {PACKED!r} and {INTEGER!r} are read)"),
         ("format", (fmt == INTEGER) != (inputs is not None), f"{fmt!r} with input_activations {inputs!r}"),
