@@ -22,12 +22,16 @@ def _quantization(quant: dict) -> str:
         return "none"
     if "file_type" in quant:  # GGUF blocks (format gguf-*): the file type names every tensor's type
         return f"{quant['quant_method']} {quant['file_type']}"
-    if quant.get("config_groups"):  # compressed-tensors: the grid is each config group's weights
-        grids = [group.get("weights") or {} for group in quant["config_groups"].values()]
-        return f"{quant['quant_method']} {quant.get('format')} " + ", ".join(
-            f"{w.get('num_bits')}-bit {w.get('type')} {w.get('strategy')}"
-            f"{'' if w.get('group_size') is None else ' g' + str(w['group_size'])} "
-            f"{'sym' if w.get('symmetric') else 'asym'}" for w in grids)
+    if quant.get("config_groups"):  # compressed-tensors: each config group's weights and input activations
+        def args(a: dict) -> str:
+            return (f"{a.get('num_bits')}-bit {a.get('type')} {a.get('strategy')}"
+                    f"{'' if a.get('group_size') is None else ' g' + str(a['group_size'])} "
+                    f"{'sym' if a.get('symmetric') else 'asym'}{' dynamic' if a.get('dynamic') is True else ''}")
+
+        return f"{quant['quant_method']} {quant.get('format')} " + "; ".join(
+            args(group.get("weights") or {})
+            + ("" if not group.get("input_activations") else f", activations {args(group['input_activations'])}")
+            for group in quant["config_groups"].values())
     symmetric = quant.get("sym", not quant.get("zero_point", True))
     method = quant.get("quant_method") or f"mlx {quant.get('mode', 'affine')}"  # mlx-lm writes no quant_method
     return (f"{method} {quant.get('bits')}-bit g{quant.get('group_size')} "

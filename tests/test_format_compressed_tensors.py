@@ -346,6 +346,10 @@ def test_w8a8_artifact_is_scored_with_its_activations_quantized(tiny_checkpoint_
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert config["format"] == "int-quantized" and ArtifactReader(out).qconfig.activations == "int8-dynamic"
     assert check_conformance(out).passed
+    from quantkit.inspect import describe
+
+    assert describe(out)["quantization"] == ("compressed-tensors int-quantized 8-bit int channel sym, "
+                                             "activations 8-bit int token sym dynamic")
 
     ids = torch.tensor([[1, 17, 33, 250, 7, 99, 3]])
     model = load_model(out)
