@@ -77,8 +77,15 @@ class CompressedTensorsGrid(QuantConfig):
         super().__post_init__()
         if self.activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {tuple(ACTIVATIONS)}, got {self.activations!r}")
+
+
 # Every linear of the decoder is quantized; llm-compressor's recipes leave the LM head out the same way.
 IGNORE = ["lm_head"]
+
+
+def _layout(config: QuantConfig) -> str:
+    """The compressed-tensors format a grid is stored in: int-quantized with quantized activations."""
+    return INTEGER if getattr(config, "activations", None) else PACKED
 
 
 def _grid_rules(config: QuantConfig, desc_act: bool) -> tuple[tuple[str, bool, str], ...]:
@@ -95,15 +102,15 @@ def _grid_rules(config: QuantConfig, desc_act: bool) -> tuple[tuple[str, bool, s
     )
 
 
-def _refuse(rules: tuple[tuple[str, bool, str], ...], name: str) -> None:
+def _refuse(rules: tuple[tuple[str, bool, str], ...], name: str, config: QuantConfig) -> None:
     broken = [f"{rule} ({found})" for rule, holds, found in rules if not holds]
     if broken:
-        raise ValueError(f"{name or 'linear'}: cannot use compressed-tensors {PACKED}: " + "; ".join(broken))
+        raise ValueError(f"{name or 'linear'}: cannot use compressed-tensors {_layout(config)}: " + "; ".join(broken))
 
 
 def check_packed(config: QuantConfig, in_features: int, out_features: int, desc_act: bool = False,
                  name: str = "") -> None:
-    """Raise a ValueError naming ``name`` and every pack-quantized rule this linear breaks (before quantizing)."""
+    """Raise a ValueError naming ``name`` and every rule of its layout this linear breaks (before quantizing)."""
     group = in_features if config.group_size == -1 else config.group_size
     per_run = values_per_run(config.bits) if config.bits in BITS else 1
     _refuse(_grid_rules(config, desc_act) + (
@@ -112,7 +119,7 @@ def check_packed(config: QuantConfig, in_features: int, out_features: int, desc_
         (f"K a multiple of {per_run}", in_features % per_run == 0, f"in_features K={in_features}"),
         (f"N a multiple of {per_run} (zero points are packed along N)", config.sym or out_features % per_run == 0,
          f"out_features N={out_features}"),
-    ), name)
+    ), name, config)
 
 
 def packed_tensors(record: QuantizedTensor, module: str) -> dict[str, Tensor]:
@@ -123,7 +130,7 @@ def packed_tensors(record: QuantizedTensor, module: str) -> dict[str, Tensor]:
     check_packed(config, k, n, name=module)
     if not torch.equal(record.g_idx, default_g_idx(k, config.group_size)):
         raise ValueError(f"{module}: compressed-tensors stores no g_idx; this record has an act-order one")
-    if getattr(config, "activations", None):
+    if _layout(config) == INTEGER:
         return {tensor_key(module, "weight"): (record.codes.to(torch.int16) - 128).to(torch.int8),
                 tensor_key(module, "weight_scale"): record.scales.T.contiguous()}
     tensors = {
@@ -142,7 +149,7 @@ def read_packed_tensors(tensors: Mapping[str, Tensor], module: str, config: Quan
     n, k = shape
     check_packed(config, k, n, name=module)
     groups = config.num_groups(k)
-    if getattr(config, "activations", None):
+    if _layout(config) == INTEGER:
         return _read_int8(tensors, module, config, shape)
     stored_shape = fetch_packed(tensors, tensor_key(module, "weight_shape"), torch.int64, (2,), "compressed-tensors")
     if stored_shape.tolist() != [n, k]:
@@ -151,12 +158,7 @@ def read_packed_tensors(tensors: Mapping[str, Tensor], module: str, config: Quan
     packed = fetch_packed(tensors, tensor_key(module, "weight_packed"), torch.int32,
                           (n, k * config.bits // 32), "compressed-tensors")
     scale_key = tensor_key(module, "weight_scale")
-    if scale_key not in tensors:
-        raise KeyError(f"compressed-tensors tensor {scale_key!r} is missing")
-    scale_dtype = tensors[scale_key].dtype
-    if scale_dtype not in INTEGER_SCALE_DTYPES:
-        raise ValueError(f"compressed-tensors tensor {scale_key!r} must be one of {INTEGER_SCALE_DTYPES}, "
-                         f"got {scale_dtype}")
+    scale_dtype = _scale_dtype_of(tensors, scale_key)
     scales = fetch_packed(tensors, scale_key, scale_dtype, (n, groups), "compressed-tensors")
     zero_key = tensor_key(module, "weight_zero_point")
     if config.sym:
@@ -204,9 +206,9 @@ def quantization_config(config: QuantConfig, *, desc_act: bool = False, static_g
     """``config.json["quantization_config"]`` as compressed-tensors' ``ModelCompressor`` writes it: one
     config group over every Linear, the LM head ignored. ``static_groups`` and ``damp_percent`` are
     accepted for the formats' common signature (the format records neither); so is ``quantizer``."""
-    _refuse(_grid_rules(config, desc_act), "quantization_config")
+    _refuse(_grid_rules(config, desc_act), "quantization_config", config)
     activations = getattr(config, "activations", None)
-    fmt = INTEGER if activations else PACKED
+    fmt = _layout(config)
     return {
         "config_groups": {"group_0": {"format": fmt, "output_activations": None, "targets": ["Linear"],
                                       "input_activations": ACTIVATIONS[activations][1] if activations else None,
