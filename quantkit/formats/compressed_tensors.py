@@ -275,8 +275,8 @@ SETTINGS = Section({
 class CompressedTensors(Format):
     name = "compressed-tensors"
     list_order = 25
-    summary = ("compressed-tensors pack-quantized W4A16/W8A16 (what llm-compressor writes; vLLM, SGLang, "
-               "transformers with compressed-tensors); scales in the model's dtype")
+    summary = ("compressed-tensors (what llm-compressor writes; vLLM, SGLang, transformers with compressed-tensors): "
+               "pack-quantized W4A16/W8A16, int-quantized INT8 W8A8; scales in the model's dtype")
     # int-quantized keeps a linear's "weight" name: only the decoder linears' count
     suffixes = TENSOR_NAMES + tuple(f"{linear}.weight" for linear in LINEARS)
     reads = ((QUANT_METHOD, None),)
