@@ -90,7 +90,7 @@ def _layout(config: QuantConfig) -> str:
 
 def _grid_rules(config: QuantConfig, desc_act: bool) -> tuple[tuple[str, bool, str], ...]:
     """(rule, holds, what was found) of the grid itself."""
-    if getattr(config, "activations", None):
+    if _layout(config) == INTEGER:
         return (("W8A8: 8-bit symmetric weights, one scale per output channel (vLLM's INT8 W8A8 kernels)",
                  config.bits == 8 and config.sym and config.group_size == -1 and not desc_act,
                  f"bits={config.bits}, sym={config.sym}, group_size={config.group_size}, desc_act={desc_act}"),)
