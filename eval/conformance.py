@@ -218,13 +218,29 @@ def mlx_affine(tensors: Arrays, name: str, quant: Mapping, shape: tuple[int, int
 
 # --- compressed-tensors pack-quantized: each row of weight_packed one bit stream along K holding q + 2^(b-1),
 # the zero points (asymmetric only) one stream down each column of weight_zero_point, w = (q - zp) · scale;
-# int-quantized: the int8 weight itself times its channel's scale ---
+# int-quantized: the int8 weight itself times its channel's scale; float-quantized: each E4M3 byte's value
+# (sign, 4 exponent bits biased by 7, 3 mantissa bits; exponent 0 subnormal; S.1111.111 NaN) times its
+# row's or the tensor's scale ---
+
+def _e4m3_values() -> np.ndarray:
+    """The float32 value of each of the 256 E4M3 bytes, from the bit layout."""
+    byte = np.arange(256)
+    sign = np.where(byte & 0x80, -1.0, 1.0)
+    exponent, mantissa = (byte >> 3) & 0xF, byte & 0x7
+    magnitude = np.where(exponent == 0, mantissa / 8 * 2.0 ** -6, (1 + mantissa / 8) * 2.0 ** (exponent - 7))
+    return np.where((exponent == 0xF) & (mantissa == 0x7), np.nan, sign * magnitude).astype(np.float32)
+
+
+E4M3_VALUES = _e4m3_values()
+
 
 def compressed_tensors_packed(tensors: Arrays, name: str, quant: Mapping, shape: tuple[int, int]) -> np.ndarray:
     n, k = shape
     weights = quant["config_groups"]["group_0"]["weights"]
     if quant["format"] == "int-quantized":  # int8 weights as they are, one scale per output channel
         return tensors[f"{name}.weight"].astype(np.float32) * tensors[f"{name}.weight_scale"].astype(np.float32)
+    if quant["format"] == "float-quantized":  # E4M3 bytes (read as uint8), a scale per row or one per tensor
+        return E4M3_VALUES[tensors[f"{name}.weight"]] * tensors[f"{name}.weight_scale"].astype(np.float32)
     bits, offset = weights["num_bits"], 1 << (weights["num_bits"] - 1)
     signed = unpack_stream(tensors[f"{name}.weight_packed"], bits, axis=1)[:, :k] - offset  # [N, K]
     zero = 0 if weights["symmetric"] else unpack_stream(tensors[f"{name}.weight_zero_point"], bits, axis=0)[:n] - offset
@@ -256,7 +272,8 @@ def rules_of(format_name: str, shapes: Mapping[str, tuple[int, int]]) -> tuple[C
         "ternary": (ConsumerRule("quantkit runtime (documented planes)", "docs/formats.md, Ternary",
                                  ternary_planes),),
         "compressed-tensors": (ConsumerRule(
-            "compressed-tensors / vLLM wNa16, w8a8", "compressors: pack_quantized unpack_from_int32, dequantize",
+            "compressed-tensors / vLLM wNa16, w8a8, fp8",
+            "compressors: pack_quantized unpack_from_int32, int_quantized, float_quantized; dequantize",
             compressed_tensors_packed),),
         "mlx": (ConsumerRule("mlx / mlx-lm", "mlx/backend/cpu/quantized.cpp: dequantize, scale * q + bias",
                              mlx_affine),),
@@ -312,9 +329,13 @@ class ConformanceReport:
                 "quantkit_error": self.quantkit_error, "passed": self.passed, "consumers": checks}
 
 
+# what NumPy, which has neither, is given for a bfloat16 tensor (MLX's scales in a bfloat16 model: float32,
+# exactly) and an E4M3 one (its bytes: the consumer's rule decodes them)
+_NUMPY_STAND_INS = {torch.bfloat16: lambda t: t.float(), torch.float8_e4m3fn: lambda t: t.view(torch.uint8)}
+
+
 def _numpy(tensors: Mapping) -> dict[str, np.ndarray]:
-    """NumPy has no bfloat16: those tensors (MLX's scales in a bfloat16 model) come as float32, exactly."""
-    return {name: t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy() for name, t in tensors.items()}
+    return {name: _NUMPY_STAND_INS.get(t.dtype, lambda t: t)(t).numpy() for name, t in tensors.items()}
 
 
 def check_conformance(model_dir: str | Path) -> ConformanceReport:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from quantkit import atomic
-from quantkit.checkpoint import FILES_KEY, INDEX_FILE, MANIFEST_FILE, SINGLE_FILES, read_header
+from quantkit.checkpoint import DTYPES, FILES_KEY, INDEX_FILE, MANIFEST_FILE, SINGLE_FILES, read_header
 from quantkit.file_hashes import remembered_sha256s
 
 PROGRESS_FILE = "progress.json"
@@ -134,12 +134,8 @@ def merge_safetensors(paths: list[Path], out: Path) -> None:
                 f.write(src.read(size))
 
 
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "I8": 1, "U8": 1,
-                "BOOL": 1}
-
-
 def _nbytes(dtype: str, shape: list[int]) -> int:
-    n = _DTYPE_BYTES[dtype]
+    n = DTYPES[dtype].itemsize
     for d in shape:
         n *= d
     return n

@@ -285,16 +285,16 @@ def _codec_conflict(values: dict, config: QuantConfig) -> str | None:
     if config.ternary and algorithm.clips(values):
         return ("a ternary grid's scale is the group's mean |w|, with no range to clip: set gptq.clip_search: false "
                 "and use algorithm rtn or gptq")
-    if not fmt.block_types:
+    solved_on = fmt.solved_on(values)
+    if solved_on is None:
         return None
     if not algorithm.solves_block_types:
         solvers = ", ".join(name for name, other in ALGORITHMS.items() if other.solves_block_types)
-        return (f"format '{fmt.name}' is solved on GGUF block types, which '{algorithm.name}' cannot do "
+        return (f"format '{fmt.name}' is solved on {solved_on.split(',')[0]}, which '{algorithm.name}' cannot do "
                 f"(use one of {solvers})")
     uniform_only = algorithm.uniform_grid_settings(values)
     if uniform_only:
-        return (f"format '{fmt.name}' keeps GGUF blocks, whose scales llama.cpp's quantizer chooses: set "
-                + " and ".join(f"{key}: false" for key in uniform_only))
+        return f"format '{fmt.name}' is solved on {solved_on}: set " + " and ".join(f"{key}: false" for key in uniform_only)
     return None
 
 

@@ -157,17 +157,17 @@ def test_reader_refuses_tensors_that_disagree_with_the_config():
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda d: d["config_groups"]["group_0"].update(format="float-quantized"), "format: 'float-quantized'"),
+    (lambda d: d["config_groups"]["group_0"].update(format="naive-quantized"), "format: 'naive-quantized'"),
     (lambda d: d["config_groups"]["group_0"].update(format="int-quantized", input_activations={
         **ACTIVATIONS["int8-dynamic"][1], "strategy": "tensor", "dynamic": False}),
-     r"input_activations: .*'strategy': 'tensor'.* \(read: INT8 per token, dynamic\)"),
+     r"input_activations: .*'strategy': 'tensor'.* \(read with 'int-quantized': int8 per token, dynamic\)"),
     (lambda d: d["config_groups"]["group_0"]["weights"].update(num_bits=2), "weights.num_bits: 2"),
     (lambda d: d["config_groups"]["group_0"]["weights"].update(actorder="group"), "weights.actorder"),
     (lambda d: d["config_groups"]["group_0"]["weights"].update(strategy="tensor"), "weights.strategy: 'tensor'"),
     (lambda d: d.update(ignore=["lm_head", "model.layers.0.mlp.down_proj"]), "ignore"),
     (lambda d: d.update(kv_cache_scheme={"num_bits": 8}), "kv_cache_scheme"),
     (lambda d: d["config_groups"].update(group_1=d["config_groups"]["group_0"]), "one config group is read, got 2"),
-], ids=["fp8", "static-activations", "2-bit", "g_idx", "tensor", "ignore", "kv-cache", "two-groups"])
+], ids=["naive", "static-activations", "2-bit", "g_idx", "tensor", "ignore", "kv-cache", "two-groups"])
 def test_configs_quantkit_does_not_read_are_refused_naming_the_setting(change, message):
     config = quantization_config(QuantConfig(4, 128, True))
     change(config)
@@ -329,7 +329,7 @@ def test_w8a8_needs_8_bit_channel_symmetric_weights():
 
     with pytest.raises(RecipeError, match="set quant.bits: 8, quant.group_size: -1, quant.sym: true"):
         load_recipe("int8-w8a8", {"quant.group_size": 128})
-    with pytest.raises(RecipeError, match="is a setting of format compressed-tensors, not of 'gptq'"):
+    with pytest.raises(RecipeError, match="'compressed-tensors' is a section of format compressed-tensors, not of 'gptq'"):
         load_recipe("int8-w8a8", {"format": "gptq"})
 
 

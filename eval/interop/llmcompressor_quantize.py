@@ -8,7 +8,8 @@ Each method is llm-compressor's own modifiers at their defaults (``METHODS``): `
 QuantizationModifier (asymmetric W{bits}A16 in ``group_size`` groups, min/max observer); ``gptq`` is
 GPTQModifier on its symmetric W{bits}A16 scheme (the ``W4A16`` preset's, in ``group_size`` groups);
 ``w8a8`` is SmoothQuantModifier then GPTQModifier on the ``W8A8`` preset (INT8 weights per channel,
-INT8 activations per token).
+INT8 activations per token); ``fp8`` is QuantizationModifier on the ``FP8_DYNAMIC`` preset (E4M3
+weights per channel, rounded to nearest; E4M3 activations per token).
 Calibration is quantkit's token rows (``quantkit.calib.calibration_set``, same source and seed).
 OUT is the compressed-tensors checkpoint llm-compressor saves (quantkit reads it as format
 compressed-tensors), with the source's config files and tokenizer, plus llmcompressor_run.json
@@ -51,6 +52,12 @@ def _w8a8(bits: int, group_size: int) -> list:
     return [SmoothQuantModifier(), GPTQModifier(scheme="W8A8", targets=["Linear"], ignore=["lm_head"])]
 
 
+def _fp8(bits: int, group_size: int) -> list:
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    return [QuantizationModifier(scheme="FP8_DYNAMIC", targets=["Linear"], ignore=["lm_head"])]
+
+
 def _scheme(bits: int, group_size: int, sym: bool):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
@@ -65,6 +72,9 @@ METHODS = {
     # its INT8 W8A8 recipe: SmoothQuant (default strength 0.8), then GPTQ on the W8A8 preset (8-bit
     # per-channel weights, INT8 activations per token); --bits and --group-size do not apply
     "w8a8": (_w8a8, ["SmoothQuantModifier (defaults)", "GPTQModifier (scheme W8A8)"]),
+    # its FP8 recipe: E4M3 weights per channel rounded to nearest under absmax / 448 (no calibration),
+    # activations E4M3 per token at run time; --bits and --group-size do not apply
+    "fp8": (_fp8, ["QuantizationModifier (scheme FP8_DYNAMIC)"]),
 }
 
 

@@ -6,25 +6,28 @@ from typing import Any, Mapping
 
 from torch import Tensor
 
+from quantkit.fp8 import FloatGrid, FP8Tensor
 from quantkit.gguf.record import GGUFTensor
 from quantkit.gguf.types import TensorType
 from quantkit.quant import QuantConfig, QuantizedTensor
 from quantkit.stats import InputStats
 
-Target = QuantConfig | TensorType  # what a linear is rounded to: the uniform grid, or a GGUF block type
+# what a linear is rounded to: the uniform grid, a GGUF block type, or FP8 E4M3
+Target = QuantConfig | TensorType | FloatGrid
 
 
 class Algorithm:
     """An algorithm maps (weight [N, K] in float32, the statistics of the linear's calibration inputs,
     the target the format asks for, the recipe's values) to the linear's record: a QuantizedTensor on
-    a QuantConfig's uniform grid, or a GGUFTensor for a GGUF block type (formats ``gguf-*``; only
-    algorithms that ``solves_block_types`` are given one)."""
+    a QuantConfig's uniform grid, a GGUFTensor for a GGUF block type (formats ``gguf-*``) or an FP8Tensor
+    for E4M3 (compressed-tensors ``weights: fp8``); only algorithms that ``solves_block_types`` are given
+    the last two."""
 
     name: str
     solves_block_types = False
 
     def __call__(self, weight: Tensor, stats: InputStats, target: Target,
-                 values: Mapping[str, Any]) -> QuantizedTensor | GGUFTensor:
+                 values: Mapping[str, Any]) -> QuantizedTensor | GGUFTensor | FP8Tensor:
         raise NotImplementedError
 
     def clips(self, values: Mapping[str, Any]) -> bool:

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from quantkit.algorithms.base import Algorithm, Target
+from quantkit.fp8 import FloatGrid, FP8Solver, FP8Tensor
 from quantkit.gguf.record import GGUFTensor
 from quantkit.gguf.solver_grid import BlockGrid
 from quantkit.gguf.types import TensorType
@@ -84,7 +85,7 @@ UNIFORM_GRID_ONLY = ("clip_search", "static_groups")
 
 
 class GPTQSolution(NamedTuple):
-    quantized: QuantizedTensor | GGUFTensor
+    quantized: QuantizedTensor | GGUFTensor | FP8Tensor
     weight: Tensor  # [N, K] float32: the fake-quantized weights the solver propagated errors against
     damp_percent: float  # dampening actually used (larger than requested if retries were needed)
 
@@ -101,7 +102,7 @@ def gptq_quantize(
     group_aware: bool = False,
     clip_search: bool = False,
     imatrix: bool = True,
-) -> QuantizedTensor | GGUFTensor:
+) -> QuantizedTensor | GGUFTensor | FP8Tensor:
     """GPTQ-quantize ``weight`` [N, K] against ``hessian`` [K, K] (H = 2/n Σ xᵀx of its inputs).
 
     The recipes' entry point: on a GGUF block type the block scales come from llama.cpp's imatrix
@@ -148,6 +149,8 @@ def gptq_solve(
     if isinstance(config, QuantConfig):
         grid = _Grid(w, order, config, up_front=static_groups or config.group_size == -1,
                      groups_follow_columns=not desc_act, clip_search=clip_search)
+    elif isinstance(config, FloatGrid):
+        grid = FP8Solver(config, w)
     else:
         grid = BlockGrid(config, w, order, diag if imatrix else None)  # dead channels weigh 0
     factor, used_damp = _hessian_factor(hessian, order, dead, damp_percent)
@@ -262,7 +265,7 @@ def _threads(count: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _quantize_block(block: Tensor, u_block: Tensor, start: int, grid: _Grid | BlockGrid) -> Tensor:
+def _quantize_block(block: Tensor, u_block: Tensor, start: int, grid: _Grid | BlockGrid | FP8Solver) -> Tensor:
     """Quantize ``block`` [B, N] in place to its fake-quantized rows; return their codes (uint8).
 
     The reference recursion, with the rank-1 updates confined to sub-blocks of SUB_BLOCK rows and each
@@ -285,17 +288,24 @@ def _quantize_block(block: Tensor, u_block: Tensor, start: int, grid: _Grid | Bl
 
 
 def _group_width(target: Target) -> int:
-    """Columns that share grid parameters: a group, or a GGUF block (whose sub-blocks share a scale)."""
+    """Columns that share grid parameters: a group, a GGUF block (whose sub-blocks share a scale), or
+    every column (an FP8 row's one scale)."""
+    if isinstance(target, FloatGrid):
+        return -1
     return target.group_size if isinstance(target, QuantConfig) else target.block_size
 
 
 def _validate(weight: Tensor, hessian: Tensor, target: Target, damp_percent: float, block_size: int,
               desc_act: bool, static_groups: bool, clip_search: bool) -> None:
-    if not isinstance(target, (QuantConfig, TensorType)):
-        raise TypeError(f"config must be a QuantConfig or a GGUF TensorType, got {type(target).__name__}")
+    if not isinstance(target, (QuantConfig, TensorType, FloatGrid)):
+        raise TypeError(f"config must be a QuantConfig, a GGUF TensorType or an FP8 FloatGrid, "
+                        f"got {type(target).__name__}")
     if isinstance(target, TensorType) and (desc_act or static_groups or clip_search):
         raise ValueError(f"desc_act, static_groups and clip_search apply to GPTQ's own grid; on {target.name} the "
                          "blocks keep their columns and llama.cpp's quantizer chooses the scales")
+    if isinstance(target, FloatGrid) and (static_groups or clip_search):
+        raise ValueError(f"static_groups and clip_search apply to GPTQ's integer grid; on {target.name} each "
+                         "row's scale maps its largest |w| to E4M3's 448")
     if not isinstance(weight, Tensor) or weight.dim() != 2 or 0 in weight.shape:
         shape = tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
         raise ValueError(f"expected a linear weight [out_features, in_features], got shape {shape}")

@@ -143,6 +143,12 @@ class Format:
         (N, K)) to so that this format stores it unambiguously."""
         return config
 
+    def solved_on(self, values: Mapping[str, Any]) -> str | None:
+        """What a recipe's linears are solved on when it is not the uniform grid of its quant section (GGUF
+        block types, FP8), for naming it when an algorithm cannot: only algorithms that
+        ``solves_block_types`` solve on those; or None."""
+        return None
+
     def activation_grid(self, config: QuantConfig) -> Any:
         """How a serving kernel quantizes each quantized linear's input on this grid (an
         ``activation_quant.ActivationGrid``), or None: the activations stay in 16 bits."""

@@ -1,7 +1,8 @@
 """compressed-tensors checkpoints (``quant_method: compressed-tensors``), what llm-compressor writes and
-vLLM and SGLang serve: ``pack-quantized`` (integer weights, activations in 16 bits: W4A16, W8A16) and
+vLLM and SGLang serve: ``pack-quantized`` (integer weights, activations in 16 bits: W4A16, W8A16),
 ``int-quantized`` (INT8 W8A8: int8 weights per output channel, activations quantized per token at run
-time; the recipe's ``compressed-tensors.activations``).
+time; the recipe's ``compressed-tensors.activations``) and ``float-quantized`` (FP8 E4M3 weights per
+channel or tensor, ``compressed-tensors.weights: fp8``; with FP8 activations per token, FP8 W8A8).
 
 Per linear (N = out_features, K = in_features; see docs/formats.md, "compressed-tensors"):
 
@@ -16,6 +17,8 @@ Per linear (N = out_features, K = in_features; see docs/formats.md, "compressed-
 
 ``int-quantized`` stores ``weight`` int8 [N, K] (the signed value, quantkit's code − 128) and
 ``weight_scale`` [N, 1]; the config's ``input_activations`` says how the input is quantized.
+``float-quantized`` stores ``weight`` float8_e4m3fn [N, K] and ``weight_scale`` float32 [N, 1] (per
+channel) or [1] (per tensor): quantkit.fp8.
 
 Groups run in natural channel order and must tile K: compressed-tensors 0.19 reshapes K into groups and
 stores no ``g_idx`` (its act-order "group" mode is deprecated), so quantkit's act-order, which moves
@@ -34,6 +37,7 @@ from quantkit.activation_quant import ActivationGrid
 from quantkit.formats.base import Format, fetch_packed, tensor_key
 from quantkit.formats.consumers import QUANTKIT, SGLANG, TRANSFORMERS, VLLM
 from quantkit.formats.gptq import pack_cols, pack_rows, unpack_cols, unpack_rows, values_per_run
+from quantkit.fp8 import E4M3, FloatGrid, FP8Tensor
 from quantkit.models.layers import LINEARS
 from quantkit.quant import INTEGER_SCALE_DTYPES, QuantConfig, QuantizedTensor, default_g_idx
 from quantkit.recipes.fields import Field, Section
@@ -43,6 +47,7 @@ QUANT_METHOD = "compressed-tensors"
 VERSION = "0.19.0"
 PACKED = "pack-quantized"
 INTEGER = "int-quantized"
+FLOAT = "float-quantized"
 BITS = (4, 8)  # vLLM's WNA16 kernels
 TENSOR_NAMES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
 
@@ -54,11 +59,16 @@ def _arguments(**values: Any) -> dict[str, Any]:
             **values}
 
 
+# recipe value of compressed-tensors.weights -> the FP8 grid, or None: an integer grid (quant.bits)
+WEIGHTS = {"int": None, "fp8": FloatGrid("channel"), "fp8-tensor": FloatGrid("tensor")}
+UNQUANTIZED = "16-bit"
 # recipe value of compressed-tensors.activations -> how the runtime quantizes each linear's input, and
-# the config group's input_activations that says so (llm-compressor's INT8 W8A8 preset)
+# the config group's input_activations that says so (llm-compressor's INT8 W8A8 and FP8_DYNAMIC presets)
 ACTIVATIONS = {
     "int8-dynamic": (ActivationGrid("int8", dynamic=True),
                      _arguments(num_bits=8, strategy="token", dynamic=True)),
+    "fp8-dynamic": (ActivationGrid("fp8", dynamic=True),
+                    _arguments(num_bits=8, type="float", strategy="token", dynamic=True)),
 }
 
 
@@ -68,15 +78,28 @@ ACTIVATION_FIELDS = ("num_bits", "type", "symmetric", "strategy", "dynamic", "gr
 
 @dataclass(frozen=True)
 class CompressedTensorsGrid(QuantConfig):
-    """The weights' grid and the activations' (a key of ``ACTIVATIONS``); a grid with 16-bit activations
-    is a plain ``QuantConfig``."""
+    """The weights' kind (a key of ``WEIGHTS``) and the activations' (a key of ``ACTIVATIONS``, or
+    16-bit); integer weights with 16-bit activations are a plain ``QuantConfig``."""
 
-    activations: str = ""
+    weights: str = "int"
+    activations: str = UNQUANTIZED
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.activations not in ACTIVATIONS:
-            raise ValueError(f"activations must be one of {tuple(ACTIVATIONS)}, got {self.activations!r}")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {tuple(WEIGHTS)}, got {self.weights!r}")
+        if self.activations not in (UNQUANTIZED, *ACTIVATIONS):
+            raise ValueError(f"activations must be one of {(UNQUANTIZED, *ACTIVATIONS)}, got {self.activations!r}")
+
+    @property
+    def float_grid(self) -> FloatGrid | None:
+        return WEIGHTS[self.weights]
+
+
+def _settings(config: QuantConfig) -> tuple[FloatGrid | None, str | None]:
+    """(the FP8 grid or None, the activation scheme or None) of any grid the format is given."""
+    activations = getattr(config, "activations", UNQUANTIZED)
+    return getattr(config, "float_grid", None), None if activations == UNQUANTIZED else activations
 
 
 # Every linear of the decoder is quantized; llm-compressor's recipes leave the LM head out the same way.
@@ -84,16 +107,24 @@ IGNORE = ["lm_head"]
 
 
 def _layout(config: QuantConfig) -> str:
-    """The compressed-tensors format a grid is stored in: int-quantized with quantized activations."""
-    return INTEGER if getattr(config, "activations", None) else PACKED
+    """The compressed-tensors format a grid is stored in: float-quantized for FP8 weights, int-quantized
+    for integer weights with quantized activations, else pack-quantized."""
+    float_grid, activations = _settings(config)
+    return FLOAT if float_grid else INTEGER if activations else PACKED
 
 
 def _grid_rules(config: QuantConfig, desc_act: bool) -> tuple[tuple[str, bool, str], ...]:
     """(rule, holds, what was found) of the grid itself."""
+    float_grid, activations = _settings(config)
+    if float_grid:
+        return (("FP8 activations or none with FP8 weights (vLLM's FP8 W8A8 and W8A16 kernels)",
+                 activations is None or ACTIVATIONS[activations][0].kind == "fp8", f"activations={activations}"),)
     if _layout(config) == INTEGER:
         return (("W8A8: 8-bit symmetric weights, one scale per output channel (vLLM's INT8 W8A8 kernels)",
                  config.bits == 8 and config.sym and config.group_size == -1 and not desc_act,
-                 f"bits={config.bits}, sym={config.sym}, group_size={config.group_size}, desc_act={desc_act}"),)
+                 f"bits={config.bits}, sym={config.sym}, group_size={config.group_size}, desc_act={desc_act}"),
+                ("INT8 activations with integer weights", ACTIVATIONS[activations][0].kind == "int8",
+                 f"activations={activations}"))
     return (
         (f"bits in {BITS} (vLLM's W4A16 and W8A16 kernels)", config.bits in BITS, f"bits={config.bits}"),
         ("an integer grid", not (config.ternary or config.float_bias), "a ternary or float-bias grid"),
@@ -111,6 +142,8 @@ def _refuse(rules: tuple[tuple[str, bool, str], ...], name: str, config: QuantCo
 def check_packed(config: QuantConfig, in_features: int, out_features: int, desc_act: bool = False,
                  name: str = "") -> None:
     """Raise a ValueError naming ``name`` and every rule of its layout this linear breaks (before quantizing)."""
+    if _layout(config) == FLOAT:  # E4M3 values are stored unpacked, one scale per row or tensor
+        return _refuse(_grid_rules(config, desc_act), name, config)
     group = in_features if config.group_size == -1 else config.group_size
     per_run = values_per_run(config.bits) if config.bits in BITS else 1
     _refuse(_grid_rules(config, desc_act) + (
@@ -122,9 +155,11 @@ def check_packed(config: QuantConfig, in_features: int, out_features: int, desc_
     ), name, config)
 
 
-def packed_tensors(record: QuantizedTensor, module: str) -> dict[str, Tensor]:
+def packed_tensors(record: QuantizedTensor | FP8Tensor, module: str) -> dict[str, Tensor]:
     """``{module}.weight_packed/.weight_scale/(.weight_zero_point)/.weight_shape`` for one linear, or on a
-    W8A8 grid ``{module}.weight/.weight_scale``."""
+    W8A8 grid or FP8 ``{module}.weight/.weight_scale``."""
+    if isinstance(record, FP8Tensor):
+        return {tensor_key(module, "weight"): record.values, tensor_key(module, "weight_scale"): record.scale}
     n, k = record.shape
     config = record.config
     check_packed(config, k, n, name=module)
@@ -144,10 +179,12 @@ def packed_tensors(record: QuantizedTensor, module: str) -> dict[str, Tensor]:
 
 
 def read_packed_tensors(tensors: Mapping[str, Tensor], module: str, config: QuantConfig,
-                        shape: tuple[int, int]) -> QuantizedTensor:
+                        shape: tuple[int, int]) -> QuantizedTensor | FP8Tensor:
     """Exact inverse of ``packed_tensors``: each tensor checked against ``shape`` and the config."""
     n, k = shape
     check_packed(config, k, n, name=module)
+    if _layout(config) == FLOAT:
+        return _read_fp8(tensors, module, config.float_grid, shape)
     groups = config.num_groups(k)
     if _layout(config) == INTEGER:
         return _read_int8(tensors, module, config, shape)
@@ -194,8 +231,22 @@ def _read_int8(tensors: Mapping[str, Tensor], module: str, config: QuantConfig,
                            replace(config, scale_dtype=scale_dtype))
 
 
+def _read_fp8(tensors: Mapping[str, Tensor], module: str, grid: FloatGrid, shape: tuple[int, int]) -> FP8Tensor:
+    """A float-quantized linear: ``weight`` E4M3 [N, K], ``weight_scale`` [N, 1] or [1] in any float dtype
+    (llm-compressor writes the model's; each is exact in float32, where quantkit keeps them)."""
+    n, k = shape
+    weight = fetch_packed(tensors, tensor_key(module, "weight"), E4M3, (n, k), "compressed-tensors")
+    scale_key = tensor_key(module, "weight_scale")
+    scale = fetch_packed(tensors, scale_key, _scale_dtype_of(tensors, scale_key), grid.scale_shape(n),
+                         "compressed-tensors")
+    return FP8Tensor(weight, scale.float(), grid)
+
+
 def weight_arguments(config: QuantConfig) -> dict[str, Any]:
     """A config group's ``weights``: compressed-tensors' ``QuantizationArgs``, every field as it dumps them."""
+    float_grid, _ = _settings(config)
+    if float_grid:
+        return _arguments(num_bits=8, type="float", strategy=float_grid.strategy)
     return _arguments(group_size=None if config.group_size == -1 else config.group_size, num_bits=config.bits,
                       strategy="channel" if config.group_size == -1 else "group", symmetric=config.sym,
                       zp_dtype=None if config.sym else "torch.int8")
@@ -207,7 +258,7 @@ def quantization_config(config: QuantConfig, *, desc_act: bool = False, static_g
     config group over every Linear, the LM head ignored. ``static_groups`` and ``damp_percent`` are
     accepted for the formats' common signature (the format records neither); so is ``quantizer``."""
     _refuse(_grid_rules(config, desc_act), "quantization_config", config)
-    activations = getattr(config, "activations", None)
+    _, activations = _settings(config)
     fmt = _layout(config)
     return {
         "config_groups": {"group_0": {"format": fmt, "output_activations": None, "targets": ["Linear"],
@@ -219,9 +270,13 @@ def quantization_config(config: QuantConfig, *, desc_act: bool = False, static_g
     }
 
 
+# the kind of activation each layout quantizes to (pack-quantized: none)
+LAYOUT_ACTIVATIONS = {PACKED: None, INTEGER: "int8", FLOAT: "fp8"}
+
+
 def parse_quantization_config(d: Mapping[str, Any]) -> QuantConfig:
-    """The grid of a pack-quantized compressed-tensors config (W4A16, W8A16); a scheme quantkit does not
-    read yet is refused naming the setting."""
+    """The grid of a compressed-tensors config (W4A16, W8A16, INT8 W8A8, FP8 W8A8 or W8A16); a scheme
+    quantkit does not read yet is refused naming the setting."""
     if d.get("quant_method") != QUANT_METHOD:
         raise ValueError(f"quant_method {d.get('quant_method')!r} is not {QUANT_METHOD!r}")
     groups = d.get("config_groups") or {}
@@ -232,12 +287,14 @@ def parse_quantization_config(d: Mapping[str, Any]) -> QuantConfig:
     inputs = group.get("input_activations")
     activations = next((key for key, (_, stated) in ACTIVATIONS.items()
                         if inputs and all(inputs.get(field) == stated[field] for field in ACTIVATION_FIELDS)), None)
+    kind = LAYOUT_ACTIVATIONS.get(fmt)
     refusals = (
-        ("format", fmt not in (PACKED, INTEGER), f"{fmt!r} (only {PACKED!r} and {INTEGER!r} are read)"),
-        ("format", (fmt == INTEGER) != (inputs is not None), f"{fmt!r} with input_activations {inputs!r}"),
+        ("format", fmt not in LAYOUT_ACTIVATIONS, f"{fmt!r} (read: {', '.join(map(repr, LAYOUT_ACTIVATIONS))})"),
+        (f"config_groups.{name}.input_activations",
+         inputs is not None and (activations is None or ACTIVATIONS[activations][0].kind != kind),
+         f"{inputs!r} (read with {fmt!r}: {kind or 'none'} per token, dynamic)"),
+        (f"config_groups.{name}.input_activations", fmt == INTEGER and inputs is None, f"none with {fmt!r}"),
         (f"config_groups.{name}.targets", group.get("targets") != ["Linear"], f"{group.get('targets')!r}"),
-        (f"config_groups.{name}.input_activations", inputs is not None and activations is None,
-         f"{inputs!r} (read: INT8 per token, dynamic)"),
         (f"config_groups.{name}.output_activations", group.get("output_activations") is not None, "set"),
         ("ignore", any(module != "lm_head" for module in d.get("ignore") or ()), f"{d.get('ignore')!r}"),
         ("kv_cache_scheme", d.get("kv_cache_scheme") is not None, "a quantized KV cache is not read"),
@@ -246,19 +303,28 @@ def parse_quantization_config(d: Mapping[str, Any]) -> QuantConfig:
     )
     weights = group.get("weights") or {}
     strategy, group_size = weights.get("strategy"), weights.get("group_size")
+    float_weights = fmt == FLOAT
     refusals += (
-        ("weights.type", weights.get("type") != "int", f"{weights.get('type')!r}"),
-        ("weights.num_bits", weights.get("num_bits") not in BITS, f"{weights.get('num_bits')!r}"),
-        ("weights.strategy", strategy not in ("group", "channel"), f"{strategy!r}"),
+        ("weights.type", weights.get("type") != ("float" if float_weights else "int"),
+         f"{weights.get('type')!r} with {fmt!r}"),
+        ("weights.num_bits", weights.get("num_bits") not in ((8,) if float_weights else BITS),
+         f"{weights.get('num_bits')!r}"),
+        ("weights.strategy", strategy not in (("channel", "tensor") if float_weights else ("group", "channel")),
+         f"{strategy!r}"),
         ("weights.group_size", (strategy == "group") == (group_size is None), f"{group_size!r} for {strategy!r}"),
         ("weights.dynamic", weights.get("dynamic") is not False, f"{weights.get('dynamic')!r}"),
         ("weights.actorder", weights.get("actorder") in ("group", "dynamic"), "act-order groups need a g_idx"),
         ("weights.block_structure", weights.get("block_structure") is not None, "set"),
-        ("weights.symmetric", not isinstance(weights.get("symmetric"), bool), f"{weights.get('symmetric')!r}"),
+        ("weights.symmetric", weights.get("symmetric") is not True if float_weights
+         else not isinstance(weights.get("symmetric"), bool), f"{weights.get('symmetric')!r}"),
     )
     refused = [f"{setting}: {found}" for setting, broken, found in refusals if broken]
     if refused:
         raise ValueError("compressed-tensors config not read: " + "; ".join(refused))
+    if float_weights:
+        weight_kind = next(key for key, grid in WEIGHTS.items() if grid and grid.strategy == strategy)
+        return CompressedTensorsGrid(bits=8, group_size=-1, sym=True, weights=weight_kind,
+                                     activations=activations or UNQUANTIZED)
     grid = QuantConfig(bits=weights["num_bits"], group_size=-1 if strategy == "channel" else group_size,
                        sym=weights["symmetric"])
     return CompressedTensorsGrid(**vars(grid), activations=activations) if activations else grid
@@ -266,9 +332,13 @@ def parse_quantization_config(d: Mapping[str, Any]) -> QuantConfig:
 
 # The recipe's ``compressed-tensors`` section: present only in recipes that state it
 SETTINGS = Section({
-    "activations": Field(str, required=True, choices=tuple(ACTIVATIONS),
-                         help="how vLLM quantizes each linear's input (format compressed-tensors): int8-dynamic "
-                              "is INT8 W8A8, a scale per token (needs quant.bits 8, group_size -1, sym)"),
+    "weights": Field(str, default="int", choices=tuple(WEIGHTS),
+                     help="int: quant.bits integers (pack-quantized, or int-quantized with INT8 activations); fp8: "
+                          "E4M3 with a scale per output channel, fp8-tensor one per tensor (float-quantized; "
+                          "needs quant.bits 8, group_size -1, sym, and algorithm gptq or rtn)"),
+    "activations": Field(str, default=UNQUANTIZED, choices=(UNQUANTIZED, *ACTIVATIONS),
+                         help="how vLLM quantizes each linear's input: int8-dynamic is INT8 W8A8 (int weights), "
+                              "fp8-dynamic FP8 W8A8 (fp8 weights), each with a scale per token"),
 }, optional=True)
 
 
@@ -276,7 +346,7 @@ class CompressedTensors(Format):
     name = "compressed-tensors"
     list_order = 25
     summary = ("compressed-tensors (what llm-compressor writes; vLLM, SGLang, transformers with compressed-tensors): "
-               "pack-quantized W4A16/W8A16, int-quantized INT8 W8A8; scales in the model's dtype")
+               "pack-quantized W4A16/W8A16, int-quantized INT8 W8A8, float-quantized FP8 W8A8/W8A16")
     # int-quantized keeps a linear's "weight" name: only the decoder linears' count
     suffixes = TENSOR_NAMES + tuple(f"{linear}.weight" for linear in LINEARS)
     reads = ((QUANT_METHOD, None),)
@@ -292,23 +362,47 @@ class CompressedTensors(Format):
     settings = SETTINGS
 
     def resolve(self, config, recipe, layers):
-        """The run's grid with the recipe's activation scheme, if it states one (the writer and the config
-        carry it)."""
-        activations = (recipe.get(self.name) or {}).get("activations")
-        return CompressedTensorsGrid(**vars(config), activations=activations) if activations else config
+        """The run's grid with the recipe's weight and activation schemes, if it states them (the target,
+        the writer and the config carry them)."""
+        stated = recipe.get(self.name) or {}
+        if stated.get("weights", "int") == "int" and stated.get("activations", UNQUANTIZED) == UNQUANTIZED:
+            return config
+        return CompressedTensorsGrid(**vars(config), **stated)
+
+    def target(self, config, linear, layer, layers, shape):
+        float_grid, _ = _settings(config)
+        return float_grid or config
+
+    def solved_on(self, values):
+        stated = values.get(self.name) or {}
+        grid = WEIGHTS[stated.get("weights", "int")]
+        return f"{grid.name}, whose scales map each row's largest |w| to 448" if grid else None
 
     def recipe_refusal(self, values):
+        stated = values[self.name]
         if values["format"] != self.name:
-            return f"'{self.name}.activations' is a setting of format {self.name}, not of '{values['format']}'"
+            return f"'{self.name}' is a section of format {self.name}, not of '{values['format']}'"
         quant = values["quant"]
-        if (quant["bits"], quant["group_size"], quant["sym"]) != (8, -1, True):
-            return (f"'{self.name}.activations' quantizes activations to INT8 (W8A8), whose weights vLLM takes as "
-                    "8 bits, one symmetric scale per output channel: set quant.bits: 8, quant.group_size: -1, "
-                    "quant.sym: true")
+        eight_bit_channels = (quant["bits"], quant["group_size"], quant["sym"]) == (8, -1, True)
+        float_weights = WEIGHTS[stated["weights"]] is not None
+        activations = stated["activations"]
+        if activations != UNQUANTIZED:
+            kind = ACTIVATIONS[activations][0].kind
+            if kind != ("fp8" if float_weights else "int8"):
+                return (f"'{self.name}.activations: {activations}' runs on vLLM's {kind.upper()} W8A8 kernels, "
+                        f"whose weights are {kind.upper()}: set '{self.name}.weights: "
+                        f"{'fp8' if kind == 'fp8' else 'int'}'")
+        if (float_weights or activations != UNQUANTIZED) and not eight_bit_channels:
+            what = f"weights: {stated['weights']}" if float_weights else f"activations: {activations}"
+            return (f"'{self.name}.{what}' needs 8-bit weights with one symmetric scale per output channel: set "
+                    "quant.bits: 8, quant.group_size: -1, quant.sym: true")
+        if float_weights and values["smooth"]["enabled"]:
+            return (f"'{self.name}.weights: {stated['weights']}': smoothing searches its scales on the integer "
+                    "grid; set smooth.enabled: false")
         return None
 
     def activation_grid(self, config):
-        activations = getattr(config, "activations", None)
+        _, activations = _settings(config)
         return ACTIVATIONS[activations][0] if activations else None
 
     def grid(self, quant, model_dtype):

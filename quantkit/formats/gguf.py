@@ -93,6 +93,9 @@ class GGUFBlocks(Format):
     def read_layer(self, tensors, prefix, config, shapes):
         return read_layer(tensors, prefix, shapes)
 
+    def solved_on(self, values):
+        return "GGUF block types, whose scales llama.cpp's quantizer chooses"
+
     def quantization_config(self, config, **settings):
         return quantization_config(self.file_type, config, **settings)
 
