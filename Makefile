@@ -139,12 +139,18 @@ LLMC_GPTQ_PEER = llm-compressor-GPTQ=$(LLMC_BIN)/python -m quantkit.eval.interop
 # their activations quantized per token as vLLM does.
 LLMC_W8A8_PEER = llm-compressor-W8A8=$(LLMC_BIN)/python -m quantkit.eval.interop.llmcompressor_quantize {model} \
 	{out} --method w8a8 --nsamples {n_samples} --seqlen {seq_len} --seed {seed}
+# FP8 W8A8: quantkit's GPTQ on the E4M3 grid against llm-compressor's FP8_DYNAMIC (round to nearest), both
+# scored with their activations cast to E4M3 per token as vLLM does.
+LLMC_FP8_PEER = llm-compressor-FP8=$(LLMC_BIN)/python -m quantkit.eval.interop.llmcompressor_quantize {model} \
+	{out} --method fp8 --nsamples {n_samples} --seqlen {seq_len} --seed {seed}
 BENCH_CT_ARGS ?=
 bench-ct: $(INSTALLED) $(LLMC_INSTALLED)
 	$(BIN)/python -m quantkit.eval.bench.bench_methods --out $(OUT)/bench-ct --methods S-GPTQ-CT --group-size 64 \
 	  --baseline S-GPTQ-CT --peer "$(LLMC_GPTQ_PEER)" $(BENCH_CT_ARGS)
 	$(BIN)/python -m quantkit.eval.bench.bench_methods --out $(OUT)/bench-ct-w8a8 --methods INT8-W8A8 --bits 8 \
 	  --group-size -1 --baseline INT8-W8A8 --peer "$(LLMC_W8A8_PEER)" $(BENCH_CT_ARGS)
+	$(BIN)/python -m quantkit.eval.bench.bench_methods --out $(OUT)/bench-ct-fp8 --methods FP8-W8A8 --bits 8 \
+	  --group-size -1 --baseline FP8-W8A8 --peer "$(LLMC_FP8_PEER)" $(BENCH_CT_ARGS)
 
 bench-gguf: $(TEST_INSTALLED)
 	$(BIN)/python -m quantkit.eval.bench.bench_gguf --out $(OUT)/bench-gguf

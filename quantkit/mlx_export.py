@@ -24,6 +24,7 @@ import torch
 from quantkit import atomic
 from quantkit.checkpoint import INDEX_FILE
 from quantkit.formats import mlx
+from quantkit.fp8 import FP8Tensor
 from quantkit.models.remote_code import remote_code_for
 from quantkit.quant import QuantConfig, QuantizedTensor
 from quantkit.reader import ArtifactReader
@@ -51,8 +52,11 @@ def _exact_parameters(qt: QuantizedTensor, dtype: torch.dtype) -> tuple[torch.Te
     return stored if exact else None
 
 
-def as_float_bias(qt: QuantizedTensor, dtype: torch.dtype, name: str) -> QuantizedTensor:
+def as_float_bias(qt: QuantizedTensor | FP8Tensor, dtype: torch.dtype, name: str) -> QuantizedTensor:
     """``qt`` on MLX's grid in ``dtype``: the same codes and scales, bias = −zero · scale (exact or refused)."""
+    if not isinstance(qt, QuantizedTensor):
+        raise ValueError(f"{name}: its weights are FP8 (E4M3), which MLX's affine groups cannot hold: quantize the "
+                         "unquantized model for MLX (`quantkit quantize --recipe mlx-s-p-gptq-w4g64`)")
     n, k = qt.shape
     if qt.config.float_bias:
         raise ValueError(f"{name}: already on a float-bias grid")

@@ -42,6 +42,7 @@ METHODS = {
     # compressed-tensors keeps scales in the model's dtype, so its weights differ from the GPTQ format's
     "S-GPTQ-CT": ("s-gptq-w4a16-ct", ()),
     "INT8-W8A8": ("int8-w8a8", ()),  # scored with its activations quantized per token (quantkit.loading)
+    "FP8-W8A8": ("fp8-w8a8", ()),  # likewise, cast to E4M3 per token
 }
 PATH_NAMES = {"bfloat16": "bf16", "float32": "fp32"}
 TARGET_RATIO = 0.8  # issue 70: S-P-GPTQ's mean KL at most this times the peer's

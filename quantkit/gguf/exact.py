@@ -14,6 +14,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from quantkit.fp8 import FP8Tensor
 from quantkit.gguf.legacy import pack_nibbles
 from quantkit.gguf.record import GGUFTensor
 from quantkit.quant import QuantConfig, QuantizedTensor, default_g_idx
@@ -43,11 +44,11 @@ EXACT: dict[str, tuple[QuantConfig, int, Callable[[QuantizedTensor], np.ndarray]
 }
 
 
-def exact_blocks(qt: QuantizedTensor | GGUFTensor, type_name: str) -> np.ndarray | None:
+def exact_blocks(qt: QuantizedTensor | GGUFTensor | FP8Tensor, type_name: str) -> np.ndarray | None:
     """The record as ``type_name`` blocks [N, row bytes] if that type holds its grid exactly, else None."""
     if isinstance(qt, GGUFTensor):
         return qt.data.numpy() if qt.type_name == type_name else None
-    if type_name not in EXACT:
+    if not isinstance(qt, QuantizedTensor) or type_name not in EXACT:  # FP8 is on no GGUF grid
         return None
     config, zero, write = EXACT[type_name]
     if qt.config != config or not bool((qt.zeros == zero).all()):
