@@ -12,8 +12,7 @@ from pathlib import Path
 
 import torch
 
-from quantkit.errors import CheckpointError
-from quantkit.loading import load_weights
+from quantkit.loading import load_weights, quantize_activations
 from quantkit.models.decoder import MiniCPMSkeleton
 from quantkit.reader import ArtifactReader
 
@@ -33,9 +32,6 @@ def load_runtime_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat1
 
     artifact = ArtifactReader(model_dir)
     quantized = artifact.format is not None
-    if quantized and artifact.format.activation_grid(artifact.qconfig) is not None:
-        raise CheckpointError(f"{model_dir}: its activations are quantized too (W8A8), which the runtime does not do "
-                         "yet; `quantkit eval` scores it as a W8A8 kernel computes")
     linears = load_linears(artifact.dir, linear_backend, dtype) if quantized else {}
     with torch.device("meta"):
         model = MiniCPMSkeleton(artifact.config)
@@ -44,6 +40,9 @@ def load_runtime_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat1
         model.get_submodule(parent).register_module(child, module.to(device))
     # outside the layers as the format means them (MLX quantizes the embedding and LM head: dequantized)
     load_weights(model, artifact.stored_tensors(), artifact.dir, cast=lambda t: t.to(device=device, dtype=dtype))
+    # W8A8: each quantized linear's input quantized as the serving kernel does, then the linear as stored
+    # (INT8 and FP8 weights run dequantized: no integer-dot W8A8 kernel yet)
+    quantize_activations(model, artifact)
     if lm_head == "auto":
         lm_head = "int8" if quantized and dtype == torch.bfloat16 and device == "cpu" else "float"
     if lm_head == "int8":

@@ -172,7 +172,14 @@ def _fused(modules: list[nn.Module]) -> nn.Module:
         whole, ends = modules[0].whole, [0] + [m.end for m in modules]
         if [m.start for m in modules] == ends[:-1] and ends[-1] == whole.out_features:
             return whole
-    return fuse_linears(modules) or _Concat(modules)
+    fused = fuse_linears(modules)
+    if fused is None:
+        return _Concat(modules)
+    # the linears share their input: what each did to it before multiplying (W8A8's activation
+    # quantization, quantkit.loading.quantize_activations) the fused one does once
+    for hook in modules[0]._forward_pre_hooks.values():
+        fused.register_forward_pre_hook(hook)
+    return fused
 
 
 def _release(parent: nn.Module, names: tuple[str, ...], fused: nn.Module) -> None:

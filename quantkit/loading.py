@@ -63,10 +63,17 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Min
     tensors = artifact.dequantized_tensors()
     model = MiniCPMForCausalLM(artifact.model_config()).to(dtype)
     load_weights(model, tensors, artifact.dir, strict=True)
-    grid = artifact.format.activation_grid(artifact.qconfig) if artifact.format is not None else None
-    if grid is not None:
-        for index in range(artifact.num_layers):
-            for linear in artifact.shapes:
-                module = model.get_submodule(f"{layer_prefix(index)}{linear}")
-                module.register_forward_pre_hook(lambda _, inputs: (grid.fake_quantize(inputs[0]),))
+    quantize_activations(model, artifact)
     return model
+
+
+def quantize_activations(model: torch.nn.Module, artifact: ArtifactReader) -> None:
+    """Where the artifact's format quantizes activations too (W8A8), make each quantized linear of ``model``
+    quantize its input as the serving kernel does (``activation_quant``)."""
+    grid = artifact.format.activation_grid(artifact.qconfig) if artifact.format is not None else None
+    if grid is None:
+        return
+    for index in range(artifact.num_layers):
+        for linear in artifact.shapes:
+            module = model.get_submodule(f"{layer_prefix(index)}{linear}")
+            module.register_forward_pre_hook(lambda _, inputs: (grid.fake_quantize(inputs[0]),))

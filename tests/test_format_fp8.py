@@ -247,6 +247,42 @@ def test_transformers_runs_the_fp8_artifact_as_quantkit_scores_it(fp8_artifact):
         assert not torch.allclose(ours(ids).logits.float(), got)
 
 
+def test_runtime_runs_fp8_artifacts_as_they_are_scored(fp8_artifact, tiny_checkpoint_factory, tmp_path):
+    """W8A8: the runtime's fused q/k/v (one matmul) casts its input to E4M3 per token as the scoring model's
+    three linears do, within 1e-6 of their outputs' scale, and its logits pick the same tokens (logits of
+    a W8A8 model move by several percent between float32 and float64 arithmetic: a cast that flips one
+    value moves the next layer's input). W8A16 (weights: fp8, 16-bit activations) runs dequantized:
+    its logits within 1e-5 of the reference's."""
+    from quantkit.kernels.attention import make_attention
+    from quantkit.kernels.load import load_runtime_model
+    from quantkit.kernels.model import RuntimeModel
+    from quantkit.loading import load_model
+
+    ids = [1, 17, 33, 250, 7, 99, 3]
+    runtime = RuntimeModel(load_runtime_model(fp8_artifact, dtype=torch.float32), make_attention(None))
+    reference = load_model(fp8_artifact)
+    x = torch.randn(5, reference.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    attention = reference.model.layers[0].self_attn
+    with torch.no_grad():
+        want = torch.cat([getattr(attention, name)(x) for name in ("q_proj", "k_proj", "v_proj")], dim=-1)
+        got = runtime.layers[0].qkv(x)
+        assert (got - want).abs().max() <= 1e-6 * want.abs().max()
+        logits = runtime.forward(torch.tensor(ids), runtime.new_cache(), all_logits=True)
+        assert torch.equal(logits.argmax(-1), reference(torch.tensor([ids])).logits[0].argmax(-1))
+
+    source = tiny_checkpoint_factory(dtype=torch.bfloat16)
+    weights_only = tmp_path / "w8a16"
+    quantize(source, small_recipe("fp8-w8a8", tmp_path, **{"compressed-tensors": {"activations": "16-bit"}}),
+             weights_only, progress=False)
+    assert parse_quantization_config(json.loads((weights_only / "config.json").read_text())["quantization_config"]
+                                     ) == _grid(activations="16-bit")
+    runtime = RuntimeModel(load_runtime_model(weights_only, dtype=torch.float32), make_attention(None))
+    logits = runtime.forward(torch.tensor(ids), runtime.new_cache(), all_logits=True)
+    with torch.no_grad():
+        want = load_model(weights_only)(torch.tensor([ids])).logits[0]
+    assert (logits - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 @pytest.mark.parametrize("settings, message", [
     ({"compressed-tensors.activations": "int8-dynamic"}, "set 'compressed-tensors.weights: int'"),
     ({"quant.group_size": 128}, "set quant.bits: 8, quant.group_size: -1, quant.sym: true"),
