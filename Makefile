@@ -37,7 +37,7 @@ help:
 	@echo "make lint       ruff (pyflakes, pycodestyle, import order; settings in pyproject.toml)"
 	@echo "make eval-tasks  HumanEval / GSM / family-relationships scores of the default model (EVAL_TASKS_ARGS='--limit N')"
 	@echo "make demo-marlin  the marlin recipe end to end on Qwen2.5-Coder-0.5B (Marlin-legal shapes), KL vs RTN and GPTQ"
-	@echo "make bench-ct    compressed-tensors: W4A16 S-GPTQ vs llm-compressor's GPTQ (g64), INT8 W8A8 vs its SmoothQuant + GPTQ"
+	@echo "make bench-ct    compressed-tensors: W4A16 S-GPTQ vs llm-compressor's GPTQ (g64), INT8 W8A8 vs its SmoothQuant + GPTQ, FP8 vs its FP8_DYNAMIC"
 	@echo "make bench-gptq  GPTQ / S-GPTQ / S-P-GPTQ / GPTQModel at W4 g128 on the default model: 3 calibration seeds x both compute paths, scored per test text"
 	@echo "make bench-awq   AWQ / RTN / GPTQ / S-P-GPTQ at W4 and W3 g128, then AWQ vs llm-compressor at W4 g64"
 	@echo "make bench-gguf  every GGUF type exported by quantkit and by llama.cpp's quantizer, plus GPTQ on the Q4_0 and Q4_K_M grids, scored in llama.cpp"

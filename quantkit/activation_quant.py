@@ -51,6 +51,12 @@ class ActivationGrid:
     def largest(self) -> float:
         return KINDS[self.kind].largest
 
+    def static_scale(self, abs_max: Tensor) -> Tensor:
+        """The stored per-tensor scale (float32 [1]) from the calibration inputs' max |x| per channel: the
+        largest maps to the grid's largest value (llm-compressor's static min/max observer)."""
+        largest = abs_max.float().amax().reshape(1) / self.largest
+        return torch.where(largest > 0, largest, torch.ones_like(largest))
+
     def fake_quantize(self, x: Tensor, scale: Tensor | None = None) -> Tensor:
         """``x`` [..., K] quantized and dequantized, in x's dtype (arithmetic in float32). ``scale``: the
         static per-tensor scale, required when not ``dynamic``."""
@@ -64,5 +70,7 @@ class ActivationGrid:
                 scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         elif scale is None:
             raise ValueError("a static activation grid needs its stored scale")
+        else:
+            scale = scale.to(values.device)
         scaled = values * (1.0 / scale) if kind.reciprocal else values / scale
         return (kind.onto_grid(scaled) * scale).to(x.dtype)

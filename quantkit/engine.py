@@ -420,10 +420,11 @@ class _LayerJob:
             source, alphas = self.smooth(source, hidden)
         runner = self._runner(source)
         algorithm = ALGORITHMS[self.recipe["algorithm"]]
-        records, errors = {}, {}
+        records, errors, input_abs_max = {}, {}, {}
         for group in SEQUENTIAL_GROUPS:
             stats = self._stats(runner, hidden, (group[0],))[group[0]]
             for name in group:
+                input_abs_max[name] = stats.abs_max
                 weight = source[f"{self.prefix}{name}.weight"].to(self.device, torch.float32)
                 target = fmt.target(self.qconfig, name, self.index, self.config.num_hidden_layers, tuple(weight.shape))
                 started = time.perf_counter()
@@ -439,6 +440,7 @@ class _LayerJob:
                 self.stats_seconds += time.perf_counter() - started
         shard = {n: t for n, t in source.items() if not _is_linear_weight(n, self.index)}
         shard.update({n: t.cpu() for n, t in fmt.write_layer(records, self.prefix).items()})
+        shard.update({n: t.cpu() for n, t in fmt.activation_tensors(self.qconfig, input_abs_max, self.prefix).items()})
         started = time.perf_counter()
         hidden = runner.forward(hidden)
         self.stats_seconds += time.perf_counter() - started

@@ -69,11 +69,25 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Min
 
 def quantize_activations(model: torch.nn.Module, artifact: ArtifactReader) -> None:
     """Where the artifact's format quantizes activations too (W8A8), make each quantized linear of ``model``
-    quantize its input as the serving kernel does (``activation_quant``)."""
+    quantize its input as the serving kernel does (``activation_quant``), on a static scheme with the
+    linear's stored ``input_scale``."""
     grid = artifact.format.activation_grid(artifact.qconfig) if artifact.format is not None else None
     if grid is None:
         return
     for index in range(artifact.num_layers):
         for linear in artifact.shapes:
-            module = model.get_submodule(f"{layer_prefix(index)}{linear}")
-            module.register_forward_pre_hook(lambda _, inputs: (grid.fake_quantize(inputs[0]),))
+            name = f"{layer_prefix(index)}{linear}"
+            scale = None if grid.dynamic else _input_scale(artifact, name)
+            model.get_submodule(name).register_forward_pre_hook(
+                lambda _, inputs, scale=scale: (grid.fake_quantize(inputs[0], scale),))
+
+
+def _input_scale(artifact: ArtifactReader, linear: str) -> torch.Tensor:
+    name = f"{linear}.input_scale"
+    if name not in artifact.tensors.names:
+        raise CheckpointError(f"{artifact.dir}: {name} is missing, which a static activation scheme needs")
+    scale = artifact.tensors.get(name)
+    if scale.numel() != 1 or not scale.dtype.is_floating_point or not (torch.isfinite(scale).all() and scale > 0):
+        raise CheckpointError(f"{artifact.dir}: {name} must be one positive finite float, got {scale.dtype} "
+                              f"{list(scale.shape)}")
+    return scale.float().reshape(1)

@@ -15,11 +15,13 @@ import torch
 
 
 class InputStats:
-    """Accumulates H = 2/n Σ xᵀx and the per-channel mean |x| (AWQ's activation scale) in float32."""
+    """Accumulates H = 2/n Σ xᵀx, the per-channel mean |x| (AWQ's activation scale) and max |x| (a static
+    activation scale's range) in float32."""
 
     def __init__(self, features: int, skip_prefix: int = 0, device: torch.device | str = "cpu"):
         self.hessian = torch.zeros(features, features, dtype=torch.float32, device=device)
         self.abs_mean = torch.zeros(features, dtype=torch.float32, device=device)
+        self.abs_max = torch.zeros(features, dtype=torch.float32, device=device)
         self.tokens = 0
         self.skip_prefix = skip_prefix
 
@@ -38,6 +40,7 @@ class InputStats:
         if not (exact_bf16 and _gram_on_cpu_kernel(self.hessian, rows, self.tokens / total, 2.0 / total)):
             gram_by_torch(self.hessian, rows, self.tokens / total, 2.0 / total)
         self.abs_mean.mul_(self.tokens / total).add_(rows.abs().sum(0, dtype=torch.float32), alpha=1.0 / total)
+        torch.maximum(self.abs_max, rows.abs().amax(0).float(), out=self.abs_max)
         self.tokens = total
 
 

@@ -20,7 +20,8 @@ PACKAGES = {"quantkit": "quantkit", "kernels": "quantkit.kernels", "eval": "quan
 LAYERS = {
     "leaves": ("quantkit.version", "quantkit.errors", "quantkit.quant", "quantkit.stats", "quantkit.device",
                "quantkit.memory", "quantkit.atomic", "quantkit.lock", "quantkit.table", "quantkit.cpu_ops",
-               "quantkit.rdata", "quantkit.recipes", "quantkit.calib_data", "quantkit.activation_quant"),
+               "quantkit.rdata", "quantkit.recipes", "quantkit.calib_data", "quantkit.activation_quant",
+               "quantkit.fp8"),
     "io": ("quantkit.json_files", "quantkit.checkpoint", "quantkit.file_hashes", "quantkit.artifact",
            "quantkit.inspect", "quantkit.cache", "quantkit.corpora", "quantkit.calib", "quantkit.chat_template",
            "quantkit.tokenizer"),

@@ -159,15 +159,16 @@ def test_reader_refuses_tensors_that_disagree_with_the_config():
 @pytest.mark.parametrize("change, message", [
     (lambda d: d["config_groups"]["group_0"].update(format="naive-quantized"), "format: 'naive-quantized'"),
     (lambda d: d["config_groups"]["group_0"].update(format="int-quantized", input_activations={
-        **ACTIVATIONS["int8-dynamic"][1], "strategy": "tensor", "dynamic": False}),
-     r"input_activations: .*'strategy': 'tensor'.* \(read with 'int-quantized': int8 per token, dynamic\)"),
+        **ACTIVATIONS["int8-dynamic"][1], "strategy": "group", "group_size": 128}),
+     r"input_activations: .*'strategy': 'group'.* \(read with 'int-quantized': int8 per token, dynamic, or per "
+     r"tensor, static\)"),
     (lambda d: d["config_groups"]["group_0"]["weights"].update(num_bits=2), "weights.num_bits: 2"),
     (lambda d: d["config_groups"]["group_0"]["weights"].update(actorder="group"), "weights.actorder"),
     (lambda d: d["config_groups"]["group_0"]["weights"].update(strategy="tensor"), "weights.strategy: 'tensor'"),
     (lambda d: d.update(ignore=["lm_head", "model.layers.0.mlp.down_proj"]), "ignore"),
     (lambda d: d.update(kv_cache_scheme={"num_bits": 8}), "kv_cache_scheme"),
     (lambda d: d["config_groups"].update(group_1=d["config_groups"]["group_0"]), "one config group is read, got 2"),
-], ids=["naive", "static-activations", "2-bit", "g_idx", "tensor", "ignore", "kv-cache", "two-groups"])
+], ids=["naive", "group-activations", "2-bit", "g_idx", "tensor", "ignore", "kv-cache", "two-groups"])
 def test_configs_quantkit_does_not_read_are_refused_naming_the_setting(change, message):
     config = quantization_config(QuantConfig(4, 128, True))
     change(config)

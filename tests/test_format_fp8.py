@@ -283,6 +283,66 @@ def test_runtime_runs_fp8_artifacts_as_they_are_scored(fp8_artifact, tiny_checkp
     assert (logits - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+def test_static_activation_configs_are_llm_compressors_presets(tmp_path):
+    """fp8-tensor weights with fp8-static activations are the FP8 preset, but for the observer the preset
+    names for calibrating (static min/max, which quantkit's scales are); both static schemes round-trip
+    through the package's ModelCompressor; the stored scale maps the largest calibration |x| to 448 or 127."""
+    config = quantization_config(_grid("tensor", activations="fp8-static"))
+    preset = preset_name_to_scheme("FP8", ["Linear"]).model_dump()
+    preset["input_activations"]["observer"] = None
+    group = config["config_groups"]["group_0"]
+    assert {key: group[key] for key in preset if key != "format"} == {k: v for k, v in preset.items() if k != "format"}
+    for grid in (_grid(activations="fp8-static"), CompressedTensorsGrid(8, -1, True, activations="int8-static")):
+        ours = quantization_config(grid)
+        (tmp_path / "config.json").write_text("{}")
+        ModelCompressor(quantization_config=QuantizationConfig.model_validate(ours)).update_config(str(tmp_path))
+        theirs = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+        assert theirs == json.loads(json.dumps(ours)) and parse_quantization_config(theirs) == grid
+    abs_max = torch.tensor([0.5, 89.6, 3.0])
+    assert ACTIVATIONS["fp8-static"][0].static_scale(abs_max).item() == pytest.approx(0.2, rel=1e-6)
+    assert ACTIVATIONS["int8-static"][0].static_scale(torch.zeros(3)).tolist() == [1.0]
+
+
+@pytest.mark.parametrize("recipe, activations", [("fp8-w8a8", "fp8-static"), ("int8-w8a8", "int8-static")])
+def test_static_activation_scales_are_calibrated_stored_and_applied(recipe, activations, tiny_checkpoint_factory,
+                                                                   tmp_path):
+    """Every quantized linear stores input_scale (float32 [1]) from its calibration inputs; transformers
+    (which applies it as vLLM does) gives the logits quantkit scores; a missing scale is refused by name."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.checkpoint import CheckpointError
+    from quantkit.loading import load_model
+
+    source = tiny_checkpoint_factory(dtype=torch.bfloat16)
+    out = tmp_path / "static"
+    quantize(source, small_recipe(recipe, tmp_path, **{"compressed-tensors": {"activations": activations}}), out,
+             progress=False)
+    reader = ArtifactReader(out)
+    scales = {name: reader.tensors.get(name) for name in reader.tensors.names if name.endswith(".input_scale")}
+    assert len(scales) == reader.num_layers * len(reader.shapes)
+    assert all(t.dtype == torch.float32 and tuple(t.shape) == (1,) and t.item() > 0 for t in scales.values())
+    ids = torch.tensor([[1, 17, 33, 250, 7, 99, 3]])
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(ids).logits.float()
+        want = load_model(out)(ids).logits.float()
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+    from safetensors.torch import load_file, save_file
+
+    shard = next(out.glob("*.safetensors"))
+    tensors = load_file(shard)
+    missing = next(name for name in tensors if name.endswith(".input_scale"))
+    del tensors[missing]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for path in out.iterdir():
+        if path != shard and path.name != "quantkit.json":
+            (broken / path.name).write_bytes(path.read_bytes())
+    save_file(tensors, broken / shard.name)
+    with pytest.raises(CheckpointError, match=f"{missing} is missing"):
+        load_model(broken)
+
+
 @pytest.mark.parametrize("settings, message", [
     ({"compressed-tensors.activations": "int8-dynamic"}, "set 'compressed-tensors.weights: int'"),
     ({"quant.group_size": 128}, "set quant.bits: 8, quant.group_size: -1, quant.sym: true"),

@@ -154,6 +154,12 @@ class Format:
         ``activation_quant.ActivationGrid``), or None: the activations stay in 16 bits."""
         return None
 
+    def activation_tensors(self, config: QuantConfig, input_abs_max: Mapping[str, Tensor], prefix: str
+                           ) -> dict[str, Tensor]:
+        """A static activation scheme's stored scales for a decoder layer (``prefix``: "model.layers.i."),
+        from each quantized linear's calibration inputs' max |x| per channel; {} otherwise."""
+        return {}
+
     def config_files(self, config: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """The full config.json -> every JSON file the consumers read it from ({"config.json": ...} at least)."""
         return {"config.json": config}

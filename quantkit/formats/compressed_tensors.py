@@ -49,7 +49,7 @@ PACKED = "pack-quantized"
 INTEGER = "int-quantized"
 FLOAT = "float-quantized"
 BITS = (4, 8)  # vLLM's WNA16 kernels
-TENSOR_NAMES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+TENSOR_NAMES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "input_scale")
 
 
 def _arguments(**values: Any) -> dict[str, Any]:
@@ -69,7 +69,13 @@ ACTIVATIONS = {
                      _arguments(num_bits=8, strategy="token", dynamic=True)),
     "fp8-dynamic": (ActivationGrid("fp8", dynamic=True),
                     _arguments(num_bits=8, type="float", strategy="token", dynamic=True)),
+    # one scale per linear, from the calibration inputs, stored as its input_scale (the INT8 and FP8 presets)
+    "int8-static": (ActivationGrid("int8", dynamic=False),
+                    _arguments(num_bits=8, strategy="tensor")),
+    "fp8-static": (ActivationGrid("fp8", dynamic=False),
+                   _arguments(num_bits=8, type="float", strategy="tensor")),
 }
+INPUT_SCALE = "input_scale"  # a static scheme's per-linear activation scale, float32 [1]
 
 
 # what an input_activations entry must say to be one of ACTIVATIONS (the observer that calibrated it may differ)
@@ -292,7 +298,7 @@ def parse_quantization_config(d: Mapping[str, Any]) -> QuantConfig:
         ("format", fmt not in LAYOUT_ACTIVATIONS, f"{fmt!r} (read: {', '.join(map(repr, LAYOUT_ACTIVATIONS))})"),
         (f"config_groups.{name}.input_activations",
          inputs is not None and (activations is None or ACTIVATIONS[activations][0].kind != kind),
-         f"{inputs!r} (read with {fmt!r}: {kind or 'none'} per token, dynamic)"),
+         f"{inputs!r} (read with {fmt!r}: {kind or 'none'} per token, dynamic, or per tensor, static)"),
         (f"config_groups.{name}.input_activations", fmt == INTEGER and inputs is None, f"none with {fmt!r}"),
         (f"config_groups.{name}.targets", group.get("targets") != ["Linear"], f"{group.get('targets')!r}"),
         (f"config_groups.{name}.output_activations", group.get("output_activations") is not None, "set"),
@@ -337,8 +343,9 @@ SETTINGS = Section({
                           "E4M3 with a scale per output channel, fp8-tensor one per tensor (float-quantized; "
                           "needs quant.bits 8, group_size -1, sym, and algorithm gptq or rtn)"),
     "activations": Field(str, default=UNQUANTIZED, choices=(UNQUANTIZED, *ACTIVATIONS),
-                         help="how vLLM quantizes each linear's input: int8-dynamic is INT8 W8A8 (int weights), "
-                              "fp8-dynamic FP8 W8A8 (fp8 weights), each with a scale per token"),
+                         help="how vLLM quantizes each linear's input: int8-* is INT8 W8A8 (int weights), fp8-* FP8 "
+                              "W8A8 (fp8 weights); *-dynamic with a scale per token, *-static with one per linear "
+                              "from the calibration inputs (stored as its input_scale)"),
 }, optional=True)
 
 
@@ -404,6 +411,13 @@ class CompressedTensors(Format):
     def activation_grid(self, config):
         _, activations = _settings(config)
         return ACTIVATIONS[activations][0] if activations else None
+
+    def activation_tensors(self, config, input_abs_max, prefix):
+        grid = self.activation_grid(config)
+        if grid is None or grid.dynamic:
+            return {}
+        return {tensor_key(prefix + linear, INPUT_SCALE): grid.static_scale(abs_max)
+                for linear, abs_max in input_abs_max.items()}
 
     def grid(self, quant, model_dtype):
         """Scales in a 16-bit model's dtype, as llm-compressor stores them and vLLM loads them; a float32
