@@ -359,7 +359,11 @@ class CompressedTensors(Format):
     reads = ((QUANT_METHOD, None),)
     consumers = (replace(TRANSFORMERS, note="transformers reads compressed-tensors checkpoints through the "
                                             "compressed-tensors package: `pip install compressed-tensors`."),
-                 VLLM, SGLANG, QUANTKIT)
+                 replace(VLLM, note="vLLM reads the scheme from `quantization_config`: W4A16 and W8A16 run on its "
+                                    "Marlin kernels, INT8 W8A8 on INT8 tensor cores (Jetson Orin, RTX 4090), FP8 "
+                                    "W8A8 on FP8 tensor cores (sm_89: RTX 4090; GPUs without them run the FP8 "
+                                    "weights on its FP8 Marlin kernel, activations in 16 bits)."),
+                 SGLANG, QUANTKIT)
     check = staticmethod(check_packed)
     write_linear = staticmethod(packed_tensors)
     read_linear = staticmethod(read_packed_tensors)
