@@ -26,11 +26,14 @@ def _quantization(quant: dict) -> str:
         def args(a: dict) -> str:
             return (f"{a.get('num_bits')}-bit {a.get('type')} {a.get('strategy')}"
                     f"{'' if a.get('group_size') is None else ' g' + str(a['group_size'])} "
-                    f"{'sym' if a.get('symmetric') else 'asym'}{' dynamic' if a.get('dynamic') is True else ''}")
+                    f"{'sym' if a.get('symmetric') else 'asym'}")
+
+        def activations(a: dict) -> str:  # a scale per token at run time, or the stored one
+            return f", activations {args(a)} {'dynamic' if a.get('dynamic') is True else 'static'}"
 
         return f"{quant['quant_method']} {quant.get('format')} " + "; ".join(
             args(group.get("weights") or {})
-            + ("" if not group.get("input_activations") else f", activations {args(group['input_activations'])}")
+            + ("" if not group.get("input_activations") else activations(group["input_activations"]))
             for group in quant["config_groups"].values())
     symmetric = quant.get("sym", not quant.get("zero_point", True))
     method = quant.get("quant_method") or f"mlx {quant.get('mode', 'affine')}"  # mlx-lm writes no quant_method

@@ -321,6 +321,10 @@ def test_static_activation_scales_are_calibrated_stored_and_applied(recipe, acti
     scales = {name: reader.tensors.get(name) for name in reader.tensors.names if name.endswith(".input_scale")}
     assert len(scales) == reader.num_layers * len(reader.shapes)
     assert all(t.dtype == torch.float32 and tuple(t.shape) == (1,) and t.item() > 0 for t in scales.values())
+    from quantkit.inspect import describe
+
+    kind = {"fp8-static": "float", "int8-static": "int"}[activations]
+    assert describe(out)["quantization"].endswith(f"activations 8-bit {kind} tensor sym static")
     ids = torch.tensor([[1, 17, 33, 250, 7, 99, 3]])
     with torch.no_grad():
         got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(ids).logits.float()
