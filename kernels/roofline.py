@@ -53,7 +53,7 @@ class Roofline:
 
 def weight_bytes_per_token(model_dir: Path) -> int:
     """Bytes of every stored tensor a decode step reads: all but the embedding table (unless the
-    LM head is tied to it), float tensors counted at the runtime's bf16."""
+    LM head is tied to it), float tensors counted at the runtime's bf16 (FP8 ones at their one byte)."""
     reader = CheckpointReader(model_dir)
     tied = MiniCPMConfig.from_pretrained(model_dir).tie_word_embeddings
     total = 0
@@ -61,7 +61,8 @@ def weight_bytes_per_token(model_dir: Path) -> int:
         if name == EMBEDDING and not tied:
             continue
         dtype = reader.dtype(name)
-        width = RUNTIME_FLOAT_BYTES if dtype.is_floating_point else dtype.itemsize
+        # float32 and 16-bit tensors run in bf16; FP8 weights are read as stored, one byte each
+        width = min(dtype.itemsize, RUNTIME_FLOAT_BYTES) if dtype.is_floating_point else dtype.itemsize
         total += math.prod(reader.shape(name)) * width
     return total
 

@@ -6,6 +6,7 @@ transformers with the same logits, and what cannot be stored refused."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -226,6 +227,18 @@ def test_fp8_artifact_is_read_decoded_and_inspected(fp8_artifact):
     assert check_conformance(fp8_artifact).passed
     assert describe(fp8_artifact)["quantization"] == ("compressed-tensors float-quantized 8-bit float channel sym, "
                                                       "activations 8-bit float token sym dynamic")
+
+
+def test_roofline_reads_fp8_weights_at_one_byte(fp8_artifact):
+    """The decode ceiling counts each E4M3 weight as the byte the kernel reads, float scales and the
+    rest at the runtime's bf16."""
+    from quantkit.checkpoint import CheckpointReader
+    from quantkit.kernels.roofline import weight_bytes_per_token
+
+    reader = CheckpointReader(fp8_artifact)
+    expected = sum(math.prod(reader.shape(name)) * (1 if reader.dtype(name) == E4M3 else 2)
+                   for name in reader.names if name != "model.embed_tokens.weight")
+    assert weight_bytes_per_token(fp8_artifact) == expected
 
 
 def test_transformers_runs_the_fp8_artifact_as_quantkit_scores_it(fp8_artifact):
