@@ -27,7 +27,8 @@ from tqdm.auto import tqdm
 from quantkit import calib
 from quantkit.activations import Activations
 from quantkit.algorithms import ALGORITHMS
-from quantkit.algorithms.smooth import smooth_layer
+from quantkit.algorithms.smooth import search_scale, smooth_layer
+from quantkit.algorithms.smoothquant import SAMPLE_ROWS, search_migration
 from quantkit.artifact import PROGRESS_FILE, ArtifactWriter
 from quantkit.checkpoint import CheckpointReader
 from quantkit.formats import FORMATS, Format
@@ -166,11 +167,12 @@ class LayerRunner:
 
     @torch.no_grad()
     def input_stats(self, hidden: torch.Tensor, linear_names: tuple[str, ...],
-                    skip_prefix: Mapping[str, int]) -> dict[str, InputStats]:
+                    skip_prefix: Mapping[str, int], sample_every: int = 0) -> dict[str, InputStats]:
         """Statistics of the inputs reaching each linear (named in forward order), leaving out the
-        first ``skip_prefix[name]`` positions of each sequence; each forward stops as soon as the last
-        of them has been reached."""
-        with InputCapture(self.layer, linear_names, skip_prefix, stop_after_last=True) as capture:
+        first ``skip_prefix[name]`` positions of each sequence (and keeping every ``sample_every``-th
+        row); each forward stops as soon as the last of them has been reached."""
+        with InputCapture(self.layer, linear_names, skip_prefix, stop_after_last=True,
+                          sample_every=sample_every) as capture:
             for start, batch in self._batches(hidden):
                 capture.run(self._run, start, batch)
         return capture.stats
@@ -391,9 +393,10 @@ class _LayerJob:
                             for name in LINEARS}
         self.stats_seconds = self.solve_seconds = 0.0
 
-    def _stats(self, runner: "LayerRunner", hidden: torch.Tensor, names: tuple[str, ...]) -> dict[str, InputStats]:
+    def _stats(self, runner: "LayerRunner", hidden: torch.Tensor, names: tuple[str, ...],
+               sample_every: int = 0) -> dict[str, InputStats]:
         started = time.perf_counter()
-        stats = runner.input_stats(hidden, names, self.skip_prefix)
+        stats = runner.input_stats(hidden, names, self.skip_prefix, sample_every)
         self.stats_seconds += time.perf_counter() - started
         return stats
 
@@ -401,14 +404,20 @@ class _LayerJob:
         layer = _build_layer(self.config, self.index, source, self.dtype, self.device)
         return LayerRunner(layer, self.position_embeddings, self.recipe["calibration"]["batch_size"], self.activations)
 
-    def smooth(self, source: dict, hidden: torch.Tensor) -> tuple[dict, dict[str, float]]:
-        """Fold AWQ scales into an fp32 copy of the layer; the unquantized function is unchanged."""
+    def smooth(self, source: dict, hidden: torch.Tensor, fmt: Format) -> tuple[dict, dict[str, float]]:
+        """Fold AWQ's (or, for W8A8, SmoothQuant's) scales into an fp32 copy of the layer; the unquantized
+        function is unchanged."""
         groups = scaling_groups_for(self.config.num_attention_heads, self.config.num_key_value_heads)
-        stats = self._stats(self._runner(source), hidden, tuple(g.linears[0] for g in groups))
+        search, sample_every = search_scale, 0
+        if self.recipe["smooth"]["method"] == "smoothquant":  # scored on the activations themselves
+            def search(weights, stats, config, grid):
+                return search_migration(weights, stats, config, fmt.activation_grid(self.qconfig), grid)
+            sample_every = max(1, hidden.shape[0] * hidden.shape[1] // SAMPLE_ROWS)
+        stats = self._stats(self._runner(source), hidden, tuple(g.linears[0] for g in groups), sample_every)
         started = time.perf_counter()
         layer = _build_layer(self.config, self.index, source, torch.float32, self.device)
         searches = smooth_layer(layer, stats, self.qconfig, self.config.num_attention_heads,
-                                self.config.num_key_value_heads, self.recipe["smooth"]["grid"])
+                                self.config.num_key_value_heads, self.recipe["smooth"]["grid"], search)
         self.solve_seconds += time.perf_counter() - started
         smoothed = {self.prefix + name: t.to("cpu", source[self.prefix + name].dtype)
                     for name, t in layer.state_dict().items()}
@@ -417,7 +426,7 @@ class _LayerJob:
     def run(self, source: dict, hidden: torch.Tensor, fmt: Format):
         alphas = {}
         if self.recipe["smooth"]["enabled"]:
-            source, alphas = self.smooth(source, hidden)
+            source, alphas = self.smooth(source, hidden, fmt)
         runner = self._runner(source)
         algorithm = ALGORITHMS[self.recipe["algorithm"]]
         records, errors, input_abs_max = {}, {}, {}

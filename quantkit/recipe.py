@@ -259,7 +259,20 @@ def load_recipe(name_or_path: str | Path, overrides: dict[str, Any] | None = Non
     for fmt in FORMATS.values():  # a format's own section, wherever it is stated
         if fmt.settings is not None and fmt.name in values:
             _refuse(path, fmt.recipe_refusal(values))
+    _refuse(path, _smoothing_conflict(values, config))
     return Recipe(values, str(path))
+
+
+def _smoothing_conflict(values: dict, config: QuantConfig) -> str | None:
+    """SmoothQuant balances activation against weight quantization: without the first it has nothing to do."""
+    if values["smooth"]["method"] != "smoothquant" or not values["smooth"]["enabled"]:
+        return None
+    fmt = FORMATS[values["format"]]
+    if fmt.activation_grid(fmt.resolve(config, values, 0)) is None:
+        return ("'smooth.method: smoothquant' balances activation against weight quantization, and this recipe's "
+                "activations stay in 16 bits: use format compressed-tensors with compressed-tensors.activations "
+                "int8-dynamic (W8A8), or smooth.method: awq")
+    return None
 
 
 def _refuse(path: Path, why: str | None) -> None:

@@ -18,12 +18,16 @@ class InputStats:
     """Accumulates H = 2/n Σ xᵀx, the per-channel mean |x| (AWQ's activation scale) and max |x| (a static
     activation scale's range) in float32."""
 
-    def __init__(self, features: int, skip_prefix: int = 0, device: torch.device | str = "cpu"):
+    def __init__(self, features: int, skip_prefix: int = 0, device: torch.device | str = "cpu", sample_every: int = 0):
+        """``sample_every`` > 0 also keeps every such row of the inputs (``sample``), for searches that
+        need the activations themselves (SmoothQuant's, which quantizes them)."""
         self.hessian = torch.zeros(features, features, dtype=torch.float32, device=device)
         self.abs_mean = torch.zeros(features, dtype=torch.float32, device=device)
         self.abs_max = torch.zeros(features, dtype=torch.float32, device=device)
         self.tokens = 0
         self.skip_prefix = skip_prefix
+        self.sample_every = sample_every
+        self._sampled: list[torch.Tensor] = []
 
     def add(self, x: torch.Tensor) -> None:
         """x: [batch, seq, features]; positions < skip_prefix of each sequence are left out."""
@@ -41,7 +45,16 @@ class InputStats:
             gram_by_torch(self.hessian, rows, self.tokens / total, 2.0 / total)
         self.abs_mean.mul_(self.tokens / total).add_(rows.abs().sum(0, dtype=torch.float32), alpha=1.0 / total)
         torch.maximum(self.abs_max, rows.abs().amax(0).float(), out=self.abs_max)
+        if self.sample_every:  # rows whose index over the whole stream is a multiple of sample_every
+            self._sampled.append(rows[-self.tokens % self.sample_every::self.sample_every].float())
         self.tokens = total
+
+    @property
+    def sample(self) -> torch.Tensor:
+        """The kept rows [tokens / sample_every, features], float32."""
+        if not self._sampled:
+            raise ValueError("no input rows were kept: construct with sample_every > 0 and add inputs")
+        return torch.cat(self._sampled)
 
 
 class _StopForward(Exception):
@@ -63,13 +76,13 @@ class InputCapture:
     what it would compute after that is not needed."""
 
     def __init__(self, module: torch.nn.Module, names: tuple[str, ...], skip_prefix: Mapping[str, int] | None = None,
-                 stop_after_last: bool = False):
+                 stop_after_last: bool = False, sample_every: int = 0):
         self.module, self.names, self.stop_after_last = module, names, stop_after_last
         self.stats = {}
         for name in names:
             linear = module.get_submodule(name)
             self.stats[name] = InputStats(linear.in_features, (skip_prefix or {}).get(name, 0),
-                                          device=linear.weight.device)
+                                          device=linear.weight.device, sample_every=sample_every)
         self._handles = []
 
     def _hook(self, name: str):

@@ -32,6 +32,10 @@ SEARCH_BUDGET = 1 << 33
 # α grid of ``search_scale``
 SETTINGS = Section({
     "enabled": Field(bool, default=False, help="AWQ smoothing before quantizing (AWQ, S-GPTQ, S-P-GPTQ)"),
+    "method": Field(str, default="awq", choices=("awq", "smoothquant"),
+                    help="awq: scales for the weights' grid (mean |x|^α); smoothquant: for W8A8, scales that move "
+                         "activation outliers into the weights (max |x|^α / max |w|^(1-α)), scored with both "
+                         "quantized (needs quantized activations)"),
     "grid": Field(int, default=20, check=positive, rule="> 0", help="exponent grid points in [0, 1)"),
 })
 
@@ -174,9 +178,11 @@ def smooth_layer(
     num_attention_heads: int,
     num_key_value_heads: int,
     grid: int = 20,
+    search=search_scale,
 ) -> dict[str, ScaleSearch]:
     """Search and fold a scale for every scaling group of a decoder layer; keyed by each group's
-    first linear, whose input statistics (collected on the unsmoothed layer) drive the search.
+    first linear, whose input statistics (collected on the unsmoothed layer) drive the search
+    (``search``: AWQ's ``search_scale`` or another with its signature, SmoothQuant's).
 
     One set of statistics serves all groups: a group's scale changes only its own linears' input,
     and folding preserves the layer's function, so the other groups' inputs stay the same.
@@ -189,6 +195,6 @@ def smooth_layer(
     for group in groups:
         first = group.linears[0]
         weights = [layer.get_submodule(name).weight for name in group.linears]
-        results[first] = search_scale(weights, stats_by_linear[first], config, grid)
+        results[first] = search(weights, stats_by_linear[first], config, grid)
         apply_scale(layer, group, results[first].scale)
     return results
