@@ -41,9 +41,11 @@ def migration_scale(act_max: Tensor, weights: list[Tensor], alpha: float) -> Ten
 
 
 def w8a8_error(weights: list[Tensor], inputs: Tensor, scale: Tensor, config: QuantConfig,
-               activations: ActivationGrid) -> float:
-    """Σ_linears ‖Q_a(X/s) Q_w(W·s)ᵀ − X Wᵀ‖² over the rows of ``inputs`` [T, K] (float32)."""
-    quantized_inputs = activations.fake_quantize(inputs / scale)
+               activations: ActivationGrid, act_max: Tensor) -> float:
+    """Σ_linears ‖Q_a(X/s) Q_w(W·s)ᵀ − X Wᵀ‖² over the rows of ``inputs`` [T, K] (float32); a static
+    activation scale is the one the smoothed calibration inputs would get (``act_max`` / s, every token's)."""
+    static = None if activations.dynamic else activations.static_scale(act_max / scale)
+    quantized_inputs = activations.fake_quantize(inputs / scale, static)
     total = 0.0
     for weight in weights:
         exact = inputs @ weight.T
@@ -63,7 +65,7 @@ def search_migration(weights: list[Tensor], stats: InputStats, config: QuantConf
     identity = torch.ones_like(stats.abs_max)
     candidates = [(0.0, identity)] + [(step / grid, migration_scale(stats.abs_max, weights, step / grid))
                                       for step in range(1, grid)]
-    errors = [(w8a8_error(weights, inputs, scale, config, activations), index)
+    errors = [(w8a8_error(weights, inputs, scale, config, activations, stats.abs_max), index)
               for index, (_, scale) in enumerate(candidates)]
     best_error, best = min(errors)
     alpha, scale = candidates[best]
