@@ -307,7 +307,8 @@ def _codec_conflict(values: dict, config: QuantConfig) -> str | None:
                 f"(use one of {solvers})")
     uniform_only = algorithm.uniform_grid_settings(values)
     if uniform_only:
-        return f"format '{fmt.name}' is solved on {solved_on}: set " + " and ".join(f"{key}: false" for key in uniform_only)
+        settings = " and ".join(f"{key}: false" for key in uniform_only)
+        return f"format '{fmt.name}' is solved on {solved_on}: set {settings}"
     return None
 
 

@@ -330,7 +330,8 @@ def test_w8a8_needs_8_bit_channel_symmetric_weights():
 
     with pytest.raises(RecipeError, match="set quant.bits: 8, quant.group_size: -1, quant.sym: true"):
         load_recipe("int8-w8a8", {"quant.group_size": 128})
-    with pytest.raises(RecipeError, match="'compressed-tensors' is a section of format compressed-tensors, not of 'gptq'"):
+    with pytest.raises(RecipeError,
+                       match="'compressed-tensors' is a section of format compressed-tensors, not of 'gptq'"):
         load_recipe("int8-w8a8", {"format": "gptq"})
 
 

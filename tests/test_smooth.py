@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from quantkit.activation_quant import ActivationGrid
 from quantkit.algorithms.smooth import (
     SCALE_FLOOR,
     SEARCH_BUDGET,
@@ -17,7 +18,6 @@ from quantkit.algorithms.smooth import (
     smooth_layer,
     smoothing_scale,
 )
-from quantkit.activation_quant import ActivationGrid
 from quantkit.algorithms.smoothquant import migration_scale, search_migration
 from quantkit.models import MiniCPMForCausalLM
 from quantkit.models.layers import DOWN, GATE, O_PROJ, SCALING_GROUPS, UP, Q, V, scaling_groups_for
