@@ -41,7 +41,8 @@ def load_runtime_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat1
     # outside the layers as the format means them (MLX quantizes the embedding and LM head: dequantized)
     load_weights(model, artifact.stored_tensors(), artifact.dir, cast=lambda t: t.to(device=device, dtype=dtype))
     # W8A8: each quantized linear's input quantized as the serving kernel does, then the linear as stored
-    # (INT8 and FP8 weights run dequantized: no integer-dot W8A8 kernel yet)
+    # (dynamic INT8 on the CPU's integer dot products, which quantize it to the same codes; FP8 and
+    # static INT8 on the dequantized weight)
     quantize_activations(model, artifact)
     if lm_head == "auto":
         lm_head = "int8" if quantized and dtype == torch.bfloat16 and device == "cpu" else "float"

@@ -280,8 +280,8 @@ def _w8a8(dtype=torch.bfloat16, n=96, k=256, seed=0):
 
 
 def test_int8_activations_are_quantized_as_vllms_kernel_does():
-    """Per token: scale = absmax / 127, round to nearest even, saturate (vLLM's dynamic_scaled_int8_quant),
-    written here in NumPy; an all-zero token stays zero."""
+    """Per token: scale = absmax / 127, values times 127 / absmax, round to nearest even, saturate (vLLM's
+    dynamic_scaled_int8_quant), written here in NumPy; an all-zero token stays zero."""
     import numpy as np
 
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)) * 3
@@ -289,9 +289,11 @@ def test_int8_activations_are_quantized_as_vllms_kernel_does():
     x[3, :2] = torch.tensor([2.54, -2.54]) * x[3].abs().max() / 127 / 0.02  # ties are rare: make one
     got = ACTIVATIONS["int8-dynamic"][0].fake_quantize(x)
     values = x.numpy().astype(np.float32)
-    scale = np.abs(values).max(axis=1, keepdims=True) / np.float32(127)
-    scale[scale == 0] = 1
-    want = np.clip(np.rint(values / scale), -128, 127) * scale
+    top = np.abs(values).max(axis=1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(top > 0, np.float32(127) / top, np.float32(0))
+    scale = np.where(top > 0, top / np.float32(127), np.float32(1))
+    want = np.clip(np.rint(values * inverse), -128, 127) * scale
     assert np.array_equal(got.numpy(), want.astype(np.float32))
     assert got.dtype == x.dtype and (got[2] == 0).all()
     assert ACTIVATIONS["int8-dynamic"][0].fake_quantize(x.bfloat16()).dtype == torch.bfloat16
@@ -372,6 +374,16 @@ def test_w8a8_artifact_is_scored_with_its_activations_quantized(tiny_checkpoint_
     runtime = load_runtime_model(out, dtype=torch.float32)  # the same rule on each (fused) linear's input
     assert all(len(runtime.get_submodule(f"model.layers.0.{linear}")._forward_pre_hooks) == 1
                for linear in ("self_attn.q_proj", "mlp.down_proj"))
+    # on the CPU the linears multiply on integer dot products, and the model computes what the artifact means
+    from quantkit.kernels.attention import make_attention
+    from quantkit.kernels.linear.w8a8 import W8A8Linear
+    from quantkit.kernels.model import RuntimeModel
+
+    assert isinstance(runtime.get_submodule("model.layers.0.mlp.down_proj"), W8A8Linear)
+    with torch.no_grad():
+        runner = RuntimeModel(runtime, make_attention(None))
+        got = runner.forward(ids[0], runner.new_cache(), all_logits=True)
+    assert (got - logits[0]).abs().max() <= 1e-4 * logits.abs().max()  # float32 sums in other orders
 
 
 def test_activations_are_read_by_what_they_say_not_by_the_observer_that_chose_them():

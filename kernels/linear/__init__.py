@@ -7,13 +7,14 @@ its grid calls for:
 | backend     | 4-bit uniform grid (gptq, awq, marlin, cpmcu)     | anything else (2/3/8-bit, GGUF types) |
 |-------------|---------------------------------------------------|---------------------------------------|
 | "reference" | float32 dequantized weight (what the file means)   | same                                  |
-| "cpu"       | ``Int4Linear``: int8 x int4 dot products [3]       | ternary: see [1]; others: bf16 dequantized weight |
+| "cpu"       | ``Int4Linear``: int8 x int4 dot products [3]       | [1], [4]; others: bf16 dequantized    |
 | "triton"    | see [2]                                           | bf16 dequantized weight               |
 
-[1] ``TernaryLinear`` on the stored bit planes.
+[1] ternary: ``TernaryLinear`` on the stored bit planes.
 [2] the stored tensors of Marlin (``TritonMarlinLinear``) and AWQ artifacts; ``TritonW4A16Linear`` over
     the GPTQ layout for the others.
 [3] decode, verification, and prefill without AMX; prefill with AMX multiplies the bf16 weight.
+[4] INT8 W8A8: ``W8A8Linear``, int8 x int8 dot products with per-token activation scales (dynamic INT8 W8A8 only).
 """
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from quantkit.activation_quant import ActivationGrid
 from quantkit.kernels.linear.int4 import Int4Linear
 from quantkit.kernels.linear.ternary import TernaryLinear
+from quantkit.kernels.linear.w8a8 import W8A8Linear, runs_on_integer_kernel
 from quantkit.quant import QuantizedTensor
 from quantkit.reader import ArtifactReader, layer_records
 
@@ -43,8 +46,9 @@ def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.d
 
 
 def linear_for(record, bias: torch.Tensor | None, backend: str, dtype: torch.dtype,
-               keep_dequantized: bool = True) -> nn.Module:
-    """The module that executes one quantized linear's record on ``backend``."""
+               keep_dequantized: bool = True, activations: ActivationGrid | None = None) -> nn.Module:
+    """The module that executes one quantized linear's record on ``backend``; ``activations``: how a W8A8
+    format quantizes the linear's input (done before the module, ``quantkit.loading.quantize_activations``)."""
     if backend not in BACKENDS:
         raise ValueError(f"linear backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
@@ -56,6 +60,8 @@ def linear_for(record, bias: torch.Tensor | None, backend: str, dtype: torch.dty
     four_bit = uniform and record.config.bits == 4 and not record.config.float_bias
     if four_bit and backend == "cpu":
         return Int4Linear.from_record(record, bias, keep_dequantized)
+    if backend == "cpu" and runs_on_integer_kernel(record, activations):
+        return W8A8Linear.from_record(record, bias, keep_dequantized)
     if four_bit and backend == "triton":
         from quantkit.kernels.linear.triton_w4a16 import TritonW4A16Linear
 
@@ -99,6 +105,7 @@ def load_linears(model_dir: str | Path, backend: str = "cpu",
     weights = artifact.num_layers * sum(n * k for n, k in artifact.shapes.values())
     keep = weights * 2 <= KEEP_DEQUANTIZED_BYTES
     fmt = artifact.format
+    activations = fmt.activation_grid(artifact.qconfig)
     stored = LAYOUT_KERNELS.get((backend, fmt.stored_layout))
     modules: dict[str, nn.Module] = {}
     for index in range(artifact.num_layers):
@@ -111,6 +118,6 @@ def load_linears(model_dir: str | Path, backend: str = "cpu",
                 modules[name] = stored(fmt.linear_tensors(tensors, name), record.shape, artifact.qconfig.group_size,
                                        bias, keep)
             else:
-                modules[name] = linear_for(record, bias, backend, dtype, keep)
+                modules[name] = linear_for(record, bias, backend, dtype, keep, activations)
     return modules
 
