@@ -256,8 +256,8 @@ def load_recipe(name_or_path: str | Path, overrides: dict[str, Any] | None = Non
     _refuse(path, _codec_conflict(values, config))
     if "qat" in values:
         _refuse(path, fake_quant.refusal(values, config))
-    for fmt in FORMATS.values():  # a format's own section, wherever it is stated
-        if fmt.settings is not None and fmt.name in values:
+    for fmt in FORMATS.values():  # the recipe's format, and a format's own section wherever it is stated
+        if fmt.name == values["format"] or (fmt.settings is not None and fmt.name in values):
             _refuse(path, fmt.recipe_refusal(values))
     _refuse(path, _smoothing_conflict(values, config))
     return Recipe(values, str(path))

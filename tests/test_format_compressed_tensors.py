@@ -122,6 +122,8 @@ def test_llm_compressors_own_config_is_read():
     differs = {key for key, value in ours["config_groups"]["group_0"]["weights"].items()
                if LLM_COMPRESSOR_GPTQ["config_groups"]["group_0"]["weights"][key] != value}
     assert differs == {"actorder", "observer"}  # how each tool solved, not what is stored
+    ours = quantization_config(QuantConfig(4, 64, True), desc_act=True, static_groups=True)
+    assert ours["config_groups"]["group_0"]["weights"]["actorder"] == "static"  # its own act-order, recorded alike
     assert {key: value for key, value in ours.items() if key != "config_groups"} == {
         key: value for key, value in LLM_COMPRESSOR_GPTQ.items() if key != "config_groups"}
 
@@ -129,13 +131,28 @@ def test_llm_compressors_own_config_is_read():
 @pytest.mark.parametrize("config, k, n, desc_act, message", [
     (QuantConfig(4, 128, True), 576, 64, False, "groups that tile K"),
     (QuantConfig(3, 128, True), 256, 64, False, "bits in"),
-    (QuantConfig(4, 128, True), 256, 64, True, "no act-order"),
     (QuantConfig(4, 64, False), 256, 60, False, "N a multiple of 8"),
     (QuantConfig(2, 64, False, ternary=True), 256, 64, False, "bits in"),
-], ids=["ragged", "3-bit", "act-order", "asym-ragged-n", "ternary"])
+], ids=["ragged", "3-bit", "asym-ragged-n", "ternary"])
 def test_what_the_format_cannot_hold_is_refused_naming_the_rule(config, k, n, desc_act, message):
     with pytest.raises(ValueError, match=f"{MODULE}: cannot use compressed-tensors pack-quantized: .*{message}"):
         check_packed(config, k, n, desc_act, MODULE)
+
+
+def test_act_order_is_held_when_its_groups_stay_in_place(tmp_path):
+    """compressed-tensors' act-order ("static"): columns in Hessian order, groups found up front on the
+    natural groups; act-order whose groups follow the processing order needs a g_idx and is refused, by
+    the recipe before any work and by the config writer."""
+    from quantkit.recipe import RecipeError, load_recipe
+
+    act_order = {"gptq.desc_act": True, "gptq.group_aware": False, "quant.group_size": 64}
+    recipe = load_recipe("s-gptq-w4a16-ct", {**act_order, "gptq.static_groups": True})
+    assert recipe["gptq"]["desc_act"] and recipe["gptq"]["static_groups"]
+    with pytest.raises(RecipeError, match="gptq.desc_act: true' moves the groups .* set gptq.static_groups: true"):
+        load_recipe("s-gptq-w4a16-ct", act_order)
+    load_recipe("s-gptq-w4a16-ct", {**act_order, "quant.group_size": -1, "quant.bits": 8})  # per channel: none move
+    with pytest.raises(ValueError, match="act-order on groups found up front"):
+        quantization_config(QuantConfig(4, 64, True), desc_act=True)
 
 
 def test_reader_refuses_tensors_that_disagree_with_the_config():
@@ -178,12 +195,14 @@ def test_configs_quantkit_does_not_read_are_refused_naming_the_setting(change, m
 
 @pytest.fixture(scope="module")
 def artifacts(tiny_checkpoint_factory, tmp_path_factory):
-    """GPTQ W4 g64 on a bfloat16 tiny checkpoint, in compressed-tensors: {symmetric: its folder}."""
+    """GPTQ W4 g64 on a bfloat16 tiny checkpoint, in compressed-tensors: {symmetric: its folder}; the
+    asymmetric one solved in act-order on groups found up front (the format's actorder "static")."""
     source = tiny_checkpoint_factory(dtype=torch.bfloat16)
     folders = {}
     for sym in (True, False):
         out = tmp_path_factory.mktemp("ct") / "artifact"
-        quantize(source, small_recipe("gptq-w4g128", out.parent, format="compressed-tensors",
+        act_order = {} if sym else {"desc_act": True, "static_groups": True, "group_aware": False}
+        quantize(source, small_recipe("gptq-w4g128", out.parent, format="compressed-tensors", gptq=act_order,
                                       quant={"group_size": 64, "sym": sym}), out, progress=False)
         folders[sym] = out
     return folders
@@ -195,6 +214,7 @@ def test_artifact_is_read_by_quantkit_and_by_compressed_tensors(artifacts, sym):
     reader = ArtifactReader(artifact)
     assert reader.format is FORMATS["compressed-tensors"]
     config = json.loads((artifact / "config.json").read_text())["quantization_config"]
+    assert config["config_groups"]["group_0"]["weights"]["actorder"] == (None if sym else "static")
     scheme = _scheme(config)
     tensors = {}
     for shard in sorted(artifact.glob("*.safetensors")):

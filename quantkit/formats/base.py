@@ -165,7 +165,7 @@ class Format:
         return {"config.json": config}
 
     def recipe_refusal(self, values: Mapping[str, Any]) -> str | None:
-        """Why a recipe stating this format's own section (``settings``) cannot be used, or None."""
+        """Why a recipe writing this format, or stating its own section (``settings``), cannot be used, or None."""
         return None
 
     def stores(self, tensor_name: str) -> bool:

@@ -21,9 +21,11 @@ Per linear (N = out_features, K = in_features; see docs/formats.md, "compressed-
 channel) or [1] (per tensor): quantkit.fp8.
 
 Groups run in natural channel order and must tile K: compressed-tensors 0.19 reshapes K into groups and
-stores no ``g_idx`` (its act-order "group" mode is deprecated), so quantkit's act-order, which moves
-groups, is refused; GPTQ's group-aware order keeps them in place. vLLM's W4A16/W8A16 kernels take 4 and
-8 bits.
+stores no ``g_idx`` (its act-order "group" mode was removed). Act-order is its "static" (alias "weight")
+mode: columns solved in descending Hessian order with every group's parameters found up front on the
+natural groups (quantkit's ``gptq.desc_act`` with ``gptq.static_groups``, which is what llm-compressor's
+GPTQ does by default); act-order whose groups follow the processing order is refused. vLLM's
+W4A16/W8A16 kernels take 4 and 8 bits.
 """
 from __future__ import annotations
 
@@ -119,7 +121,7 @@ def _layout(config: QuantConfig) -> str:
     return FLOAT if float_grid else INTEGER if activations else PACKED
 
 
-def _grid_rules(config: QuantConfig, desc_act: bool) -> tuple[tuple[str, bool, str], ...]:
+def _grid_rules(config: QuantConfig) -> tuple[tuple[str, bool, str], ...]:
     """(rule, holds, what was found) of the grid itself."""
     float_grid, activations = _settings(config)
     if float_grid:
@@ -127,15 +129,13 @@ def _grid_rules(config: QuantConfig, desc_act: bool) -> tuple[tuple[str, bool, s
                  activations is None or ACTIVATIONS[activations][0].kind == "fp8", f"activations={activations}"),)
     if _layout(config) == INTEGER:
         return (("W8A8: 8-bit symmetric weights, one scale per output channel (vLLM's INT8 W8A8 kernels)",
-                 config.bits == 8 and config.sym and config.group_size == -1 and not desc_act,
-                 f"bits={config.bits}, sym={config.sym}, group_size={config.group_size}, desc_act={desc_act}"),
+                 config.bits == 8 and config.sym and config.group_size == -1,
+                 f"bits={config.bits}, sym={config.sym}, group_size={config.group_size}"),
                 ("INT8 activations with integer weights", ACTIVATIONS[activations][0].kind == "int8",
                  f"activations={activations}"))
     return (
         (f"bits in {BITS} (vLLM's W4A16 and W8A16 kernels)", config.bits in BITS, f"bits={config.bits}"),
         ("an integer grid", not (config.ternary or config.float_bias), "a ternary or float-bias grid"),
-        ("no act-order (compressed-tensors 0.19 stores no g_idx; gptq.group_aware keeps groups in place)",
-         not desc_act, f"desc_act={desc_act}"),
     )
 
 
@@ -147,12 +147,13 @@ def _refuse(rules: tuple[tuple[str, bool, str], ...], name: str, config: QuantCo
 
 def check_packed(config: QuantConfig, in_features: int, out_features: int, desc_act: bool = False,
                  name: str = "") -> None:
-    """Raise a ValueError naming ``name`` and every rule of its layout this linear breaks (before quantizing)."""
+    """Raise a ValueError naming ``name`` and every rule of its layout this linear breaks (before quantizing).
+    Act-order stores nothing here; whether its groups stay in place is a recipe's question (``recipe_refusal``)."""
     if _layout(config) == FLOAT:  # E4M3 values are stored unpacked, one scale per row or tensor
-        return _refuse(_grid_rules(config, desc_act), name, config)
+        return _refuse(_grid_rules(config), name, config)
     group = in_features if config.group_size == -1 else config.group_size
     per_run = values_per_run(config.bits) if config.bits in BITS else 1
-    _refuse(_grid_rules(config, desc_act) + (
+    _refuse(_grid_rules(config) + (
         ("groups that tile K (compressed-tensors reshapes K into groups)", in_features % group == 0,
          f"in_features K={in_features}, group_size={config.group_size}; try quant.group_size=64"),
         (f"K a multiple of {per_run}", in_features % per_run == 0, f"in_features K={in_features}"),
@@ -248,14 +249,23 @@ def _read_fp8(tensors: Mapping[str, Tensor], module: str, grid: FloatGrid, shape
     return FP8Tensor(weight, scale.float(), grid)
 
 
-def weight_arguments(config: QuantConfig) -> dict[str, Any]:
+ACT_ORDER = "static"  # what llm-compressor's GPTQ writes for its default act-order (alias "weight")
+
+
+def _moving_groups(group_size: int, desc_act: bool, static_groups: bool) -> bool:
+    """Act-order whose groups are runs of the processing order: they need a g_idx, which is not stored."""
+    return desc_act and not static_groups and group_size != -1
+
+
+def weight_arguments(config: QuantConfig, desc_act: bool = False) -> dict[str, Any]:
     """A config group's ``weights``: compressed-tensors' ``QuantizationArgs``, every field as it dumps them."""
     float_grid, _ = _settings(config)
+    actorder = ACT_ORDER if desc_act else None
     if float_grid:
-        return _arguments(num_bits=8, type="float", strategy=float_grid.strategy)
+        return _arguments(num_bits=8, type="float", strategy=float_grid.strategy, actorder=actorder)
     return _arguments(group_size=None if config.group_size == -1 else config.group_size, num_bits=config.bits,
                       strategy="channel" if config.group_size == -1 else "group", symmetric=config.sym,
-                      zp_dtype=None if config.sym else "torch.int8")
+                      zp_dtype=None if config.sym else "torch.int8", actorder=actorder)
 
 
 def quantization_config(config: QuantConfig, *, desc_act: bool = False, static_groups: bool = False,
@@ -263,13 +273,16 @@ def quantization_config(config: QuantConfig, *, desc_act: bool = False, static_g
     """``config.json["quantization_config"]`` as compressed-tensors' ``ModelCompressor`` writes it: one
     config group over every Linear, the LM head ignored. ``static_groups`` and ``damp_percent`` are
     accepted for the formats' common signature (the format records neither); so is ``quantizer``."""
-    _refuse(_grid_rules(config, desc_act), "quantization_config", config)
+    _refuse(_grid_rules(config) + (
+        ("act-order on groups found up front (compressed-tensors stores no g_idx)",
+         not _moving_groups(config.group_size, desc_act, static_groups), "desc_act=True, static_groups=False"),),
+        "quantization_config", config)
     _, activations = _settings(config)
     fmt = _layout(config)
     return {
         "config_groups": {"group_0": {"format": fmt, "output_activations": None, "targets": ["Linear"],
                                       "input_activations": ACTIVATIONS[activations][1] if activations else None,
-                                      "weights": weight_arguments(config)}},
+                                      "weights": weight_arguments(config, desc_act)}},
         "format": fmt, "global_compression_ratio": None, "ignore": list(IGNORE), "kv_cache_scheme": None,
         "quant_method": QUANT_METHOD, "quantization_status": "compressed", "sparsity_config": {},
         "transform_config": {}, "version": VERSION,
@@ -390,10 +403,14 @@ class CompressedTensors(Format):
         return f"{grid.name}, whose scales map each row's largest |w| to 448" if grid else None
 
     def recipe_refusal(self, values):
-        stated = values[self.name]
         if values["format"] != self.name:
             return f"'{self.name}' is a section of format {self.name}, not of '{values['format']}'"
         quant = values["quant"]
+        gptq = values.get("gptq") if values["algorithm"] == "gptq" else None
+        if gptq and _moving_groups(quant["group_size"], gptq["desc_act"], gptq["static_groups"]):
+            return ("'gptq.desc_act: true' moves the groups with the processing order, which needs a g_idx that "
+                    f"compressed-tensors does not store: set gptq.static_groups: true (its actorder '{ACT_ORDER}')")
+        stated = values.get(self.name) or {key: field.default for key, field in SETTINGS.items()}
         eight_bit_channels = (quant["bits"], quant["group_size"], quant["sym"]) == (8, -1, True)
         float_weights = WEIGHTS[stated["weights"]] is not None
         activations = stated["activations"]

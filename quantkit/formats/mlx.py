@@ -317,6 +317,8 @@ class MLX(Format):
     def recipe_refusal(self, values):
         """A mixed predicate is a per-module grid of this format, which only `quantkit quantize` applies,
         on quant.bits for most modules."""
+        if "mlx" not in values:
+            return None
         mix = values["mlx"]["mixed"]
         low = MIXES[mix][0]
         rules = (
