@@ -105,6 +105,9 @@ class LayerRunner:
         self.mixed: torch.Tensor | None = None  # o_proj's input, once q/k/v are final
         self.attended: torch.Tensor | None = None  # the residual stream after attention, once o_proj is final
         self.gated: torch.Tensor | None = None  # down_proj's input, once gate/up are final
+        # max |K| (after RoPE) and max |V| the attention saw while o_proj's input was kept: the KV cache's
+        # calibration (a quantized cache's scales)
+        self.key_value_abs_max: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _batches(self, hidden: torch.Tensor):
         """(start, batch on the layer's device): spilled activations stay on the host, a batch at a time moves."""
@@ -126,11 +129,24 @@ class LayerRunner:
         """Compute and keep o_proj's input (the attended heads) for all of ``hidden``."""
         self.mixed = self.attended = self.gated = None
         attention = self.layer.self_attn
-        for start, batch in self._batches(hidden):
-            mixed = attention.mix(self.layer.input_layernorm(batch), self.position_embeddings)
-            if self.mixed is None:
-                self.mixed = self.activations.empty((hidden.shape[0], *mixed.shape[1:]), mixed.dtype)
-            self.mixed[start:start + batch.shape[0]] = mixed
+        core = attention.core
+        seen = [torch.zeros((), device=self.device), torch.zeros((), device=self.device)]
+
+        def observed(query, key, value, *rest):
+            for index, states in enumerate((key, value)):
+                seen[index] = torch.maximum(seen[index], states.detach().abs().amax().float())
+            return core(query, key, value, *rest)
+
+        attention.core = observed
+        try:
+            for start, batch in self._batches(hidden):
+                mixed = attention.mix(self.layer.input_layernorm(batch), self.position_embeddings)
+                if self.mixed is None:
+                    self.mixed = self.activations.empty((hidden.shape[0], *mixed.shape[1:]), mixed.dtype)
+                self.mixed[start:start + batch.shape[0]] = mixed
+        finally:
+            attention.core = core
+        self.key_value_abs_max = (seen[0], seen[1])
 
     @torch.no_grad()
     def fix_attended(self, hidden: torch.Tensor) -> None:
@@ -450,6 +466,9 @@ class _LayerJob:
         shard = {n: t for n, t in source.items() if not _is_linear_weight(n, self.index)}
         shard.update({n: t.cpu() for n, t in fmt.write_layer(records, self.prefix).items()})
         shard.update({n: t.cpu() for n, t in fmt.activation_tensors(self.qconfig, input_abs_max, self.prefix).items()})
+        if runner.key_value_abs_max is not None:
+            shard.update({n: t.cpu() for n, t in
+                          fmt.kv_cache_tensors(self.qconfig, *runner.key_value_abs_max, self.prefix).items()})
         started = time.perf_counter()
         hidden = runner.forward(hidden)
         self.stats_seconds += time.perf_counter() - started

@@ -31,10 +31,11 @@ def _quantization(quant: dict) -> str:
         def activations(a: dict) -> str:  # a scale per token at run time, or the stored one
             return f", activations {args(a)} {'dynamic' if a.get('dynamic') is True else 'static'}"
 
+        kv_cache = quant.get("kv_cache_scheme")
         return f"{quant['quant_method']} {quant.get('format')} " + "; ".join(
             args(group.get("weights") or {})
             + ("" if not group.get("input_activations") else activations(group["input_activations"]))
-            for group in quant["config_groups"].values())
+            for group in quant["config_groups"].values()) + (f", KV cache {args(kv_cache)}" if kv_cache else "")
     symmetric = quant.get("sym", not quant.get("zero_point", True))
     method = quant.get("quant_method") or f"mlx {quant.get('mode', 'affine')}"  # mlx-lm writes no quant_method
     return (f"{method} {quant.get('bits')}-bit g{quant.get('group_size')} "

@@ -64,6 +64,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Min
     model = MiniCPMForCausalLM(artifact.model_config()).to(dtype)
     load_weights(model, tensors, artifact.dir, strict=True)
     quantize_activations(model, artifact)
+    quantize_kv_cache(model, artifact)
     return model
 
 
@@ -82,10 +83,31 @@ def quantize_activations(model: torch.nn.Module, artifact: ArtifactReader) -> No
                 lambda _, inputs, scale=scale: (grid.fake_quantize(inputs[0], scale),))
 
 
+def quantize_kv_cache(model: torch.nn.Module, artifact: ArtifactReader) -> None:
+    """Where the artifact states a quantized KV cache, make each attention of ``model`` attend to its keys
+    (after RoPE) and values as the server stores them: on the cache's grid under the layer's stored
+    ``k_scale`` and ``v_scale``."""
+    grid = artifact.format.kv_cache_grid(artifact.qconfig) if artifact.format is not None else None
+    if grid is None:
+        return
+    for index in range(artifact.num_layers):
+        attention = model.get_submodule(f"{layer_prefix(index)}self_attn")
+        scales = [_stored_scale(artifact, f"{layer_prefix(index)}self_attn.{name}", "a quantized KV cache")
+                  for name in ("k_scale", "v_scale")]
+
+        def stored(query, key, value, *rest, core=attention.core, scales=scales):
+            return core(query, grid.fake_quantize(key, scales[0]), grid.fake_quantize(value, scales[1]), *rest)
+
+        attention.core = stored
+
+
 def _input_scale(artifact: ArtifactReader, linear: str) -> torch.Tensor:
-    name = f"{linear}.input_scale"
+    return _stored_scale(artifact, f"{linear}.input_scale", "a static activation scheme")
+
+
+def _stored_scale(artifact: ArtifactReader, name: str, needed_by: str) -> torch.Tensor:
     if name not in artifact.tensors.names:
-        raise CheckpointError(f"{artifact.dir}: {name} is missing, which a static activation scheme needs")
+        raise CheckpointError(f"{artifact.dir}: {name} is missing, which {needed_by} needs")
     scale = artifact.tensors.get(name)
     if scale.numel() != 1 or not scale.dtype.is_floating_point or not (torch.isfinite(scale).all() and scale > 0):
         raise CheckpointError(f"{artifact.dir}: {name} must be one positive finite float, got {scale.dtype} "

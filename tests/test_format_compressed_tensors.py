@@ -17,6 +17,7 @@ from quantkit.engine import quantize
 from quantkit.formats import FORMATS
 from quantkit.formats.compressed_tensors import (
     ACTIVATIONS,
+    KV_CACHE,
     VERSION,
     CompressedTensorsGrid,
     check_packed,
@@ -25,6 +26,7 @@ from quantkit.formats.compressed_tensors import (
     quantization_config,
     read_packed_tensors,
 )
+from quantkit.models.decoder import sdpa_attention_core
 from quantkit.quant import QuantConfig, default_g_idx, rtn_quantize
 from quantkit.reader import ArtifactReader
 
@@ -410,3 +412,66 @@ def test_activations_are_read_by_what_they_say_not_by_the_observer_that_chose_th
     config = quantization_config(CompressedTensorsGrid(8, -1, True, activations="int8-dynamic"))
     config["config_groups"]["group_0"]["input_activations"]["observer"] = "memoryless_minmax"
     assert parse_quantization_config(config).activations == "int8-dynamic"
+
+
+# --- FP8 KV cache: one scale per layer for keys and one for values, from the calibration rows ---
+
+def test_fp8_kv_cache_scales_are_calibrated_stated_and_scored(tiny_checkpoint_factory, tmp_path):
+    """Each layer's k_scale / v_scale is max |K| (after RoPE) / 448 and max |V| / 448 over the calibration
+    rows as the quantized model computes them (checked by running the artifact's own model on the same
+    rows); the config states llm-compressor's kv_cache_scheme; the scored model attends to keys and values
+    on the E4M3 grid under those scales, which changes its logits."""
+    from quantkit import calib
+    from quantkit.loading import load_model
+    from quantkit.tokenizer import load_tokenizer
+
+    source = tiny_checkpoint_factory(dtype=torch.float32)
+    out = tmp_path / "kv"
+    recipe = small_recipe("gptq-w4g128", tmp_path, format="compressed-tensors", quant={"group_size": 64},
+                          **{"compressed-tensors": {"kv_cache": "fp8"}})
+    quantize(source, recipe, out, progress=False)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["kv_cache_scheme"] == {**KV_CACHE["fp8"][1]} and config["kv_cache_scheme"]["type"] == "float"
+    assert ModelCompressor(quantization_config=QuantizationConfig.model_validate(config)).quantization_config
+    reader = ArtifactReader(out)
+    assert reader.qconfig.kv_cache == "fp8" and FORMATS["compressed-tensors"].kv_cache_grid(reader.qconfig)
+    from quantkit.eval.conformance import check_conformance
+    from quantkit.inspect import describe
+
+    assert describe(out)["quantization"].endswith(", KV cache 8-bit float tensor sym")
+    assert check_conformance(out).passed
+    from quantkit.hub.publish import check, render_card
+    from quantkit.hub.repo import RepoRef
+
+    card = render_card(check(out, RepoRef("someone/kv")), RepoRef("someone/kv"), "openbmb/MiniCPM4.1-8B")
+    assert "vllm serve someone/kv --trust-remote-code --kv-cache-dtype fp8_e4m3" in card  # else vLLM ignores them
+    from quantkit.kernels.roofline import roofline
+
+    shape = reader.config
+    assert roofline(out, "orin", 1024, None).kv_bytes == (  # one byte per cached element, keys and values
+        2 * 1024 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim)
+
+    cal = recipe["calibration"]
+    ids = calib.calibration_set(load_tokenizer(source), source=cal["source"], n_samples=cal["n_samples"],
+                                seq_len=cal["seq_len"], seed=cal["seed"], chat=cal["chat"]).input_ids
+    model = load_model(out)
+    seen = {}
+    for index, layer in enumerate(model.model.layers):  # calibration ran the layers with a 16-bit cache
+        def observed(query, key, value, *rest, index=index):
+            seen[index] = (key.abs().amax(), value.abs().amax())
+            return sdpa_attention_core(query, key, value, *rest)
+
+        layer.self_attn.core = observed
+    with torch.no_grad():
+        model(ids)
+    for index, (key_max, value_max) in seen.items():
+        for name, top in (("k_scale", key_max), ("v_scale", value_max)):
+            scale = reader.tensors.get(f"model.layers.{index}.self_attn.{name}")
+            assert scale.dtype == torch.float32 and scale.shape == (1,)
+            assert torch.allclose(scale * 448, top, rtol=1e-5), (index, name)  # the same rows, the same model
+
+    weights_only = load_model(out)
+    for layer in weights_only.model.layers:  # the attention as the weights alone would run it
+        layer.self_attn.core = sdpa_attention_core
+    with torch.no_grad():
+        assert not torch.allclose(weights_only(ids[:1]).logits, load_model(out)(ids[:1]).logits)

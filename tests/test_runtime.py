@@ -248,6 +248,124 @@ def test_roofline_arithmetic(tiny_checkpoint):
         roofline(tiny_checkpoint, "h100", 10, None)
 
 
+def test_roofline_prefill_arithmetic(tiny_checkpoint):
+    """The prefill ceiling by hand on the tiny checkpoint (2 layers, hidden 256, MLP 512, 16 query heads of 16,
+    1 KV head, vocabulary 384): every linear per token, the LM head once, causal attention."""
+    from quantkit.kernels.infllm import SparseAttentionConfig
+    from quantkit.models import MiniCPMConfig
+
+    config = MiniCPMConfig.from_pretrained(tiny_checkpoint)
+    assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.num_attention_heads,
+            config.num_key_value_heads, config.head_dim, config.vocab_size) == (2, 256, 512, 16, 1, 16, 384)
+    # multiply-accumulates per token and layer: q, o 256x256; k, v 16x256; gate, up, down 512x256
+    layer_macs = 2 * 256 * 256 + 2 * 16 * 256 + 3 * 512 * 256
+    assert layer_macs == 532_480
+    dense = roofline(tiny_checkpoint, "rtx4090", 1024, None)
+    assert dense.math == "bf16" and dense.prefill_note is None
+    assert dense.prefill_linear_ops == 2 * 2 * layer_macs * 1024 == 2_181_038_080
+    # the LM head once (384 x 256), and QK^T + PV over the 1024 * 1025 / 2 keys the causal queries see
+    assert dense.prefill_bf16_ops == 2 * (384 * 256 + 2 * 16 * 16 * 2 * (1024 * 1025 // 2)) == 1_074_987_008
+    ops = 2_181_038_080 + 1_074_987_008
+    assert dense.ops_per_token == ops / 1024
+    assert math.isclose(dense.prefill_tokens_per_second_ceiling, 165.2e12 * 1024 / ops)
+    assert math.isclose(roofline(tiny_checkpoint, "orin", 1024, None).prefill_tokens_per_second_ceiling,
+                        42.5e12 * 1024 / ops)
+    # InfLLM v2: each query attends to at most 96 blocks of 64 keys and scores its fine (stride 16) and
+    # coarse (stride 64) compressed keys
+    sparse = roofline(tiny_checkpoint, "orin", 65536, SparseAttentionConfig())
+    full = sum(min(n, 96 * 64) for n in range(1, 65537))
+    compressed = sum(n // 16 + n // 64 for n in range(1, 65537))
+    assert sparse.prefill_linear_ops == 2 * 2 * layer_macs * 65536
+    assert sparse.prefill_bf16_ops == 2 * (384 * 256 + 2 * 16 * 16 * (2 * full + compressed))
+    assert math.isclose(sparse.prefill_tokens_per_second_ceiling,
+                        42.5e12 * 65536 / (sparse.prefill_linear_ops + sparse.prefill_bf16_ops))
+    assert "not a measurement" in dense.note
+    peaks = {name: {kind: peak.tera_ops for kind, peak in spec.tensor_peaks.items()} for name, spec in HARDWARE.items()}
+    assert peaks == {"rtx4090": {"bf16": 165.2, "fp16": 165.2, "fp8": 330.3, "int8": 660.6},
+                     "orin": {"int8": 85.0, "bf16": 42.5, "fp16": 42.5}}
+    assert all(peak.source for spec in HARDWARE.values() for peak in spec.tensor_peaks.values())
+
+
+def _compressed_tensors_artifact(source, out, grid):
+    """``source`` with every decoder linear stored on compressed-tensors ``grid`` by quantkit's writer (random
+    integer codes, or the weights cast to E4M3): the roofline reads only the config and the tensor headers."""
+    from safetensors.torch import save_file
+
+    from quantkit.checkpoint import CheckpointReader
+    from quantkit.formats.compressed_tensors import CompressedTensors
+    from quantkit.fp8 import FP8Tensor
+    from quantkit.models.layers import LINEARS, layer_prefix
+
+    from helpers import random_record
+
+    out.mkdir()
+    for path in source.iterdir():
+        if path.suffix != ".safetensors" and path.is_file():
+            shutil.copy(path, out / path.name)
+    reader = CheckpointReader(source)
+    tensors = {name: reader.get(name) for name in reader.names}
+    fmt = CompressedTensors()
+    for index in range(json.loads((source / "config.json").read_text())["num_hidden_layers"]):
+        prefix = layer_prefix(index)
+        weights = {linear: tensors.pop(f"{prefix}{linear}.weight") for linear in LINEARS}
+        float_grid = getattr(grid, "float_grid", None)
+        records = {linear: FP8Tensor.quantize(w.float(), float_grid) if float_grid
+                   else random_record(grid, *w.shape, seed=index) for linear, w in weights.items()}
+        tensors |= fmt.write_layer(records, prefix)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, out / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = fmt.quantization_config(grid)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def w8a8_artifacts(tiny_checkpoint_factory, tmp_path_factory):
+    """INT8 W8A8, FP8 W8A8 and W4A16 compressed-tensors artifacts of the bf16 tiny checkpoint."""
+    from quantkit.formats.compressed_tensors import CompressedTensorsGrid
+    from quantkit.quant import QuantConfig
+
+    source = tiny_checkpoint_factory(dtype=torch.bfloat16)
+    out = tmp_path_factory.mktemp("roofline_w8a8")
+    grids = {"int8-w8a8": CompressedTensorsGrid(8, -1, True, scale_dtype=torch.bfloat16, activations="int8-dynamic"),
+             "fp8-w8a8": CompressedTensorsGrid(8, -1, True, scale_dtype=torch.bfloat16, weights="fp8",
+                                               activations="fp8-dynamic"),
+             "w4a16": QuantConfig(4, 128, True, scale_dtype=torch.bfloat16)}
+    return source, {name: _compressed_tensors_artifact(source, out / name, grid) for name, grid in grids.items()}
+
+
+def test_roofline_prefill_takes_the_artifacts_math(w8a8_artifacts):
+    """INT8 W8A8 runs its linears at the int8 peak, FP8 W8A8 at the fp8 peak (none on the Orin), weight-only
+    formats in bf16; the LM head (left in 16 bits) and attention at the bf16 peak."""
+    source, artifacts = w8a8_artifacts
+    reference = roofline(source, "rtx4090", 1024, None)
+    for name, hardware, want, linear_peak in (("int8-w8a8", "rtx4090", "int8", 660.6e12),
+                                              ("int8-w8a8", "orin", "int8", 85.0e12),
+                                              ("fp8-w8a8", "rtx4090", "fp8", 330.3e12),
+                                              ("w4a16", "orin", "bf16", 42.5e12)):
+        got = roofline(artifacts[name], hardware, 1024, None)
+        assert got.math == want and got.prefill_note is None
+        assert (got.prefill_linear_ops, got.prefill_bf16_ops) == (reference.prefill_linear_ops,
+                                                                  reference.prefill_bf16_ops)
+        bf16_peak = HARDWARE[hardware].tensor_peaks["bf16"].tera_ops * 1e12
+        assert math.isclose(got.prefill_tokens_per_second_ceiling,
+                            1024 / (got.prefill_linear_ops / linear_peak + got.prefill_bf16_ops / bf16_peak))
+    fp8_on_orin = roofline(artifacts["fp8-w8a8"], "orin", 1024, None)
+    assert fp8_on_orin.math == "fp8" and fp8_on_orin.prefill_tokens_per_second_ceiling is None
+    assert "no fp8 tensor cores" in fp8_on_orin.prefill_note
+    assert fp8_on_orin.decode_tokens_per_second_ceiling > 0  # the decode ceiling stands
+    runner = CliRunner()
+    result = runner.invoke(main, ["roofline", "--hardware", "orin", "--model", str(artifacts["fp8-w8a8"]),
+                                  "--context", "1024", "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.output)
+    assert payload["results"][0]["math"] == "fp8" and payload["results"][0]["prefill_tokens_per_second_ceiling"] is None
+    assert "fp8" not in payload["tensor_peaks"] and payload["tensor_peaks"]["int8"]["tera_ops"] == 85.0
+    result = runner.invoke(main, ["roofline", "--hardware", "orin", "--model", str(artifacts["fp8-w8a8"])])
+    assert result.exit_code == 0, result.output
+    assert all(text in result.output for text in ("prefill tok/s ceiling", "n/a", "no fp8 tensor cores"))
+
+
 def test_devices_below_ampere_and_missing_cuda_are_refused():
     require_capability((8, 9))
     require_capability((8, 7))

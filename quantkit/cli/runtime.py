@@ -156,19 +156,22 @@ def chat(model, revision, sparse, sparse_config, device, max_new_tokens, tempera
 
 @click.command()
 @click.option("--hardware", type=click.Choice(["rtx4090", "orin"]), required=True,
-              help="The GPU whose peak memory bandwidth bounds the decode.")
+              help="The GPU whose peak memory bandwidth bounds the decode and whose dense tensor-core peak bounds "
+                   "the prefill.")
 @click.option("--model", default="default", show_default=True, help="Checkpoint or quantized artifact.")
 @revision_option("--model")
 @click.option("--context", "contexts", multiple=True, type=int, default=(4096,), show_default=True,
-              help="Tokens already in the KV cache (repeat for several).")
+              help="Tokens already in the KV cache for the decode, and prompt tokens for the prefill (repeat for "
+                   "several).")
 @sparse_option
 @json_option
 @friendly_errors
 def roofline(hardware, model, revision, contexts, sparse, as_json):
-    """Bandwidth-bound decode ceiling on a GPU: (weight + KV bytes per token) / peak bandwidth.
-    Arithmetic, not a measurement: no GPU exists where quantkit is tested."""
+    """Decode and prefill ceilings on a GPU. Decode: (weight + KV bytes per token) / peak bandwidth. Prefill:
+    operations per token over the dense tensor-core peak of the artifact's math (int8 or fp8 for W8A8, else
+    bf16). Arithmetic, not a measurement: no GPU exists where quantkit is tested."""
     from quantkit.kernels.attention import sparse_config_for
-    from quantkit.kernels.roofline import HARDWARE
+    from quantkit.kernels.roofline import HARDWARE, RUNTIME_MATH
     from quantkit.kernels.roofline import roofline as ceiling
     from quantkit.models import MiniCPMConfig
     from quantkit.zoo import resolve_model
@@ -177,9 +180,23 @@ def roofline(hardware, model, revision, contexts, sparse, as_json):
     sparse_settings = sparse_config_for(sparse, MiniCPMConfig.from_pretrained(model_dir).sparse_attention)
     results = [ceiling(model_dir, hardware, context, sparse_settings) for context in contexts]
     rows = [[r.context, r.attention, r.weight_bytes / 1e6, r.kv_bytes / 1e6, r.decode_tokens_per_second_ceiling,
+             r.math, r.ops_per_token / 1e9,
+             "n/a" if r.prefill_tokens_per_second_ceiling is None else r.prefill_tokens_per_second_ceiling,
              "yes" if r.fits_in_memory else "NO"] for r in results]
     spec = HARDWARE[hardware]
-    text = (f"{spec.name}, {spec.memory_bandwidth_gb_s:g} GB/s peak ({spec.source})\n"
-            + format_table(["context", "attention", "weights MB", "KV read MB", "tok/s ceiling", "fits"], rows)
-            + "\n\nArithmetic, not measured: bytes read per decoded token over peak memory bandwidth.")
-    emit(as_json, {"hardware": hardware, "model": str(model_dir), "results": [r.to_dict() for r in results]}, text)
+    math = results[0].math
+    peaks = ", ".join(f"{name} {peak.tera_ops:g}" for name, peak in spec.tensor_peaks.items()
+                      if name in (math, RUNTIME_MATH))
+    notes = sorted({r.prefill_note for r in results if r.prefill_note})
+    text = (f"{spec.name}, {spec.memory_bandwidth_gb_s:g} GB/s peak ({spec.source}); dense tensor-core peak "
+            f"T(FL)OPS: {peaks or 'none'}\n"
+            + format_table(["context", "attention", "weights MB", "KV read MB", "decode tok/s ceiling", "math",
+                            "prefill GOP/token", "prefill tok/s ceiling", "fits"], rows)
+            + "".join(f"\n{note}" for note in notes)
+            + "\n\nArithmetic, not measured: decode, bytes read per decoded token over peak memory bandwidth; "
+              f"prefill of `context` tokens, the linears' operations at the {math} peak and the LM head's (last "
+              f"position only) and attention's at the {RUNTIME_MATH} peak.")
+    emit(as_json, {"hardware": hardware, "model": str(model_dir),
+                   "tensor_peaks": {name: {"tera_ops": peak.tera_ops, "source": peak.source}
+                                    for name, peak in spec.tensor_peaks.items()},
+                   "results": [r.to_dict() for r in results]}, text)

@@ -160,6 +160,18 @@ class Format:
         from each quantized linear's calibration inputs' max |x| per channel; {} otherwise."""
         return {}
 
+    def kv_cache_grid(self, config: QuantConfig) -> Any:
+        """How the server quantizes the KV cache with this artifact's stored scales (an
+        ``activation_quant.ActivationGrid``, one static scale per layer for keys and one for values), or
+        None: the artifact states none."""
+        return None
+
+    def kv_cache_tensors(self, config: QuantConfig, key_abs_max: Tensor, value_abs_max: Tensor, prefix: str
+                         ) -> dict[str, Tensor]:
+        """A decoder layer's stored KV-cache scales (``prefix``: "model.layers.i.") from the calibration
+        keys' (after RoPE) and values' max |x|; {} where ``kv_cache_grid`` is None."""
+        return {}
+
     def config_files(self, config: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """The full config.json -> every JSON file the consumers read it from ({"config.json": ...} at least)."""
         return {"config.json": config}

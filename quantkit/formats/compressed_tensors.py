@@ -51,7 +51,8 @@ PACKED = "pack-quantized"
 INTEGER = "int-quantized"
 FLOAT = "float-quantized"
 BITS = (4, 8)  # vLLM's WNA16 kernels
-TENSOR_NAMES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "input_scale")
+TENSOR_NAMES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "input_scale", "k_scale",
+                "v_scale")
 
 
 def _arguments(**values: Any) -> dict[str, Any]:
@@ -78,6 +79,11 @@ ACTIVATIONS = {
                    _arguments(num_bits=8, type="float", strategy="tensor")),
 }
 INPUT_SCALE = "input_scale"  # a static scheme's per-linear activation scale, float32 [1]
+# recipe value of compressed-tensors.kv_cache -> how vLLM stores keys and values with the scales the
+# artifact states (``--kv-cache-dtype fp8``), and the config's kv_cache_scheme that says so
+KV_CACHE = {"fp8": (ActivationGrid("fp8", dynamic=False), _arguments(num_bits=8, type="float", strategy="tensor"))}
+# each attention's scales, float32 [1]: max |K| (after RoPE) and max |V| over the calibration rows / 448
+KV_SCALES = ("k_scale", "v_scale")
 
 
 # what an input_activations entry must say to be one of ACTIVATIONS (the observer that calibrated it may differ)
@@ -86,18 +92,20 @@ ACTIVATION_FIELDS = ("num_bits", "type", "symmetric", "strategy", "dynamic", "gr
 
 @dataclass(frozen=True)
 class CompressedTensorsGrid(QuantConfig):
-    """The weights' kind (a key of ``WEIGHTS``) and the activations' (a key of ``ACTIVATIONS``, or
-    16-bit); integer weights with 16-bit activations are a plain ``QuantConfig``."""
+    """The weights' kind (a key of ``WEIGHTS``), the activations' (a key of ``ACTIVATIONS``, or 16-bit)
+    and the KV cache's (a key of ``KV_CACHE``, or 16-bit); integer weights with nothing else quantized
+    are a plain ``QuantConfig``."""
 
     weights: str = "int"
     activations: str = UNQUANTIZED
+    kv_cache: str = UNQUANTIZED
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.weights not in WEIGHTS:
-            raise ValueError(f"weights must be one of {tuple(WEIGHTS)}, got {self.weights!r}")
-        if self.activations not in (UNQUANTIZED, *ACTIVATIONS):
-            raise ValueError(f"activations must be one of {(UNQUANTIZED, *ACTIVATIONS)}, got {self.activations!r}")
+        for field, table in (("weights", WEIGHTS), ("activations", ACTIVATIONS), ("kv_cache", KV_CACHE)):
+            allowed = tuple(table) if field == "weights" else (UNQUANTIZED, *table)
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"{field} must be one of {allowed}, got {getattr(self, field)!r}")
 
     @property
     def float_grid(self) -> FloatGrid | None:
@@ -108,6 +116,12 @@ def _settings(config: QuantConfig) -> tuple[FloatGrid | None, str | None]:
     """(the FP8 grid or None, the activation scheme or None) of any grid the format is given."""
     activations = getattr(config, "activations", UNQUANTIZED)
     return getattr(config, "float_grid", None), None if activations == UNQUANTIZED else activations
+
+
+def _kv_cache(config: QuantConfig) -> str | None:
+    """The KV-cache scheme (a key of ``KV_CACHE``) of any grid the format is given, or None."""
+    kv_cache = getattr(config, "kv_cache", UNQUANTIZED)
+    return None if kv_cache == UNQUANTIZED else kv_cache
 
 
 # Every linear of the decoder is quantized; llm-compressor's recipes leave the LM head out the same way.
@@ -283,7 +297,8 @@ def quantization_config(config: QuantConfig, *, desc_act: bool = False, static_g
         "config_groups": {"group_0": {"format": fmt, "output_activations": None, "targets": ["Linear"],
                                       "input_activations": ACTIVATIONS[activations][1] if activations else None,
                                       "weights": weight_arguments(config, desc_act)}},
-        "format": fmt, "global_compression_ratio": None, "ignore": list(IGNORE), "kv_cache_scheme": None,
+        "format": fmt, "global_compression_ratio": None, "ignore": list(IGNORE),
+        "kv_cache_scheme": KV_CACHE[_kv_cache(config)][1] if _kv_cache(config) else None,
         "quant_method": QUANT_METHOD, "quantization_status": "compressed", "sparsity_config": {},
         "transform_config": {}, "version": VERSION,
     }
@@ -307,6 +322,9 @@ def parse_quantization_config(d: Mapping[str, Any]) -> QuantConfig:
     activations = next((key for key, (_, stated) in ACTIVATIONS.items()
                         if inputs and all(inputs.get(field) == stated[field] for field in ACTIVATION_FIELDS)), None)
     kind = LAYOUT_ACTIVATIONS.get(fmt)
+    kv_stated = d.get("kv_cache_scheme")
+    kv_cache = next((key for key, (_, stated) in KV_CACHE.items()
+                     if kv_stated and all(kv_stated.get(field) == stated[field] for field in ACTIVATION_FIELDS)), None)
     refusals = (
         ("format", fmt not in LAYOUT_ACTIVATIONS, f"{fmt!r} (read: {', '.join(map(repr, LAYOUT_ACTIVATIONS))})"),
         (f"config_groups.{name}.input_activations",
@@ -316,7 +334,8 @@ def parse_quantization_config(d: Mapping[str, Any]) -> QuantConfig:
         (f"config_groups.{name}.targets", group.get("targets") != ["Linear"], f"{group.get('targets')!r}"),
         (f"config_groups.{name}.output_activations", group.get("output_activations") is not None, "set"),
         ("ignore", any(module != "lm_head" for module in d.get("ignore") or ()), f"{d.get('ignore')!r}"),
-        ("kv_cache_scheme", d.get("kv_cache_scheme") is not None, "a quantized KV cache is not read"),
+        ("kv_cache_scheme", kv_stated is not None and kv_cache is None,
+         f"{kv_stated!r} (read: FP8 E4M3, one static scale per tensor)"),
         ("sparsity_config", bool(d.get("sparsity_config")), "sparse weights are not read"),
         ("transform_config", bool(d.get("transform_config")), "rotations are not read"),
     )
@@ -340,13 +359,13 @@ def parse_quantization_config(d: Mapping[str, Any]) -> QuantConfig:
     refused = [f"{setting}: {found}" for setting, broken, found in refusals if broken]
     if refused:
         raise ValueError("compressed-tensors config not read: " + "; ".join(refused))
+    stated = {"activations": activations or UNQUANTIZED, "kv_cache": kv_cache or UNQUANTIZED}
     if float_weights:
         weight_kind = next(key for key, grid in WEIGHTS.items() if grid and grid.strategy == strategy)
-        return CompressedTensorsGrid(bits=8, group_size=-1, sym=True, weights=weight_kind,
-                                     activations=activations or UNQUANTIZED)
+        return CompressedTensorsGrid(bits=8, group_size=-1, sym=True, weights=weight_kind, **stated)
     grid = QuantConfig(bits=weights["num_bits"], group_size=-1 if strategy == "channel" else group_size,
                        sym=weights["symmetric"])
-    return CompressedTensorsGrid(**vars(grid), activations=activations) if activations else grid
+    return CompressedTensorsGrid(**vars(grid), **stated) if activations or kv_cache else grid
 
 
 # The recipe's ``compressed-tensors`` section: present only in recipes that state it
@@ -359,6 +378,9 @@ SETTINGS = Section({
                          help="how vLLM quantizes each linear's input: int8-* is INT8 W8A8 (int weights), fp8-* FP8 "
                               "W8A8 (fp8 weights); *-dynamic with a scale per token, *-static with one per linear "
                               "from the calibration inputs (stored as its input_scale)"),
+    "kv_cache": Field(str, default=UNQUANTIZED, choices=(UNQUANTIZED, *KV_CACHE),
+                      help="fp8: keys and values in FP8 E4M3 with one scale per layer for each, from the "
+                           "calibration rows (kv_cache_scheme; served with --kv-cache-dtype fp8_e4m3)"),
 }, optional=True)
 
 
@@ -389,7 +411,7 @@ class CompressedTensors(Format):
         """The run's grid with the recipe's weight and activation schemes, if it states them (the target,
         the writer and the config carry them)."""
         stated = recipe.get(self.name) or {}
-        if stated.get("weights", "int") == "int" and stated.get("activations", UNQUANTIZED) == UNQUANTIZED:
+        if all(value == SETTINGS[key].default for key, value in stated.items()):
             return config
         return CompressedTensorsGrid(**vars(config), **stated)
 
@@ -439,6 +461,17 @@ class CompressedTensors(Format):
             return {}
         return {tensor_key(prefix + linear, INPUT_SCALE): grid.static_scale(abs_max)
                 for linear, abs_max in input_abs_max.items()}
+
+    def kv_cache_grid(self, config):
+        kv_cache = _kv_cache(config)
+        return KV_CACHE[kv_cache][0] if kv_cache else None
+
+    def kv_cache_tensors(self, config, key_abs_max, value_abs_max, prefix):
+        grid = self.kv_cache_grid(config)
+        if grid is None:
+            return {}
+        return {f"{prefix}self_attn.{name}": grid.static_scale(abs_max)
+                for name, abs_max in zip(KV_SCALES, (key_abs_max, value_abs_max))}
 
     def grid(self, quant, model_dtype):
         """Scales in a 16-bit model's dtype, as llm-compressor stores them and vLLM loads them; a float32

@@ -11,7 +11,8 @@ class Consumer:
 
     title: str
     language: str
-    # str.format fields: repo, ref, remote (Python keyword), remote_flag (CLI), register, local, file_type
+    # str.format fields: repo, ref, remote (Python keyword), remote_flag (CLI), kv_cache_flag (CLI: an FP8 KV
+    # cache whose scales the artifact states), register, local, file_type
     command: str
     note: str = ""
     library: str | None = None  # the Hub's library_name of a repository this program reads first
@@ -27,10 +28,10 @@ TRANSFORMERS = Consumer(
     'model = AutoModelForCausalLM.from_pretrained("{repo}", device_map="auto"{remote})',
     "transformers loads GPTQ and AWQ checkpoints through GPTQModel: `pip install gptqmodel optimum`.",
     library="transformers")
-VLLM = Consumer("vLLM", "bash", "vllm serve {repo}{remote_flag}",
+VLLM = Consumer("vLLM", "bash", "vllm serve {repo}{remote_flag}{kv_cache_flag}",
                 "vLLM takes the method from `quantization_config` (GPTQ runs on its Marlin kernels).",
                 needs_auto_map=True)
-SGLANG = Consumer("SGLang", "bash", "python -m sglang.launch_server --model-path {repo}{remote_flag}")
+SGLANG = Consumer("SGLang", "bash", "python -m sglang.launch_server --model-path {repo}{remote_flag}{kv_cache_flag}")
 CPMCU = Consumer(
     "CPM.cu", "bash",
     'hf download {repo} --local-dir {local}\npython -m cpmcu.cli --model-path {local} --prompt-text "Hello"',

@@ -170,6 +170,9 @@ def artifact_card(checked: CheckedArtifact, ref: RepoRef, base: BaseModel, repor
     library = next((consumer.library for consumer in consumers if consumer.library), "quantkit")
     fields = {"repo": ref.repo_id, "ref": str(ref), "remote": ", trust_remote_code=True" if remote else "",
               "remote_flag": " --trust-remote-code" if remote else "", "local": _cpmcu_folder(ref.name),
+              # both servers use the stated scales only when asked for an FP8 cache (E4M3, as calibrated)
+              "kv_cache_flag": " --kv-cache-dtype fp8_e4m3"
+              if (checked.config.get("quantization_config") or {}).get("kv_cache_scheme") else "",
               "register": "" if remote else "import quantkit  # registers MiniCPM's model code with transformers\n"}
     summary = FORMATS[fmt].summary if fmt in FORMATS else fmt
     facts = [["format", f"`{fmt}`: {summary}"], ["quantization", info["quantization"]],
