@@ -18,6 +18,7 @@ from quantkit.formats import FORMATS
 from quantkit.formats.compressed_tensors import (
     ACTIVATIONS,
     KV_CACHE,
+    KV_SCALES,
     VERSION,
     CompressedTensorsGrid,
     check_packed,
@@ -475,3 +476,16 @@ def test_fp8_kv_cache_scales_are_calibrated_stated_and_scored(tiny_checkpoint_fa
         layer.self_attn.core = sdpa_attention_core
     with torch.no_grad():
         assert not torch.allclose(weights_only(ids[:1]).logits, load_model(out)(ids[:1]).logits)
+
+    # transformers' compressed-tensors integration reads the scales onto each attention (its own k_scale and
+    # v_scale parameters) and runs the weights as quantkit does; its forward keeps a 16-bit cache
+    from transformers import AutoModelForCausalLM
+
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    for index, layer in enumerate(theirs.model.layers):
+        for name in KV_SCALES:
+            assert torch.equal(getattr(layer.self_attn, name).data, reader.tensors.get(
+                f"model.layers.{index}.self_attn.{name}"))
+    with torch.no_grad():
+        got, want = theirs(ids[:1]).logits, weights_only(ids[:1]).logits
+    assert (got - want).abs().max() <= 1e-3 * want.abs().max()
