@@ -78,7 +78,7 @@ def quantize_activations(model: torch.nn.Module, artifact: ArtifactReader) -> No
     for index in range(artifact.num_layers):
         for linear in artifact.shapes:
             name = f"{layer_prefix(index)}{linear}"
-            scale = None if grid.dynamic else _input_scale(artifact, name)
+            scale = None if grid.dynamic else input_scale(artifact, name)
             model.get_submodule(name).register_forward_pre_hook(
                 lambda _, inputs, scale=scale: (grid.fake_quantize(inputs[0], scale),))
 
@@ -101,7 +101,8 @@ def quantize_kv_cache(model: torch.nn.Module, artifact: ArtifactReader) -> None:
         attention.core = stored
 
 
-def _input_scale(artifact: ArtifactReader, linear: str) -> torch.Tensor:
+def input_scale(artifact: ArtifactReader, linear: str) -> torch.Tensor:
+    """A static activation scheme's stored scale of ``linear`` (float32 [1]), checked."""
     return _stored_scale(artifact, f"{linear}.input_scale", "a static activation scheme")
 
 

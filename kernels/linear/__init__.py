@@ -8,13 +8,14 @@ its grid calls for:
 |-------------|---------------------------------------------------|---------------------------------------|
 | "reference" | float32 dequantized weight (what the file means)   | same                                  |
 | "cpu"       | ``Int4Linear``: int8 x int4 dot products [3]       | [1], [4]; others: bf16 dequantized    |
-| "triton"    | see [2]                                           | bf16 dequantized weight               |
+| "triton"    | see [2]                                           | W8A8 [5]; others: bf16 dequantized    |
 
 [1] ternary: ``TernaryLinear`` on the stored bit planes.
 [2] the stored tensors of Marlin (``TritonMarlinLinear``) and AWQ artifacts; ``TritonW4A16Linear`` over
     the GPTQ layout for the others.
 [3] decode, verification, and prefill without AMX; prefill with AMX multiplies the bf16 weight.
 [4] INT8 W8A8: ``W8A8Linear``, int8 x int8 dot products with per-token activation scales (dynamic INT8 W8A8 only).
+[5] ``TritonW8A8Linear``: INT8 x INT8 or E4M3 x E4M3 (sm_89 only) tensor-core dots, dynamic or static activations.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from quantkit.activation_quant import ActivationGrid
 from quantkit.kernels.linear.int4 import Int4Linear
 from quantkit.kernels.linear.ternary import TernaryLinear
 from quantkit.kernels.linear.w8a8 import W8A8Linear, runs_on_integer_kernel
+from quantkit.loading import input_scale
 from quantkit.quant import QuantizedTensor
 from quantkit.reader import ArtifactReader, layer_records
 
@@ -46,13 +48,21 @@ def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.d
 
 
 def linear_for(record, bias: torch.Tensor | None, backend: str, dtype: torch.dtype,
-               keep_dequantized: bool = True, activations: ActivationGrid | None = None) -> nn.Module:
+               keep_dequantized: bool = True, activations: ActivationGrid | None = None,
+               input_scale: torch.Tensor | None = None) -> nn.Module:
     """The module that executes one quantized linear's record on ``backend``; ``activations``: how a W8A8
-    format quantizes the linear's input (done before the module, ``quantkit.loading.quantize_activations``)."""
+    format quantizes the linear's input, with ``input_scale`` on a static grid. The input arrives already
+    quantized (``quantkit.loading.quantize_activations``, for every backend); a W8A8 kernel quantizing it
+    again gets the same codes back."""
     if backend not in BACKENDS:
         raise ValueError(f"linear backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
         return dense_linear(record.dequantize(torch.float32), bias, torch.float32)
+    if backend == "triton" and activations is not None:
+        from quantkit.kernels.linear.triton_w8a8 import TritonW8A8Linear
+
+        build = TritonW8A8Linear.from_fp8_record if activations.kind == "fp8" else TritonW8A8Linear.from_int8_record
+        return build(record, bias, activations, input_scale)
     uniform = isinstance(record, QuantizedTensor)
     if uniform and record.config.ternary and backend == "cpu":
         return TernaryLinear.from_record(record, bias, keep_dequantized)
@@ -106,6 +116,7 @@ def load_linears(model_dir: str | Path, backend: str = "cpu",
     keep = weights * 2 <= KEEP_DEQUANTIZED_BYTES
     fmt = artifact.format
     activations = fmt.activation_grid(artifact.qconfig)
+    static = activations is not None and not activations.dynamic
     stored = LAYOUT_KERNELS.get((backend, fmt.stored_layout))
     modules: dict[str, nn.Module] = {}
     for index in range(artifact.num_layers):
@@ -118,6 +129,7 @@ def load_linears(model_dir: str | Path, backend: str = "cpu",
                 modules[name] = stored(fmt.linear_tensors(tensors, name), record.shape, artifact.qconfig.group_size,
                                        bias, keep)
             else:
-                modules[name] = linear_for(record, bias, backend, dtype, keep, activations)
+                modules[name] = linear_for(record, bias, backend, dtype, keep, activations,
+                                           input_scale(artifact, name) if static else None)
     return modules
 

@@ -27,12 +27,26 @@ from quantkit.kernels.linear.panel import PANEL, PanelLinear
 from quantkit.quant import QuantizedTensor
 
 
+def int8_channel_refusal(record) -> str | None:
+    """Why ``record`` is not what the INT8 W8A8 kernels (this one and Triton's) multiply, 8-bit symmetric
+    codes with one scale per row around the zero point 128, or None."""
+    if not isinstance(record, QuantizedTensor):
+        return f"integer codes, got {type(record).__name__}"
+    config = record.config
+    for setting, value, needed in (("bits", config.bits, 8), ("sym", config.sym, True),
+                                   ("group_size", config.group_size, -1), ("float_bias", config.float_bias, False),
+                                   ("ternary", config.ternary, False)):
+        if value != needed:
+            return f"{setting}={needed}, got {setting}={value}"
+    if not bool((record.zeros == CENTRE).all()):
+        return f"the zero point {CENTRE} on every row"
+    return None
+
+
 def runs_on_integer_kernel(record, activations: ActivationGrid | None) -> bool:
     """Whether ``W8A8Linear`` computes exactly what ``record`` with ``activations`` means."""
-    return (isinstance(record, QuantizedTensor) and activations is not None and activations.kind == "int8"
-            and activations.dynamic and record.config.bits == 8 and record.config.sym
-            and record.config.num_groups(record.shape[1]) == 1 and not record.config.float_bias
-            and bool((record.zeros == CENTRE).all()))
+    return (activations is not None and activations.kind == "int8" and activations.dynamic
+            and int8_channel_refusal(record) is None)
 
 
 class W8A8Linear(PanelLinear):
@@ -57,8 +71,9 @@ class W8A8Linear(PanelLinear):
     @classmethod
     def from_record(cls, record: QuantizedTensor, bias: torch.Tensor | None = None,
                     keep_dequantized: bool = True) -> W8A8Linear:
-        if not runs_on_integer_kernel(record, ActivationGrid("int8")):
-            raise ValueError(f"W8A8Linear needs 8-bit symmetric per-channel codes, got {record.config}")
+        refusal = int8_channel_refusal(record)
+        if refusal:
+            raise ValueError(f"W8A8Linear needs 8-bit symmetric per-channel codes: {refusal}")
         return cls(record.codes, record.scales.float()[0], bias, keep_dequantized)
 
     @property
