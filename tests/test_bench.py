@@ -166,7 +166,27 @@ def _scored(method, seed, path, kls):
     from quantkit.eval.bench.bench_methods import Scored
 
     return Scored(method, 4, seed, path, 10.0, 100.0,
-                  {text: {"mean_kl": kl, "perplexity": 20.0, "top1_agreement": 0.7} for text, kl in kls.items()})
+                  {text: {"mean_kl": kl, "perplexity": 20.0, "top1_agreement": 0.7} for text, kl in kls.items()},
+                  4.25)
+
+
+def test_bits_per_weight_counts_every_stored_tensor_of_the_decoder_linears(tiny_checkpoint, tmp_path):
+    """A GPTQ W4 g64 artifact: per linear 4-bit codes, a float16 scale and a packed 4-bit zero point per
+    group and row, and an int32 g_idx entry per input column (the float checkpoint's linears: 32)."""
+    from quantkit.engine import quantize
+    from quantkit.eval.bench.bench_methods import linear_bits_per_weight
+    from quantkit.models import MiniCPMConfig
+    from quantkit.reader import linear_shapes
+
+    from helpers import small_recipe
+
+    assert linear_bits_per_weight(tiny_checkpoint) == 32.0
+    out = tmp_path / "w4"
+    quantize(tiny_checkpoint, small_recipe("rtn-w4g128", tmp_path, quant={"group_size": 64, "sym": False}), out,
+             progress=False)
+    shapes = linear_shapes(MiniCPMConfig.from_pretrained(out)).values()
+    stored = sum(4 * n * k + (16 + 4) * (k // 64) * n + 32 * k for n, k in shapes)
+    assert linear_bits_per_weight(out) == stored / sum(n * k for n, k in shapes)
 
 
 def test_methods_bench_wins_only_with_its_whole_range_below_the_peer_on_every_text():

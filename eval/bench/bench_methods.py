@@ -58,6 +58,27 @@ class Scored:
     seconds: float
     peak_rss_mb: float
     scores: dict  # text -> KLResult fields
+    bits_per_weight: float  # the decoder linears' stored bytes, x 8 / their weights
+
+
+def linear_bits_per_weight(artifact: Path) -> float:
+    """Bits per weight of the decoder's linears as an artifact stores them (codes, scales, zero points,
+    g_idx, activation scales: every tensor of a linear), from the safetensors headers; the embedding and
+    LM head, which every tool here keeps in 16 or 32 bits, are not counted."""
+    from quantkit.checkpoint import read_header
+    from quantkit.models import MiniCPMConfig
+    from quantkit.models.layers import layer_prefix
+    from quantkit.reader import linear_shapes
+
+    config = MiniCPMConfig.from_pretrained(artifact)
+    layers = config.num_hidden_layers
+    prefixes = tuple(f"{layer_prefix(index)}{linear}." for index in range(layers) for linear in linear_shapes(config))
+    stored = 0
+    for shard in sorted(artifact.glob("*.safetensors")):
+        header, _ = read_header(shard)
+        stored += sum(info["data_offsets"][1] - info["data_offsets"][0] for name, info in header.items()
+                      if name != "__metadata__" and name.startswith(prefixes))
+    return 8 * stored / (layers * sum(n * k for n, k in linear_shapes(config).values()))
 
 
 def default_paths() -> str:
@@ -147,7 +168,8 @@ def main(model, bit_widths, group_size, n_samples, seq_len, seeds, compute_dtype
                                                                    window=window),
                                            tokens, window, reuse and record["reused"])
                 variants.append(Scored(method, bits, seed, PATH_NAMES[path] if path else peer_path(out / key),
-                                         record["seconds"], record["peak_rss_mb"], scores))
+                                         record["seconds"], record["peak_rss_mb"], scores,
+                                         linear_bits_per_weight(out / key)))
     summary, per_text, verdicts = tables(variants, list(tokens), baseline, peer_commands)
     reference_ppl = ", ".join(f"{name} {score['perplexity']:.2f}" for name, score in fp.items())
     header = (f"model {model_dir.name}; group size {group_size}; calibration {n_samples} x {seq_len} tokens "
@@ -171,8 +193,9 @@ def tables(variants: list[Scored], texts: list[str], baseline: str, peers: dict)
 
     baseline_kl = {(bits, path): statistics.fmean(kls(g)) for (m, bits, path), g in groups.items() if m == baseline}
     summary = format_table(
-        ["method", "bits", "path", "mean KL (range)", f"KL / {baseline}", "ppl", "top-1", "quantize s", "peak RSS MB"],
-        [[method, bits, path, str(Spread.of(kls(g))),
+        ["method", "bits", "bits/weight", "path", "mean KL (range)", f"KL / {baseline}", "ppl", "top-1", "quantize s",
+         "peak RSS MB"],
+        [[method, bits, statistics.fmean(v.bits_per_weight for v in g), path, str(Spread.of(kls(g))),
           statistics.fmean(kls(g)) / baseline_kl[(bits, path)] if (bits, path) in baseline_kl else "",
           statistics.fmean(v.scores[t]["perplexity"] for v in g for t in texts),
           statistics.fmean(v.scores[t]["top1_agreement"] for v in g for t in texts),
