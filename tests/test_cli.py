@@ -50,10 +50,10 @@ def test_every_builtin_recipe_loads_says_what_it_is_for_and_matches_its_name():
         text = (builtin_dir() / f"{name}.yaml").read_text()
         assert text.startswith("# "), f"{name}: no comment at the top saying what it is for"
         recipe = load_recipe(name)
-        # rtn, awq, gptq, p-gptq, s-gptq, s-p-gptq (marlin, cpmcu: S-P-GPTQ; int8-w8a8: SmoothQuant + GPTQ);
+        # rtn, awq, gptq, p-gptq, s-gptq, s-p-gptq (marlin, cpmcu: S-GPTQ; int8-w8a8: SmoothQuant + GPTQ);
         # mlx-<family>[-mixed-*] on MLX's grid
         family = name.split("-w")[0].split("-mixed")[0].removeprefix("mlx-")
-        family = {"marlin": "s-p-gptq", "cpmcu": "s-p-gptq", "gguf-q4_0": "gptq",
+        family = {"marlin": "s-gptq", "cpmcu": "s-gptq", "gguf-q4_0": "gptq",
                   "rtn-ternary-g32": "rtn", "qat-ternary-g32": "rtn", "qat-ternary-g256": "rtn",
                   "dwq": "rtn", "int8": "s-gptq", "fp8": "gptq"}.get(family, family)
         assert recipe["algorithm"] == (family if family in ("rtn", "awq") else "gptq"), name

@@ -285,8 +285,8 @@ def two_layers(tiny_checkpoint_factory) -> Path:
 
 def test_activations_spilled_to_disk_give_identical_bytes_and_leave_no_file(two_layers, tmp_path, monkeypatch):
     """Smoothing, the prefix cut, GPTQ and uneven batches (4 rows in batches of 3) through mapped files."""
-    recipe = load_recipe("marlin", {"calibration.n_samples": 4, "calibration.seq_len": 32,
-                                    "calibration.batch_size": 3, "smooth.grid": 2})
+    recipe = load_recipe("s-p-gptq-w4g128", {"calibration.n_samples": 4, "calibration.seq_len": 32,
+                                             "calibration.batch_size": 3, "smooth.grid": 2, "format": "marlin"})
     in_memory = quantize(two_layers, recipe, tmp_path / "memory", progress=False, activations="memory")
     spilled = _spill_counter(monkeypatch)
     on_disk = quantize(two_layers, recipe, tmp_path / "disk", progress=False, activations="disk")

@@ -14,7 +14,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "recipes.md"
 # the recipe quantizes and makes `--resume` refuse its earlier runs: update it only on purpose.
 FINGERPRINTS = {
     "awq-w4g128": "1381ebc14fd96f42f323d27aec68b3fb822c13b6dc28d1acc1cda6e6f4ed8f2d",
-    "cpmcu": "c19c3c01d8770fe6967d5c95b4900cee4f918a03e8a5d2fd480451ca6b3960fa",
+    "cpmcu": "f0a91dadfa3ae0c3a1d5cde65f9ab384d10d31aa332d207aa3aee8ce5786e098",
     "gguf-q4_0": "2429a805b21bcd4ccc5f7eac93eac97843dd028f4f570a6bd298c650921795a9",
     "gguf-q4_k_m": "da6eb6f26c57fcd5ba5ff624b7efc44126345bb08569ac50faeb00586e9b42cd",
     "gguf-q5_k_m": "7d0fa1fba050bdc5df6169dd3b5854ca8c025af61bb13098e12292e4e8a64d89",
@@ -22,7 +22,7 @@ FINGERPRINTS = {
     "gptq-w4g128": "62169bc2e3d01e363170a39a408e0ad787ecd91e1c1dd0b73bf1520a33663cdc",
     "int8-w8a8": "289518d4511d7b0c12b6179168e2704cd4d9f9bbd8f82e56d32eca139549c5ca",
     "fp8-w8a8": "09e49f58f0afebbf7475502ed93c25f6846906b207e70a0475f8a44d42a7b51e",
-    "marlin": "81701e843e5fc21a8487b09e63d1d28a0d6af06d4df4f5685218ada82d74f44c",
+    "marlin": "9ffacaa611224ff6ace644b8b15d6dbc5272dc103c67f8df19ebceacd83860a0",
     "mlx-dwq-w4g64": "4f1ac58beb2bf8bc9eeb4dc3ceabc92aa3a9ac9e1d04e0f65655c8791629f5c5",
     "mlx-rtn-mixed-4-6": "aab0f68fab495dde29387aedadfedeb289c6277b8160e2c1299aee58c236fa0b",
     "mlx-s-p-gptq-mixed-4-6": "a8150fb7af2f745c5742b9909afcaab952c28e6dfe1cf8faaa539cfdca711ac5",
