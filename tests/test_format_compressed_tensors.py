@@ -403,6 +403,23 @@ def test_w8a8_artifact_is_scored_with_its_activations_quantized(tiny_checkpoint_
     from quantkit.kernels.model import RuntimeModel
 
     assert isinstance(runtime.get_submodule("model.layers.0.mlp.down_proj"), W8A8Linear)
+
+    # transformers' compressed-tensors integration runs the same weights with the package's own simulation
+    # of per-token INT8 (scale absmax / 127.5, not vLLM's kernel's 127): exactly that, and nothing else
+    from transformers import AutoModelForCausalLM
+
+    def simulated(x):
+        values = x.float()
+        scale = values.abs().amax(-1, keepdim=True) / 127.5
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        return (torch.clamp(torch.round(values / scale), -128, 127) * scale).to(x.dtype)
+
+    for module in weights_only.modules():
+        if isinstance(module, torch.nn.Linear) and module is not weights_only.lm_head:
+            module.register_forward_pre_hook(lambda _, inputs: (simulated(inputs[0]),))
+    with torch.no_grad():
+        theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(ids).logits
+        assert torch.equal(theirs, weights_only(ids).logits)
     with torch.no_grad():
         runner = RuntimeModel(runtime, make_attention(None))
         got = runner.forward(ids[0], runner.new_cache(), all_logits=True)
