@@ -47,10 +47,11 @@ LAUNCH_CONFIGS: dict[tuple[int, int], dict[str, LaunchConfig]] = {
 GEMV_MAX_ROWS = 4
 
 
-def launch_config(capability: tuple[int, int], kind: str) -> LaunchConfig:
-    """The table entry for a GPU: its own, else (other Ampere-or-newer GPUs) the RTX 4090's."""
+def launch_config(capability: tuple[int, int], kind: str,
+                  table: dict[tuple[int, int], dict[str, LaunchConfig]] = LAUNCH_CONFIGS) -> LaunchConfig:
+    """``table``'s entry for a GPU: its own, else (other Ampere-or-newer GPUs) the RTX 4090's."""
     require_capability(capability)
-    return LAUNCH_CONFIGS.get(tuple(capability), LAUNCH_CONFIGS[(8, 9)])[kind]
+    return table.get(tuple(capability), table[(8, 9)])[kind]
 
 
 def current_capability() -> tuple[int, int]:

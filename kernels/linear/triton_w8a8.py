@@ -36,6 +36,7 @@ from quantkit.activation_quant import KINDS, ActivationGrid
 from quantkit.device import require_capability
 from quantkit.fp8 import E4M3, FP8Tensor
 from quantkit.kernels.linear.int8 import CENTRE
+from quantkit.kernels.linear import triton_w4a16
 from quantkit.kernels.linear.triton_w4a16 import LaunchConfig, store_rows
 from quantkit.kernels.linear.w8a8 import int8_channel_refusal
 from quantkit.quant import QuantizedTensor
@@ -58,9 +59,8 @@ INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def launch_config(capability: tuple[int, int], kind: str) -> LaunchConfig:
-    """The table entry for a GPU: its own, else (other Ampere-or-newer GPUs) the RTX 4090's."""
-    require_capability(capability)
-    return LAUNCH_CONFIGS.get(tuple(capability), LAUNCH_CONFIGS[(8, 9)])[kind]
+    """This module's entry for a GPU ("decode" or "prefill"), as ``triton_w4a16.launch_config`` picks it."""
+    return triton_w4a16.launch_config(capability, kind, LAUNCH_CONFIGS)
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:
