@@ -35,8 +35,8 @@ from torch import nn
 from quantkit.activation_quant import KINDS, ActivationGrid
 from quantkit.device import require_capability
 from quantkit.fp8 import E4M3, FP8Tensor
-from quantkit.kernels.linear.int8 import CENTRE
 from quantkit.kernels.linear import triton_w4a16
+from quantkit.kernels.linear.int8 import CENTRE
 from quantkit.kernels.linear.triton_w4a16 import LaunchConfig, store_rows
 from quantkit.kernels.linear.w8a8 import int8_channel_refusal
 from quantkit.quant import QuantizedTensor
