@@ -162,19 +162,15 @@ def _format_and_grid(model_dir: Path):
     return (None, None) if fmt is None else (fmt, fmt.parse_config(dict(quantization or {})))
 
 
-def math_precision(model_dir: Path) -> str:
-    """The tensor-core math of the artifact's decoder linears: the kind its activations are quantized to
-    (W8A8: int8 or fp8), else bf16 (unquantized, or weight-only: dequantized into 16-bit math)."""
+def served_precisions(model_dir: Path) -> tuple[str, int]:
+    """(the tensor-core math of the artifact's decoder linears, the bytes of one cached key or value
+    element). Math: the kind its activations are quantized to (W8A8: int8 or fp8), else bf16 (unquantized,
+    or weight-only: dequantized into 16-bit math). Cache: one byte where the artifact states FP8 KV-cache
+    scales (served with an FP8 cache), else the runtime's 16 bits."""
     fmt, config = _format_and_grid(model_dir)
     grid = None if fmt is None else fmt.activation_grid(config)
-    return RUNTIME_MATH if grid is None else MATH_OF_ACTIVATIONS[grid.kind]
-
-
-def kv_element_bytes(model_dir: Path) -> int:
-    """Bytes of one cached key or value element as served: one where the artifact states FP8 KV-cache scales
-    (served with an FP8 cache), else the runtime's 16 bits."""
-    fmt, config = _format_and_grid(model_dir)
-    return 1 if fmt is not None and fmt.kv_cache_grid(config) is not None else RUNTIME_FLOAT_BYTES
+    kv_fp8 = fmt is not None and fmt.kv_cache_grid(config) is not None
+    return (RUNTIME_MATH if grid is None else MATH_OF_ACTIVATIONS[grid.kind]), (1 if kv_fp8 else RUNTIME_FLOAT_BYTES)
 
 
 def prefill_ops(model_dir: Path, context: int, sparse: SparseAttentionConfig | None) -> tuple[int, int]:
@@ -197,12 +193,12 @@ def roofline(model_dir: str | Path, hardware: str, context: int, sparse: SparseA
     config = MiniCPMConfig.from_pretrained(model_dir)
     weights = weight_bytes_per_token(model_dir)
     full, compressed = attended_keys(context, sparse)
-    per_key = config.num_hidden_layers * config.num_key_value_heads * config.head_dim * kv_element_bytes(model_dir)
+    precision, kv_bytes = served_precisions(model_dir)
+    per_key = config.num_hidden_layers * config.num_key_value_heads * config.head_dim * kv_bytes
     kv_read = (2 * full + compressed) * per_key
     kv_stored = 2 * context * per_key
     spec = HARDWARE[hardware]
     total = weights + kv_read
-    precision = math_precision(model_dir)
     linear_ops, bf16_ops = prefill_ops(model_dir, context, sparse)
     peaks = spec.tensor_peaks
     if precision in peaks:

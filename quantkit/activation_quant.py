@@ -41,7 +41,6 @@ SCALINGS: dict[str, Callable[[Tensor, Tensor, float], Tensor]] = {
 }
 
 
-
 @dataclass(frozen=True)
 class Kind:
     largest: float  # the magnitude a token's (or the tensor's) scale maps its largest |x| to

@@ -308,6 +308,12 @@ def quantization_config(config: QuantConfig, *, desc_act: bool = False, static_g
 LAYOUT_ACTIVATIONS = {PACKED: None, INTEGER: "int8", FLOAT: "fp8"}
 
 
+def _scheme_of(arguments: Mapping[str, Any] | None, table: Mapping[str, tuple]) -> str | None:
+    """The key of ``table`` (ACTIVATIONS, KV_CACHE) whose stated arguments ``arguments`` has, or None."""
+    return next((key for key, (_, stated) in table.items()
+                 if arguments and all(arguments.get(field) == stated[field] for field in ACTIVATION_FIELDS)), None)
+
+
 def parse_quantization_config(d: Mapping[str, Any]) -> QuantConfig:
     """The grid of a compressed-tensors config (W4A16, W8A16, INT8 W8A8, FP8 W8A8 or W8A16); a scheme
     quantkit does not read yet is refused naming the setting."""
@@ -319,12 +325,10 @@ def parse_quantization_config(d: Mapping[str, Any]) -> QuantConfig:
     (name, group), = groups.items()
     fmt = group.get("format") or d.get("format")
     inputs = group.get("input_activations")
-    activations = next((key for key, (_, stated) in ACTIVATIONS.items()
-                        if inputs and all(inputs.get(field) == stated[field] for field in ACTIVATION_FIELDS)), None)
+    activations = _scheme_of(inputs, ACTIVATIONS)
     kind = LAYOUT_ACTIVATIONS.get(fmt)
     kv_stated = d.get("kv_cache_scheme")
-    kv_cache = next((key for key, (_, stated) in KV_CACHE.items()
-                     if kv_stated and all(kv_stated.get(field) == stated[field] for field in ACTIVATION_FIELDS)), None)
+    kv_cache = _scheme_of(kv_stated, KV_CACHE)
     refusals = (
         ("format", fmt not in LAYOUT_ACTIVATIONS, f"{fmt!r} (read: {', '.join(map(repr, LAYOUT_ACTIVATIONS))})"),
         (f"config_groups.{name}.input_activations",
