@@ -1,6 +1,8 @@
 """The benchmarks' pure logic (no timing): what `make bench-8b` prints as its targets and floor."""
 from __future__ import annotations
 
+import pytest
+
 from quantkit.eval.bench.bench_8b import Measured, between_probes, export_targets, targets
 
 
@@ -259,3 +261,20 @@ def test_gguf_target_holds_only_when_every_text_is_within_the_ratio():
     # a better mean (0.05 against 0.075) does not pass while one text is above the ratio
     assert target_line("q4_k_m", row("gguf-q4_k_m.gguf", {"fiction": 0.05, "code": 0.045}), anchor).endswith(
         "fiction 0.50, code 0.90 (<= 0.8 on every text: FAIL)")
+
+
+def test_reuse_takes_an_artifact_made_by_another_checkout_but_not_by_another_venv_or_command(tmp_path):
+    import json
+
+    import click
+
+    from quantkit.eval.bench.common import Variant, make_variant
+
+    (tmp_path / "a").mkdir()
+    made = ["/tmp/other/.venv/bin/python", "-m", "quantkit.cli", "quantize", "--out", "a"]
+    (tmp_path / "a.run.json").write_text(json.dumps({"command": made, "seconds": 1.0, "peak_rss_mb": 2}))
+    here = ["/work/q/.venv/bin/python", *made[1:]]
+    assert make_variant(Variant("a", "a", here), tmp_path, reuse=True)["reused"]
+    for other in (["/work/q/.venv-llmc/bin/python", *made[1:]], [here[0], *made[1:-1], "b"]):
+        with pytest.raises(click.ClickException, match="was made by"):
+            make_variant(Variant("a", "a", other), tmp_path, reuse=True)

@@ -186,6 +186,15 @@ class Variant:
     checkpoint: str | None = None  # a training run's checkpoint file: its --resume needs it in <key>.partial
 
 
+def _same_command(made: list[str], wanted: list[str]) -> bool:
+    """Whether two benchmark commands are the same up to where the checkout lives: the interpreter is
+    compared by its venv (``.venv/bin/python`` against ``.venv-llmc/bin/python``), not its absolute path,
+    so a clone elsewhere reuses what this one made."""
+    def venv(executable: str) -> tuple[str, ...]:
+        return Path(executable).parts[-3:]
+    return made[1:] == wanted[1:] and venv(made[0]) == venv(wanted[0])
+
+
 def make_variant(variant: Variant, out: Path, reuse: bool, timeout: float | None = None) -> dict:
     """Make ``variant``'s artifact (a directory, or a file such as a GGUF) under ``/usr/bin/time -v`` (or,
     with ``reuse``, take the one an earlier run of the benchmark left with the same command, or continue
@@ -203,7 +212,7 @@ def make_variant(variant: Variant, out: Path, reuse: bool, timeout: float | None
             raise click.ClickException(f"--reuse: {artifact} has no {record_path.name}, so this bench did not "
                                        "write it; remove it or drop --reuse")
         record = json.loads(record_path.read_text())
-        if record["command"] != variant.command:
+        if not _same_command(record["command"], variant.command):
             raise click.ClickException(f"--reuse: {artifact} was made by\n  {shlex.join(record['command'])}\n"
                                        f"not by\n  {shlex.join(variant.command)}\nremove it or drop --reuse")
         return {**record, "reused": True}
