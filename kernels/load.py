@@ -32,6 +32,12 @@ def load_runtime_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat1
 
     artifact = ArtifactReader(model_dir)
     quantized = artifact.format is not None
+    activations = artifact.format.activation_grid(artifact.qconfig) if quantized else None
+    if activations is not None and activations.kind == "fp8" and device == "cuda":
+        # refused before any weight is read: an Orin (sm_87) has no FP8 tensor cores
+        from quantkit.kernels.linear.triton_w8a8 import require_fp8
+
+        require_fp8(torch.device(device))
     linears = load_linears(artifact.dir, linear_backend, dtype) if quantized else {}
     with torch.device("meta"):
         model = MiniCPMSkeleton(artifact.config)

@@ -296,6 +296,17 @@ def test_runtime_runs_fp8_artifacts_as_they_are_scored(fp8_artifact, tiny_checkp
     assert (logits - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+def test_an_fp8_artifact_is_refused_on_a_gpu_without_fp8_before_its_weights_are_read(fp8_artifact, monkeypatch):
+    """A Jetson Orin (sm_87) has INT8 but no FP8 tensor cores: loading an FP8 W8A8 artifact for it fails at
+    once naming what the GPU needs (the capability is faked: no GPU here)."""
+    from quantkit.kernels.linear import triton_w8a8
+    from quantkit.kernels.load import load_runtime_model
+
+    monkeypatch.setattr(triton_w8a8, "device_capability", lambda device: (8, 7))
+    with pytest.raises(RuntimeError, match="compute capability 8.7; FP8 .* needs 8.9"):
+        load_runtime_model(fp8_artifact, linear_backend="triton", device="cuda")
+
+
 def test_static_activation_configs_are_llm_compressors_presets(tmp_path):
     """fp8-tensor weights with fp8-static activations are the FP8 preset, but for the observer the preset
     names for calibrating (static min/max, which quantkit's scales are); both static schemes round-trip
