@@ -1,7 +1,8 @@
 """GGUF block quantizers (F32/F16/BF16, Q8_0/Q4_0/Q4_1, Q6_K): bytes identical to llama.cpp's own
 quantizer on the same float32 input, dequantizers equal to gguf-py's, partial blocks refused; the
 fast path (ggml's quantizer through quantkit.gguf.native) writes the NumPy codecs' bytes, and the
-codecs run where the library is absent."""
+codecs run where the library is absent. Types llama.cpp quantizes only with an importance matrix
+(IQ2_XXS, IQ2_XS, IQ1_S) are tested with one, and refused without one before ggml is reached."""
 import numpy as np
 import pytest
 import torch
@@ -29,24 +30,30 @@ def _weights(rows=64, k=512, seed=0) -> np.ndarray:
     return x
 
 
+def _required_importance(tensor_type: TensorType, seed: int = 0) -> np.ndarray | None:
+    """An importance vector where llama.cpp quantizes the type only with one (IQ2_XXS, IQ2_XS, IQ1_S),
+    else None: the plain path."""
+    return _importance(seed) if tensor_type.requires_importance else None
+
+
 @pytest.mark.parametrize("name", list(TYPES))
 def test_bytes_identical_to_llama_cpp(name):
     tensor_type = TYPES[name]
-    x = _weights()
-    ours = tensor_type.quantize(x)
+    x, imp = _weights(), _required_importance(tensor_type)
+    ours = tensor_type.quantize_with(x, imp)
     assert ours.dtype == np.uint8 and ours.shape == (64, tensor_type.row_bytes(512))
-    np.testing.assert_array_equal(ours, ggml_quantize(x, tensor_type.ggml))
+    np.testing.assert_array_equal(ours, ggml_quantize(x, tensor_type.ggml, imp))
 
 
 @pytest.mark.parametrize("name", list(TYPES))
 def test_dequantize_matches_gguf_py(name):
     tensor_type = TYPES[name]
-    data = tensor_type.quantize(_weights(seed=1))
+    data = tensor_type.quantize_with(_weights(seed=1), _required_importance(tensor_type, 1))
     ours = tensor_type.dequantize(data, 512)
     np.testing.assert_array_equal(ours, gguf_dequantize(data, tensor_type.ggml).astype(np.float32))
 
 
-@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1", "iq4_nl"])
 def test_rows_must_be_whole_blocks(name):
     with pytest.raises(ValueError, match="whole blocks of 32"):
         TYPES[name].quantize(np.zeros((2, 48), dtype=np.float32))
@@ -75,8 +82,9 @@ def _forbid_numpy(monkeypatch) -> None:
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
 
 
-@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "imatrix"])
-@pytest.mark.parametrize("name", FAST)
+@pytest.mark.parametrize(("name", "weighted"), [
+    pytest.param(name, weighted, id=f"{name}-{'imatrix' if weighted else 'plain'}")
+    for name in FAST for weighted in (False, True) if weighted or not TYPES[name].requires_importance])
 def test_fast_path_writes_the_numpy_codecs_bytes(name, weighted, monkeypatch):
     tensor_type = TYPES[name]
     x, imp = _awkward_rows(), _importance(0) if weighted else None
@@ -85,6 +93,21 @@ def test_fast_path_writes_the_numpy_codecs_bytes(name, weighted, monkeypatch):
     assert native.load_libggml() is not None
     np.testing.assert_array_equal(tensor_type.quantize_fast(x, imp), expected)
     np.testing.assert_array_equal(tensor_type.quantize_fast(x[3], imp), expected[3])  # one row, [K]
+
+
+@pytest.mark.parametrize("name", [name for name, t in TYPES.items() if t.requires_importance])
+def test_types_llama_cpp_quantizes_only_with_an_imatrix_are_refused_without_one(name, monkeypatch):
+    """ggml_quantize_chunk asserts (aborting the process) on these without an imatrix: every path
+    refuses first, naming the way to an importance matrix, and ggml is never called."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("ggml ran")
+    tensor_type = TYPES[name]
+    assert tensor_type.quantized_by_ggml  # so quantize_fast would have reached ggml
+    monkeypatch.setattr(native, "quantize", refuse)
+    x = _weights(rows=8)
+    for quantize in (tensor_type.quantize_fast, tensor_type.quantize_with, tensor_type.quantize):
+        with pytest.raises(ValueError, match=f"{name} needs an importance matrix.*`quantkit imatrix`"):
+            quantize(x)
 
 
 def test_fast_path_refuses_what_ggml_would_abort_on():

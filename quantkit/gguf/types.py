@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 from gguf import GGMLQuantizationType as GGML
 
-from quantkit.gguf import kquants, legacy, native, ternary
+from quantkit.gguf import iquants, kquants, lattice, legacy, native, ternary
 from quantkit.gguf.codec import Codec
 
 
@@ -31,6 +31,9 @@ class TensorType:
     # ggml_quantize_chunk writes this type's bytes as quantize/quantize_with do (tests/test_gguf_types.py),
     # faster: quantize_fast runs it wherever llama-cpp-python's libggml loads
     ggml_quantizes: bool = False
+    # llama.cpp quantizes this type only with an importance matrix (ggml_quantize_requires_imatrix; its
+    # quantizer asserts, aborting the process): every path here refuses x without one
+    requires_importance: bool = False
 
     @property
     def quantized_by_ggml(self) -> bool:
@@ -42,6 +45,9 @@ class TensorType:
         """``quantize_with(x, importance)``'s bytes for whole rows x, by ggml's own quantizer where this
         type has it and the library loads (native.py), else by the NumPy codec; written into ``out``
         (uint8 [..., row bytes]) if given."""
+        # checked before ggml is reached; quantize_with's NumPy quantizers refuse it themselves
+        if self.requires_importance and importance is None:
+            raise lattice.missing_importance(self.name)
         lib = native.load_libggml() if self.ggml_quantizes else None
         if lib is not None:
             return native.quantize(lib, self.ggml, self.block_size, x, importance, out)
@@ -109,8 +115,20 @@ TYPES: dict[str, TensorType] = {
                        kquants.CODECS["q5_k"], kquants.quantize_q5_k, ggml_quantizes=True),
     "q6_k": TensorType("q6_k", GGML.Q6_K, 256, 210, kquants.quantize_q6_k, kquants.dequantize_q6_k,
                        kquants.CODECS["q6_k"], kquants.quantize_q6_k, ggml_quantizes=True),
+    "q2_k": TensorType("q2_k", GGML.Q2_K, 256, 84, kquants.quantize_q2_k, kquants.dequantize_q2_k,
+                       kquants.CODECS["q2_k"], kquants.quantize_q2_k, ggml_quantizes=True),
+    "q3_k": TensorType("q3_k", GGML.Q3_K, 256, 110, kquants.quantize_q3_k, kquants.dequantize_q3_k,
+                       kquants.CODECS["q3_k"], kquants.quantize_q3_k, ggml_quantizes=True),
     "tq2_0": TensorType("tq2_0", GGML.TQ2_0, 256, 66, ternary.quantize_tq2_0, ternary.dequantize_tq2_0,
                         ggml_quantizes=True),
     "tq1_0": TensorType("tq1_0", GGML.TQ1_0, 256, 54, ternary.quantize_tq1_0, ternary.dequantize_tq1_0,
                         ggml_quantizes=True),
+    "iq4_nl": TensorType("iq4_nl", GGML.IQ4_NL, 32, 18, iquants.quantize_iq4_nl, iquants.dequantize_iq4_nl,
+                         iquants.CODECS["iq4_nl"], iquants.quantize_iq4_nl, ggml_quantizes=True),
+    "iq4_xs": TensorType("iq4_xs", GGML.IQ4_XS, 256, 136, iquants.quantize_iq4_xs, iquants.dequantize_iq4_xs,
+                         iquants.CODECS["iq4_xs"], iquants.quantize_iq4_xs, ggml_quantizes=True),
+    **{name: TensorType(name, GGML[name.upper()], lattice.QK_K, block_bytes, lattice.QUANTIZERS[name],
+                        lattice.DEQUANTIZERS[name], quantize_weighted=lattice.QUANTIZERS[name], ggml_quantizes=True,
+                        requires_importance=name in lattice.REQUIRES_IMPORTANCE)
+       for name, block_bytes in lattice.BLOCK_BYTES.items()},
 }
