@@ -13,6 +13,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from quantkit.gguf.imatrix_file import Imatrix
+
 _REPACKING_DISABLED = False
 
 
@@ -55,13 +57,25 @@ class LlamaCppModel:
         self.llm.close()
 
 
-def llama_quantize(source: str | Path, out: str | Path, file_type: int, threads: int = 2) -> float:
-    """llama.cpp's own quantizer (``llama_model_quantize``) from ``source`` into ``out``; wall seconds."""
+def llama_quantize(source: str | Path, out: str | Path, file_type: int, threads: int = 2,
+                   imatrix: Imatrix | None = None) -> float:
+    """llama.cpp's own quantizer (``llama_model_quantize``) from ``source`` into ``out``, with ``imatrix``'s
+    entries as ``llama-quantize --imatrix`` passes them; wall seconds."""
+    import ctypes
+
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = int(file_type)
     params.nthread = threads
+    if imatrix is not None:
+        names = sorted(imatrix.sums)
+        values = [np.ascontiguousarray(imatrix.importance(name)) for name in names]  # alive through the call
+        entries = (llama_cpp.llama_model_imatrix_data * (len(names) + 1))()  # the last one all zero: the end
+        for entry, name, value in zip(entries, names, values):
+            entry.name, entry.size = name.encode(), len(value)
+            entry.data = value.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        params.imatrix = entries
     started = time.perf_counter()
     if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params) != 0:
         raise RuntimeError(f"llama_model_quantize failed on {source}")

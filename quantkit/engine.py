@@ -451,7 +451,7 @@ class _LayerJob:
             for name in group:
                 input_abs_max[name] = stats.abs_max
                 weight = source[f"{self.prefix}{name}.weight"].to(self.device, torch.float32)
-                target = fmt.target(self.qconfig, name, self.index, self.config.num_hidden_layers, tuple(weight.shape))
+                target = fmt.target(self.qconfig, name, self.index, self.config, tuple(weight.shape))
                 started = time.perf_counter()
                 records[name] = algorithm(weight, stats, target, self.recipe.values)
                 self.solve_seconds += time.perf_counter() - started

@@ -1,14 +1,8 @@
-"""llama.cpp's importance matrix from quantkit's calibration set, as the GGUF file ``llama-imatrix``
-writes and ``llama-quantize --imatrix`` reads.
+"""llama.cpp's importance matrix from quantkit's calibration set (the file: ``quantkit.gguf.imatrix_file``).
 
-For every decoder linear the file holds the sum of x² over the calibration tokens per input channel
-(``<GGUF tensor name>.in_sum2``, F32 [K]) and the number of tokens (``.counts``, F32 [1]: one expert);
-``llama-quantize`` divides one by the other, the mean x² that weighs each channel in the block scale
-search. That mean is what quantkit's Hessian H = 2/n Σ xᵀx holds on its diagonal, halved.
-Key and tensor names, dtypes and order follow llama.cpp's ``IMatrixCollector::save_imatrix``
-(tools/imatrix/imatrix.cpp) and its loader (common/imatrix-loader.cpp), which requires the three
-``imatrix.*`` keys and F32 sums and counts. Like ``llama-imatrix`` without ``--process-output``, the
-output matrix is left out (and the token embedding, which is a lookup, not a product).
+The file's mean x² per input channel is what quantkit's Hessian H = 2/n Σ xᵀx holds on its diagonal,
+halved. Like ``llama-imatrix`` without ``--process-output``, the output matrix is left out (and the token
+embedding, which is a lookup, not a product).
 
 ``prefix_tokens`` is P-GPTQ's cut (MiniCPM4 report, §4.1.2) for llama.cpp users: the first positions of
 every sequence carry the attention sink's massive activations, so they are left out of the sums, as
@@ -16,40 +10,15 @@ P-GPTQ leaves them out of H. ``llama-imatrix`` has no such option; the counts re
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from quantkit.atomic import atomic_path, refuse_existing
+from quantkit.atomic import refuse_existing
+from quantkit.gguf.imatrix_file import Imatrix, write_imatrix
 from quantkit.gguf.names import gguf_name
-from quantkit.gguf.reader import open_gguf
 from quantkit.models.layers import LINEARS, layer_prefix
-
-GENERAL_TYPE = "imatrix"
-SUMS, COUNTS = ".in_sum2", ".counts"
-DATASETS, CHUNK_COUNT, CHUNK_SIZE = "imatrix.datasets", "imatrix.chunk_count", "imatrix.chunk_size"
-
-
-@dataclass
-class Imatrix:
-    sums: dict[str, np.ndarray]  # GGUF weight name (blk.N.attn_q.weight) -> Σ x² per input channel, float64
-    counts: dict[str, int]  # GGUF weight name -> tokens summed
-    datasets: list[str]
-    chunk_count: int  # calibration sequences
-    chunk_size: int  # tokens per sequence
-
-    def importance(self, name: str) -> np.ndarray:
-        """The per-channel mean x² that ``llama-quantize`` hands ggml for tensor ``name``: the file's
-        float32 sum divided by its float32 count, in float32, as llama.cpp's loader divides."""
-        return (self.sums[name].astype(np.float32) / np.float32(self.counts[name])).astype(np.float32)
-
-    def describe(self) -> dict:
-        return {"tensors": len(self.sums), "datasets": self.datasets, "chunk_count": self.chunk_count,
-                "chunk_size": self.chunk_size, "tokens": max(self.counts.values(), default=0)}
 
 
 def collect(model_dir: str | Path, input_ids: torch.Tensor, datasets: list[str], *, prefix_tokens: int = 0,
@@ -108,39 +77,3 @@ def imatrix_for(model_dir: str | Path, out: str | Path, *, source: str = "defaul
                       progress=progress)
     write_imatrix(imatrix, out)
     return imatrix
-
-
-def write_imatrix(imatrix: Imatrix, out: str | Path) -> Path:
-    """Write ``imatrix`` as llama.cpp's GGUF imatrix file; the file appears under its name only when complete."""
-    out = Path(out)
-    with atomic_path(out) as tmp:
-        writer = gguf.GGUFWriter(tmp, GENERAL_TYPE)
-        # gguf-py always records an architecture; llama-imatrix's files have none, only general.type
-        writer.kv_data[0].pop(gguf.Keys.General.ARCHITECTURE)
-        writer.add_type(GENERAL_TYPE)
-        writer.add_array(DATASETS, imatrix.datasets)
-        writer.add_uint32(CHUNK_COUNT, imatrix.chunk_count)
-        writer.add_uint32(CHUNK_SIZE, imatrix.chunk_size)
-        for name in sorted(imatrix.sums):  # llama-imatrix sorts its entries
-            writer.add_tensor(name + SUMS, imatrix.sums[name].astype(np.float32))
-            writer.add_tensor(name + COUNTS, np.array([imatrix.counts[name]], dtype=np.float32))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-    return out
-
-
-def read_imatrix(path: str | Path) -> Imatrix:
-    """A GGUF imatrix file (quantkit's or ``llama-imatrix``'s) read back, as llama.cpp's loader reads it."""
-    reader = open_gguf(path)  # every stated length checked against the file's size first
-    missing = [key for key in (DATASETS, CHUNK_COUNT, CHUNK_SIZE) if reader.get_field(key) is None]
-    if missing:
-        raise ValueError(f"{path}: not an imatrix file, it lacks {', '.join(missing)}")
-    tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
-    names = [name.removesuffix(SUMS) for name in tensors if name.endswith(SUMS)]
-    datasets = reader.get_field(DATASETS)
-    return Imatrix({name: tensors[name + SUMS].astype(np.float64) for name in names},
-                   {name: int(round(float(tensors[name + COUNTS][0]))) for name in names},
-                   [str(bytes(datasets.parts[i]), "utf-8") for i in datasets.data],
-                   int(reader.get_field(CHUNK_COUNT).contents()), int(reader.get_field(CHUNK_SIZE).contents()))

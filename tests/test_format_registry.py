@@ -27,7 +27,7 @@ def test_defining_a_subclass_registers_it_with_the_defaults(fresh_registry):
     quant = {"bits": 4, "group_size": 128, "sym": True, "ternary": False}
     grid = fmt.grid(quant, torch.bfloat16)
     assert grid == QuantConfig(**quant) and fmt.resolve(grid, {}, 8) is grid
-    assert fmt.target(grid, "mlp.up_proj", 0, 8, (64, 64)) is grid
+    assert fmt.target(grid, "mlp.up_proj", 0, None, (64, 64)) is grid
     assert fmt.config_files({"a": 1}) == {"config.json": {"a": 1}}
     assert fmt.stores("model.layers.0.mlp.up_proj.qweight") and not fmt.stores("model.layers.0.mlp.up_proj.weight")
 

@@ -270,7 +270,7 @@ def test_calibration_renders_chat_templates_within_the_budget(model, tmp_path):
 
 
 def test_an_imatrix_file_longer_than_it_is_is_one_clear_error(tmp_path):
-    from quantkit.imatrix import read_imatrix
+    from quantkit.gguf.imatrix_file import read_imatrix
 
     path = tmp_path / "hostile.imatrix.gguf"
     path.write_bytes(_gguf_with_array(1 << 62))

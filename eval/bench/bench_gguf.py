@@ -40,9 +40,16 @@ GPTQ_RECIPES = {
     "gguf-q4_0-own-grid": ("gguf-q4_0", "q4_0", ("format=gptq", "gptq.clip_search=true")),
     "gguf-q4_k_m": ("gguf-q4_k_m", "q4_k_m", ()),
     "gguf-q5_k_m": ("gguf-q5_k_m", "q5_k_m", ()),
+    "gguf-iq4_xs": ("gguf-iq4_xs", "iq4_xs", ()),
+    "gguf-q3_k_m": ("gguf-q3_k_m", "q3_k_m", ()),
+    "gguf-q2_k": ("gguf-q2_k", "q2_k", ()),
 }
-# Targets of issue 32: quantkit's best file of the type, against llama.cpp + llama-imatrix
-TARGET_TYPES, TARGET_RATIO = ("q4_0", "q4_k_m"), 0.8
+PLAIN_TYPES = ("q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_k_s", "q4_1", "q4_0", "iq4_xs", "iq4_nl", "q3_k_m", "q3_k_s",
+               "iq3_m", "iq3_s", "q2_k")
+# quantkit's best file of the type, against llama.cpp + llama-imatrix
+TARGET_TYPES, TARGET_RATIO = ("q4_0", "q4_k_m", "iq4_xs", "q3_k_m", "q2_k"), 0.8
+# the file types made with an importance matrix only (llama.cpp + llama-imatrix rows), beside TARGET_TYPES
+LATTICE_TYPES = ("iq3_xxs", "iq2_m", "iq2_xxs", "iq1_m")
 # quantkit's imatrix against llama-imatrix's: the median tensor's largest relative difference
 IMATRIX_TOLERANCE = 0.05
 # The prefix-aware imatrix row: the MiniCPM4 report's P-GPTQ cut
@@ -150,14 +157,14 @@ def tensor_digest(path: Path) -> str:
 
 @click.command()
 @click.option("--model", default="default", show_default=True)
-@click.option("--types", default="q8_0,q6_k,q5_k_m,q4_k_m,q4_k_s,q4_1,q4_0", show_default=True,
-              help="Comma-separated GGUF types.")
+@click.option("--types", default=",".join(PLAIN_TYPES), show_default=True,
+              help="Comma-separated GGUF types, exported plain (no importance matrix).")
 @texts_option("test-fiction,test-manual,test-code,test-zh")
 @click.option("--max-tokens", default=4096, show_default=True, help="Tokens scored per text.")
 @click.option("--window", default=512, show_default=True, help="Tokens per llama.cpp evaluation window.")
 @click.option("--recipes", default=",".join(GPTQ_RECIPES), show_default=True,
               help=f"Comma-separated GPTQ-on-GGUF rows, of {', '.join(GPTQ_RECIPES)}.")
-@click.option("--imatrix-types", default=",".join(TARGET_TYPES), show_default=True,
+@click.option("--imatrix-types", default=",".join(TARGET_TYPES + LATTICE_TYPES), show_default=True,
               help="Comma-separated types quantized by llama-quantize --imatrix (empty: none).")
 @click.option("--llama-tools/--no-llama-tools", "use_llama_tools", default=True, show_default=True,
               help="Build (once) and run llama-imatrix and llama-quantize for the imatrix rows.")
@@ -291,6 +298,39 @@ def main(model, types, recipes, imatrix_types, use_llama_tools, texts, max_token
     notes = "\n".join([*targets, imatrix_note])
     report(header, table, rows, json_path=out / "bench.json", markdown_path=out / "bench.md", notes=notes.strip(),
            extra={"targets": targets, "imatrix_agreement": imatrix_note})
+    plot_kl_against_size(rows, out / "kl-vs-size.png", f"{model_dir.name}: mean KL on {', '.join(tokens)}")
+    click.echo(f"plot: {out / 'kl-vs-size.png'}")
+
+
+# the made-by prefixes of the plot's series, each file's row in the one it starts with
+SERIES = {"quantkit export": "quantkit export (plain)", "llama.cpp quantize (of": "llama.cpp (plain)",
+          "llama.cpp quantize --imatrix (llama-imatrix": "llama.cpp + llama-imatrix", "quantkit gguf-": "quantkit GPTQ"}
+
+
+def plot_kl_against_size(rows: list[Row], path: Path, title: str) -> None:
+    """Mean KL against file size (bits per weight), one series per way of making the file, each point
+    named by its file type: where quantkit and llama.cpp stand at every size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(9, 6))
+    for prefix, label in SERIES.items():
+        points = sorted((r.bits_per_weight, r.mean_kl, r.file.removesuffix(".gguf")) for r in rows
+                        if r.made_by.startswith(prefix) and r.mean_kl > 0)
+        if not points:
+            continue
+        axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=4, linewidth=1, label=label)
+        for bits, kl, name in points:
+            axes.annotate(name.removeprefix("gguf-").split("-")[0], (bits, kl), fontsize=6, xytext=(3, 2),
+                          textcoords="offset points")
+    axes.set(xlabel="bits per weight (file size)", ylabel="mean KL against F32", yscale="log", title=title)
+    axes.title.set_fontsize(9)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
 
 
 if __name__ == "__main__":

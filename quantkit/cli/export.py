@@ -30,20 +30,26 @@ def export_group():
                    "its grid, else dequantized and re-quantized).")
 @revision_option("--model")
 @click.option("--type", "file_type", required=True, metavar="TYPE",
-              help="f32, f16, bf16, q8_0, q6_k, q5_k_m, q5_k_s, q4_k_m, q4_k_s, q4_0, q4_1, tq2_0 or tq1_0; "
-                   "each tensor's type is chosen as llama.cpp's quantizer chooses it.")
+              help="llama.cpp's file type: f32, f16, bf16, q8_0, q6_k, q5_k_m, q5_k_s, q5_0, q5_1, q4_k_m, "
+                   "q4_k_s, q4_0, q4_1, iq4_xs, iq4_nl, q3_k_l, q3_k_m, q3_k_s, iq3_m, iq3_s, iq3_xs, iq3_xxs, q2_k, "
+                   "q2_k_s, iq2_m, iq2_s, iq2_xs, iq2_xxs, iq1_m, iq1_s, tq2_0 or tq1_0; each tensor's type is "
+                   "chosen as llama.cpp's quantizer chooses it (iq1_*, iq2_*, iq3_xs, iq3_xxs and q2_k_s need "
+                   "--imatrix).")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Output .gguf file (must not exist).")
 @click.option("--tokenizer-pre", default=None, help="llama.cpp pre-tokenizer name, if it cannot be recognised.")
+@click.option("--imatrix", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="llama.cpp importance-matrix file (`quantkit imatrix` or llama-imatrix): types and scale "
+                   "searches as `llama-quantize --imatrix` makes them.")
 @progress_option
 @json_option
 @friendly_errors
-def export_gguf(model, revision, file_type, out, tokenizer_pre, progress, as_json):
+def export_gguf(model, revision, file_type, out, tokenizer_pre, imatrix, progress, as_json):
     """Export a MiniCPM model as a GGUF file for llama.cpp (and Ollama, LM Studio)."""
     from quantkit.gguf.export import export_gguf as export
     from quantkit.zoo import resolve_model
 
     report = export(resolve_model(model, revision=revision), out, file_type, tokenizer_pre=tokenizer_pre,
-                    progress=progress)
+                    imatrix=imatrix, progress=progress)
     payload = {**asdict(report), "bits_per_weight": report.bits_per_weight}
     rows = [["file", report.path], ["type", report.file_type], ["size MB", report.file_bytes / 2**20],
             ["bits per weight", report.bits_per_weight], ["tensors by type", report.tensors_by_type],

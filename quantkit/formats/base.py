@@ -6,7 +6,7 @@ The base class's defaults fit the common case (a uniform grid, each linear store
 by quantkit alone); a format overrides only what it does differently."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 from torch import Tensor
@@ -14,6 +14,9 @@ from torch import Tensor
 from quantkit.formats.consumers import QUANTKIT, Consumer
 from quantkit.quant import QuantConfig, QuantizedTensor
 from quantkit.recipes.fields import Section
+
+if TYPE_CHECKING:  # the config class imports transformers: annotations only
+    from quantkit.models import MiniCPMConfig
 
 Shapes = Mapping[str, tuple[int, int]]  # linear name -> (out_features, in_features)
 
@@ -138,8 +141,9 @@ class Format:
         (MLX's mixed precision); ``target`` then reads it per linear."""
         return config
 
-    def target(self, config: QuantConfig, linear: str, layer: int, layers: int, shape: tuple[int, int]) -> Any:
-        """What the algorithm rounds ``linear`` of decoder layer ``layer`` (of ``layers``; weight ``shape``
+    def target(self, config: QuantConfig, linear: str, layer: int, model: MiniCPMConfig,
+               shape: tuple[int, int]) -> Any:
+        """What the algorithm rounds ``linear`` of decoder layer ``layer`` of ``model`` (weight ``shape``
         (N, K)) to so that this format stores it unambiguously."""
         return config
 

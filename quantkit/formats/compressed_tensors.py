@@ -419,7 +419,7 @@ class CompressedTensors(Format):
             return config
         return CompressedTensorsGrid(**vars(config), **stated)
 
-    def target(self, config, linear, layer, layers, shape):
+    def target(self, config, linear, layer, model, shape):
         float_grid, _ = _settings(config)
         return float_grid or config
 

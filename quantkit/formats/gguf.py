@@ -8,29 +8,35 @@ file unchanged; everything else (embeddings, norms) is quantized by the export a
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 from torch import Tensor
 
 from quantkit.formats.base import Format
-from quantkit.gguf.mixes import MIXES, choose_type
+from quantkit.gguf.mixes import MIXES, Model, choose_type
 from quantkit.gguf.names import gguf_name
 from quantkit.gguf.record import GGUFTensor
-from quantkit.gguf.types import TensorType
+from quantkit.gguf.types import TYPES, TensorType
 from quantkit.models.layers import layer_prefix
 from quantkit.quant import QuantConfig
+
+if TYPE_CHECKING:  # the config class imports transformers: annotations only
+    from quantkit.models import MiniCPMConfig
 
 QUANT_METHOD = "quantkit-gguf"
 SUFFIX = "gguf_"
 BLOCK = 32  # the smallest block of any type the solver can use: every linear's K must be a multiple
-# File types whose blocks GPTQ can solve on (the float and ternary files have no integer grid to solve)
-FILE_TYPES = tuple(name for name, mix in MIXES.items() if mix.default not in ("f32", "f16", "bf16", "tq1_0", "tq2_0"))
+# File types whose blocks GPTQ can solve on: those whose types have a scalar grid (the float, ternary and
+# lattice files have none to round one column at a time onto)
+FILE_TYPES = tuple(name for name, mix in MIXES.items() if TYPES[mix.default].codec is not None)
 
 
-def target(file_type: str, linear: str, layer: int, layers: int, shape: tuple[int, int]) -> TensorType:
-    """The GGUF type llama.cpp's ``file_type`` mix gives this linear (what the solver rounds to)."""
-    return choose_type(file_type, gguf_name(f"{layer_prefix(layer)}{linear}.weight"), shape, False, layers)
+def target(file_type: str, linear: str, layer: int, model: MiniCPMConfig, shape: tuple[int, int]) -> TensorType:
+    """The GGUF type llama.cpp's ``file_type`` mix gives this linear (what the solver rounds to): as
+    llama-quantize chooses it with an importance matrix, which the solver's Hessian carries."""
+    return choose_type(file_type, gguf_name(f"{layer_prefix(layer)}{linear}.weight"), shape, Model.of(model),
+                       imatrix=True)
 
 
 def check(config: QuantConfig, k: int, n: int, desc_act: bool, name: str) -> None:
@@ -99,5 +105,5 @@ class GGUFBlocks(Format):
     def quantization_config(self, config, **settings):
         return quantization_config(self.file_type, config, **settings)
 
-    def target(self, config, linear, layer, layers, shape):
-        return target(self.file_type, linear, layer, layers, shape)
+    def target(self, config, linear, layer, model, shape):
+        return target(self.file_type, linear, layer, model, shape)

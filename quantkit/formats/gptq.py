@@ -317,7 +317,7 @@ class GPTQLayout(Format, abstract=True):
     def parse_config(self, quantization_config):
         return parse_quantization_config(quantization_config)[0]
 
-    def target(self, config, linear, layer, layers, shape):
+    def target(self, config, linear, layer, model, shape):
         return storable_grid(config, self.checkpoint_format)
 
 

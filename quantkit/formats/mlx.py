@@ -117,7 +117,7 @@ def resolve(config: MLXGrid, recipe: Mapping[str, Any], layers: int) -> MLXGrid:
     return replace(config, modules=tuple((path, grids[more]) for path, more in mixed_modules(layers).items()))
 
 
-def target(config: MLXGrid, linear: str, layer: int, layers: int, shape: tuple[int, int]) -> QuantConfig | None:
+def target(config: MLXGrid, linear: str, layer: int, model, shape: tuple[int, int]) -> QuantConfig | None:
     """The grid the solver rounds this decoder linear to: its own entry, else the defaults."""
     return config.module(layer_prefix(layer) + linear)
 

@@ -27,7 +27,8 @@ from tqdm.auto import tqdm
 from quantkit.atomic import atomic_path, refuse_existing
 from quantkit.checkpoint import CheckpointError
 from quantkit.gguf.exact import exact_blocks
-from quantkit.gguf.mixes import FILE_TYPES, choose_type
+from quantkit.gguf.imatrix_file import Imatrix, read_imatrix
+from quantkit.gguf.mixes import FILE_TYPES, Model, choose_type, needs_imatrix
 from quantkit.gguf.names import gguf_name, permute_rows, permuted_view, unpermute_rows
 from quantkit.gguf.types import TensorType
 from quantkit.gguf.vocab import read_vocab
@@ -65,6 +66,7 @@ class _Planned:
     source: str  # MiniCPM key, or a rope factor name
     shape: tuple[int, ...]  # numpy order: [rows, K] or [K]
     tensor_type: TensorType
+    importance: np.ndarray | None = None  # the imatrix's mean x² per input channel, where it has the tensor
 
 
 class _LayerTensors:
@@ -207,15 +209,26 @@ def _check_exportable(config: MiniCPMConfig) -> None:
                          f"{config.hidden_size}: llama.cpp's MiniCPM derives head_dim from them")
 
 
-def _plan(config: MiniCPMConfig, file_type: str) -> list[_Planned]:
+def _plan(config: MiniCPMConfig, file_type: str, imatrix: Imatrix | None = None, solved: bool = False
+          ) -> list[_Planned]:
+    """Each tensor's GGUF type (llama-quantize's choice, with or without an importance matrix) and importance
+    vector; a type llama-quantize writes only with importance statistics is refused without them.
+    ``solved``: the checkpoint is a calibrated ``gguf-<file_type>`` artifact, whose linears already hold the
+    types chosen with statistics (the solver's Hessian), and are copied."""
+    model = Model.of(config)
     planned = []
     for key, shape in weight_shapes(config).items():
         name = gguf_name(key)
-        planned.append(_Planned(name, key, shape, choose_type(file_type, name, shape, config.tie_word_embeddings,
-                                                              config.num_hidden_layers)))
+        tensor_type = choose_type(file_type, name, shape, model, imatrix=solved or imatrix is not None)
+        importance = imatrix.importance(name) if imatrix is not None and name in imatrix.sums else None
+        if importance is not None and importance.shape != shape[-1:]:
+            raise ValueError(f"the imatrix's {name} has {importance.size} channels; the model's has {shape[-1]}")
+        if importance is None and not solved and needs_imatrix(file_type, name, tensor_type):
+            raise ValueError(f"{file_type}: {name} is {tensor_type.name}, which llama.cpp writes only with an "
+                             "importance matrix: make one with `quantkit imatrix` and pass --imatrix")
+        planned.append(_Planned(name, key, shape, tensor_type, importance))
     for name, factors in _rope_factors(config).items():
-        planned.append(_Planned(name, name, (len(factors),), choose_type(file_type, name, (len(factors),), False,
-                                                                          config.num_hidden_layers)))
+        planned.append(_Planned(name, name, (len(factors),), choose_type(file_type, name, (len(factors),), model)))
     return planned
 
 
@@ -297,12 +310,16 @@ def _stored(item: _Planned, source: _LayerTensors, config: MiniCPMConfig) -> tup
         if not _all_finite(block):
             raise ValueError(f"tensor '{item.source}' contains NaN or Inf values")
         block = block.reshape(-1, k)
-        item.tensor_type.quantize_fast(block, out=rows_out[done:done + len(block)])
+        item.tensor_type.quantize_fast(block, item.importance, out=rows_out[done:done + len(block)])
         done += len(block)
     if done != len(rows_out):
         raise CheckpointError(f"tensor '{item.source}' has {done * k} values, the model's shape {item.shape} "
                               f"needs {math.prod(item.shape)}")
     return out, False
+
+
+def _solved(source: _LayerTensors, file_type: str) -> bool:
+    return source.format is not None and source.format.name == f"gguf-{file_type}"
 
 
 def _all_finite(array: np.ndarray) -> bool:
@@ -347,8 +364,10 @@ def _stored_ahead(planned: list[_Planned], source: _LayerTensors, config: MiniCP
 
 
 def export_gguf(model_dir: str | Path, out: str | Path, file_type: str, *, tokenizer_pre: str | None = None,
-                progress: bool = True) -> ExportReport:
-    """Export ``model_dir`` to the GGUF file ``out`` (which must not exist) with ``file_type``'s mix."""
+                imatrix: str | Path | None = None, progress: bool = True) -> ExportReport:
+    """Export ``model_dir`` to the GGUF file ``out`` (which must not exist) with ``file_type``'s mix; with
+    ``imatrix`` (llama.cpp's importance-matrix file, ``quantkit imatrix``'s or ``llama-imatrix``'s) each
+    tensor's type and bytes are llama-quantize's with ``--imatrix``."""
     started = time.perf_counter()
     model_dir, out = Path(model_dir), Path(out)
     if file_type not in FILE_TYPES:
@@ -357,7 +376,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, file_type: str, *, token
     source = _LayerTensors(model_dir)  # reads and checks the checkpoint's files first
     config = source.config
     _check_exportable(config)
-    planned = _plan(config, file_type)
+    planned = _plan(config, file_type, None if imatrix is None else read_imatrix(imatrix), _solved(source, file_type))
     report = ExportReport(str(out), file_type)
     with OutputLock(out), atomic_path(out) as tmp, ThreadPoolExecutor(1, thread_name_prefix="gguf-export") as worker:
         refuse_existing(out)  # another run may have finished it while this one was checking
@@ -384,7 +403,8 @@ def export_gguf(model_dir: str | Path, out: str | Path, file_type: str, *, token
     return report
 
 
-def exported_weights(model_dir: str | Path, file_type: str) -> dict[str, torch.Tensor]:
+def exported_weights(model_dir: str | Path, file_type: str, imatrix: str | Path | None = None
+                     ) -> dict[str, torch.Tensor]:
     """The MiniCPM state dict a ``file_type`` export computes with, in MiniCPM's row order: each
     tensor's stored blocks (a record's own grid, or its type's quantizer) dequantized. quantkit's
     reference for what llama.cpp should compute from the file."""
@@ -392,7 +412,8 @@ def exported_weights(model_dir: str | Path, file_type: str) -> dict[str, torch.T
     source = _LayerTensors(model_dir)
     config = source.config
     state = {}
-    for item in _plan(config, file_type):
+    statistics = None if imatrix is None else read_imatrix(imatrix)
+    for item in _plan(config, file_type, statistics, _solved(source, file_type)):
         if item.name.startswith("rope_factors_"):
             continue
         stored, _ = _stored(item, source, config)

@@ -191,7 +191,7 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, perplex
         del teacher
         report.teacher_seconds = round(time.perf_counter() - started, 3)
 
-    grids = {f"{layer_prefix(index)}{linear}": fmt.target(qconfig, linear, index, config.num_hidden_layers, shape)
+    grids = {f"{layer_prefix(index)}{linear}": fmt.target(qconfig, linear, index, config, shape)
              for index in range(config.num_hidden_layers) for linear, shape in linear_shapes(config).items()}
     model, trainable = _student(Path(init) if init is not None else model_dir, config, grids, trains, outside)
     model.to(device)
