@@ -278,3 +278,13 @@ def test_reuse_takes_an_artifact_made_by_another_checkout_but_not_by_another_ven
     for other in (["/work/q/.venv-llmc/bin/python", *made[1:]], [here[0], *made[1:-1], "b"]):
         with pytest.raises(click.ClickException, match="was made by"):
             make_variant(Variant("a", "a", other), tmp_path, reuse=True)
+
+
+def test_bench_gguf_plots_kl_against_size_per_way_of_making_the_file(tmp_path):
+    from quantkit.eval.bench.bench_gguf import SERIES, Row, plot_kl_against_size
+
+    made_by = [*SERIES, "quantkit imatrix row (not plotted)"]
+    rows = [Row(f"{t}.gguf", f"{by} ...", bits, 1.0, 10.0, kl, 0.9, 1.0, "", {})
+            for by in made_by for t, bits, kl in (("q4_0", 4.5, 0.1), ("q2_k", 2.9, 0.4))]
+    plot_kl_against_size(rows, tmp_path / "kl.png", "test")
+    assert (tmp_path / "kl.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -28,7 +28,7 @@ from statistics import fmean
 import click
 
 from quantkit.eval.bench.across_texts import names, text_tokens, texts_option
-from quantkit.eval.bench.common import machine, quantize_command, report, timed
+from quantkit.eval.bench.common import machine, pyplot, quantize_command, report, save_figure, timed
 from quantkit.eval.bench.llama_build import NATIVE, llama_cpp_programs
 from quantkit.table import format_table
 
@@ -310,12 +310,7 @@ SERIES = {"quantkit export": "quantkit export (plain)", "llama.cpp quantize (of"
 def plot_kl_against_size(rows: list[Row], path: Path, title: str) -> None:
     """Mean KL against file size (bits per weight), one series per way of making the file, each point
     named by its file type: where quantkit and llama.cpp stand at every size."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(9, 6))
+    figure, axes = pyplot().subplots(figsize=(9, 6))
     for prefix, label in SERIES.items():
         points = sorted((r.bits_per_weight, r.mean_kl, r.file.removesuffix(".gguf")) for r in rows
                         if r.made_by.startswith(prefix) and r.mean_kl > 0)
@@ -326,11 +321,7 @@ def plot_kl_against_size(rows: list[Row], path: Path, title: str) -> None:
             axes.annotate(name.removeprefix("gguf-").split("-")[0], (bits, kl), fontsize=6, xytext=(3, 2),
                           textcoords="offset points")
     axes.set(xlabel="bits per weight (file size)", ylabel="mean KL against F32", yscale="log", title=title)
-    axes.title.set_fontsize(9)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    save_figure(figure, axes, path)
 
 
 if __name__ == "__main__":

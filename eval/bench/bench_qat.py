@@ -39,8 +39,10 @@ from quantkit.eval.bench.common import (
     machine,
     make_variant,
     median_seconds,
+    pyplot,
     quantize_command,
     report,
+    save_figure,
 )
 from quantkit.table import format_table
 
@@ -152,12 +154,7 @@ def tokens_to_reach(log: list[dict], level: float) -> int | None:
 
 
 def plot_curves(rows: list[Row], levels: dict[str, float], path: Path, setup: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(8, 5))
+    figure, axes = pyplot().subplots(figsize=(8, 5))
     for row in rows:
         axes.plot([e["tokens"] for e in row.log], [e["heldout_ppl"] for e in row.log], marker="o", markersize=3,
                   label=row.name)
@@ -166,11 +163,7 @@ def plot_curves(rows: list[Row], levels: dict[str, float], path: Path, setup: st
         axes.annotate(f"{name} {ppl:.4g}", (0, ppl), xycoords=("axes fraction", "data"), fontsize=8,
                       xytext=(4, 2), textcoords="offset points", color="dimgray")
     axes.set(xlabel="training tokens", ylabel="held-out perplexity", yscale="log", title=setup)
-    axes.title.set_fontsize(9)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    save_figure(figure, axes, path)
 
 
 def _verdict(passed: bool) -> str:
