@@ -97,3 +97,11 @@ def test_an_imatrix_of_another_model_is_refused_naming_the_tensor(prepared, tmp_
     with pytest.raises(ValueError, match=r"the imatrix's blk\.0\.\w+\.weight has 288 channels; the model's has 256"):
         export_gguf(checkpoint, tmp_path / "x.gguf", "q3_k_m", imatrix=other, progress=False)
     assert not list(tmp_path.iterdir())
+
+
+def test_an_imatrix_naming_tensors_the_model_lacks_is_refused(prepared, tmp_path):
+    checkpoint, _, _ = prepared["ragged"]
+    _, _, deeper = prepared["whole"]  # 16 layers against 2
+    with pytest.raises(ValueError, match=r"the imatrix has blk\.\d+\.\w+\.weight, which this model lacks"):
+        export_gguf(checkpoint, tmp_path / "x.gguf", "q3_k_m", imatrix=deeper, progress=False)
+    assert not list(tmp_path.iterdir())

@@ -216,8 +216,13 @@ def _plan(config: MiniCPMConfig, file_type: str, imatrix: Imatrix | None = None,
     ``solved``: the checkpoint is a calibrated ``gguf-<file_type>`` artifact, whose linears already hold the
     types chosen with statistics (the solver's Hessian), and are copied."""
     model = Model.of(config)
+    shapes = weight_shapes(config)
+    foreign = sorted(set(imatrix.sums) - {gguf_name(key) for key in shapes}) if imatrix is not None else []
+    if foreign:  # another model's statistics, whose shapes may even fit
+        raise ValueError(f"the imatrix has {foreign[0]}, which this model lacks ({len(foreign)} such tensors): "
+                         "is it another model's?")
     planned = []
-    for key, shape in weight_shapes(config).items():
+    for key, shape in shapes.items():
         name = gguf_name(key)
         tensor_type = choose_type(file_type, name, shape, model, imatrix=solved or imatrix is not None)
         importance = imatrix.importance(name) if imatrix is not None and name in imatrix.sums else None
