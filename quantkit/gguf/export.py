@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from quantkit.atomic import atomic_path, refuse_existing
 from quantkit.checkpoint import CheckpointError
 from quantkit.gguf.exact import exact_blocks
-from quantkit.gguf.imatrix_file import Imatrix, read_imatrix
+from quantkit.gguf.imatrix_file import read_imatrix
 from quantkit.gguf.mixes import FILE_TYPES, Model, choose_type, needs_imatrix
 from quantkit.gguf.names import gguf_name, permute_rows, permuted_view, unpermute_rows
 from quantkit.gguf.types import TensorType
@@ -209,12 +209,13 @@ def _check_exportable(config: MiniCPMConfig) -> None:
                          f"{config.hidden_size}: llama.cpp's MiniCPM derives head_dim from them")
 
 
-def _plan(config: MiniCPMConfig, file_type: str, imatrix: Imatrix | None = None, solved: bool = False
+def _plan(config: MiniCPMConfig, file_type: str, imatrix_path: str | Path | None = None, solved: bool = False
           ) -> list[_Planned]:
     """Each tensor's GGUF type (llama-quantize's choice, with or without an importance matrix) and importance
-    vector; a type llama-quantize writes only with importance statistics is refused without them.
-    ``solved``: the checkpoint is a calibrated ``gguf-<file_type>`` artifact, whose linears already hold the
-    types chosen with statistics (the solver's Hessian), and are copied."""
+    vector from the imatrix file; a type llama-quantize writes only with importance statistics is refused
+    without them. ``solved``: the checkpoint is a calibrated ``gguf-<file_type>`` artifact, whose linears
+    already hold the types chosen with statistics (the solver's Hessian), and are copied."""
+    imatrix = None if imatrix_path is None else read_imatrix(imatrix_path)
     model = Model.of(config)
     shapes = weight_shapes(config)
     foreign = sorted(set(imatrix.sums) - {gguf_name(key) for key in shapes}) if imatrix is not None else []
@@ -381,7 +382,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, file_type: str, *, token
     source = _LayerTensors(model_dir)  # reads and checks the checkpoint's files first
     config = source.config
     _check_exportable(config)
-    planned = _plan(config, file_type, None if imatrix is None else read_imatrix(imatrix), _solved(source, file_type))
+    planned = _plan(config, file_type, imatrix, _solved(source, file_type))
     report = ExportReport(str(out), file_type)
     with OutputLock(out), atomic_path(out) as tmp, ThreadPoolExecutor(1, thread_name_prefix="gguf-export") as worker:
         refuse_existing(out)  # another run may have finished it while this one was checking
@@ -417,8 +418,7 @@ def exported_weights(model_dir: str | Path, file_type: str, imatrix: str | Path 
     source = _LayerTensors(model_dir)
     config = source.config
     state = {}
-    statistics = None if imatrix is None else read_imatrix(imatrix)
-    for item in _plan(config, file_type, statistics, _solved(source, file_type)):
+    for item in _plan(config, file_type, imatrix, _solved(source, file_type)):
         if item.name.startswith("rope_factors_"):
             continue
         stored, _ = _stored(item, source, config)

@@ -85,6 +85,20 @@ def _very_low_bits(small: str, attn_output: str | None = None) -> dict[str, Rule
     return rules | ({"attn_output": _always(attn_output)} if attn_output else {})
 
 
+def _with_imatrix(rule: Rule) -> Rule:
+    """``rule`` where the file is quantized with importance statistics, else the default."""
+    return lambda at: rule(at) if at.imatrix else None
+
+
+def _without_imatrix(rule: Rule) -> Rule:
+    """``rule`` where the file is quantized without importance statistics, else the default."""
+    return lambda at: None if at.imatrix else rule(at)
+
+
+# the IQ4 files: attn_v Q5_K under GQA; without an imatrix, the first eighth of ffn_down Q5_K
+_IQ4_RULES = {"attn_v": _with_gqa("q5_k"), "ffn_down": _without_imatrix(_first(8, "q5_k"))}
+
+
 def _middle(type_name: str) -> Rule:
     """``type_name`` outside the first and last eighth of the layers."""
     return lambda at: type_name if at.layers // 8 <= at.layer < 7 * at.layers // 8 else None
@@ -107,21 +121,15 @@ MIXES: dict[str, Mix] = {
     "q6_k": Mix(LlamaFileType.MOSTLY_Q6_K, "q6_k"),
     "q5_k_m": Mix(LlamaFileType.MOSTLY_Q5_K_M, "q5_k", {"attn_v": _more_bits("q6_k"), "ffn_down": _more_bits("q6_k")}),
     "q5_k_s": Mix(LlamaFileType.MOSTLY_Q5_K_S, "q5_k"),
-    "q5_0": Mix(LlamaFileType.MOSTLY_Q5_0, "q5_0", {"ffn_down": lambda at: "q5_1" if at.imatrix and
-                                                                          at.layer < at.layers // 8 else None}),
+    "q5_0": Mix(LlamaFileType.MOSTLY_Q5_0, "q5_0", {"ffn_down": _with_imatrix(_first(8, "q5_1"))}),
     "q5_1": Mix(LlamaFileType.MOSTLY_Q5_1, "q5_1"),
     "q4_k_m": Mix(LlamaFileType.MOSTLY_Q4_K_M, "q4_k", {"attn_v": _more_bits("q6_k"), "ffn_down": _more_bits("q6_k")}),
     "q4_k_s": Mix(LlamaFileType.MOSTLY_Q4_K_S, "q4_k", {"attn_v": lambda at: "q5_k" if at.layer < 4 else None,
                                                         "ffn_down": _first(8, "q5_k")}),
-    "q4_0": Mix(LlamaFileType.MOSTLY_Q4_0, "q4_0", {"ffn_down": lambda at: "q4_1" if at.imatrix and
-                                                                          at.layer < at.layers // 8 else None}),
+    "q4_0": Mix(LlamaFileType.MOSTLY_Q4_0, "q4_0", {"ffn_down": _with_imatrix(_first(8, "q4_1"))}),
     "q4_1": Mix(LlamaFileType.MOSTLY_Q4_1, "q4_1"),
-    "iq4_xs": Mix(LlamaFileType.MOSTLY_IQ4_XS, "iq4_xs", {
-        "attn_v": _with_gqa("q5_k"),
-        "ffn_down": lambda at: None if at.imatrix else _first(8, "q5_k")(at)}),
-    "iq4_nl": Mix(LlamaFileType.MOSTLY_IQ4_NL, "iq4_nl", {
-        "attn_v": _with_gqa("q5_k"),
-        "ffn_down": lambda at: None if at.imatrix else _first(8, "q5_k")(at)}),
+    "iq4_xs": Mix(LlamaFileType.MOSTLY_IQ4_XS, "iq4_xs", _IQ4_RULES),
+    "iq4_nl": Mix(LlamaFileType.MOSTLY_IQ4_NL, "iq4_nl", _IQ4_RULES),
     "q3_k_l": Mix(LlamaFileType.MOSTLY_Q3_K_L, "q3_k", {
         "attn_v": _always("q5_k"), "ffn_down": _always("q5_k"), "attn_output": _always("q5_k")}),
     "q3_k_m": Mix(LlamaFileType.MOSTLY_Q3_K_M, "q3_k", {
