@@ -25,7 +25,9 @@ from typing import Callable
 import numpy as np
 from gguf import quants as gguf_quants
 
-from quantkit.gguf.kquants import importance_like, make_qp_quants, ordered_sum
+# ggml's nearest_int with its wrapped values beyond ±2²² (a least-squares scale can be tiny next to a
+# weightless magnitude; the callers clamp)
+from quantkit.gguf.kquants import _nearest_int, importance_like, make_qp_quants, ordered_sum
 from quantkit.gguf.legacy import half_bytes
 
 QK_K = 256
@@ -38,13 +40,6 @@ def missing_importance(name: str) -> ValueError:
     """The refusal for a type llama.cpp quantizes only with an importance matrix."""
     return ValueError(f"{name} needs an importance matrix (llama.cpp refuses it without one): make one with "
                       "`quantkit imatrix` or use a calibrated recipe")
-
-
-def _nearest_int(v: np.ndarray) -> np.ndarray:
-    """ggml's nearest_int bit for bit: the 1.5·2²³ trick, including the wrapped values it gives beyond
-    ±2²² (a least-squares scale can be tiny next to a weightless magnitude; the callers clamp)."""
-    shifted = (np.asarray(v, dtype=_F32) + _F32(12582912)).astype(_F32)
-    return (shifted.view(np.int32) & 0x7FFFFF) - 0x400000
 
 
 # ---------------------------------------------------------------------------------------------------
