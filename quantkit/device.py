@@ -3,6 +3,9 @@ or a CUDA GPU of compute capability 8.0 or newer (the Triton kernels use bf16 an
 cores; sm_89 RTX 4090 and sm_87 Jetson Orin are the tuned targets)."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 
 DEVICES = ("cpu", "cuda")
@@ -37,3 +40,14 @@ def resolve_device(device: str) -> str:
         device = "cuda" if usable else "cpu"
     check_device(device)
     return device
+
+
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Run the block with torch on ``count`` threads, then restore the count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -19,16 +19,16 @@ inverse). A block's start state, the reference's ``W_b - E_<b U_<b,b``, equals
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from quantkit.algorithms.base import Algorithm, Target
+from quantkit.device import torch_threads
 from quantkit.fp8 import FloatGrid, FP8Solver, FP8Tensor
 from quantkit.gguf.record import GGUFTensor
-from quantkit.gguf.solver_grid import BlockGrid
+from quantkit.gguf.solver_grid import BlockGrid, LatticeGrid, block_grid
 from quantkit.gguf.types import TensorType
 from quantkit.quant import (
     GroupParams,
@@ -143,17 +143,17 @@ def gptq_solve(
     if desc_act:
         order = torch.argsort(importance, descending=True, stable=True)
     elif group_aware:
-        order = _group_aware_order(importance, _group_width(config))
+        order = _group_aware_order(importance, _group_width(config), _unit(config))
     else:
         order = torch.arange(k, device=w.device)
+    factor, used_damp = _hessian_factor(hessian, order, dead, damp_percent)
     if isinstance(config, QuantConfig):
         grid = _Grid(w, order, config, up_front=static_groups or config.group_size == -1,
                      groups_follow_columns=not desc_act, clip_search=clip_search)
     elif isinstance(config, FloatGrid):
         grid = FP8Solver(config, w)
-    else:
-        grid = BlockGrid(config, w, order, diag if imatrix else None)  # dead channels weigh 0
-    factor, used_damp = _hessian_factor(hessian, order, dead, damp_percent)
+    else:  # dead channels weigh 0; a lattice grid weighs its units' errors by V's diagonal, squared
+        grid = block_grid(config, w, order, diag if imatrix else None, factor.diagonal().square())
 
     work = w[:, order].T.contiguous()  # [K, N]: one row per input channel, in processing order
     del w
@@ -166,7 +166,10 @@ def gptq_solve(
         u_block = torch.linalg.solve_triangular(factor[start:stop, start:stop], identity, upper=True)
         if start:
             block.addmm_(u_block.T, factor[:start, start:stop].T @ residual[:start])
-        with _threads(1):
+        # The column loop is a chain of small dependent ops: thread hand-offs cost more than they save
+        # (measured at 4096 x 4096 on 2 busy cores: 3.9-5.9 s with one thread against 6.5-37 s with
+        # two), so it runs on one; the grids' searches inside it are big enough to use them all again.
+        with torch_threads(1):
             codes[start:stop] = _quantize_block(block, u_block, start, grid)
         residual[start:stop] -= block
 
@@ -177,8 +180,10 @@ def gptq_solve(
     return GPTQSolution(grid.record(original_codes), weight_hat, used_damp)
 
 
-def _group_aware_order(importance: Tensor, group_size: int) -> Tensor:
-    """GAR: whole groups by descending max importance, columns within each group descending.
+def _group_aware_order(importance: Tensor, group_size: int, unit: int = 1) -> Tensor:
+    """GAR: whole groups by descending max importance, the units of ``unit`` consecutive columns within
+    each group by descending max importance, each unit's columns in natural order (a lattice type
+    rounds 8 columns jointly; every scalar grid's unit is one column).
 
     A ragged last group stays last, so that no group straddles a block of ``block_size`` columns.
     """
@@ -186,12 +191,13 @@ def _group_aware_order(importance: Tensor, group_size: int) -> Tensor:
     if group_size == -1:
         return torch.argsort(importance, descending=True, stable=True)
     full = k // group_size * group_size
-    by_group = importance[:full].view(-1, group_size)
-    within = torch.argsort(by_group, dim=1, descending=True, stable=True)
-    within += torch.arange(0, full, group_size, device=importance.device).unsqueeze(1)
-    groups = torch.argsort(by_group.amax(dim=1), descending=True, stable=True)
+    by_unit = importance[:full].view(-1, group_size // unit, unit).amax(dim=2)  # [groups, units]
+    within = torch.argsort(by_unit, dim=1, descending=True, stable=True)
+    columns = (within * unit).unsqueeze(2) + torch.arange(unit, device=importance.device)
+    columns += torch.arange(0, full, group_size, device=importance.device).view(-1, 1, 1)
+    groups = torch.argsort(by_unit.amax(dim=1), descending=True, stable=True)
     tail = full + torch.argsort(importance[full:], descending=True, stable=True)
-    return torch.cat([within[groups].reshape(-1), tail])
+    return torch.cat([columns[groups].reshape(-1), tail])
 
 
 class _Grid:
@@ -226,7 +232,7 @@ class _Grid:
         group = int(self.position_group[position])
         if position in self.group_starts:
             width = min(self.config.group_size, len(self.position_group) - position)
-            with _threads(self.threads):
+            with torch_threads(self.threads):
                 self.keep(group, self.find(rows[:width].T, self.config))
         return GroupParams(self.scales[group], self.zeros[group], None if self.biases is None else self.biases[group])
 
@@ -252,20 +258,8 @@ class _Grid:
         return QuantizedTensor(codes, scales, self.zeros.to(torch.uint8), g_idx, self.config)
 
 
-@contextmanager
-def _threads(count: int) -> Iterator[None]:
-    """The column loop is a chain of small dependent ops: thread hand-offs cost more than they save
-    (measured at 4096 x 4096 on 2 busy cores: 3.9-5.9 s with one thread against 6.5-37 s with two),
-    so it runs on one; the clipping search inside it is big enough to use them all again."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def _quantize_block(block: Tensor, u_block: Tensor, start: int, grid: _Grid | BlockGrid | FP8Solver) -> Tensor:
+def _quantize_block(block: Tensor, u_block: Tensor, start: int,
+                    grid: _Grid | BlockGrid | LatticeGrid | FP8Solver) -> Tensor:
     """Quantize ``block`` [B, N] in place to its fake-quantized rows; return their codes (uint8).
 
     The reference recursion, with the rank-1 updates confined to sub-blocks of SUB_BLOCK rows and each
@@ -285,6 +279,11 @@ def _quantize_block(block: Tensor, u_block: Tensor, start: int, grid: _Grid | Bl
             codes[c] = column_codes
         block[sub_stop:].addmm_(u_block[sub_start:sub_stop, sub_stop:].T, scaled_errors[sub_start:sub_stop], alpha=-1.0)
     return codes
+
+
+def _unit(target: Target) -> int:
+    """Consecutive columns the grid rounds jointly: 8 on a lattice type, else one."""
+    return LatticeGrid.unit if isinstance(target, TensorType) and target.lattice is not None else 1
 
 
 def _group_width(target: Target) -> int:

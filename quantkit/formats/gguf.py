@@ -27,9 +27,9 @@ if TYPE_CHECKING:  # the config class imports transformers: annotations only
 QUANT_METHOD = "quantkit-gguf"
 SUFFIX = "gguf_"
 BLOCK = 32  # the smallest block of any type the solver can use: every linear's K must be a multiple
-# File types whose blocks GPTQ can solve on: those whose types have a scalar grid (the float, ternary and
-# lattice files have none to round one column at a time onto)
-FILE_TYPES = tuple(name for name, mix in MIXES.items() if TYPES[mix.default].codec is not None)
+# File types whose blocks GPTQ can solve on: those whose main type has a scalar grid or a lattice codec
+# (the float and ternary files have no grid to solve on; IQ1's shifted ternary grids have no codec yet)
+FILE_TYPES = tuple(name for name, mix in MIXES.items() if TYPES[mix.default].solvable)
 
 
 def target(file_type: str, linear: str, layer: int, model: MiniCPMConfig, shape: tuple[int, int]) -> TensorType:

@@ -18,6 +18,7 @@ gguf-py's tables (``gguf.quants``), the dequantizers repeat gguf-py's arithmetic
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Callable
@@ -176,6 +177,8 @@ class _Kind:
     redo: str  # after the search, re-round at the best scale: "offgrid" groups, "all" if any was, "always"
     fudge: float  # the fp16 scale is (max scale / 31)·fudge
     pack: Callable[[_Found], np.ndarray]  # the block layout
+    # (fp16 d as float32 [N, 1], 4-bit scale codes [N, subs]) -> each sub-block's step: weight = step·grid·sign
+    step: Callable[[np.ndarray, np.ndarray], np.ndarray]
     qp_start: bool = False  # IQ2_XXS: trial scales around make_qp_quants' fit instead of the max
 
 
@@ -384,17 +387,33 @@ def _pack_iq2_s(f: _Found) -> np.ndarray:
                           axis=1)
 
 
+def _half_step(d: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    return (d * (_F32(0.5) + codes.astype(_F32)) * _F32(0.5)).astype(_F32)
+
+
+def _quarter_step(d: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    return (d * (_F32(0.5) + codes.astype(_F32)) * _F32(0.25)).astype(_F32)
+
+
+def _odd_step(d: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    return (d * (1 + 2 * codes.astype(_F32))).astype(_F32)
+
+
 _KINDS = {kind.name: kind for kind in (
     _Kind("iq3_xxs", grid="IQ3_XXS", kmaxq=8, nwant=2, sub=32, steps=range(-15, 16), delta=0.2, eps=1e-8,
-          sigma_factor=2, plain="x2", even_signs=True, redo="offgrid", fudge=1.0125, pack=_pack_iq3_xxs),
+          sigma_factor=2, plain="x2", even_signs=True, redo="offgrid", fudge=1.0125, pack=_pack_iq3_xxs,
+          step=_half_step),
     _Kind("iq3_s", grid="IQ3_S", kmaxq=8, nwant=3, sub=32, steps=range(-9, 10), delta=0.2, eps=0,
-          sigma_factor=2, plain="x2", even_signs=False, redo="all", fudge=1.033, pack=_pack_iq3_s),
+          sigma_factor=2, plain="x2", even_signs=False, redo="all", fudge=1.033, pack=_pack_iq3_s, step=_odd_step),
     _Kind("iq2_xxs", grid="IQ2_XXS", kmaxq=3, nwant=2, sub=32, steps=range(-6, 7), delta=0.1, eps=1e-15,
-          sigma_factor=1, plain=None, even_signs=True, redo="always", fudge=1, pack=_pack_iq2_xxs, qp_start=True),
+          sigma_factor=1, plain=None, even_signs=True, redo="always", fudge=1, pack=_pack_iq2_xxs,
+          step=_quarter_step, qp_start=True),
     _Kind("iq2_xs", grid="IQ2_XS", kmaxq=3, nwant=2, sub=16, steps=range(-9, 10), delta=0.1, eps=1e-15,
-          sigma_factor=1, plain=None, even_signs=True, redo="offgrid", fudge=1, pack=_pack_iq2_xs),
+          sigma_factor=1, plain=None, even_signs=True, redo="offgrid", fudge=1, pack=_pack_iq2_xs,
+          step=_quarter_step),
     _Kind("iq2_s", grid="IQ2_S", kmaxq=3, nwant=1, sub=16, steps=range(-9, 10), delta=0.1, eps=1e-8,
-          sigma_factor=2, plain="sigma", even_signs=False, redo="offgrid", fudge=0.9875, pack=_pack_iq2_s),
+          sigma_factor=2, plain="sigma", even_signs=False, redo="offgrid", fudge=0.9875, pack=_pack_iq2_s,
+          step=_quarter_step),
 )}
 
 
@@ -417,6 +436,50 @@ quantize_iq3_s = _quantizer("iq3_s")
 quantize_iq2_xxs = _quantizer("iq2_xxs")
 quantize_iq2_xs = _quantizer("iq2_xs")
 quantize_iq2_s = _quantizer("iq2_s")
+
+
+@dataclass(frozen=True)
+class LatticeCodec:
+    """An IQ2/IQ3 type opened up for a solver that chooses the grid points itself (gguf/solver_grid.py):
+    llama.cpp's search gives a super-block's scales, the solver then picks each unit's signs and grid
+    points at those scales, and ``pack`` writes them in the type's layout."""
+
+    kind: _Kind
+
+    @property
+    def sub_block(self) -> int:
+        """Weights per 4-bit scale."""
+        return self.kind.sub
+
+    @property
+    def even_signs(self) -> bool:
+        """Whether 7 sign bits are kept per 8 weights (an even count of minus signs)."""
+        return self.kind.even_signs
+
+    @functools.cached_property
+    def points(self) -> np.ndarray:
+        """Every grid point's values as the dequantizer reads them, float32 [points, 4 or 8]."""
+        return _table(self.kind.grid)
+
+    def search(self, x: np.ndarray, importance: np.ndarray | None) -> _Found:
+        """llama.cpp's quantizer on whole rows x [N, 256·blocks]: its scales, grid points and signs."""
+        return _quantize(self.kind, x, importance)[1]
+
+    def steps(self, found: _Found) -> np.ndarray:
+        """Each sub-block's step as llama.cpp reads it back, float32 [N, subs]."""
+        return self.kind.step(_half(found.d), found.scales)
+
+    def pack(self, found: _Found, index: np.ndarray, signs: np.ndarray) -> np.ndarray:
+        """``found``'s super-blocks with other grid points (``index``, as ``found.index``) and sign bytes
+        (as ``found.signs``: 7 bits with even signs) -> bytes [N, block bytes]. Every sub-block's points
+        are written in place: where llama.cpp found a sub-block empty, the solver's points at its stored
+        step are still what the file means (IQ3_S's quantizer would shift the later sub-blocks' codes
+        into the empty one's place, which its dequantizer does not undo)."""
+        return self.kind.pack(dataclasses.replace(found, index=index, signs=signs, zero=np.zeros_like(found.zero)))
+
+
+# the types whose grid points a solver can choose (IQ1's ternary grids with their shifts are not yet)
+LATTICE_CODECS = {name: LatticeCodec(kind) for name, kind in _KINDS.items()}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -660,7 +723,7 @@ def dequantize_iq3_xxs(data: np.ndarray, k: int) -> np.ndarray:
     b = data.reshape(-1, 98)
     d = _half(b[:, :2])
     words = b[:, 66:].copy().view("<u4")  # [N, 8]
-    db = (d * (_F32(0.5) + (words >> 28).astype(_F32)) * _F32(0.5)).astype(_F32)
+    db = _half_step(d, words >> 28)
     signs = _even_signs(((words[..., None] >> (7 * np.arange(4, dtype=np.uint32))) & 127).astype(np.int64))
     grid = _table("IQ3_XXS")[b[:, 2:66].reshape(-1, 8, 8).astype(np.int64)].reshape(-1, 8, 4, 8)
     return (db[..., None, None] * grid * signs).reshape(*data.shape[:-1], k)
@@ -670,7 +733,7 @@ def dequantize_iq3_s(data: np.ndarray, k: int) -> np.ndarray:
     b = data.reshape(-1, 110)
     d = _half(b[:, :2])
     scales = np.stack([b[:, 106:110] & 15, b[:, 106:110] >> 4], axis=-1).reshape(-1, 8)
-    db = (d * (1 + 2 * scales)).astype(_F32)
+    db = _odd_step(d, scales)
     signs = _sign_bits(b[:, 74:106]).reshape(-1, 8, 4, 8)
     qh = ((b[:, 66:74, None] >> np.arange(8, dtype=np.uint8)) & 1).astype(np.int64).reshape(-1, 64)
     index = b[:, 2:66].astype(np.int64) | qh << 8
@@ -682,7 +745,7 @@ def dequantize_iq2_xxs(data: np.ndarray, k: int) -> np.ndarray:
     b = data.reshape(-1, 66)
     d = _half(b[:, :2])
     words = b[:, 2:].copy().view("<u4").reshape(-1, 8, 2)
-    db = (d * (_F32(0.5) + (words[..., 1] >> 28).astype(_F32)) * _F32(0.25)).astype(_F32)
+    db = _quarter_step(d, words[..., 1] >> 28)
     signs = _even_signs(((words[..., 1:] >> (7 * np.arange(4, dtype=np.uint32))) & 127).astype(np.int64))
     index = words[..., 0].copy().view(np.uint8).reshape(-1, 8, 4).astype(np.int64)
     grid = _table("IQ2_XXS")[index]
@@ -694,7 +757,7 @@ def dequantize_iq2_xs(data: np.ndarray, k: int) -> np.ndarray:
     d = _half(b[:, :2])
     words = b[:, 2:66].copy().view("<u2").astype(np.int64)  # [N, 32]
     scales = np.stack([b[:, 66:74] & 15, b[:, 66:74] >> 4], axis=-1).reshape(-1, 16)
-    db = (d * (_F32(0.5) + scales) * _F32(0.25)).astype(_F32)
+    db = _quarter_step(d, scales)
     signs = _even_signs(words >> 9).reshape(-1, 16, 2, 8)
     grid = _table("IQ2_XS")[words & 511].reshape(-1, 16, 2, 8)
     return (db[..., None, None] * grid * signs).reshape(*data.shape[:-1], k)
@@ -704,7 +767,7 @@ def dequantize_iq2_s(data: np.ndarray, k: int) -> np.ndarray:
     b = data.reshape(-1, 82)
     d = _half(b[:, :2])
     scales = np.stack([b[:, 74:82] & 15, b[:, 74:82] >> 4], axis=-1).reshape(-1, 16)
-    db = (d * (_F32(0.5) + scales) * _F32(0.25)).astype(_F32)
+    db = _quarter_step(d, scales)
     signs = _sign_bits(b[:, 34:66]).reshape(-1, 16, 2, 8)
     qh = ((b[:, 66:74, None] >> (2 * np.arange(4, dtype=np.uint8))) & 3).astype(np.int64).reshape(-1, 32)
     grid = _table("IQ2_S")[b[:, 2:34].astype(np.int64) | qh << 8].reshape(-1, 16, 2, 8)

@@ -22,16 +22,27 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from quantkit.device import torch_threads
+from quantkit.gguf.lattice import QK_K
 from quantkit.gguf.legacy import row_sigma2
 from quantkit.gguf.record import GGUFTensor
 from quantkit.gguf.types import TensorType
 
 
+def block_grid(tensor_type: TensorType, weight: Tensor, order: Tensor, importance: Tensor | None,
+               metric: Tensor) -> BlockGrid | LatticeGrid:
+    """The solver's grid for a GGUF type: ``metric`` is the solver's weight of each column's error, in
+    processing order (a lattice grid's joint rounding uses it)."""
+    if tensor_type.lattice is not None:
+        return LatticeGrid(tensor_type, weight, order, importance, metric)
+    if tensor_type.codec is None:
+        raise ValueError(f"GPTQ cannot solve on {tensor_type.name}: it has no grid to round to (solvable: the "
+                         "legacy block types, the K-quants, IQ4_NL, IQ4_XS and the IQ2/IQ3 lattice types)")
+    return BlockGrid(tensor_type, weight, order, importance)
+
+
 class BlockGrid:
     def __init__(self, tensor_type: TensorType, weight: Tensor, order: Tensor, importance: Tensor | None = None):
-        if tensor_type.codec is None:
-            raise ValueError(f"GPTQ cannot solve on {tensor_type.name}: it has no integer grid "
-                             "(solvable: the legacy block types, the K-quants, IQ4_NL and IQ4_XS)")
         shape = n, k = tuple(weight.shape)
         if not tensor_type.fits(k):
             raise ValueError(f"{tensor_type.name} needs rows in blocks of {tensor_type.block_size}; K = {k} is not")
@@ -92,3 +103,117 @@ class BlockGrid:
         blocks = self.codec.with_codes(self.blocks.reshape(-1, self.type.block_bytes),
                                        codes.cpu().numpy().reshape(-1, self.width))
         return GGUFTensor(self.type.name, torch.from_numpy(np.ascontiguousarray(blocks.reshape(n, -1))), (n, k))
+
+
+class LatticeGrid:
+    """An IQ2/IQ3 type as the solver's grid, after GPTVQ (van Baalen et al., 2024): a unit of 8
+    consecutive columns is rounded jointly, each row onto one signed grid point (two 4-value points on
+    IQ3), and the solver then propagates the unit's error column by column to the columns not yet
+    quantized, which is the optimal update for the unit's values held fixed.
+
+    When a super-block's first column is reached, llama.cpp's search (its importance-weighted scale
+    trials, importance = diag(H) as an imatrix) runs on the block's compensated weights; its 4-bit
+    sub-block scales and fp16 scale are kept. Each unit then takes llama.cpp's signs (with 7 sign bits
+    per 8 weights, an odd count of minus signs leaves the least important weight's sign wrong), and per
+    row the grid point with the least Σ m·(x − step·point)² over every point of the grid, where m is
+    the solver's metric for each column: the precision of that column given the columns not yet
+    quantized (the squared diagonal of the factor ``H = V Vᵀ`` it runs on), so a unit's rounding weighs
+    errors as the propagation will leave them. The steps are the stored ones, so the solver's values
+    are the file's.
+
+    Units must start at multiples of 8 in processing order with their columns in natural order, and
+    blocks of 256 must be whole in it: ``unit`` tells the column order so.
+    """
+
+    unit = 8
+
+    def __init__(self, tensor_type: TensorType, weight: Tensor, order: Tensor, importance: Tensor | None,
+                 metric: Tensor):
+        n, k = shape = tuple(weight.shape)
+        if not tensor_type.fits(k):
+            raise ValueError(f"{tensor_type.name} needs rows in blocks of {tensor_type.block_size}; K = {k} is not")
+        self.type = tensor_type
+        self.codec = tensor_type.lattice
+        self.shape = shape
+        self.order = order
+        self.metric = torch.empty_like(metric, dtype=torch.float32)  # per input channel, natural order
+        self.metric[order] = metric.to(torch.float32)
+        self.importance = None if importance is None else importance.to(torch.float32).cpu().numpy()
+        self.threads = torch.get_num_threads()
+        points = torch.from_numpy(self.codec.points).to(weight.device)
+        self.points_t = points.T.contiguous()  # [dim, points]
+        self.points_squared_t = (points * points).T.contiguous()
+        self.found: dict[int, object] = {}  # super-block -> llama.cpp's search result
+        self.index: dict[int, Tensor] = {}  # super-block -> grid indices [N, subs, groups]
+        self.signs: dict[int, Tensor] = {}  # super-block -> sign bytes [N, subs, sub / 8]
+        self.steps: dict[int, Tensor] = {}  # super-block -> steps [N, subs]
+        self.pending: Tensor | None = None  # the current unit's values [8, N], handed out column by column
+
+    def round(self, position: int, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """(placeholder codes, value) of the column at ``position``; ``rows`` [>= unit, N] start at it.
+        The grid keeps the unit's real codes (grid point and signs) itself, for ``record``."""
+        if position % QK_K == 0:
+            self._search_block(position, rows[:QK_K])
+        if position % self.unit == 0:
+            with torch_threads(self.threads):
+                self.pending = self._round_unit(int(self.order[position]), rows[:self.unit])
+        values = self.pending[position % self.unit]
+        return torch.zeros_like(values, dtype=torch.uint8), values
+
+    def _search_block(self, position: int, rows: Tensor) -> None:
+        columns = self.order[position:position + QK_K]
+        block = int(columns.min()) // QK_K
+        natural = rows[torch.argsort(columns)]  # the block's columns in file order, [256, N]
+        channels = slice(block * QK_K, (block + 1) * QK_K)
+        found = self.codec.search(np.ascontiguousarray(natural.T.cpu().numpy()),
+                                  None if self.importance is None else self.importance[channels])
+        device = rows.device
+        self.found[block] = found
+        self.index[block] = torch.from_numpy(found.index.astype(np.int64)).to(device)
+        self.signs[block] = torch.from_numpy(found.signs.astype(np.int64)).to(device)
+        self.steps[block] = torch.from_numpy(self.codec.steps(found)).to(device)
+
+    def _round_unit(self, column: int, rows: Tensor) -> Tensor:
+        """The unit of 8 columns from ``column`` (rows [8, N]) on its sub-block's step: values [8, N]."""
+        block, within = divmod(column, QK_K)
+        sub, offset = divmod(within, self.codec.sub_block)
+        step = self.steps[block][:, sub]  # [N]
+        metric = self.metric[column:column + self.unit]
+        x = rows.T  # [N, 8]
+        negative = x < 0
+        magnitude = x.abs()
+        if self.codec.even_signs:  # llama.cpp's rule: an odd octet's least important weight keeps the wrong sign
+            odd = negative.sum(dim=1) % 2 == 1
+            least = torch.nn.functional.one_hot((metric * x * x).argmin(dim=1), self.unit).bool() & odd[:, None]
+            negative ^= least
+            magnitude = torch.where(least, -magnitude, magnitude)
+        dim = self.points_t.shape[0]
+        chosen = []
+        for part in range(self.unit // dim):  # IQ3's two 4-value points per unit are independent
+            columns = slice(part * dim, (part + 1) * dim)
+            weighted = magnitude[:, columns] * metric[columns]
+            # Σ m·(x − s·p)² = const − 2s·Σ m·x·p + s²·Σ m·p²: per row, the least of s·Σ m·p² − 2·Σ m·x·p
+            cost = step[:, None] * (metric[columns] @ self.points_squared_t)[None, :] - 2 * (weighted @ self.points_t)
+            chosen.append(cost.argmin(dim=1))
+        index = torch.stack(chosen, dim=1)  # [N, 8 / dim]
+        zero = step == 0  # an empty super-block: point 0, no signs, as llama.cpp writes it
+        index = index.masked_fill(zero[:, None], 0)
+        negative &= ~zero[:, None]
+        sign_bits = (negative.long() << torch.arange(self.unit, device=x.device)).sum(dim=1)
+        if self.codec.even_signs:
+            sign_bits &= 127
+        groups = self.unit // dim
+        first = offset // dim
+        self.index[block][:, sub, first:first + groups] = index
+        self.signs[block][:, sub, offset // self.unit] = sign_bits
+        points = self.points_t.T[index].reshape(len(x), self.unit)  # [N, 8]
+        return (torch.where(negative, -points, points) * step[:, None]).T
+
+    def record(self, codes: Tensor) -> GGUFTensor:
+        """The super-blocks with the solver's grid points and signs (``codes`` are placeholders)."""
+        n, k = self.shape
+        data = np.concatenate([self.codec.pack(self.found[block], self.index[block].cpu().numpy(),
+                                               self.signs[block].cpu().numpy()) for block in range(k // QK_K)],
+                              axis=1)
+        return GGUFTensor(self.type.name, torch.from_numpy(np.ascontiguousarray(data)), (n, k))
+

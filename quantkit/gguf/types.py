@@ -24,7 +24,7 @@ class TensorType:
     block_bytes: int
     quantize: Callable[[np.ndarray], np.ndarray]
     dequantize: Callable[[np.ndarray, int], np.ndarray]  # (bytes [..., n], K) -> float32 [..., K]
-    codec: Codec | None = None  # the codes' grid, for types GPTQ can solve on
+    codec: Codec | None = None  # the codes' grid, for scalar types GPTQ can solve on
     # ggml's importance-matrix path: (x, importance [K], the rows' σ² or None) -> bytes; None where ggml
     # ignores the imatrix (Q8_0, the ternary and float types)
     quantize_weighted: Callable[[np.ndarray, np.ndarray, np.ndarray | None], np.ndarray] | None = None
@@ -34,6 +34,13 @@ class TensorType:
     # llama.cpp quantizes this type only with an importance matrix (ggml_quantize_requires_imatrix; its
     # quantizer asserts, aborting the process): every path here refuses x without one
     requires_importance: bool = False
+    # the lattice types whose grid points GPTQ can choose a unit of 8 columns at a time
+    lattice: lattice.LatticeCodec | None = None
+
+    @property
+    def solvable(self) -> bool:
+        """Whether GPTQ can solve on this type (a scalar codec or a lattice one)."""
+        return self.codec is not None or self.lattice is not None
 
     @property
     def quantized_by_ggml(self) -> bool:
@@ -129,6 +136,7 @@ TYPES: dict[str, TensorType] = {
                          iquants.CODECS["iq4_xs"], iquants.quantize_iq4_xs, ggml_quantizes=True),
     **{name: TensorType(name, GGML[name.upper()], lattice.QK_K, block_bytes, lattice.QUANTIZERS[name],
                         lattice.DEQUANTIZERS[name], quantize_weighted=lattice.QUANTIZERS[name], ggml_quantizes=True,
-                        requires_importance=name in lattice.REQUIRES_IMPORTANCE)
+                        requires_importance=name in lattice.REQUIRES_IMPORTANCE,
+                        lattice=lattice.LATTICE_CODECS.get(name))
        for name, block_bytes in lattice.BLOCK_BYTES.items()},
 }
