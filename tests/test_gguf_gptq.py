@@ -123,8 +123,8 @@ def test_codebook_rounding_is_ggmls_nearest_level(name):
 def test_gptq_on_lattice_types_beats_llama_cpp_with_importance(name):
     """Units of 8 columns rounded jointly onto the lattice, their error carried into later columns: on
     correlated inputs the output error is well below llama.cpp's quantizer given diag(H) as its imatrix
-    (measured 0.59-0.64x on these weights), in natural and group-aware order, and the solver propagated
-    exactly the weights the file holds."""
+    (measured 0.59-0.64x on these weights for IQ2/IQ3, 0.75-0.76x for IQ1), in natural and group-aware
+    order, and the solver propagated exactly the weights the file holds."""
     tensor_type = TYPES[name]
     weight, hessian = torch.from_numpy(_weights(64, 512)), _hessian(512)
     importance = hessian.diagonal().numpy().copy()
@@ -135,13 +135,13 @@ def test_gptq_on_lattice_types_beats_llama_cpp_with_importance(name):
         record = solution.quantized
         assert isinstance(record, GGUFTensor) and record.type_name == name
         assert torch.equal(solution.weight, record.dequantize())
-        assert _output_error(weight, record.dequantize(), hessian) < 0.7 * baseline, name
+        assert _output_error(weight, record.dequantize(), hessian) < 0.8 * baseline, name
 
 
 @pytest.mark.parametrize("name", LATTICE)
 def test_lattice_rounding_without_correlations_is_no_worse_than_llama_cpp(name):
     """With a diagonal Hessian nothing is compensated: the super-blocks get llama.cpp's scales, and each
-    unit the nearest signed point at the stored step over the whole lattice, where llama.cpp searches
+    unit the nearest point at the stored step (and IQ1's shift) over the whole lattice, where llama.cpp searches
     the rounded levels' neighbours at the unrounded scale. Empty sub-blocks and dead input channels
     (zero weights) keep the solver's values equal to the file's."""
     tensor_type = TYPES[name]
@@ -222,11 +222,12 @@ def test_q4_k_m_artifact_reaches_llama_cpp_unchanged(marlin_legal, tmp_path):
 
 
 @pytest.mark.llamacpp
-@pytest.mark.parametrize("file_type", ["iq4_xs", "q3_k_m", "q2_k", "iq3_m", "iq2_m"])
+@pytest.mark.parametrize("file_type", ["iq4_xs", "q3_k_m", "q2_k", "iq3_m", "iq2_m", "iq1_m"])
 def test_low_bit_artifacts_reach_llama_cpp_unchanged(marlin_legal, tmp_path, file_type):
-    """gguf-iq4_xs / -q3_k_m / -q2_k / -iq3_m / -iq2_m: every linear on its type of the mix with less output error than
-    llama.cpp's own quantizer (the recipe's rtn), the blocks copied into the file as they are, and
-    llama.cpp's logits on them equal quantkit's."""
+    """gguf-iq4_xs / -q3_k_m / -q2_k / -iq3_m / -iq2_m / -iq1_m: every linear on its type of the mix with
+    less output error than llama.cpp's own quantizer (the recipe's rtn; IQ1_M's mix has types llama.cpp
+    quantizes only with an imatrix, which rtn has not: refused, naming the type), the blocks copied into
+    the file as they are, and llama.cpp's logits on them equal quantkit's."""
     from test_gguf_export import _kl_top1, _llama_logits, _model
 
     from quantkit.engine import quantize
@@ -237,9 +238,15 @@ def test_low_bit_artifacts_reach_llama_cpp_unchanged(marlin_legal, tmp_path, fil
 
     recipe = f"gguf-{file_type}"
     report = quantize(marlin_legal, small_recipe(recipe, tmp_path), tmp_path / "gptq", progress=False)
-    rtn = quantize(marlin_legal, small_recipe(recipe, tmp_path, algorithm="rtn"), tmp_path / "rtn", progress=False)
-    for ours, theirs in zip(report.layers, rtn.layers):
-        assert all(ours.errors[name] < theirs.errors[name] for name in LINEARS), (ours.errors, theirs.errors)
+    rtn_recipe = small_recipe(recipe, tmp_path, algorithm="rtn")
+    if file_type == "iq1_m":
+        with pytest.raises(ValueError, match="iq2_xxs needs an importance matrix"):
+            quantize(marlin_legal, rtn_recipe, tmp_path / "rtn", progress=False)
+        assert not (tmp_path / "rtn").exists()
+    else:
+        rtn = quantize(marlin_legal, rtn_recipe, tmp_path / "rtn", progress=False)
+        for ours, theirs in zip(report.layers, rtn.layers):
+            assert all(ours.errors[name] < theirs.errors[name] for name in LINEARS), (ours.errors, theirs.errors)
     export = export_gguf(tmp_path / "gptq", tmp_path / "out.gguf", file_type, progress=False)
     assert export.exact_tensors == 2 * len(LINEARS)
     exported = exported_weights(tmp_path / "gptq", file_type)

@@ -19,6 +19,7 @@ FINGERPRINTS = {
     "gguf-q2_k": "11bc16f4ecc573cd3d9027be281abb580f745dc62b18e71cfc145b44daa1e26a",
     "gguf-iq3_m": "daaffb1784903adb823d00afe721a5a2197fcba2bd09997d8e947215aab2987c",
     "gguf-iq2_m": "bf29693bec3aab3251ea3d015386d1a3d45b07aea5552fffd38e59fa015db0a2",
+    "gguf-iq1_m": "937f87e249e8db25aa9b050f214cf2989dccf6239569f77f3a57a9d62a965555",
     "gguf-q3_k_m": "9ebc34c66e29f1ced57a6bf36cc83e0242ff046bf3dd7b4666a61006464426e2",
     "gguf-q4_0": "2429a805b21bcd4ccc5f7eac93eac97843dd028f4f570a6bd298c650921795a9",
     "gguf-q4_k_m": "da6eb6f26c57fcd5ba5ff624b7efc44126345bb08569ac50faeb00586e9b42cd",

@@ -28,7 +28,7 @@ QUANT_METHOD = "quantkit-gguf"
 SUFFIX = "gguf_"
 BLOCK = 32  # the smallest block of any type the solver can use: every linear's K must be a multiple
 # File types whose blocks GPTQ can solve on: those whose main type has a scalar grid or a lattice codec
-# (the float and ternary files have no grid to solve on; IQ1's shifted ternary grids have no codec yet)
+# (the float and ternary TQ files have no grid to solve on)
 FILE_TYPES = tuple(name for name, mix in MIXES.items() if TYPES[mix.default].solvable)
 
 

@@ -438,50 +438,6 @@ quantize_iq2_xs = _quantizer("iq2_xs")
 quantize_iq2_s = _quantizer("iq2_s")
 
 
-@dataclass(frozen=True)
-class LatticeCodec:
-    """An IQ2/IQ3 type opened up for a solver that chooses the grid points itself (gguf/solver_grid.py):
-    llama.cpp's search gives a super-block's scales, the solver then picks each unit's signs and grid
-    points at those scales, and ``pack`` writes them in the type's layout."""
-
-    kind: _Kind
-
-    @property
-    def sub_block(self) -> int:
-        """Weights per 4-bit scale."""
-        return self.kind.sub
-
-    @property
-    def even_signs(self) -> bool:
-        """Whether 7 sign bits are kept per 8 weights (an even count of minus signs)."""
-        return self.kind.even_signs
-
-    @functools.cached_property
-    def points(self) -> np.ndarray:
-        """Every grid point's values as the dequantizer reads them, float32 [points, 4 or 8]."""
-        return _table(self.kind.grid)
-
-    def search(self, x: np.ndarray, importance: np.ndarray | None) -> _Found:
-        """llama.cpp's quantizer on whole rows x [N, 256·blocks]: its scales, grid points and signs."""
-        return _quantize(self.kind, x, importance)[1]
-
-    def steps(self, found: _Found) -> np.ndarray:
-        """Each sub-block's step as llama.cpp reads it back, float32 [N, subs]."""
-        return self.kind.step(_half(found.d), found.scales)
-
-    def pack(self, found: _Found, index: np.ndarray, signs: np.ndarray) -> np.ndarray:
-        """``found``'s super-blocks with other grid points (``index``, as ``found.index``) and sign bytes
-        (as ``found.signs``: 7 bits with even signs) -> bytes [N, block bytes]. Every sub-block's points
-        are written in place: where llama.cpp found a sub-block empty, the solver's points at its stored
-        step are still what the file means (IQ3_S's quantizer would shift the later sub-blocks' codes
-        into the empty one's place, which its dequantizer does not undo)."""
-        return self.kind.pack(dataclasses.replace(found, index=index, signs=signs, zero=np.zeros_like(found.zero)))
-
-
-# the types whose grid points a solver can choose (IQ1's ternary grids with their shifts are not yet)
-LATTICE_CODECS = {name: LatticeCodec(kind) for name, kind in _KINDS.items()}
-
-
 # ---------------------------------------------------------------------------------------------------
 # IQ1_S / IQ1_M: ternary groups, found by an exhaustive split of the sorted weights
 
@@ -652,25 +608,33 @@ _IQ1_M = _Ternary("iq1_m", 16, 1e-7, "x2",
                   0)
 
 
-def quantize_iq1_s(x: np.ndarray, importance: np.ndarray | None = None, row_sigma2: np.ndarray | None = None
-                   ) -> np.ndarray:
-    """float32 [..., K] -> IQ1_S bytes [..., K/256 · 50]: d, qs[32] (grid indices' low bytes), qh[8] (uint16:
-    3 high index bits per group, the 3-bit scale at bit 12, the −δ shift at bit 15). Needs ``importance``."""
+@dataclass(frozen=True)
+class _TernaryFound:
+    """An IQ1 search's result, one super-block per row."""
+
+    d: np.ndarray  # the fp16 super-block scale's bytes [N, 2]
+    scales: np.ndarray  # 3-bit codes [N, subs]
+    index: np.ndarray  # grid indices [N, subs, groups]
+    choice: np.ndarray  # shift choices [N, subs] (IQ1_S: +1/−1, IQ1_M: 0..3)
+    empty: np.ndarray  # [N] super-blocks with every scale zero
+
+
+def _search_iq1_s(x: np.ndarray, importance: np.ndarray | None) -> tuple[tuple[int, ...], _TernaryFound]:
     with np.errstate(all="ignore"):
         lead, scales, index, choice, _, _ = _quantize_ternary(_IQ1_S, x, importance)
         d, codes, empty = _super_scales(scales, 1.125, bits=3, divisor=15)
-    n = len(scales)
-    qh = (index >> 8 << (3 * np.arange(4))).sum(axis=-1)
-    qh |= np.where(empty[:, None], 0, (codes | np.where(choice == -1, 8, 0)) << 12)
-    blocks = np.concatenate([d, (index & 255).astype(np.uint8).reshape(n, -1), _le_bytes(qh, "<u2")], axis=1)
-    return blocks.reshape(*lead, -1)
+    return lead, _TernaryFound(d, codes, index, choice, empty)
 
 
-def quantize_iq1_m(x: np.ndarray, importance: np.ndarray | None = None, row_sigma2: np.ndarray | None = None
-                   ) -> np.ndarray:
-    """float32 [..., K] -> IQ1_M bytes [..., K/256 · 56]: qs[32], qh[16] (per group 3 high index bits and
-    the −δ shift bit), scales as 4 uint16 of four 3-bit scales each, the fp16 d in their top nibbles.
-    d is refitted over the whole super-block once the 3-bit scales are known."""
+def _pack_iq1_s(f: _TernaryFound) -> np.ndarray:
+    n = len(f.d)
+    qh = (f.index >> 8 << (3 * np.arange(4))).sum(axis=-1)
+    qh |= np.where(f.empty[:, None], 0, (f.scales | np.where(f.choice == -1, 8, 0)) << 12)
+    return np.concatenate([f.d, (f.index & 255).astype(np.uint8).reshape(n, -1), _le_bytes(qh, "<u2")], axis=1)
+
+
+def _search_iq1_m(x: np.ndarray, importance: np.ndarray | None) -> tuple[tuple[int, ...], _TernaryFound]:
+    """d is refitted over the whole super-block once the 3-bit scales are known."""
     grid = _grid("IQ1_S", 3, 3)
     with np.errstate(all="ignore"):
         lead, scales, index, choice, blocks, weight = _quantize_ternary(_IQ1_M, x, importance)
@@ -683,15 +647,114 @@ def quantize_iq1_m(x: np.ndarray, importance: np.ndarray | None = None, row_sigm
         wq = (weight * q).astype(_F32)
         sumqx, sumq2 = ordered_sum((wq * blocks).astype(_F32)), ordered_sum((wq * q).astype(_F32))
         d = np.where(sumq2 > 0, sumqx / np.where(sumq2 > 0, sumq2, _F32(1)), d).astype(_F32)
-        half = (d * _F32(1.1125)).astype(_F32).astype("<f2").view(np.uint16).astype(np.int64)
-    words = (codes.reshape(n, 4, 4) << (3 * np.arange(4))).sum(axis=-1)
+    return lead, _TernaryFound(half_bytes((d * _F32(1.1125)).astype(_F32)[:, None]), codes, index, choice, empty)
+
+
+def _pack_iq1_m(f: _TernaryFound) -> np.ndarray:
+    n = len(f.d)
+    half = f.d.copy().view("<u2")[:, 0].astype(np.int64)
+    words = (f.scales.reshape(n, 4, 4) << (3 * np.arange(4))).sum(axis=-1)
     words |= (half[:, None] >> (4 * np.arange(4)) & 15) << 12
-    words = np.where(empty[:, None], 0, words)
+    words = np.where(f.empty[:, None], 0, words)
     masks = np.array([0x00, 0x80, 0x08, 0x88])
-    qh = (index[..., 0] >> 8) | (index[..., 1] >> 8) << 4 | np.where(empty[:, None], 0, masks[choice])
-    blocks_out = np.concatenate([(index & 255).astype(np.uint8).reshape(n, -1), qh.astype(np.uint8),
-                                 _le_bytes(words, "<u2")], axis=1)
-    return blocks_out.reshape(*lead, -1)
+    qh = (f.index[..., 0] >> 8) | (f.index[..., 1] >> 8) << 4 | np.where(f.empty[:, None], 0, masks[f.choice])
+    return np.concatenate([(f.index & 255).astype(np.uint8).reshape(n, -1), qh.astype(np.uint8),
+                           _le_bytes(words, "<u2")], axis=1)
+
+
+def quantize_iq1_s(x: np.ndarray, importance: np.ndarray | None = None, row_sigma2: np.ndarray | None = None
+                   ) -> np.ndarray:
+    """float32 [..., K] -> IQ1_S bytes [..., K/256 · 50]: d, qs[32] (grid indices' low bytes), qh[8] (uint16:
+    3 high index bits per group, the 3-bit scale at bit 12, the −δ shift at bit 15). Needs ``importance``."""
+    lead, found = _search_iq1_s(x, importance)
+    return _pack_iq1_s(found).reshape(*lead, -1)
+
+
+def quantize_iq1_m(x: np.ndarray, importance: np.ndarray | None = None, row_sigma2: np.ndarray | None = None
+                   ) -> np.ndarray:
+    """float32 [..., K] -> IQ1_M bytes [..., K/256 · 56]: qs[32], qh[16] (per group 3 high index bits and
+    the −δ shift bit), scales as 4 uint16 of four 3-bit scales each, the fp16 d in their top nibbles."""
+    lead, found = _search_iq1_m(x, importance)
+    return _pack_iq1_m(found).reshape(*lead, -1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The lattice types opened up for a solver that chooses the grid points itself (gguf/solver_grid.py)
+
+
+@dataclass(frozen=True)
+class LatticeCodec:
+    """llama.cpp's search gives a super-block's scales (and IQ1's shifts), the solver then picks each
+    unit of 8 weights' grid points (and signs) at those scales, and ``pack`` writes them in the type's
+    layout. A weight is step · (point + shift) · sign: IQ2/IQ3 have signs and no shift, IQ1 a ±1/8
+    shift per unit and no signs."""
+
+    grid: str  # gguf-py's table
+    sub_block: int  # weights per 4-bit (IQ1: 3-bit) scale
+    even_signs: bool  # 7 sign bits per 8 weights (an even count of minus signs)
+    find: Callable[[np.ndarray, np.ndarray | None], tuple]  # (x, importance) -> (rows' shape, found)
+    step: Callable[[np.ndarray, np.ndarray], np.ndarray]  # (fp16 d [N, 1], scale codes [N, subs]) -> steps
+    write: Callable  # found -> bytes [N, block bytes]
+    # found -> each unit's shift, float32 [N, subs, units]; None: signed, unshifted points
+    unit_shifts: Callable[[_TernaryFound], np.ndarray] | None = None
+
+    @property
+    def signed(self) -> bool:
+        return self.unit_shifts is None
+
+    @functools.cached_property
+    def points(self) -> np.ndarray:
+        """Every grid point's values as the dequantizer reads them, float32 [points, 4 or 8]."""
+        return _table(self.grid)
+
+    def search(self, x: np.ndarray, importance: np.ndarray | None) -> _Found | _TernaryFound:
+        """llama.cpp's quantizer on whole rows x [N, 256·blocks]: its scales, points, signs or shifts."""
+        return self.find(x, importance)[1]
+
+    def steps(self, found: _Found | _TernaryFound) -> np.ndarray:
+        """Each sub-block's step as llama.cpp reads it back, float32 [N, subs]."""
+        return self.step(_half(found.d), found.scales)
+
+    def shifts(self, found: _Found | _TernaryFound) -> np.ndarray:
+        """Each unit's shift of its points, float32 [N, subs, units per sub-block]."""
+        if self.unit_shifts is None:
+            return np.zeros((*found.scales.shape, self.sub_block // 8), dtype=_F32)
+        return self.unit_shifts(found)
+
+    def pack(self, found: _Found | _TernaryFound, index: np.ndarray, signs: np.ndarray | None) -> np.ndarray:
+        """``found``'s super-blocks with other grid points (``index``, as ``found.index``) and sign bytes
+        (as ``found.signs``; 7 bits with even signs) -> bytes [N, block bytes]. Every sub-block's points
+        are written in place: where llama.cpp found a sub-block empty, the solver's points at its stored
+        step are still what the file means (IQ3_S's quantizer would shift the later sub-blocks' codes
+        into the empty one's place, which its dequantizer does not undo)."""
+        if not self.signed:
+            return self.write(dataclasses.replace(found, index=index))
+        return self.write(dataclasses.replace(found, index=index, signs=signs, zero=np.zeros_like(found.zero)))
+
+
+def _signed_codec(kind: _Kind) -> LatticeCodec:
+    return LatticeCodec(kind.grid, kind.sub, kind.even_signs, functools.partial(_quantize, kind), kind.step,
+                        kind.pack)
+
+
+_DELTA = _F32(gguf_quants.IQ1_S.delta)
+
+
+def _iq1_s_shifts(found: _TernaryFound) -> np.ndarray:
+    return np.repeat(np.where(found.choice == -1, -_DELTA, _DELTA)[..., None], 4, axis=-1).astype(_F32)
+
+
+def _iq1_m_shifts(found: _TernaryFound) -> np.ndarray:
+    plus = _IQ1_M.plus(found.choice.reshape(-1), 2).reshape(*found.choice.shape, 2)
+    return np.where(plus, _DELTA, -_DELTA).astype(_F32)
+
+
+# the types whose grid points a solver can choose
+LATTICE_CODECS = {
+    **{name: _signed_codec(kind) for name, kind in _KINDS.items()},
+    "iq1_s": LatticeCodec("IQ1_S", _IQ1_S.sub, False, _search_iq1_s, _odd_step, _pack_iq1_s, _iq1_s_shifts),
+    "iq1_m": LatticeCodec("IQ1_M", _IQ1_M.sub, False, _search_iq1_m, _odd_step, _pack_iq1_m, _iq1_m_shifts),
+}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -778,7 +841,7 @@ def dequantize_iq1_s(data: np.ndarray, k: int) -> np.ndarray:
     b = data.reshape(-1, 50)
     d = _half(b[:, :2])
     qh = b[:, 34:50].copy().view("<u2")  # [N, 8]
-    dl = (d * (2 * ((qh >> 12) & 7) + 1)).astype(_F32)
+    dl = _odd_step(d, (qh >> 12) & 7)
     delta = np.where((qh & 0x8000) == 0, gguf_quants.IQ1_S.delta, -gguf_quants.IQ1_S.delta)
     index = b[:, 2:34].astype(np.int64) | (((qh[..., None] >> (3 * np.arange(4, dtype=np.uint16))) & 7)
                                            .astype(np.int64) << 8).reshape(-1, 32)
@@ -792,7 +855,7 @@ def dequantize_iq1_m(data: np.ndarray, k: int) -> np.ndarray:
     half = ((words & 0xF000) >> np.array([12, 8, 4, 0], dtype=np.uint16)).astype(np.uint16)
     d = (half[:, 0] | half[:, 1] | half[:, 2] | half[:, 3]).view(np.float16).astype(_F32)[:, None]
     scales = ((words[..., None] >> (3 * np.arange(4, dtype=np.uint16))) & 7).reshape(-1, 16)
-    dl = (d * (2 * scales + 1)).astype(_F32)  # [N, 16]
+    dl = _odd_step(d, scales)  # [N, 16]
     qh = np.stack([b[:, 32:48] & 15, b[:, 32:48] >> 4], axis=-1)  # [N, 16, 2]
     index = b[:, :32].astype(np.int64).reshape(-1, 16, 2) | (qh & 7).astype(np.int64) << 8
     delta = np.where(qh & 8 == 0, gguf_quants.IQ1_M.delta, -gguf_quants.IQ1_M.delta)

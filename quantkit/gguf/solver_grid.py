@@ -15,6 +15,9 @@ llama.cpp's imatrix, the mean x² of each input channel, times 2) the scale sear
 path instead, the one ``llama-quantize --imatrix`` runs: each block's scales then fit the weights
 whose inputs are loud. The legacy types' σ² is a whole row's (ggml's rule); since the solver sees one
 block at a time, it is taken from the weights the solver starts from.
+
+The lattice types (IQ1–IQ3) round 4 or 8 weights jointly onto a fixed set of points: ``LatticeGrid``
+solves them a unit of 8 columns at a time.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ def block_grid(tensor_type: TensorType, weight: Tensor, order: Tensor, importanc
         return LatticeGrid(tensor_type, weight, order, importance, metric)
     if tensor_type.codec is None:
         raise ValueError(f"GPTQ cannot solve on {tensor_type.name}: it has no grid to round to (solvable: the "
-                         "legacy block types, the K-quants, IQ4_NL, IQ4_XS and the IQ2/IQ3 lattice types)")
+                         "legacy block types, the K-quants, IQ4_NL, IQ4_XS and the IQ1–IQ3 lattice types)")
     return BlockGrid(tensor_type, weight, order, importance)
 
 
@@ -106,20 +109,21 @@ class BlockGrid:
 
 
 class LatticeGrid:
-    """An IQ2/IQ3 type as the solver's grid, after GPTVQ (van Baalen et al., 2024): a unit of 8
-    consecutive columns is rounded jointly, each row onto one signed grid point (two 4-value points on
-    IQ3), and the solver then propagates the unit's error column by column to the columns not yet
-    quantized, which is the optimal update for the unit's values held fixed.
+    """A lattice type (IQ1–IQ3) as the solver's grid, after GPTVQ (van Baalen et al., 2024): a unit of 8
+    consecutive columns is rounded jointly, each row onto one grid point (two 4-value points on IQ3),
+    and the solver then propagates the unit's error column by column to the columns not yet quantized,
+    which is the optimal update for the unit's values held fixed.
 
     When a super-block's first column is reached, llama.cpp's search (its importance-weighted scale
-    trials, importance = diag(H) as an imatrix) runs on the block's compensated weights; its 4-bit
-    sub-block scales and fp16 scale are kept. Each unit then takes llama.cpp's signs (with 7 sign bits
-    per 8 weights, an odd count of minus signs leaves the least important weight's sign wrong), and per
-    row the grid point with the least Σ m·(x − step·point)² over every point of the grid, where m is
-    the solver's metric for each column: the precision of that column given the columns not yet
-    quantized (the squared diagonal of the factor ``H = V Vᵀ`` it runs on), so a unit's rounding weighs
-    errors as the propagation will leave them. The steps are the stored ones, so the solver's values
-    are the file's.
+    trials, importance = diag(H) as an imatrix) runs on the block's compensated weights; its sub-block
+    scales, fp16 scale and IQ1's ±1/8 shifts are kept. On the signed lattices (IQ2/IQ3) each unit takes
+    llama.cpp's signs (with 7 sign bits per 8 weights, an odd count of minus signs leaves the least
+    important weight's sign wrong). Per row the unit then gets the point with the least
+    Σ m·(x − step·(point + shift))² over every point of the grid, where m is the solver's metric for
+    each column: the precision of that column given the columns not yet quantized (the squared
+    diagonal of the factor ``H = V Vᵀ`` it runs on), so a unit's rounding weighs errors as the
+    propagation will leave them. Steps and shifts are the stored ones, so the solver's values are the
+    file's.
 
     Units must start at multiples of 8 in processing order with their columns in natural order, and
     blocks of 256 must be whole in it: ``unit`` tells the column order so.
@@ -140,18 +144,17 @@ class LatticeGrid:
         self.metric[order] = metric.to(torch.float32)
         self.importance = None if importance is None else importance.to(torch.float32).cpu().numpy()
         self.threads = torch.get_num_threads()
-        points = torch.from_numpy(self.codec.points).to(weight.device)
-        self.points_t = points.T.contiguous()  # [dim, points]
-        self.points_squared_t = (points * points).T.contiguous()
+        self.points = torch.from_numpy(self.codec.points).to(weight.device)  # [points, 4 or 8]
         self.found: dict[int, object] = {}  # super-block -> llama.cpp's search result
-        self.index: dict[int, Tensor] = {}  # super-block -> grid indices [N, subs, groups]
-        self.signs: dict[int, Tensor] = {}  # super-block -> sign bytes [N, subs, sub / 8]
+        self.index: dict[int, Tensor] = {}  # super-block -> grid indices [N, subs, points per sub-block]
+        self.signs: dict[int, Tensor] = {}  # super-block -> sign bytes [N, subs, units] (signed lattices)
         self.steps: dict[int, Tensor] = {}  # super-block -> steps [N, subs]
+        self.shifts: dict[int, Tensor] = {}  # super-block -> shifts [N, subs, units]
         self.pending: Tensor | None = None  # the current unit's values [8, N], handed out column by column
 
     def round(self, position: int, rows: Tensor) -> tuple[Tensor, Tensor]:
         """(placeholder codes, value) of the column at ``position``; ``rows`` [>= unit, N] start at it.
-        The grid keeps the unit's real codes (grid point and signs) itself, for ``record``."""
+        The grid keeps the unit's real codes (grid points, signs) itself, for ``record``."""
         if position % QK_K == 0:
             self._search_block(position, rows[:QK_K])
         if position % self.unit == 0:
@@ -170,50 +173,56 @@ class LatticeGrid:
         device = rows.device
         self.found[block] = found
         self.index[block] = torch.from_numpy(found.index.astype(np.int64)).to(device)
-        self.signs[block] = torch.from_numpy(found.signs.astype(np.int64)).to(device)
+        if self.codec.signed:
+            self.signs[block] = torch.from_numpy(found.signs.astype(np.int64)).to(device)
         self.steps[block] = torch.from_numpy(self.codec.steps(found)).to(device)
+        self.shifts[block] = torch.from_numpy(self.codec.shifts(found)).to(device)
 
     def _round_unit(self, column: int, rows: Tensor) -> Tensor:
-        """The unit of 8 columns from ``column`` (rows [8, N]) on its sub-block's step: values [8, N]."""
+        """The unit of 8 columns from ``column`` (rows [8, N]) at its sub-block's step: values [8, N]."""
         block, within = divmod(column, QK_K)
         sub, offset = divmod(within, self.codec.sub_block)
+        unit = offset // self.unit
         step = self.steps[block][:, sub]  # [N]
+        shift = self.shifts[block][:, sub, unit]  # [N]
         metric = self.metric[column:column + self.unit]
         x = rows.T  # [N, 8]
-        negative = x < 0
-        magnitude = x.abs()
-        if self.codec.even_signs:  # llama.cpp's rule: an odd octet's least important weight keeps the wrong sign
-            odd = negative.sum(dim=1) % 2 == 1
-            least = torch.nn.functional.one_hot((metric * x * x).argmin(dim=1), self.unit).bool() & odd[:, None]
-            negative ^= least
-            magnitude = torch.where(least, -magnitude, magnitude)
-        dim = self.points_t.shape[0]
+        negative = torch.zeros_like(x, dtype=torch.bool)
+        if self.codec.signed:
+            negative = x < 0
+            x = x.abs()
+            if self.codec.even_signs:  # an odd octet's least important weight keeps the wrong sign
+                odd = negative.sum(dim=1) % 2 == 1
+                least = torch.nn.functional.one_hot((metric * x * x).argmin(dim=1), self.unit).bool() & odd[:, None]
+                negative ^= least
+                x = torch.where(least, -x, x)
+        dim = self.points.shape[1]
         chosen = []
         for part in range(self.unit // dim):  # IQ3's two 4-value points per unit are independent
             columns = slice(part * dim, (part + 1) * dim)
-            weighted = magnitude[:, columns] * metric[columns]
-            # Σ m·(x − s·p)² = const − 2s·Σ m·x·p + s²·Σ m·p²: per row, the least of s·Σ m·p² − 2·Σ m·x·p
-            cost = step[:, None] * (metric[columns] @ self.points_squared_t)[None, :] - 2 * (weighted @ self.points_t)
+            m = metric[columns]
+            # Σ m·(x − s·(p + c))² over points p, per row: up to terms without p, s·(Σ m·p² + 2c·Σ m·p) − 2·Σ m·x·p
+            cost = step[:, None] * ((self.points * self.points) @ m + 2 * shift[:, None] * (self.points @ m))
+            cost -= 2 * ((x[:, columns] * m) @ self.points.T)
             chosen.append(cost.argmin(dim=1))
         index = torch.stack(chosen, dim=1)  # [N, 8 / dim]
-        zero = step == 0  # an empty super-block: point 0, no signs, as llama.cpp writes it
-        index = index.masked_fill(zero[:, None], 0)
-        negative &= ~zero[:, None]
-        sign_bits = (negative.long() << torch.arange(self.unit, device=x.device)).sum(dim=1)
-        if self.codec.even_signs:
-            sign_bits &= 127
-        groups = self.unit // dim
+        empty = step == 0  # an empty super-block: point 0, no signs, as llama.cpp writes it
+        index = index.masked_fill(empty[:, None], 0)
         first = offset // dim
-        self.index[block][:, sub, first:first + groups] = index
-        self.signs[block][:, sub, offset // self.unit] = sign_bits
-        points = self.points_t.T[index].reshape(len(x), self.unit)  # [N, 8]
-        return (torch.where(negative, -points, points) * step[:, None]).T
+        self.index[block][:, sub, first:first + len(chosen)] = index
+        values = (self.points[index].reshape(len(x), self.unit) + shift[:, None]) * step[:, None]
+        if self.codec.signed:
+            negative &= ~empty[:, None]
+            sign_bits = (negative.long() << torch.arange(self.unit, device=x.device)).sum(dim=1)
+            self.signs[block][:, sub, unit] = sign_bits & 127 if self.codec.even_signs else sign_bits
+            values = torch.where(negative, -values, values)
+        return values.T
 
     def record(self, codes: Tensor) -> GGUFTensor:
         """The super-blocks with the solver's grid points and signs (``codes`` are placeholders)."""
         n, k = self.shape
-        data = np.concatenate([self.codec.pack(self.found[block], self.index[block].cpu().numpy(),
-                                               self.signs[block].cpu().numpy()) for block in range(k // QK_K)],
-                              axis=1)
+        data = np.concatenate([
+            self.codec.pack(self.found[block], self.index[block].cpu().numpy(),
+                            self.signs[block].cpu().numpy() if self.codec.signed else None)
+            for block in range(k // QK_K)], axis=1)
         return GGUFTensor(self.type.name, torch.from_numpy(np.ascontiguousarray(data)), (n, k))
-
