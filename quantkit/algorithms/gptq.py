@@ -168,7 +168,7 @@ def gptq_solve(
             block.addmm_(u_block.T, factor[:start, start:stop].T @ residual[:start])
         # The column loop is a chain of small dependent ops: thread hand-offs cost more than they save
         # (measured at 4096 x 4096 on 2 busy cores: 3.9-5.9 s with one thread against 6.5-37 s with
-        # two), so it runs on one; the grids' searches inside it are big enough to use them all again.
+        # two), so it runs on one; the clipping search inside it is big enough to use them all again.
         with torch_threads(1):
             codes[start:stop] = _quantize_block(block, u_block, start, grid)
         residual[start:stop] -= block

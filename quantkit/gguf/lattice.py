@@ -179,6 +179,7 @@ class _Kind:
     pack: Callable[[_Found], np.ndarray]  # the block layout
     # (fp16 d as float32 [N, 1], 4-bit scale codes [N, subs]) -> each sub-block's step: weight = step·grid·sign
     step: Callable[[np.ndarray, np.ndarray], np.ndarray]
+    scale_codes: Callable[[np.ndarray], np.ndarray]  # blocks [N, bytes] -> the 4-bit scale codes [N, subs]
     qp_start: bool = False  # IQ2_XXS: trial scales around make_qp_quants' fit instead of the max
 
 
@@ -387,6 +388,16 @@ def _pack_iq2_s(f: _Found) -> np.ndarray:
                           axis=1)
 
 
+def _nibbles(b: np.ndarray) -> np.ndarray:
+    """Bytes [N, n] -> their 4-bit halves [N, 2n], the low one first."""
+    return np.stack([b & 15, b >> 4], axis=-1).reshape(len(b), -1)
+
+
+def _words(b: np.ndarray, dtype: str) -> np.ndarray:
+    """Bytes [N, n] -> little-endian words [N, n / size]."""
+    return np.ascontiguousarray(b).view(dtype)
+
+
 def _half_step(d: np.ndarray, codes: np.ndarray) -> np.ndarray:
     return (d * (_F32(0.5) + codes.astype(_F32)) * _F32(0.5)).astype(_F32)
 
@@ -402,18 +413,19 @@ def _odd_step(d: np.ndarray, codes: np.ndarray) -> np.ndarray:
 _KINDS = {kind.name: kind for kind in (
     _Kind("iq3_xxs", grid="IQ3_XXS", kmaxq=8, nwant=2, sub=32, steps=range(-15, 16), delta=0.2, eps=1e-8,
           sigma_factor=2, plain="x2", even_signs=True, redo="offgrid", fudge=1.0125, pack=_pack_iq3_xxs,
-          step=_half_step),
+          step=_half_step, scale_codes=lambda b: _words(b[:, 66:98], "<u4") >> 28),
     _Kind("iq3_s", grid="IQ3_S", kmaxq=8, nwant=3, sub=32, steps=range(-9, 10), delta=0.2, eps=0,
-          sigma_factor=2, plain="x2", even_signs=False, redo="all", fudge=1.033, pack=_pack_iq3_s, step=_odd_step),
+          sigma_factor=2, plain="x2", even_signs=False, redo="all", fudge=1.033, pack=_pack_iq3_s, step=_odd_step,
+          scale_codes=lambda b: _nibbles(b[:, 106:110])),
     _Kind("iq2_xxs", grid="IQ2_XXS", kmaxq=3, nwant=2, sub=32, steps=range(-6, 7), delta=0.1, eps=1e-15,
           sigma_factor=1, plain=None, even_signs=True, redo="always", fudge=1, pack=_pack_iq2_xxs,
-          step=_quarter_step, qp_start=True),
+          step=_quarter_step, scale_codes=lambda b: _words(b[:, 2:66], "<u4")[:, 1::2] >> 28, qp_start=True),
     _Kind("iq2_xs", grid="IQ2_XS", kmaxq=3, nwant=2, sub=16, steps=range(-9, 10), delta=0.1, eps=1e-15,
           sigma_factor=1, plain=None, even_signs=True, redo="offgrid", fudge=1, pack=_pack_iq2_xs,
-          step=_quarter_step),
+          step=_quarter_step, scale_codes=lambda b: _nibbles(b[:, 66:74])),
     _Kind("iq2_s", grid="IQ2_S", kmaxq=3, nwant=1, sub=16, steps=range(-9, 10), delta=0.1, eps=1e-8,
           sigma_factor=2, plain="sigma", even_signs=False, redo="offgrid", fudge=0.9875, pack=_pack_iq2_s,
-          step=_quarter_step),
+          step=_quarter_step, scale_codes=lambda b: _nibbles(b[:, 74:82])),
 )}
 
 
@@ -684,15 +696,16 @@ def quantize_iq1_m(x: np.ndarray, importance: np.ndarray | None = None, row_sigm
 
 @dataclass(frozen=True)
 class LatticeCodec:
-    """llama.cpp's search gives a super-block's scales (and IQ1's shifts), the solver then picks each
-    unit of 8 weights' grid points (and signs) at those scales, and ``pack`` writes them in the type's
-    layout. A weight is step · (point + shift) · sign: IQ2/IQ3 have signs and no shift, IQ1 a ±1/8
-    shift per unit and no signs."""
+    """llama.cpp's search gives a super-block's scales (and IQ1's shifts), read out of the blocks it
+    writes; the solver then picks each unit of 8 weights' grid points (and signs) at those scales, and
+    ``pack`` writes them in the type's layout. A weight is step · (point + shift) · sign: IQ2/IQ3 have
+    signs and no shift, IQ1 a ±1/8 shift per unit and no signs."""
 
     grid: str  # gguf-py's table
     sub_block: int  # weights per 4-bit (IQ1: 3-bit) scale
     even_signs: bool  # 7 sign bits per 8 weights (an even count of minus signs)
-    find: Callable[[np.ndarray, np.ndarray | None], tuple]  # (x, importance) -> (rows' shape, found)
+    # llama.cpp's blocks [N, block bytes] -> their scales (and shifts), every point and sign left 0
+    read: Callable[[np.ndarray], _Found | _TernaryFound]
     step: Callable[[np.ndarray, np.ndarray], np.ndarray]  # (fp16 d [N, 1], scale codes [N, subs]) -> steps
     write: Callable  # found -> bytes [N, block bytes]
     # found -> each unit's shift, float32 [N, subs, units]; None: signed, unshifted points
@@ -706,10 +719,6 @@ class LatticeCodec:
     def points(self) -> np.ndarray:
         """Every grid point's values as the dequantizer reads them, float32 [points, 4 or 8]."""
         return _table(self.grid)
-
-    def search(self, x: np.ndarray, importance: np.ndarray | None) -> _Found | _TernaryFound:
-        """llama.cpp's quantizer on whole rows x [N, 256·blocks]: its scales, points, signs or shifts."""
-        return self.find(x, importance)[1]
 
     def steps(self, found: _Found | _TernaryFound) -> np.ndarray:
         """Each sub-block's step as llama.cpp reads it back, float32 [N, subs]."""
@@ -732,9 +741,35 @@ class LatticeCodec:
         return self.write(dataclasses.replace(found, index=index, signs=signs, zero=np.zeros_like(found.zero)))
 
 
+def _read_signed(kind: _Kind, blocks: np.ndarray) -> _Found:
+    n, subs = len(blocks), QK_K // kind.sub
+    d = blocks[:, :2].copy()
+    return _Found(d, kind.scale_codes(blocks).astype(np.int64),
+                  np.zeros((n, subs, kind.sub // _table(kind.grid).shape[1]), dtype=np.int64),
+                  np.zeros((n, subs, kind.sub // 8), dtype=np.int64), np.zeros((n, subs), dtype=bool),
+                  _half(d)[:, 0] == 0)
+
+
 def _signed_codec(kind: _Kind) -> LatticeCodec:
-    return LatticeCodec(kind.grid, kind.sub, kind.even_signs, functools.partial(_quantize, kind), kind.step,
+    return LatticeCodec(kind.grid, kind.sub, kind.even_signs, functools.partial(_read_signed, kind), kind.step,
                         kind.pack)
+
+
+def _read_iq1_s(blocks: np.ndarray) -> _TernaryFound:
+    d = blocks[:, :2].copy()
+    qh = _words(blocks[:, 34:50], "<u2").astype(np.int64)  # [N, 8]
+    return _TernaryFound(d, (qh >> 12) & 7, np.zeros((len(blocks), 8, 4), dtype=np.int64),
+                         np.where(qh & 0x8000, -1, 1), _half(d)[:, 0] == 0)
+
+
+def _read_iq1_m(blocks: np.ndarray) -> _TernaryFound:
+    words = _words(blocks[:, 48:56], "<u2").astype(np.int64)  # [N, 4]: four 3-bit scales and a nibble of d
+    half = ((words >> 12) << np.array([0, 4, 8, 12])).sum(axis=1).astype("<u2")
+    d = half[:, None].view(np.uint8)
+    scales = ((words[..., None] >> (3 * np.arange(4))) & 7).reshape(len(blocks), 16)
+    qh = blocks[:, 32:48].astype(np.int64)  # [N, 16]: bit 3 shifts the first group by −δ, bit 7 the second
+    choice = 2 * ((qh & 0x08) != 0) + ((qh & 0x80) != 0)
+    return _TernaryFound(d, scales, np.zeros((len(blocks), 16, 2), dtype=np.int64), choice, _half(d)[:, 0] == 0)
 
 
 _DELTA = _F32(gguf_quants.IQ1_S.delta)
@@ -752,8 +787,8 @@ def _iq1_m_shifts(found: _TernaryFound) -> np.ndarray:
 # the types whose grid points a solver can choose
 LATTICE_CODECS = {
     **{name: _signed_codec(kind) for name, kind in _KINDS.items()},
-    "iq1_s": LatticeCodec("IQ1_S", _IQ1_S.sub, False, _search_iq1_s, _odd_step, _pack_iq1_s, _iq1_s_shifts),
-    "iq1_m": LatticeCodec("IQ1_M", _IQ1_M.sub, False, _search_iq1_m, _odd_step, _pack_iq1_m, _iq1_m_shifts),
+    "iq1_s": LatticeCodec("IQ1_S", _IQ1_S.sub, False, _read_iq1_s, _odd_step, _pack_iq1_s, _iq1_s_shifts),
+    "iq1_m": LatticeCodec("IQ1_M", _IQ1_M.sub, False, _read_iq1_m, _odd_step, _pack_iq1_m, _iq1_m_shifts),
 }
 
 
@@ -761,6 +796,7 @@ LATTICE_CODECS = {
 # Dequantizers (gguf-py's arithmetic)
 
 
+@functools.cache
 def _table(name: str) -> np.ndarray:
     table = getattr(gguf_quants, name)
     table.init_grid()
@@ -785,8 +821,8 @@ def _half(b: np.ndarray) -> np.ndarray:
 def dequantize_iq3_xxs(data: np.ndarray, k: int) -> np.ndarray:
     b = data.reshape(-1, 98)
     d = _half(b[:, :2])
-    words = b[:, 66:].copy().view("<u4")  # [N, 8]
-    db = _half_step(d, words >> 28)
+    words = _words(b[:, 66:], "<u4")  # [N, 8]
+    db = _half_step(d, _KINDS["iq3_xxs"].scale_codes(b))
     signs = _even_signs(((words[..., None] >> (7 * np.arange(4, dtype=np.uint32))) & 127).astype(np.int64))
     grid = _table("IQ3_XXS")[b[:, 2:66].reshape(-1, 8, 8).astype(np.int64)].reshape(-1, 8, 4, 8)
     return (db[..., None, None] * grid * signs).reshape(*data.shape[:-1], k)
@@ -795,8 +831,7 @@ def dequantize_iq3_xxs(data: np.ndarray, k: int) -> np.ndarray:
 def dequantize_iq3_s(data: np.ndarray, k: int) -> np.ndarray:
     b = data.reshape(-1, 110)
     d = _half(b[:, :2])
-    scales = np.stack([b[:, 106:110] & 15, b[:, 106:110] >> 4], axis=-1).reshape(-1, 8)
-    db = _odd_step(d, scales)
+    db = _odd_step(d, _KINDS["iq3_s"].scale_codes(b))
     signs = _sign_bits(b[:, 74:106]).reshape(-1, 8, 4, 8)
     qh = ((b[:, 66:74, None] >> np.arange(8, dtype=np.uint8)) & 1).astype(np.int64).reshape(-1, 64)
     index = b[:, 2:66].astype(np.int64) | qh << 8
@@ -807,8 +842,8 @@ def dequantize_iq3_s(data: np.ndarray, k: int) -> np.ndarray:
 def dequantize_iq2_xxs(data: np.ndarray, k: int) -> np.ndarray:
     b = data.reshape(-1, 66)
     d = _half(b[:, :2])
-    words = b[:, 2:].copy().view("<u4").reshape(-1, 8, 2)
-    db = _quarter_step(d, words[..., 1] >> 28)
+    words = _words(b[:, 2:], "<u4").reshape(-1, 8, 2)
+    db = _quarter_step(d, _KINDS["iq2_xxs"].scale_codes(b))
     signs = _even_signs(((words[..., 1:] >> (7 * np.arange(4, dtype=np.uint32))) & 127).astype(np.int64))
     index = words[..., 0].copy().view(np.uint8).reshape(-1, 8, 4).astype(np.int64)
     grid = _table("IQ2_XXS")[index]
@@ -819,8 +854,7 @@ def dequantize_iq2_xs(data: np.ndarray, k: int) -> np.ndarray:
     b = data.reshape(-1, 74)
     d = _half(b[:, :2])
     words = b[:, 2:66].copy().view("<u2").astype(np.int64)  # [N, 32]
-    scales = np.stack([b[:, 66:74] & 15, b[:, 66:74] >> 4], axis=-1).reshape(-1, 16)
-    db = _quarter_step(d, scales)
+    db = _quarter_step(d, _KINDS["iq2_xs"].scale_codes(b))
     signs = _even_signs(words >> 9).reshape(-1, 16, 2, 8)
     grid = _table("IQ2_XS")[words & 511].reshape(-1, 16, 2, 8)
     return (db[..., None, None] * grid * signs).reshape(*data.shape[:-1], k)
@@ -829,8 +863,7 @@ def dequantize_iq2_xs(data: np.ndarray, k: int) -> np.ndarray:
 def dequantize_iq2_s(data: np.ndarray, k: int) -> np.ndarray:
     b = data.reshape(-1, 82)
     d = _half(b[:, :2])
-    scales = np.stack([b[:, 74:82] & 15, b[:, 74:82] >> 4], axis=-1).reshape(-1, 16)
-    db = _quarter_step(d, scales)
+    db = _quarter_step(d, _KINDS["iq2_s"].scale_codes(b))
     signs = _sign_bits(b[:, 34:66]).reshape(-1, 16, 2, 8)
     qh = ((b[:, 66:74, None] >> (2 * np.arange(4, dtype=np.uint8))) & 3).astype(np.int64).reshape(-1, 32)
     grid = _table("IQ2_S")[b[:, 2:34].astype(np.int64) | qh << 8].reshape(-1, 16, 2, 8)

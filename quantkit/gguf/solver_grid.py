@@ -25,7 +25,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from quantkit.device import torch_threads
 from quantkit.gguf.lattice import QK_K
 from quantkit.gguf.legacy import row_sigma2
 from quantkit.gguf.record import GGUFTensor
@@ -143,7 +142,6 @@ class LatticeGrid:
         self.metric = torch.empty_like(metric, dtype=torch.float32)  # per input channel, natural order
         self.metric[order] = metric.to(torch.float32)
         self.importance = None if importance is None else importance.to(torch.float32).cpu().numpy()
-        self.threads = torch.get_num_threads()
         self.points = torch.from_numpy(self.codec.points).to(weight.device)  # [points, 4 or 8]
         self.found: dict[int, object] = {}  # super-block -> llama.cpp's search result
         self.index: dict[int, Tensor] = {}  # super-block -> grid indices [N, subs, points per sub-block]
@@ -157,9 +155,8 @@ class LatticeGrid:
         The grid keeps the unit's real codes (grid points, signs) itself, for ``record``."""
         if position % QK_K == 0:
             self._search_block(position, rows[:QK_K])
-        if position % self.unit == 0:
-            with torch_threads(self.threads):
-                self.pending = self._round_unit(int(self.order[position]), rows[:self.unit])
+        if position % self.unit == 0:  # on the solver's one thread: the unit's products are small
+            self.pending = self._round_unit(int(self.order[position]), rows[:self.unit])
         values = self.pending[position % self.unit]
         return torch.zeros_like(values, dtype=torch.uint8), values
 
@@ -168,8 +165,8 @@ class LatticeGrid:
         block = int(columns.min()) // QK_K
         natural = rows[torch.argsort(columns)]  # the block's columns in file order, [256, N]
         channels = slice(block * QK_K, (block + 1) * QK_K)
-        found = self.codec.search(np.ascontiguousarray(natural.T.cpu().numpy()),
-                                  None if self.importance is None else self.importance[channels])
+        found = self.codec.read(self.type.quantize_fast(np.ascontiguousarray(natural.T.cpu().numpy()),
+                                                        None if self.importance is None else self.importance[channels]))
         device = rows.device
         self.found[block] = found
         self.index[block] = torch.from_numpy(found.index.astype(np.int64)).to(device)
