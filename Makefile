@@ -40,7 +40,7 @@ help:
 	@echo "make bench-ct    compressed-tensors: W4A16 S-GPTQ vs llm-compressor's GPTQ (g64), INT8 W8A8 vs its SmoothQuant + GPTQ, FP8 vs its FP8_DYNAMIC"
 	@echo "make bench-gptq  GPTQ / S-GPTQ / S-P-GPTQ / GPTQModel at W4 g128 on the default model: 3 calibration seeds x both compute paths, scored per test text"
 	@echo "make bench-awq   AWQ / RTN / GPTQ / S-P-GPTQ at W4 and W3 g128, then AWQ vs llm-compressor at W4 g64"
-	@echo "make bench-gguf  every GGUF type exported by quantkit and by llama.cpp's quantizer (plain and with llama-imatrix), plus GPTQ on the Q4_0, Q4_K_M, IQ4_XS, Q3_K_M, IQ3_M, Q2_K and IQ2_M grids, scored in llama.cpp; KL against size plotted"
+	@echo "make bench-gguf  every GGUF type exported by quantkit and by llama.cpp's quantizer (plain and with llama-imatrix), plus GPTQ on the Q4_0, Q4_K_M, IQ4_XS, Q3_K_M, IQ3_M, Q2_K, IQ2_M and IQ1_M grids, scored in llama.cpp; KL against size plotted"
 	@echo "make bench-gguf-speed  quantkit export gguf vs llama.cpp's quantizer, time per type on the default model and an 8B-shaped slice (target <= 1.5x)"
 	@echo "make llama-tools  build llama.cpp's llama-imatrix and llama-quantize once (bench-gguf's imatrix anchor; ~10 min)"
 	@echo "make bench-mlx   mlx_lm.convert, mlx-lm's GPTQ/AWQ/DWQ, quantkit's MLX recipes and DWQ at W4 g64, scored by mlx-lm (BENCH_MLX_ARGS='--reuse')"

@@ -45,13 +45,14 @@ GPTQ_RECIPES = {
     "gguf-q2_k": ("gguf-q2_k", "q2_k", ()),
     "gguf-iq3_m": ("gguf-iq3_m", "iq3_m", ()),
     "gguf-iq2_m": ("gguf-iq2_m", "iq2_m", ()),
+    "gguf-iq1_m": ("gguf-iq1_m", "iq1_m", ()),
 }
 PLAIN_TYPES = ("q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_k_s", "q4_1", "q4_0", "iq4_xs", "iq4_nl", "q3_k_m", "q3_k_s",
                "iq3_m", "iq3_s", "q2_k")
 # quantkit's best file of the type, against llama.cpp + llama-imatrix
-TARGET_TYPES, TARGET_RATIO = ("q4_0", "q4_k_m", "iq4_xs", "q3_k_m", "iq3_m", "q2_k", "iq2_m"), 0.8
+TARGET_TYPES, TARGET_RATIO = ("q4_0", "q4_k_m", "iq4_xs", "q3_k_m", "iq3_m", "q2_k", "iq2_m", "iq1_m"), 0.8
 # the file types made with an importance matrix only (llama.cpp + llama-imatrix rows), beside TARGET_TYPES
-LATTICE_TYPES = ("iq3_xxs", "iq2_xxs", "iq1_m")
+LATTICE_TYPES = ("iq3_xxs", "iq2_xxs")
 # quantkit's imatrix against llama-imatrix's: the median tensor's largest relative difference
 IMATRIX_TOLERANCE = 0.05
 # The prefix-aware imatrix row: the MiniCPM4 report's P-GPTQ cut
