@@ -43,6 +43,14 @@ def block_grid(tensor_type: TensorType, weight: Tensor, order: Tensor, importanc
     return BlockGrid(tensor_type, weight, order, importance)
 
 
+def _block_at(order: Tensor, position: int, width: int, rows: Tensor) -> tuple[int, Tensor, slice]:
+    """The block of ``width`` columns whose processing starts at ``position``: its index, its rows
+    ([>= width, N] from that position) in file order [width, N], and its input channels."""
+    columns = order[position:position + width]
+    block = int(columns.min()) // width
+    return block, rows[:width][torch.argsort(columns)], slice(block * width, (block + 1) * width)
+
+
 class BlockGrid:
     def __init__(self, tensor_type: TensorType, weight: Tensor, order: Tensor, importance: Tensor | None = None):
         shape = n, k = tuple(weight.shape)
@@ -86,10 +94,7 @@ class BlockGrid:
         return codes, levels[codes] * scale + offset
 
     def _choose_block(self, position: int, rows: Tensor) -> None:
-        columns = self.order[position:position + self.width]
-        block = int(columns.min()) // self.width
-        natural = rows[:self.width][torch.argsort(columns)]  # the block's columns in file order, [width, N]
-        channels = slice(block * self.width, (block + 1) * self.width)
+        block, natural, channels = _block_at(self.order, position, self.width, rows)
         data = self.type.quantize_with(np.ascontiguousarray(natural.T.cpu().numpy()),
                                        None if self.importance is None else self.importance[channels],
                                        self.row_sigma2)
@@ -161,10 +166,7 @@ class LatticeGrid:
         return torch.zeros_like(values, dtype=torch.uint8), values
 
     def _search_block(self, position: int, rows: Tensor) -> None:
-        columns = self.order[position:position + QK_K]
-        block = int(columns.min()) // QK_K
-        natural = rows[torch.argsort(columns)]  # the block's columns in file order, [256, N]
-        channels = slice(block * QK_K, (block + 1) * QK_K)
+        block, natural, channels = _block_at(self.order, position, QK_K, rows)
         found = self.codec.read(self.type.quantize_fast(np.ascontiguousarray(natural.T.cpu().numpy()),
                                                         None if self.importance is None else self.importance[channels]))
         device = rows.device
