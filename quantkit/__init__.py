@@ -15,7 +15,9 @@ to import, and what never touches them (``quantkit --help``) should not wait for
 from __future__ import annotations
 
 import importlib.abc
+import importlib.machinery
 import importlib.util
+import os
 import sys
 
 from quantkit.version import __version__  # noqa: F401
@@ -123,7 +125,27 @@ class _RegisterWithTransformers(importlib.abc.MetaPathFinder):
         return spec
 
 
+# A source checkout's kernels/ folder is installed as quantkit.kernels, but wherever the checkout's root is on
+# sys.path (``python -m`` run there puts the working directory first, as the Makefile's tests and benchmarks
+# are run) it would also be found as the top-level package ``kernels``, hiding the Hugging Face package of that
+# name which transformers imports when it is installed (transformers >= 5.25 requires it).
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+
+
+class _InstalledKernels(importlib.abc.MetaPathFinder):
+    """Finds the top-level ``kernels`` on sys.path without the checkout's root (None if it is only there)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "kernels":
+            return None
+        elsewhere = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != _CHECKOUT]
+        return importlib.machinery.PathFinder.find_spec(name, elsewhere)
+
+
 def _install() -> None:
+    if os.path.isdir(os.path.join(_CHECKOUT, "kernels")) and not any(
+            type(finder).__name__ == "_InstalledKernels" for finder in sys.meta_path):
+        sys.meta_path.insert(0, _InstalledKernels())
     if any(type(finder).__name__ == "_RegisterWithTransformers" for finder in sys.meta_path):
         return
     pending = set()

@@ -184,3 +184,18 @@ def test_the_check_sees_lazy_relative_and_from_imports(tmp_path):
                      "from quantkit import atomic\n")
     found = imports_of(probe, "quantkit.eval.probe", modules())
     assert found == {"quantkit.engine", "quantkit.eval.ppl", "quantkit.atomic"}
+
+
+def test_the_checkouts_kernels_folder_does_not_hide_the_installed_kernels_package():
+    """Run from the checkout's root (as ``python -m pytest`` and the benchmarks are), the folder kernels/ is
+    on sys.path as a top-level package; transformers' model code imports Hugging Face's ``kernels`` package
+    whenever it is installed, and must get that one, not quantkit's runtime."""
+    import subprocess
+    import sys
+
+    probe = ("import quantkit, sys\nimport transformers.modeling_utils\nimport quantkit.kernels.generate\n"
+             "module = sys.modules.get('kernels')\n"
+             "assert module is None or not module.__file__.startswith(sys.argv[1]), module.__file__\n")
+    result = subprocess.run([sys.executable, "-c", probe, str(ROOT / "kernels")], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]

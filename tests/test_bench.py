@@ -288,3 +288,25 @@ def test_bench_gguf_plots_kl_against_size_per_way_of_making_the_file(tmp_path):
             for by in made_by for t, bits, kl in (("q4_0", 4.5, 0.1), ("q2_k", 2.9, 0.4))]
     plot_kl_against_size(rows, tmp_path / "kl.png", "test")
     assert (tmp_path / "kl.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_gptq_transfer_bench_scores_both_solutions_under_each_sets_inputs(tiny_checkpoint, tmp_path):
+    """On the calibration rows' own statistics GPTQ beats llama.cpp + imatrix on every linear (that is what
+    it minimises); the held-out text's column is a measurement, only required to be a positive ratio."""
+    import json
+
+    from click.testing import CliRunner
+
+    from quantkit.eval.bench.bench_gptq_transfer import main
+
+    out = tmp_path / "transfer.json"
+    result = CliRunner().invoke(main, ["--model", str(tiny_checkpoint), "--texts", "austen", "--max-tokens", "256",
+                                       "--window", "128", "--n-samples", "4", "--seq-len", "64", "--shrink", "0,1",
+                                       "--threads", "1", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    records = json.loads(out.read_text())["rows"]
+    assert {r["shrink"] for r in records} == {0.0, 1.0} and len(records) == 2 * 7 * 2  # 2 layers x 7 linears
+    for record in records:
+        assert set(record["ratio"]) == {"calibration", "austen"} and all(v > 0 for v in record["ratio"].values())
+        if record["shrink"] == 0:
+            assert record["ratio"]["calibration"] < 1

@@ -171,12 +171,14 @@ def tensor_digest(path: Path) -> str:
               help="Comma-separated types quantized by llama-quantize --imatrix (empty: none).")
 @click.option("--llama-tools/--no-llama-tools", "use_llama_tools", default=True, show_default=True,
               help="Build (once) and run llama-imatrix and llama-quantize for the imatrix rows.")
+@click.option("--anchors-only", is_flag=True,
+              help="Per imatrix type, only llama.cpp + llama-imatrix (skip llama.cpp on quantkit's imatrices).")
 @click.option("--n-samples", default=128, show_default=True, help="Calibration rows (GPTQ and both imatrices).")
 @click.option("--seq-len", default=512, show_default=True)
 @click.option("--threads", default=2, show_default=True, help="Threads of the llama.cpp tools.")
 @click.option("--out", default="out/bench-gguf", show_default=True, type=click.Path(path_type=Path))
-def main(model, types, recipes, imatrix_types, use_llama_tools, texts, max_tokens, window, n_samples, seq_len,
-         threads, out):
+def main(model, types, recipes, imatrix_types, use_llama_tools, anchors_only, texts, max_tokens, window, n_samples,
+         seq_len, threads, out):
     """Export every type both ways, score each file in llama.cpp, print one table."""
     from transformers import AutoTokenizer
 
@@ -248,9 +250,10 @@ def main(model, types, recipes, imatrix_types, use_llama_tools, texts, max_token
         started = time.perf_counter()
         entries = len(imatrix_for(model_dir, ours_imatrix, n_samples=n_samples, seq_len=seq_len).sums)
         made[ours_imatrix] = time.perf_counter() - started
-        started = time.perf_counter()
-        imatrix_for(model_dir, prefix_imatrix, n_samples=n_samples, seq_len=seq_len, prefix_tokens=PREFIX_TOKENS)
-        made[prefix_imatrix] = time.perf_counter() - started
+        if not anchors_only:
+            started = time.perf_counter()
+            imatrix_for(model_dir, prefix_imatrix, n_samples=n_samples, seq_len=seq_len, prefix_tokens=PREFIX_TOKENS)
+            made[prefix_imatrix] = time.perf_counter() - started
         agreement = compare_imatrices(theirs_imatrix, ours_imatrix)
         agrees = (agreement["same_names_and_counts"]
                   and agreement["median_max_relative_difference"] <= IMATRIX_TOLERANCE)
@@ -262,8 +265,9 @@ def main(model, types, recipes, imatrix_types, use_llama_tools, texts, max_token
                         f"{agreement['min_correlation']:.3f}: {'PASS' if agrees else 'FAIL'} "
                         f"(tolerance {IMATRIX_TOLERANCE:.0%}; llama-imatrix re-tokenizes the text)")
         for file_type in wanted:
-            for imatrix, by in ((theirs_imatrix, "llama-imatrix"), (ours_imatrix, "quantkit imatrix"),
-                                (prefix_imatrix, f"quantkit imatrix --prefix-tokens {PREFIX_TOKENS}")):
+            sources = ((theirs_imatrix, "llama-imatrix"), (ours_imatrix, "quantkit imatrix"),
+                       (prefix_imatrix, f"quantkit imatrix --prefix-tokens {PREFIX_TOKENS}"))
+            for imatrix, by in sources[:1] if anchors_only else sources:
                 path = out / f"{file_type}-{imatrix.stem}.gguf"
                 log = out / f"{path.stem}.log"
                 seconds = _run([str(bin_dir / "llama-quantize"), "--imatrix", str(imatrix), str(f32), str(path),
@@ -272,7 +276,7 @@ def main(model, types, recipes, imatrix_types, use_llama_tools, texts, max_token
                     check_loaded(log.read_text(), entries, (out / f"{file_type}-{theirs_imatrix.stem}.log").read_text())
                 rows.append(score(path, f"llama.cpp quantize --imatrix ({by}; seconds include it)",
                                   made[imatrix] + seconds, ""))
-            anchors[file_type] = rows[-3]
+            anchors[file_type] = rows[-1 if anchors_only else -3]
 
     for name in names(recipes):
         recipe, file_type, settings = GPTQ_RECIPES[name]
