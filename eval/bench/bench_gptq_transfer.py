@@ -34,15 +34,18 @@ def input_hessians(model, linears: list[str], rows: dict) -> dict[str, dict]:
     """{set: {linear path: H = 2/n Σ xᵀx}} of the inputs reaching each linear while ``rows[set]``
     ([n, seq] token ids) run through the decoder."""
     import torch
+    from tqdm.auto import tqdm
 
     from quantkit.stats import InputCapture
 
     hessians = {}
-    for name, input_ids in rows.items():
-        with InputCapture(model, tuple(linears)) as capture, torch.no_grad():
-            for start in range(0, len(input_ids), BATCH):
-                capture.run(model.model, input_ids[start:start + BATCH])
-        hessians[name] = {linear: stats.hessian for linear, stats in capture.stats.items()}
+    with tqdm(total=sum(len(ids) for ids in rows.values()), desc="input statistics", unit="row") as bar:
+        for name, input_ids in rows.items():
+            with InputCapture(model, tuple(linears)) as capture, torch.no_grad():
+                for start in range(0, len(input_ids), BATCH):
+                    capture.run(model.model, input_ids[start:start + BATCH])
+                    bar.update(len(input_ids[start:start + BATCH]))
+            hessians[name] = {linear: stats.hessian for linear, stats in capture.stats.items()}
     return hessians
 
 
