@@ -310,3 +310,13 @@ def test_gptq_transfer_bench_scores_both_solutions_under_each_sets_inputs(tiny_c
         assert set(record["ratio"]) == {"calibration", "austen"} and all(v > 0 for v in record["ratio"].values())
         if record["shrink"] == 0:
             assert record["ratio"]["calibration"] < 1
+
+
+@pytest.mark.parametrize("shrink", ["abc", "0,1.5", ""])
+def test_gptq_transfer_bench_refuses_a_shrink_outside_zero_to_one(shrink):
+    from click.testing import CliRunner
+
+    from quantkit.eval.bench.bench_gptq_transfer import main
+
+    result = CliRunner().invoke(main, ["--model", "nonexistent", "--shrink", shrink])
+    assert result.exit_code == 2 and "--shrink" in result.output and "Traceback" not in result.output

@@ -93,9 +93,12 @@ def main(model, file_type, texts, max_tokens, window, n_samples, seq_len, damp, 
     if file_type not in MIXES:
         raise click.BadParameter(f"{file_type!r} is not a GGUF file type ({', '.join(MIXES)})",
                                  param_hint="--file-type")
-    amounts = [float(a) for a in names(shrink)]
+    try:
+        amounts = [float(a) for a in names(shrink)]
+    except ValueError:
+        amounts = []
     if not amounts or not all(0 <= a <= 1 for a in amounts):
-        raise click.BadParameter("each amount must be in [0, 1]", param_hint="--shrink")
+        raise click.BadParameter(f"{shrink!r}: give comma-separated numbers in [0, 1]", param_hint="--shrink")
     torch.set_num_threads(threads)
     model_dir = resolve_model(model)
     tokenizer = load_tokenizer(model_dir)
@@ -104,12 +107,12 @@ def main(model, file_type, texts, max_tokens, window, n_samples, seq_len, damp, 
         rows[name] = tokens[:len(tokens) // window * window].view(-1, window)
     lm = load_model(model_dir)
     config = lm.config
-    paths = [f"{layer_prefix(layer)}{linear}" for layer in range(config.num_hidden_layers) for linear in LINEARS]
-    hessians = input_hessians(lm, paths, rows)
+    linears = {f"{layer_prefix(layer)}{linear}": (layer, linear)
+               for layer in range(config.num_hidden_layers) for linear in LINEARS}
+    hessians = input_hessians(lm, list(linears), rows)
 
     records = []
-    for path in tqdm(paths, desc="solve", unit="linear"):
-        layer, linear = int(path.split(".")[2]), path.split(".", 3)[3]
+    for path, (layer, linear) in tqdm(linears.items(), desc="solve", unit="linear"):
         weight = lm.get_submodule(path).weight.detach().float()
         tensor_type = target(file_type, linear, layer, config, tuple(weight.shape))
         if not tensor_type.solvable:
