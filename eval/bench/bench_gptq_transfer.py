@@ -68,6 +68,8 @@ def shrunk(hessian, amount: float):
 @texts_option("austen,zh-heldout,test-fiction,test-manual,test-code,test-zh")
 @click.option("--max-tokens", default=8192, show_default=True, help="Tokens of each text, in rows of --window.")
 @click.option("--window", default=512, show_default=True)
+@click.option("--calibration", default="default", show_default=True,
+              help="Calibration source of both solutions: a mix, a corpus or a text file (as calibration.source).")
 @click.option("--n-samples", default=128, show_default=True, help="Calibration rows (both solutions).")
 @click.option("--seq-len", default=512, show_default=True)
 @click.option("--damp", default=0.01, show_default=True, help="GPTQ's damp_percent (the gguf recipes').")
@@ -75,7 +77,8 @@ def shrunk(hessian, amount: float):
               help="Comma-separated amounts a of (1 − a)·H + a·diag(H), each solved by GPTQ (0: H itself).")
 @click.option("--threads", default=2, show_default=True)
 @click.option("--json", "json_path", default=None, type=click.Path(path_type=Path), help="Also write the rows here.")
-def main(model, file_type, texts, max_tokens, window, n_samples, seq_len, damp, shrink, threads, json_path):
+def main(model, file_type, texts, max_tokens, window, calibration, n_samples, seq_len, damp, shrink, threads,
+         json_path):
     """GPTQ's output error over llama.cpp + imatrix's, under the calibration rows' and each text's inputs."""
     import numpy as np
     import torch
@@ -102,7 +105,8 @@ def main(model, file_type, texts, max_tokens, window, n_samples, seq_len, damp, 
     torch.set_num_threads(threads)
     model_dir = resolve_model(model)
     tokenizer = load_tokenizer(model_dir)
-    rows = {CALIBRATION: calib.calibration_set(tokenizer, n_samples=n_samples, seq_len=seq_len).input_ids}
+    rows = {CALIBRATION: calib.calibration_set(tokenizer, source=calibration, n_samples=n_samples,
+                                               seq_len=seq_len).input_ids}
     for name, tokens in text_tokens(tokenizer, names(texts), max_tokens).items():
         rows[name] = tokens[:len(tokens) // window * window].view(-1, window)
     lm = load_model(model_dir)
@@ -142,7 +146,7 @@ def main(model, file_type, texts, max_tokens, window, n_samples, seq_len, damp, 
     table = format_table(["linear", "shrink", "types", *sets], table_rows)
     setup = (f"model {model_dir.name}, {file_type} mix; GPTQ (damp {damp}, block 256, group-aware order) over "
              f"llama.cpp + imatrix, output error under each set's inputs, mean over layers; calibration "
-             f"{n_samples} x {seq_len} tokens (default mix), texts {max_tokens} tokens in rows of {window}; "
+             f"{n_samples} x {seq_len} tokens ({calibration}), texts {max_tokens} tokens in rows of {window}; "
              f"machine: {machine()}")
     report(setup, table, records, json_path=json_path)
 
