@@ -1,5 +1,6 @@
 """quantkit.kernels and quantkit.eval import from the editable install and from a built wheel,
-and neither install creates top-level `kernels` or `eval` modules."""
+and neither install creates top-level `kernels` or `eval` modules (a top-level `kernels` may exist:
+Hugging Face's package of that name, which transformers requires, but it must not be quantkit's folder)."""
 import os
 import subprocess
 import sys
@@ -11,13 +12,18 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PROBE = ("import quantkit.kernels, quantkit.eval, quantkit.recipes, quantkit.calib_data, importlib.util;"
          "print(quantkit.kernels.__file__); print(quantkit.eval.__file__);"
-         "print(importlib.util.find_spec('kernels') is None and importlib.util.find_spec('eval') is None)")
+         "print(*((importlib.util.find_spec(top) or importlib.util.spec_from_loader(top, None)).origin or '-'"
+         " for top in ('kernels', 'eval')))")
 
 
-def _probe(env=None) -> list[str]:
+def _probe(env=None, roots: tuple[Path, ...] = (REPO,)) -> tuple[str, str, str]:
+    """quantkit.kernels' and quantkit.eval's files, and "True" if no top-level `kernels` or `eval` is a
+    folder directly under one of ``roots`` (quantkit's own, installed or in the checkout)."""
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, cwd="/",
                          check=True)
-    return out.stdout.split()
+    kernels_file, eval_file, *top_level = out.stdout.split()
+    ours = [origin for origin in top_level if origin != "-" and Path(origin).parent.parent in roots]
+    return kernels_file, eval_file, str(not ours)
 
 
 def test_editable_install_maps_folders():
@@ -44,7 +50,7 @@ def test_built_wheel_contains_and_imports_subpackages(tmp_path):
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, capture_output=True)
-    kernels_file, eval_file, no_top_level = _probe({**os.environ, "PYTHONPATH": str(target)})
+    kernels_file, eval_file, no_top_level = _probe({**os.environ, "PYTHONPATH": str(target)}, (target, REPO))
     assert Path(kernels_file) == target / "quantkit" / "kernels" / "__init__.py"
     assert Path(eval_file) == target / "quantkit" / "eval" / "__init__.py"
     assert no_top_level == "True"
