@@ -96,11 +96,14 @@ sys.meta_path.insert(0, _Blocked())
 
 def run_without(blocked: set[str], code: str, *args: str, env: dict | None = None):
     """Run ``code`` (``python -c``) in a child Python where importing ``blocked``'s packages fails; no
-    standard input (nothing it runs may wait for an answer), ``env`` added to the environment."""
+    standard input (nothing it runs may wait for an answer), ``env`` added to the environment. It runs in
+    the temporary directory, not the checkout: ``python -c`` puts its working directory on sys.path, where
+    the checkout's kernels/ folder would hide Hugging Face's ``kernels`` from transformers."""
     import os
     import subprocess
     import sys
+    import tempfile
 
     return subprocess.run([sys.executable, "-c", _BLOCKER.format(blocked=blocked) + code, *args],
                           capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600,
-                          env={**os.environ, **(env or {})})
+                          env={**os.environ, **(env or {})}, cwd=tempfile.gettempdir())
