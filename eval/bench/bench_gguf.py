@@ -267,7 +267,8 @@ def main(model, types, recipes, imatrix_types, use_llama_tools, anchors_only, te
         for file_type in wanted:
             sources = ((theirs_imatrix, "llama-imatrix"), (ours_imatrix, "quantkit imatrix"),
                        (prefix_imatrix, f"quantkit imatrix --prefix-tokens {PREFIX_TOKENS}"))
-            for imatrix, by in sources[:1] if anchors_only else sources:
+            chosen = sources[:1] if anchors_only else sources  # llama-imatrix's first: the anchor
+            for imatrix, by in chosen:
                 path = out / f"{file_type}-{imatrix.stem}.gguf"
                 log = out / f"{path.stem}.log"
                 seconds = _run([str(bin_dir / "llama-quantize"), "--imatrix", str(imatrix), str(f32), str(path),
@@ -276,7 +277,7 @@ def main(model, types, recipes, imatrix_types, use_llama_tools, anchors_only, te
                     check_loaded(log.read_text(), entries, (out / f"{file_type}-{theirs_imatrix.stem}.log").read_text())
                 rows.append(score(path, f"llama.cpp quantize --imatrix ({by}; seconds include it)",
                                   made[imatrix] + seconds, ""))
-            anchors[file_type] = rows[-1 if anchors_only else -3]
+            anchors[file_type] = rows[-len(chosen)]
 
     for name in names(recipes):
         recipe, file_type, settings = GPTQ_RECIPES[name]
