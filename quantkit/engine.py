@@ -290,12 +290,13 @@ def plan_activations(config: MiniCPMConfig, calibration: Mapping, dtype: torch.d
 
 def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resume: bool = False,
              progress: bool = True, device: str = "auto", activations: str = "auto",
-             stop_after_layers: int | None = None) -> RunReport:
+             stop_after_layers: int | None = None, notes: dict | None = None) -> RunReport:
     """Quantize ``model_dir`` with ``recipe`` into ``out_dir``, each layer's work on ``device`` (cpu, cuda,
     or auto: ``resolve_device``), the calibration activations in memory or spilled to files beside
     ``out_dir`` (``activations``: auto, memory or disk; ``plan_activations``).
 
-    ``stop_after_layers`` ends the run after that many layers without finishing the artifact
+    ``notes`` are added to the artifact's manifest as they are (a size budget's plan: what each tensor got
+    and why). ``stop_after_layers`` ends the run after that many layers without finishing the artifact
     (what an interruption leaves behind); tests use it to prove resumption.
     """
     from quantkit.device import resolve_device
@@ -386,6 +387,7 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
         "calibration": calibration.describe(),
         "layer_errors": layer_errors,
         "remote_code": code.record,
+        **(notes or {}),
     }
     configs = fmt.config_files(code.config({**source_config, "quantization_config": quantization_config}))
     writer.finish(model_dir, configs.pop("config.json"), quantization_config, report.to_dict(),

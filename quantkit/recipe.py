@@ -26,6 +26,7 @@ import yaml
 from quantkit.algorithms import ALGORITHMS, SECTIONS
 from quantkit.errors import QuantkitError
 from quantkit.formats import FORMATS
+from quantkit.formats import gguf as gguf_format
 from quantkit.models.layers import LINEARS, SEQUENTIAL_GROUPS
 from quantkit.quant import FLOAT_BIAS_BITS, QuantConfig
 from quantkit.recipes.fields import Field, Section, positive, seed_field
@@ -132,6 +133,7 @@ SCHEMA: dict[str, Any] = {
     },
     **{fmt.name: fmt.settings for fmt in FORMATS.values() if fmt.settings is not None},
     "qat": fake_quant.SETTINGS,
+    "gguf": gguf_format.SETTINGS,
 }
 
 
@@ -259,6 +261,7 @@ def load_recipe(name_or_path: str | Path, overrides: dict[str, Any] | None = Non
     for fmt in FORMATS.values():  # the recipe's format, and a format's own section wherever it is stated
         if fmt.name == values["format"] or (fmt.settings is not None and fmt.name in values):
             _refuse(path, fmt.recipe_refusal(values))
+    _refuse(path, gguf_format.refusal(values))
     _refuse(path, _smoothing_conflict(values, config))
     return Recipe(values, str(path))
 

@@ -38,12 +38,13 @@ LAYERS = {
     "pipeline parts": ("quantkit.run", "quantkit.recipe", "quantkit.training", "quantkit.activations"),
     "post-training quantization": ("quantkit.engine",),
     "importance matrix": ("quantkit.imatrix",),
+    "size budget": ("quantkit.budget",),
     "qat": ("quantkit.qat",),
     "draft heads": ("quantkit.draft",),
     "entry points": ("quantkit", "quantkit.cli", "quantkit.eval.bench", "quantkit.eval.interop",
                      "quantkit.calib_data.build"),
 }
-PIPELINES = ("post-training quantization", "importance matrix", "qat", "draft heads")
+PIPELINES = ("post-training quantization", "importance matrix", "size budget", "qat", "draft heads")
 _CODECS = {"leaves", "io", "models", "gguf types"}
 _READER = _CODECS | {"formats", "reader"}
 # layer -> the layers it may import besides its own (algorithms and formats never import each other: a

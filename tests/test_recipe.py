@@ -121,12 +121,14 @@ def test_mlx_mixed_needs_format_mlx_and_its_lower_width():
 def test_the_schema_is_assembled_from_the_sections_beside_their_code_in_recipe_order():
     from quantkit.algorithms import gptq, smooth
     from quantkit.formats import FORMATS
+    from quantkit.formats import gguf as gguf_format
     from quantkit.training import fake_quant
 
     assert SCHEMA["gptq"] is gptq.SETTINGS and SCHEMA["smooth"] is smooth.SETTINGS
     assert SCHEMA["mlx"] is FORMATS["mlx"].settings and SCHEMA["qat"] is fake_quant.SETTINGS
     assert SCHEMA["compressed-tensors"] is FORMATS["compressed-tensors"].settings
+    assert SCHEMA["gguf"] is gguf_format.SETTINGS  # one section for every gguf-* format
     # the order of Recipe.values, which every manifest records
     assert list(SCHEMA) == ["name", "description", "algorithm", "format", "prefix_tokens", "prefix_linears",
                             "compute_dtype", "quant", "gptq", "smooth", "calibration", "compressed-tensors", "mlx",
-                            "qat"]
+                            "qat", "gguf"]

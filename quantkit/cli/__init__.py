@@ -31,6 +31,7 @@ WITHOUT_HUGE_PAGES = frozenset({"generate", "chat"})
 # command name -> "module:attribute" of the command (or group) it runs
 COMMANDS = {
     "quantize": "quantkit.cli.quantize:quantize",
+    "plan": "quantkit.cli.plan:plan_command",
     "qat": "quantkit.cli.qat:qat_group",
     "draft": "quantkit.cli.draft:draft_group",
     "eval": "quantkit.cli.eval:eval_group",

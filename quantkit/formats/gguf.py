@@ -5,9 +5,14 @@ on the GGUF type llama.cpp's mix gives that tensor (Q4_K, Q6_K for the _M mixes'
 layers, Q5_0 where rows are not whole 256-blocks, ...), and the shard keeps its blocks as
 ``<linear>.gguf_<type>``. ``quantkit export gguf --type <file type>`` then copies them into the
 file unchanged; everything else (embeddings, norms) is quantized by the export as llama.cpp would.
+
+A recipe's ``gguf.tensor_types`` overrides the mix per tensor (llama-quantize's ``--tensor-type``), by
+GGUF name: what a size budget's plan writes (``quantkit.budget``). The overrides are recorded in the
+artifact's quantization config, so the export gives those tensors the same types.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
@@ -15,11 +20,12 @@ from torch import Tensor
 
 from quantkit.formats.base import Format
 from quantkit.gguf.mixes import MIXES, Model, choose_type
-from quantkit.gguf.names import gguf_name
+from quantkit.gguf.names import LAYER_TENSOR_NAME, LAYER_TENSORS, gguf_name
 from quantkit.gguf.record import GGUFTensor
 from quantkit.gguf.types import TYPES, TensorType
-from quantkit.models.layers import layer_prefix
+from quantkit.models.layers import LINEARS, layer_prefix
 from quantkit.quant import QuantConfig
+from quantkit.recipes.fields import Field, Section
 
 if TYPE_CHECKING:  # the config class imports transformers: annotations only
     from quantkit.models import MiniCPMConfig
@@ -32,11 +38,62 @@ BLOCK = 32  # the smallest block of any type the solver can use: every linear's 
 FILE_TYPES = tuple(name for name, mix in MIXES.items() if TYPES[mix.default].solvable)
 
 
-def target(file_type: str, linear: str, layer: int, model: MiniCPMConfig, shape: tuple[int, int]) -> TensorType:
+# the GGUF stems of the decoder's linears, which the overrides may name
+LINEAR_STEMS = frozenset(stem for stem, key in LAYER_TENSORS.items() if key in LINEARS)
+SOLVABLE_TYPES = tuple(name for name, tensor_type in TYPES.items() if tensor_type.solvable)
+
+
+@dataclass(frozen=True)
+class GGUFGrid(QuantConfig):
+    """The run's grid (the smoothing search's) and the per-tensor overrides of the file type's mix, as
+    (GGUF tensor name, type name) pairs."""
+
+    tensor_types: tuple[tuple[str, str], ...] = ()
+
+
+def _valid_overrides(value: dict) -> bool:
+    return all(isinstance(name, str) and (match := LAYER_TENSOR_NAME.fullmatch(name)) is not None
+               and match[2] in LINEAR_STEMS and match[3] == "weight" and tensor_type in SOLVABLE_TYPES
+               for name, tensor_type in value.items())
+
+
+# The recipe's ``gguf`` section: present only in recipes that state it, so the others' fingerprints do not change
+SETTINGS = Section({
+    "tensor_types": Field(dict, default={}, check=_valid_overrides,
+                          rule=f"a mapping of decoder linears' GGUF names (blk.N.<{'|'.join(sorted(LINEAR_STEMS))}>"
+                               f".weight) to types GPTQ solves on ({', '.join(SOLVABLE_TYPES)})",
+                          help="per-tensor types over the file type's mix, as llama-quantize's --tensor-type "
+                               "(what `quantkit quantize --target-size` writes; formats gguf-*)"),
+}, optional=True)
+
+
+def refusal(values: Mapping[str, Any]) -> str | None:
+    """Why a recipe's ``gguf`` section cannot be used with its format, or None."""
+    if "gguf" in values and not values["format"].startswith("gguf-"):
+        return f"'gguf.tensor_types' overrides GGUF types: it needs a gguf-* format, not '{values['format']}'"
+    return None
+
+
+def resolve(config: QuantConfig, recipe: Mapping[str, Any], layers: int) -> QuantConfig:
+    """``config`` with the recipe's per-tensor overrides, each checked against the model's ``layers``;
+    unchanged without any."""
+    overrides = recipe.get("gguf", {}).get("tensor_types", {})
+    if not overrides:
+        return config
+    for name in overrides:
+        if int(LAYER_TENSOR_NAME.fullmatch(name)[1]) >= layers:
+            raise ValueError(f"gguf.tensor_types names {name}, but the model has {layers} layers")
+    return GGUFGrid(**{f: getattr(config, f) for f in QuantConfig.__dataclass_fields__},
+                    tensor_types=tuple(sorted(overrides.items())))
+
+
+def target(file_type: str, config: QuantConfig, linear: str, layer: int, model: MiniCPMConfig,
+           shape: tuple[int, int]) -> TensorType:
     """The GGUF type llama.cpp's ``file_type`` mix gives this linear (what the solver rounds to): as
-    llama-quantize chooses it with an importance matrix, which the solver's Hessian carries."""
+    llama-quantize chooses it with an importance matrix, which the solver's Hessian carries, or the
+    recipe's override."""
     return choose_type(file_type, gguf_name(f"{layer_prefix(layer)}{linear}.weight"), shape, Model.of(model),
-                       imatrix=True)
+                       imatrix=True, overrides=dict(getattr(config, "tensor_types", ())))
 
 
 def check(config: QuantConfig, k: int, n: int, desc_act: bool, name: str) -> None:
@@ -68,13 +125,15 @@ def quantization_config(file_type: str, config: QuantConfig, *, damp_percent: fl
     """quantkit's own record of the run; ``bits``/``group_size``/``sym`` are the smoothing search's grid."""
     result = {"quant_method": QUANT_METHOD, "file_type": file_type, "bits": config.bits,
               "group_size": config.group_size, "sym": config.sym, "quantizer": quantizer}
+    if getattr(config, "tensor_types", ()):
+        result["tensor_types"] = dict(config.tensor_types)
     if damp_percent is not None:
         result["damp_percent"] = damp_percent
     return result
 
 
-def parse_config(d: Mapping[str, Any]) -> QuantConfig:
-    return QuantConfig(d["bits"], d["group_size"], d["sym"])
+def parse_config(d: Mapping[str, Any]) -> GGUFGrid:
+    return GGUFGrid(d["bits"], d["group_size"], d["sym"], tensor_types=tuple(sorted(d.get("tensor_types", {}).items())))
 
 
 class GGUFBlocks(Format):
@@ -106,4 +165,7 @@ class GGUFBlocks(Format):
         return quantization_config(self.file_type, config, **settings)
 
     def target(self, config, linear, layer, model, shape):
-        return target(self.file_type, linear, layer, model, shape)
+        return target(self.file_type, config, linear, layer, model, shape)
+
+    def resolve(self, config, recipe, layers):
+        return resolve(config, recipe, layers)

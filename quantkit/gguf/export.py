@@ -17,7 +17,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import gguf
 import numpy as np
@@ -209,12 +209,13 @@ def _check_exportable(config: MiniCPMConfig) -> None:
                          f"{config.hidden_size}: llama.cpp's MiniCPM derives head_dim from them")
 
 
-def _plan(config: MiniCPMConfig, file_type: str, imatrix_path: str | Path | None = None, solved: bool = False
-          ) -> list[_Planned]:
+def _plan(config: MiniCPMConfig, file_type: str, imatrix_path: str | Path | None = None,
+          solved: Mapping[str, str] | None = None) -> list[_Planned]:
     """Each tensor's GGUF type (llama-quantize's choice, with or without an importance matrix) and importance
     vector from the imatrix file; a type llama-quantize writes only with importance statistics is refused
     without them. ``solved``: the checkpoint is a calibrated ``gguf-<file_type>`` artifact, whose linears
-    already hold the types chosen with statistics (the solver's Hessian), and are copied."""
+    already hold the types chosen with statistics (the solver's Hessian) and its per-tensor overrides (this
+    mapping, GGUF name -> type), and are copied."""
     imatrix = None if imatrix_path is None else read_imatrix(imatrix_path)
     model = Model.of(config)
     shapes = weight_shapes(config)
@@ -225,11 +226,12 @@ def _plan(config: MiniCPMConfig, file_type: str, imatrix_path: str | Path | None
     planned = []
     for key, shape in shapes.items():
         name = gguf_name(key)
-        tensor_type = choose_type(file_type, name, shape, model, imatrix=solved or imatrix is not None)
+        tensor_type = choose_type(file_type, name, shape, model, imatrix=solved is not None or imatrix is not None,
+                                  overrides=solved or {})
         importance = imatrix.importance(name) if imatrix is not None and name in imatrix.sums else None
         if importance is not None and importance.shape != shape[-1:]:
             raise ValueError(f"the imatrix's {name} has {importance.size} channels; the model's has {shape[-1]}")
-        if importance is None and not solved and needs_imatrix(file_type, name, tensor_type):
+        if importance is None and solved is None and needs_imatrix(file_type, name, tensor_type):
             raise ValueError(f"{file_type}: {name} is {tensor_type.name}, which llama.cpp writes only with an "
                              "importance matrix: make one with `quantkit imatrix` and pass --imatrix")
         planned.append(_Planned(name, key, shape, tensor_type, importance))
@@ -324,8 +326,11 @@ def _stored(item: _Planned, source: _LayerTensors, config: MiniCPMConfig) -> tup
     return out, False
 
 
-def _solved(source: _LayerTensors, file_type: str) -> bool:
-    return source.format is not None and source.format.name == f"gguf-{file_type}"
+def _solved(source: _LayerTensors, file_type: str) -> dict[str, str] | None:
+    """For a calibrated ``gguf-<file_type>`` artifact, its per-tensor overrides of the mix; else None."""
+    if source.format is None or source.format.name != f"gguf-{file_type}":
+        return None
+    return dict(source.artifact.quantization_config.get("tensor_types", {}))
 
 
 def _all_finite(array: np.ndarray) -> bool:
@@ -342,7 +347,7 @@ def _stored_ahead(planned: list[_Planned], source: _LayerTensors, config: MiniCP
     while the caller builds the metadata (the vocabulary: half a second of the default model's export), and
     runs up to AHEAD_BYTES of finished tensors ahead, always at least the next one. A single worker
     reads ``source`` in order."""
-    sizes = [math.prod(item.shape[:-1]) * item.tensor_type.row_bytes(item.shape[-1]) for item in planned]
+    sizes = [_tensor_bytes(item) for item in planned]
     pending: deque = deque()
     held, submitted = 0, 0
 
@@ -369,6 +374,45 @@ def _stored_ahead(planned: list[_Planned], source: _LayerTensors, config: MiniCP
     return results()
 
 
+def _tensor_bytes(item: _Planned) -> int:
+    return math.prod(item.shape[:-1]) * item.tensor_type.row_bytes(item.shape[-1])
+
+
+def _header(path: Path, planned: list[_Planned], config: MiniCPMConfig, model_dir: Path, file_type: str,
+            tokenizer_pre: str | None) -> _Writer:
+    """A writer that has written the file's header, metadata and tensor table to ``path``."""
+    writer = _Writer(path, ARCH)
+    _add_metadata(writer, config, model_dir, file_type, tokenizer_pre)
+    for item in planned:
+        byte_shape = (*item.shape[:-1], item.tensor_type.row_bytes(item.shape[-1]))
+        writer.add_tensor_info(item.name, byte_shape, np.dtype(np.uint8), _tensor_bytes(item),
+                               raw_dtype=item.tensor_type.ggml)
+    writer.write_header_to_file(path)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    return writer
+
+
+def file_bytes(model_dir: str | Path, file_type: str, tensor_types: Mapping[str, str] = {}, *,
+               tokenizer_pre: str | None = None) -> tuple[int, dict[str, int]]:
+    """What ``export_gguf`` writes for ``model_dir`` as a ``file_type`` file whose linears have the mix's
+    types with ``tensor_types``'s overrides (GGUF name -> type), without quantizing anything: the file's
+    exact size in bytes, and each tensor's bytes with its alignment padding, by GGUF name. The header is
+    written to a scratch file, the tensors are counted."""
+    import tempfile
+
+    model_dir = Path(model_dir)
+    source = _LayerTensors(model_dir)
+    _check_exportable(source.config)
+    planned = _plan(source.config, file_type, solved=dict(tensor_types))
+    with tempfile.TemporaryDirectory(prefix="quantkit-gguf-header-") as scratch:
+        writer = _header(Path(scratch) / "header.gguf", planned, source.config, model_dir, file_type, tokenizer_pre)
+        header = writer.fout[0].tell()
+        writer.close()
+    sizes = {item.name: gguf.GGUFWriter.ggml_pad(_tensor_bytes(item), writer.data_alignment) for item in planned}
+    return gguf.GGUFWriter.ggml_pad(header, writer.data_alignment) + sum(sizes.values()), sizes
+
+
 def export_gguf(model_dir: str | Path, out: str | Path, file_type: str, *, tokenizer_pre: str | None = None,
                 imatrix: str | Path | None = None, progress: bool = True) -> ExportReport:
     """Export ``model_dir`` to the GGUF file ``out`` (which must not exist) with ``file_type``'s mix; with
@@ -387,16 +431,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, file_type: str, *, token
     with OutputLock(out), atomic_path(out) as tmp, ThreadPoolExecutor(1, thread_name_prefix="gguf-export") as worker:
         refuse_existing(out)  # another run may have finished it while this one was checking
         prepared = _stored_ahead(planned, source, config, worker)
-        writer = _Writer(tmp, ARCH)
-        _add_metadata(writer, config, model_dir, file_type, tokenizer_pre)
-        for item in planned:
-            rows = item.shape[0] if len(item.shape) == 2 else 1
-            byte_shape = (*item.shape[:-1], item.tensor_type.row_bytes(item.shape[-1]))
-            writer.add_tensor_info(item.name, byte_shape, np.dtype(np.uint8), rows * byte_shape[-1],
-                                   raw_dtype=item.tensor_type.ggml)
-        writer.write_header_to_file(tmp)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
+        writer = _header(tmp, planned, config, model_dir, file_type, tokenizer_pre)
         for item, (data, exact) in tqdm(zip(planned, prepared), desc=f"export {file_type}", unit="tensor",
                                         total=len(planned), disable=not progress):
             writer.write_tensor_data(data)

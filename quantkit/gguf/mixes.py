@@ -21,7 +21,7 @@ are refused without importance statistics, as llama-quantize refuses them (``nee
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
 from gguf import LlamaFileType
 
@@ -183,12 +183,16 @@ def _fitting(type_name: str, k: int) -> TensorType:
     return TYPES[type_name] if TYPES[type_name].fits(k) else TYPES["f16"]
 
 
-def choose_type(file_type: str, name: str, shape: tuple[int, ...], model: Model, imatrix: bool = False) -> TensorType:
+def choose_type(file_type: str, name: str, shape: tuple[int, ...], model: Model, imatrix: bool = False,
+                overrides: Mapping[str, str] = {}) -> TensorType:
     """The type of GGUF tensor ``name`` (numpy shape ``shape``) in a ``file_type`` file for ``model``,
-    quantized with importance statistics or without."""
+    quantized with importance statistics or without; ``overrides`` (name -> type, llama-quantize's
+    ``--tensor-type``) replace the mix's choice, falling back as it would where blocks do not fit."""
     mix = MIXES[file_type]
     if len(shape) == 1:
         return TYPES["f32"]
+    if name in overrides:
+        return _fitting(overrides[name], shape[-1])
     if mix.default in FLOAT_TYPES:
         return TYPES[mix.default]
     k = shape[-1]

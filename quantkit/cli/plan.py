@@ -1,0 +1,69 @@
+"""`quantkit plan` and the size budget of `quantkit quantize`: bits per tensor chosen for a size."""
+from __future__ import annotations
+
+import click
+
+from quantkit.cli import emit, friendly_errors, json_option, progress_option, revision_option
+from quantkit.table import format_table
+
+target_size_option = click.option(
+    "--target-size", metavar="SIZE", help="Largest file to write, e.g. 4.5GB or 800MiB: every decoder linear's type "
+                                           "is chosen to minimise the estimated loss within it (gguf-* recipes).")
+target_bpw_option = click.option(
+    "--target-bpw", type=float, metavar="BITS",
+    help="Instead of --target-size: bits per weight over the decoder's linears (the tensors a plan allocates).")
+
+
+def make_plan(model_dir, recipe, budget, *, progress: bool):
+    """The plan of ``recipe`` on ``model_dir`` under ``budget`` (quantkit.budget), with the file's bytes
+    outside the linears and the mix's own types measured by the GGUF exporter."""
+    from quantkit.budget.plan import gguf_file_type, measure_options, plan
+    from quantkit.gguf.export import file_bytes
+
+    file_type = gguf_file_type(recipe)
+    options = measure_options(model_dir, recipe, progress=progress)
+    total, sizes = file_bytes(model_dir, file_type)
+    from quantkit.gguf.mixes import Model, choose_type
+    from quantkit.gguf.names import gguf_name
+    from quantkit.models import MiniCPMConfig
+    from quantkit.models.decoder import weight_shapes
+
+    config = MiniCPMConfig.from_pretrained(model_dir)
+    mix_types, mix_total, weights = {}, 0, 0
+    for key, shape in weight_shapes(config).items():
+        name = gguf_name(key)
+        if name in options:
+            mix_types[name] = choose_type(file_type, name, shape, Model.of(config), imatrix=True).name
+            mix_total += sizes[name]
+            weights += shape[0] * shape[1]
+    return plan(options, mix_types, total - mix_total, budget, recipe=recipe.name, file_type=file_type,
+                weights=weights)
+
+
+def plan_text(planned) -> str:
+    headers, rows = planned.layer_rows()
+    return (format_table(headers, rows) + "\n\n"
+            + format_table(["", "file MB", "linears' bits/weight", "predicted KL"], planned.summary()))
+
+
+@click.command("plan")
+@click.option("--recipe", required=True, help="A gguf-* recipe (see `quantkit recipes`) or a YAML file.")
+@click.option("--model", default="default", show_default=True,
+              help="Checkpoint directory, 'default', or a Hub repo id.")
+@revision_option("--model")
+@target_size_option
+@target_bpw_option
+@progress_option
+@json_option
+@friendly_errors
+def plan_command(recipe, model, revision, target_size, target_bpw, progress, as_json):
+    """Print the types a size budget gives each linear, the predicted size and loss, without quantizing."""
+    from quantkit.budget.target import BudgetError, budget_from_options
+    from quantkit.recipe import load_recipe
+    from quantkit.zoo import resolve_model
+
+    budget = budget_from_options(target_size, target_bpw)
+    if budget is None:
+        raise BudgetError("give --target-size or --target-bpw")
+    planned = make_plan(resolve_model(model, revision=revision), load_recipe(recipe), budget, progress=progress)
+    emit(as_json, planned.to_dict(), plan_text(planned))
