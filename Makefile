@@ -25,7 +25,7 @@ LLMC_BIN := $(LLMC_VENV)/bin
 LLMC_INSTALLED := $(LLMC_VENV)/.installed
 LLMCOMPRESSOR ?= llmcompressor==0.14.0.1
 
-.PHONY: install demo demo-marlin publish-demo test test-fast lint default-model bench-gptq bench-awq bench-ct bench-gguf bench-gguf-speed bench-gptq-transfer llama-tools bench-mlx bench-scale bench-8b bench-hessian bench-runtime bench-qat bench-spec eval-sparse test-reliability interop interop-peer clean help \
+.PHONY: install demo demo-marlin publish-demo test test-fast lint default-model bench-gptq bench-awq bench-ct bench-gguf bench-gguf-speed bench-gptq-transfer bench-budget llama-tools bench-mlx bench-scale bench-8b bench-hessian bench-runtime bench-qat bench-spec eval-sparse test-reliability interop interop-peer clean help \
 	eval-ppl eval-kld eval-report eval-niah eval-tasks eval-accept
 
 help:
@@ -43,6 +43,7 @@ help:
 	@echo "make bench-gguf  every GGUF type exported by quantkit and by llama.cpp's quantizer (plain and with llama-imatrix), plus GPTQ on the Q4_0, Q4_K_M, IQ4_XS, Q3_K_M, IQ3_M, Q2_K, IQ2_M and IQ1_M grids, scored in llama.cpp; KL against size plotted"
 	@echo "make bench-gguf-speed  quantkit export gguf vs llama.cpp's quantizer, time per type on the default model and an 8B-shaped slice (target <= 1.5x)"
 	@echo "make bench-gptq-transfer  GPTQ's output error over llama.cpp + imatrix per linear of a GGUF mix, under the calibration rows' and each held-out text's inputs (BENCH_TRANSFER_ARGS='--file-type q4_k_m')"
+	@echo "make bench-budget  quantkit quantize --target-size at the sizes of llama.cpp's q4_k_m/q3_k_m/iq2_m files against every llama.cpp mix + imatrix, scored in llama.cpp (BENCH_BUDGET_ARGS=...)"
 	@echo "make llama-tools  build llama.cpp's llama-imatrix and llama-quantize once (bench-gguf's imatrix anchor; ~10 min)"
 	@echo "make bench-mlx   mlx_lm.convert, mlx-lm's GPTQ/AWQ/DWQ, quantkit's MLX recipes and DWQ at W4 g64, scored by mlx-lm (BENCH_MLX_ARGS='--reuse')"
 	@echo "make bench-runtime  a fresh quantkit generate's first token (target 2 s); quantkit's runtime (W4) vs transformers fp32/bf16 and llama.cpp Q4_0, decode and prefill; InfLLM v2 vs dense attention"
@@ -158,6 +159,9 @@ bench-gguf: $(TEST_INSTALLED)
 
 bench-gptq-transfer: $(TEST_INSTALLED)
 	$(BIN)/python -m quantkit.eval.bench.bench_gptq_transfer --json $(OUT)/bench-gptq-transfer.json $(BENCH_TRANSFER_ARGS)
+
+bench-budget: $(TEST_INSTALLED)
+	$(BIN)/python -m quantkit.eval.bench.bench_budget --out $(OUT)/bench-budget $(BENCH_BUDGET_ARGS)
 
 # The slice's checkpoint (1.6 GB) is written once under $(OUT)/bench-gguf-speed; BENCH_GGUF_SPEED_ARGS='--layers 32'
 # times the full 8B export instead (16 GB of shards).

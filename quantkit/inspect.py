@@ -70,8 +70,22 @@ def describe(model_dir: str | Path) -> dict:
         info.update({"recipe": manifest["recipe"]["name"], "quantkit_version": manifest["quantkit_version"],
                      "run_fingerprint": manifest["fingerprints"]["run"][:16],
                      "max_layer_rel_error": max(errors) if errors else None})
+    if manifest_path.is_file() and "budget" in manifest:
+        budget = manifest["budget"]
+        info.update({"budget": budget["budget"], "budget_file_bytes": budget["file_bytes"],
+                     "budget_linear_bpw": budget["linear_bpw"], "budget_predicted_kl": budget["predicted_kl"]})
     report_path = model_dir / REPORT_FILE
     if report_path.is_file():
         report = read_json_object(report_path)
         info.update({"quantize_seconds": report["seconds"], "peak_rss_mb": report["peak_rss_mb"]})
     return info
+
+
+def budget_types(model_dir: str | Path) -> dict[str, str]:
+    """The type a size budget's plan gave each linear (GGUF name -> type), from the artifact's manifest;
+    empty for an artifact made without a budget."""
+    manifest_path = Path(model_dir) / MANIFEST_FILE
+    if not manifest_path.is_file():
+        return {}
+    budget = read_json_object(manifest_path).get("budget") or {}
+    return {name: entry["type"] for name, entry in budget.get("tensors", {}).items()}

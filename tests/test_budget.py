@@ -79,6 +79,7 @@ def test_allocation_below_the_smallest_choice_is_refused():
 def test_estimate_ranks_tensors_and_types_as_measured_kl(marlin_legal):
     """½ Σ Gᵢᵢ (ΔW H ΔWᵀ)ᵢᵢ against the KL each rounding alone causes on the same rows: measured, Spearman
     rank correlation over (linear, type) pairs 0.97 and every estimate within 2× of its measurement."""
+    from quantkit.budget.plan import rounding
     from quantkit.budget.sensitivity import collect, estimated_kl
     from quantkit.gguf.types import TYPES
     from quantkit.loading import load_model
@@ -94,10 +95,7 @@ def test_estimate_ranks_tensors_and_types_as_measured_kl(marlin_legal):
         module = model.get_submodule(name)
         original = module.weight.data.clone()
         for type_name in ("q8_0", "q5_k", "q4_0", "q3_k", "q2_k"):
-            t = TYPES[type_name]
-
-            def round_trip(w, importance, t=t):
-                return t.dequantize(t.quantize_fast(w, importance), w.shape[1])
+            round_trip = rounding(TYPES[type_name])
             estimates.append(estimated_kl(original, stats[name], round_trip))
             module.weight.data = torch.from_numpy(round_trip(original.numpy(), stats[name].importance))
             with torch.no_grad():
@@ -154,6 +152,12 @@ def test_planned_artifact_meets_its_budget_and_runs_in_llama_cpp(marlin_legal, t
                                       "--target-size", str(budget), "--no-progress", "--json"])
     assert again.exit_code == 0, again.output
     assert json.loads(again.output)["tensors"] == plan["tensors"]
+
+    shown = CliRunner().invoke(main, ["inspect", str(out), "--plot", str(tmp_path / "layers.png")])
+    assert shown.exit_code == 0, shown.output
+    assert "budget_linear_bpw" in shown.output and "ffn_down" in shown.output
+    assert all(type_name in shown.output for type_name in set(types.values()))
+    assert (tmp_path / "layers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("args, message", [

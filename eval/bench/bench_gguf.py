@@ -312,7 +312,8 @@ def main(model, types, recipes, imatrix_types, use_llama_tools, anchors_only, te
 
 # the made-by prefixes of the plot's series, each file's row in the one it starts with
 SERIES = {"quantkit export": "quantkit export (plain)", "llama.cpp quantize (of": "llama.cpp (plain)",
-          "llama.cpp quantize --imatrix (llama-imatrix": "llama.cpp + llama-imatrix", "quantkit gguf-": "quantkit GPTQ"}
+          "llama.cpp quantize --imatrix (llama-imatrix": "llama.cpp + llama-imatrix", "quantkit gguf-": "quantkit GPTQ",
+          "quantkit --target-size": "quantkit size budget"}
 
 
 def plot_kl_against_size(rows: list[Row], path: Path, title: str) -> None:

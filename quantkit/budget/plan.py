@@ -12,10 +12,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -41,7 +40,6 @@ class Plan:
     weights: int  # weights of the allocated tensors (the decoder's linears)
     chosen: dict[str, Option]  # GGUF tensor name -> its type
     mix: dict[str, Option]  # the recipe's own mix, for comparison
-    shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def tensor_types(self) -> dict[str, str]:
@@ -65,15 +63,9 @@ class Plan:
 
     def layer_rows(self) -> tuple[list[str], list[list]]:
         """Headers and one row per layer: each linear's type (what gets more bits shows at a glance)."""
-        from quantkit.gguf.names import LAYER_TENSOR_NAME
+        from quantkit.gguf.names import layer_table
 
-        stems = list(dict.fromkeys(LAYER_TENSOR_NAME.fullmatch(name)[2] for name in self.chosen))
-        layers: dict[int, dict[str, str]] = {}
-        for name, option in self.chosen.items():
-            match = LAYER_TENSOR_NAME.fullmatch(name)
-            layers.setdefault(int(match[1]), {})[match[2]] = option.name
-        return ["layer", *stems], [[index, *(row.get(stem, "") for stem in stems)]
-                                   for index, row in sorted(layers.items())]
+        return layer_table(self.tensor_types)
 
     def to_dict(self) -> dict:
         return {"recipe": self.recipe, "file_type": self.file_type, "budget": self.budget.to_dict(),
@@ -104,6 +96,13 @@ def _padded(rows: int, k: int, type_name: str) -> int:
     return -(-size // ALIGNMENT) * ALIGNMENT
 
 
+def rounding(tensor_type):
+    """llama.cpp's rounding onto ``tensor_type`` weighted by an importance row: weight [N, K] float32 -> the
+    weight it stores (the estimate's ΔW)."""
+    return lambda weight, importance: tensor_type.dequantize(tensor_type.quantize_fast(weight, importance),
+                                                             weight.shape[1])
+
+
 def _cache_path(key: dict) -> Path:
     from quantkit.cache import cache_root
 
@@ -111,10 +110,20 @@ def _cache_path(key: dict) -> Path:
     return cache_root() / "budget" / f"{digest}.json"
 
 
+def plan_rows(model_dir: str | Path, recipe):
+    """The calibration rows the estimates are measured on: the recipe's draw, at most PLAN_SAMPLES rows."""
+    from quantkit import calib
+    from quantkit.tokenizer import load_tokenizer
+
+    cal = recipe["calibration"]
+    return calib.calibration_set(load_tokenizer(model_dir), source=cal["source"],
+                                 n_samples=min(PLAN_SAMPLES, cal["n_samples"]), seq_len=cal["seq_len"],
+                                 seed=cal["seed"], chat=cal["chat"])
+
+
 def measure_options(model_dir: str | Path, recipe, *, progress: bool = False) -> dict[str, list[Option]]:
     """Every decoder linear's candidates (GGUF name -> options), estimated once per model, calibration and
     candidate set, and cached."""
-    from quantkit import calib
     from quantkit.atomic import write_json
     from quantkit.budget.sensitivity import collect, estimated_kl
     from quantkit.checkpoint import CheckpointReader
@@ -122,12 +131,8 @@ def measure_options(model_dir: str | Path, recipe, *, progress: bool = False) ->
     from quantkit.gguf.types import TYPES
     from quantkit.loading import load_model
     from quantkit.models.layers import LINEARS, layer_prefix
-    from quantkit.tokenizer import load_tokenizer
 
-    cal = recipe["calibration"]
-    rows = calib.calibration_set(load_tokenizer(model_dir), source=cal["source"],
-                                 n_samples=min(PLAN_SAMPLES, cal["n_samples"]), seq_len=cal["seq_len"],
-                                 seed=cal["seed"], chat=cal["chat"])
+    rows = plan_rows(model_dir, recipe)
     key = {"model": CheckpointReader(model_dir).fingerprint(), "calibration": rows.fingerprint,
            "candidates": CANDIDATE_TYPES, "version": ESTIMATE_VERSION}
     cached = _cache_path(key)
@@ -135,18 +140,14 @@ def measure_options(model_dir: str | Path, recipe, *, progress: bool = False) ->
         stored = json.loads(cached.read_text())
         return {name: [Option(*entry) for entry in entries] for name, entries in stored.items()}
     model = load_model(model_dir, torch.float32)
-    stats = collect(model, rows.input_ids, seed=cal["seed"], progress=progress)
+    stats = collect(model, rows.input_ids, seed=recipe["calibration"]["seed"], progress=progress)
     names = [layer_prefix(index) + linear for index in range(model.config.num_hidden_layers) for linear in LINEARS]
     options = {}
     for name in tqdm(names, desc="estimate", unit="linear", disable=not progress):
         weight = model.get_submodule(name).weight.detach()
         n, k = weight.shape
-
-        def round_trip(w: np.ndarray, importance: np.ndarray, tensor_type) -> np.ndarray:
-            return tensor_type.dequantize(tensor_type.quantize_fast(w, importance), k)
-
         options[gguf_name(f"{name}.weight")] = [
-            Option(t, _padded(n, k, t), estimated_kl(weight, stats[name], lambda w, i, t=TYPES[t]: round_trip(w, i, t)))
+            Option(t, _padded(n, k, t), estimated_kl(weight, stats[name], rounding(TYPES[t])))
             for t in CANDIDATE_TYPES if TYPES[t].fits(k)]
     write_json(cached, {name: [[o.name, o.bytes, o.loss] for o in opts] for name, opts in options.items()})
     return options

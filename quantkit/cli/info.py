@@ -7,24 +7,39 @@ from pathlib import Path
 import click
 
 from quantkit.cli import emit, friendly_errors, json_option, revision_option
+from quantkit.cli.plan import plot_option
 from quantkit.table import format_table
 
 
 @click.command()
 @click.argument("model")
 @revision_option("MODEL")
+@plot_option
 @json_option
 @friendly_errors
-def inspect(model, revision, as_json):
-    """Describe a checkpoint or artifact: architecture, quantization, size, recipe. MODEL is anything --model
-    takes: a directory, a built-in model name, or a Hub repo id (owner/name[:QUANT][@revision])."""
-    from quantkit.inspect import describe
+def inspect(model, revision, plot, as_json):
+    """Describe a checkpoint or artifact: architecture, quantization, size, recipe, and a size budget's plan
+    (each linear's type) where it has one. MODEL is anything --model takes: a directory, a built-in model
+    name, or a Hub repo id (owner/name[:QUANT][@revision])."""
+    from quantkit.inspect import budget_types, describe
     from quantkit.zoo import resolve_model
 
     model_dir = resolve_model(model, revision=revision)
     named = {} if Path(model) == model_dir else {"model": model}  # a name or repo id: say which, beside the path
     info = {**named, **describe(model_dir)}
-    emit(as_json, info, format_table(["field", "value"], [[k, v] for k, v in info.items()]))
+    text = format_table(["field", "value"], [[k, v] for k, v in info.items()])
+    types = budget_types(model_dir)
+    if types:
+        from quantkit.gguf.names import layer_table
+
+        text += "\n\n" + format_table(*layer_table(types))
+    if plot is not None:
+        if not types:
+            raise click.ClickException(f"{model_dir} has no size budget's plan to plot")
+        from quantkit.cli.plan import plot_allocation
+
+        plot_allocation(types, plot, f"{model_dir.name}: bits per weight by layer")
+    emit(as_json, info, text)
 
 
 @click.command()

@@ -1,6 +1,8 @@
 """`quantkit plan` and the size budget of `quantkit quantize`: bits per tensor chosen for a size."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from quantkit.cli import emit, friendly_errors, json_option, progress_option, revision_option
@@ -40,10 +42,38 @@ def make_plan(model_dir, recipe, budget, *, progress: bool):
                 weights=weights)
 
 
+plot_option = click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), metavar="PNG",
+                           help="Also draw the bits per weight each layer's linears get into this PNG file.")
+
+
 def plan_text(planned) -> str:
     headers, rows = planned.layer_rows()
     return (format_table(headers, rows) + "\n\n"
             + format_table(["", "file MB", "linears' bits/weight", "predicted KL"], planned.summary()))
+
+
+def plot_allocation(tensor_types: dict[str, str], path: Path, title: str) -> None:
+    """Bits per weight of every decoder linear's type, one line per linear across the layers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from quantkit.gguf.names import layer_table
+    from quantkit.gguf.types import TYPES
+
+    bits = {name: 8 * TYPES[t].block_bytes / TYPES[t].block_size for name, t in tensor_types.items()}
+    headers, rows = layer_table(bits)
+    figure, axes = plt.subplots(figsize=(8, 4))
+    for column, stem in enumerate(headers[1:], start=1):
+        axes.plot([row[0] for row in rows], [row[column] for row in rows], marker="o", markersize=3, linewidth=1,
+                  label=stem)
+    axes.set(xlabel="layer", ylabel="bits per weight", title=title)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=7, ncol=4)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
 
 
 @click.command("plan")
@@ -53,10 +83,11 @@ def plan_text(planned) -> str:
 @revision_option("--model")
 @target_size_option
 @target_bpw_option
+@plot_option
 @progress_option
 @json_option
 @friendly_errors
-def plan_command(recipe, model, revision, target_size, target_bpw, progress, as_json):
+def plan_command(recipe, model, revision, target_size, target_bpw, plot, progress, as_json):
     """Print the types a size budget gives each linear, the predicted size and loss, without quantizing."""
     from quantkit.budget.target import BudgetError, budget_from_options
     from quantkit.recipe import load_recipe
@@ -66,4 +97,6 @@ def plan_command(recipe, model, revision, target_size, target_bpw, progress, as_
     if budget is None:
         raise BudgetError("give --target-size or --target-bpw")
     planned = make_plan(resolve_model(model, revision=revision), load_recipe(recipe), budget, progress=progress)
+    if plot is not None:
+        plot_allocation(planned.tensor_types, plot, f"{planned.file_type} plan: {planned.budget.describe()}")
     emit(as_json, planned.to_dict(), plan_text(planned))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 
@@ -76,3 +77,14 @@ def unpermute_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     rows = weight.shape[0]
     return (weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:])
             .transpose(1, 2).reshape(weight.shape))
+
+
+def layer_table(values: Mapping[str, object]) -> tuple[list[str], list[list]]:
+    """Values by decoder tensor GGUF name (blk.N.<stem>.weight) as one row per layer and one column per stem,
+    in the order the stems first appear: headers and rows."""
+    layers: dict[int, dict[str, object]] = {}
+    for name, value in values.items():
+        match = LAYER_TENSOR_NAME.fullmatch(name)
+        layers.setdefault(int(match[1]), {})[match[2]] = value
+    stems = list(dict.fromkeys(stem for row in layers.values() for stem in row))
+    return ["layer", *stems], [[index, *(row.get(stem, "") for stem in stems)] for index, row in sorted(layers.items())]
