@@ -87,13 +87,13 @@ def resolve(config: QuantConfig, recipe: Mapping[str, Any], layers: int) -> Quan
                     tensor_types=tuple(sorted(overrides.items())))
 
 
-def target(file_type: str, config: QuantConfig, linear: str, layer: int, model: MiniCPMConfig,
-           shape: tuple[int, int]) -> TensorType:
+def target(file_type: str, linear: str, layer: int, model: MiniCPMConfig, shape: tuple[int, int],
+           overrides: Mapping[str, str] = {}) -> TensorType:
     """The GGUF type llama.cpp's ``file_type`` mix gives this linear (what the solver rounds to): as
     llama-quantize chooses it with an importance matrix, which the solver's Hessian carries, or the
-    recipe's override."""
+    recipe's override (GGUF name -> type)."""
     return choose_type(file_type, gguf_name(f"{layer_prefix(layer)}{linear}.weight"), shape, Model.of(model),
-                       imatrix=True, overrides=dict(getattr(config, "tensor_types", ())))
+                       imatrix=True, overrides=overrides)
 
 
 def check(config: QuantConfig, k: int, n: int, desc_act: bool, name: str) -> None:
@@ -165,7 +165,7 @@ class GGUFBlocks(Format):
         return quantization_config(self.file_type, config, **settings)
 
     def target(self, config, linear, layer, model, shape):
-        return target(self.file_type, config, linear, layer, model, shape)
+        return target(self.file_type, linear, layer, model, shape, dict(getattr(config, "tensor_types", ())))
 
     def resolve(self, config, recipe, layers):
         return resolve(config, recipe, layers)
