@@ -28,7 +28,6 @@ PLAN_SAMPLES = 32
 CANDIDATE_TYPES = ("q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0", "iq4_xs", "iq4_nl", "q3_k",
                    "iq3_s", "iq3_xxs", "q2_k", "iq2_s", "iq2_xs", "iq2_xxs", "iq1_m", "iq1_s")
 ESTIMATE_VERSION = 1  # bump when the estimate's method changes: old cache entries are then not read
-ALIGNMENT = 32  # GGUF's default tensor alignment: each tensor's bytes are padded to it
 
 
 @dataclass
@@ -90,10 +89,12 @@ def gguf_file_type(recipe) -> str:
 
 
 def _padded(rows: int, k: int, type_name: str) -> int:
+    """The tensor's bytes in the file: padded to GGUF's default alignment, as the exporter writes them."""
+    from gguf import GGUF_DEFAULT_ALIGNMENT, GGUFWriter
+
     from quantkit.gguf.types import TYPES
 
-    size = rows * TYPES[type_name].row_bytes(k)
-    return -(-size // ALIGNMENT) * ALIGNMENT
+    return GGUFWriter.ggml_pad(rows * TYPES[type_name].row_bytes(k), GGUF_DEFAULT_ALIGNMENT)
 
 
 def rounding(tensor_type):

@@ -18,28 +18,17 @@ target_bpw_option = click.option(
 
 def make_plan(model_dir, recipe, budget, *, progress: bool):
     """The plan of ``recipe`` on ``model_dir`` under ``budget`` (quantkit.budget), with the file's bytes
-    outside the linears and the mix's own types measured by the GGUF exporter."""
+    outside the linears and the mix's own types as the GGUF exporter plans them."""
     from quantkit.budget.plan import gguf_file_type, measure_options, plan
     from quantkit.gguf.export import file_bytes
 
     file_type = gguf_file_type(recipe)
     options = measure_options(model_dir, recipe, progress=progress)
-    total, sizes = file_bytes(model_dir, file_type)
-    from quantkit.gguf.mixes import Model, choose_type
-    from quantkit.gguf.names import gguf_name
-    from quantkit.models import MiniCPMConfig
-    from quantkit.models.decoder import weight_shapes
-
-    config = MiniCPMConfig.from_pretrained(model_dir)
-    mix_types, mix_total, weights = {}, 0, 0
-    for key, shape in weight_shapes(config).items():
-        name = gguf_name(key)
-        if name in options:
-            mix_types[name] = choose_type(file_type, name, shape, Model.of(config), imatrix=True).name
-            mix_total += sizes[name]
-            weights += shape[0] * shape[1]
-    return plan(options, mix_types, total - mix_total, budget, recipe=recipe.name, file_type=file_type,
-                weights=weights)
+    total, tensors = file_bytes(model_dir, file_type)
+    allocated = {name: tensors[name] for name in options}
+    return plan(options, {name: type_name for name, (type_name, _, _) in allocated.items()},
+                total - sum(size for _, size, _ in allocated.values()), budget, recipe=recipe.name,
+                file_type=file_type, weights=sum(weights for _, _, weights in allocated.values()))
 
 
 plot_option = click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), metavar="PNG",

@@ -394,11 +394,11 @@ def _header(path: Path, planned: list[_Planned], config: MiniCPMConfig, model_di
 
 
 def file_bytes(model_dir: str | Path, file_type: str, tensor_types: Mapping[str, str] = {}, *,
-               tokenizer_pre: str | None = None) -> tuple[int, dict[str, int]]:
+               tokenizer_pre: str | None = None) -> tuple[int, dict[str, tuple[str, int, int]]]:
     """What ``export_gguf`` writes for ``model_dir`` as a ``file_type`` file whose linears have the mix's
     types with ``tensor_types``'s overrides (GGUF name -> type), without quantizing anything: the file's
-    exact size in bytes, and each tensor's bytes with its alignment padding, by GGUF name. The header is
-    written to a scratch file, the tensors are counted."""
+    exact size in bytes, and per GGUF name the tensor's type, its bytes with their alignment padding and
+    its weight count. The header is written to a scratch file, the tensors are counted."""
     import tempfile
 
     model_dir = Path(model_dir)
@@ -409,8 +409,9 @@ def file_bytes(model_dir: str | Path, file_type: str, tensor_types: Mapping[str,
         writer = _header(Path(scratch) / "header.gguf", planned, source.config, model_dir, file_type, tokenizer_pre)
         header = writer.fout[0].tell()
         writer.close()
-    sizes = {item.name: gguf.GGUFWriter.ggml_pad(_tensor_bytes(item), writer.data_alignment) for item in planned}
-    return gguf.GGUFWriter.ggml_pad(header, writer.data_alignment) + sum(sizes.values()), sizes
+    tensors = {item.name: (item.tensor_type.name, gguf.GGUFWriter.ggml_pad(_tensor_bytes(item), writer.data_alignment),
+                           math.prod(item.shape)) for item in planned}
+    return gguf.GGUFWriter.ggml_pad(header, writer.data_alignment) + sum(t[1] for t in tensors.values()), tensors
 
 
 def export_gguf(model_dir: str | Path, out: str | Path, file_type: str, *, tokenizer_pre: str | None = None,
