@@ -73,7 +73,10 @@ def describe(model_dir: str | Path) -> dict:
     if manifest_path.is_file() and "budget" in manifest:
         budget = manifest["budget"]
         info.update({"budget": budget["budget"], "budget_file_bytes": budget["file_bytes"],
-                     "budget_linear_bpw": budget["linear_bpw"], "budget_predicted_kl": budget["predicted_kl"]})
+                     "budget_matrix_bpw": budget["matrix_bpw"], "budget_predicted_kl": budget["predicted_kl"]})
+        # the tensors outside the layers (GGUF's blk.N.*) here, the layers' in the per-layer table
+        info.update({f"budget {name}": entry["type"] for name, entry in budget["tensors"].items()
+                     if not name.startswith("blk.")})
     report_path = model_dir / REPORT_FILE
     if report_path.is_file():
         report = read_json_object(report_path)
@@ -82,7 +85,7 @@ def describe(model_dir: str | Path) -> dict:
 
 
 def budget_types(model_dir: str | Path) -> dict[str, str]:
-    """The type a size budget's plan gave each linear (GGUF name -> type), from the artifact's manifest;
+    """The type a size budget's plan gave each matrix (GGUF name -> type), from the artifact's manifest;
     empty for an artifact made without a budget."""
     manifest_path = Path(model_dir) / MANIFEST_FILE
     if not manifest_path.is_file():

@@ -1,4 +1,5 @@
-"""A size budget's plan for a recipe: every decoder linear's type, the predicted size and loss.
+"""A size budget's plan for a recipe: the type of every weight matrix (the decoder's linears, the input
+embedding and the output), the predicted size and loss.
 
 The candidates are what the recipe's format can mix and its solver can solve: for GGUF, every type with
 a GPTQ grid whose blocks divide the tensor's rows (``CANDIDATE_TYPES``), each costed at its exact stored
@@ -27,7 +28,7 @@ PLAN_SAMPLES = 32
 # whose blocks divide its rows
 CANDIDATE_TYPES = ("q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0", "iq4_xs", "iq4_nl", "q3_k",
                    "iq3_s", "iq3_xxs", "q2_k", "iq2_s", "iq2_xs", "iq2_xxs", "iq1_m", "iq1_s")
-ESTIMATE_VERSION = 1  # bump when the estimate's method changes: old cache entries are then not read
+ESTIMATE_VERSION = 2  # bump when the estimate's method changes: old cache entries are then not read
 
 
 @dataclass
@@ -36,7 +37,7 @@ class Plan:
     file_type: str
     budget: Budget
     fixed_bytes: int  # the header and every tensor the plan does not allocate, at the mix's types
-    weights: int  # weights of the allocated tensors (the decoder's linears)
+    weights: int  # weights of the allocated tensors (every matrix)
     chosen: dict[str, Option]  # GGUF tensor name -> its type
     mix: dict[str, Option]  # the recipe's own mix, for comparison
 
@@ -47,17 +48,17 @@ class Plan:
     def file_bytes(self, options: dict[str, Option] | None = None) -> int:
         return self.fixed_bytes + sum(o.bytes for o in (options or self.chosen).values())
 
-    def linear_bpw(self, options: dict[str, Option] | None = None) -> float:
+    def matrix_bpw(self, options: dict[str, Option] | None = None) -> float:
         return 8 * sum(o.bytes for o in (options or self.chosen).values()) / self.weights
 
     def predicted_kl(self, options: dict[str, Option] | None = None) -> float:
         return sum(o.loss for o in (options or self.chosen).values())
 
     def summary(self) -> list[list]:
-        """One row each for the mix and the plan: file MB, linears' bits per weight, predicted KL."""
+        """One row each for the mix and the plan: file MB, the matrices' bits per weight, predicted KL."""
         return [[f"{self.file_type} mix", round(self.file_bytes(self.mix) / 1e6, 2),
-                 round(self.linear_bpw(self.mix), 3), f"{self.predicted_kl(self.mix):.4g}"],
-                [f"plan ({self.budget.describe()})", round(self.file_bytes() / 1e6, 2), round(self.linear_bpw(), 3),
+                 round(self.matrix_bpw(self.mix), 3), f"{self.predicted_kl(self.mix):.4g}"],
+                [f"plan ({self.budget.describe()})", round(self.file_bytes() / 1e6, 2), round(self.matrix_bpw(), 3),
                  f"{self.predicted_kl():.4g}"]]
 
     def layer_rows(self) -> tuple[list[str], list[list]]:
@@ -66,11 +67,18 @@ class Plan:
 
         return layer_table(self.tensor_types)
 
+    def other_rows(self) -> list[list[str]]:
+        """The allocated tensors outside the layers (embedding, output): name, planned type, the mix's type."""
+        from quantkit.gguf.names import LAYER_TENSOR_NAME
+
+        return [[name, option.name, self.mix[name].name] for name, option in self.chosen.items()
+                if not LAYER_TENSOR_NAME.fullmatch(name)]
+
     def to_dict(self) -> dict:
         return {"recipe": self.recipe, "file_type": self.file_type, "budget": self.budget.to_dict(),
-                "file_bytes": self.file_bytes(), "linear_bpw": round(self.linear_bpw(), 4),
+                "file_bytes": self.file_bytes(), "matrix_bpw": round(self.matrix_bpw(), 4),
                 "predicted_kl": self.predicted_kl(), "mix": {"file_bytes": self.file_bytes(self.mix),
-                                                             "linear_bpw": round(self.linear_bpw(self.mix), 4),
+                                                             "matrix_bpw": round(self.matrix_bpw(self.mix), 4),
                                                              "predicted_kl": self.predicted_kl(self.mix)},
                 "tensors": {name: {"type": o.name, "bytes": o.bytes, "estimated_kl": o.loss, "mix": self.mix[name].name}
                             for name, o in self.chosen.items()}}
@@ -97,11 +105,27 @@ def _padded(rows: int, k: int, type_name: str) -> int:
     return GGUFWriter.ggml_pad(rows * TYPES[type_name].row_bytes(k), GGUF_DEFAULT_ALIGNMENT)
 
 
-def rounding(tensor_type):
-    """llama.cpp's rounding onto ``tensor_type`` weighted by an importance row: weight [N, K] float32 -> the
-    weight it stores (the estimate's ΔW)."""
-    return lambda weight, importance: tensor_type.dequantize(tensor_type.quantize_fast(weight, importance),
-                                                             weight.shape[1])
+def rounding(tensor_type, weighted: bool = True):
+    """llama.cpp's rounding onto ``tensor_type``, weighted by an importance row or not: weight [N, K]
+    float32 -> the weight it stores (the estimate's ΔW)."""
+    return lambda weight, importance: tensor_type.dequantize(
+        tensor_type.quantize_fast(weight, importance if weighted else None), weight.shape[1])
+
+
+def allocated_tensors(config) -> dict[str, tuple[str, ...]]:
+    """The GGUF tensors a plan allocates -> the modules whose statistics their rounding is charged to:
+    every decoder linear (solved by the recipe, rounded with importance), the input embedding and the
+    output matrix (rounded by the export without importance); an embedding tied to the output serves both."""
+    from quantkit.budget.sensitivity import EMBEDDING, OUTPUT
+    from quantkit.gguf.names import gguf_name
+    from quantkit.models.layers import LINEARS, layer_prefix
+
+    tensors = {gguf_name(f"{layer_prefix(index)}{linear}.weight"): (layer_prefix(index) + linear,)
+               for index in range(config.num_hidden_layers) for linear in LINEARS}
+    embedding, output = gguf_name(f"{EMBEDDING}.weight"), gguf_name(f"{OUTPUT}.weight")
+    if config.tie_word_embeddings:
+        return tensors | {embedding: (EMBEDDING, OUTPUT)}
+    return tensors | {embedding: (EMBEDDING,), output: (OUTPUT,)}
 
 
 def _cache_path(key: dict) -> Path:
@@ -123,15 +147,13 @@ def plan_rows(model_dir: str | Path, recipe):
 
 
 def measure_options(model_dir: str | Path, recipe, *, progress: bool = False) -> dict[str, list[Option]]:
-    """Every decoder linear's candidates (GGUF name -> options), estimated once per model, calibration and
+    """Every allocated tensor's candidates (GGUF name -> options), estimated once per model, calibration and
     candidate set, and cached."""
     from quantkit.atomic import write_json
-    from quantkit.budget.sensitivity import collect, estimated_kl
+    from quantkit.budget.sensitivity import EMBEDDING, OUTPUT, collect, estimated_kl
     from quantkit.checkpoint import CheckpointReader
-    from quantkit.gguf.names import gguf_name
     from quantkit.gguf.types import TYPES
     from quantkit.loading import load_model
-    from quantkit.models.layers import LINEARS, layer_prefix
 
     rows = plan_rows(model_dir, recipe)
     key = {"model": CheckpointReader(model_dir).fingerprint(), "calibration": rows.fingerprint,
@@ -142,14 +164,16 @@ def measure_options(model_dir: str | Path, recipe, *, progress: bool = False) ->
         return {name: [Option(*entry) for entry in entries] for name, entries in stored.items()}
     model = load_model(model_dir, torch.float32)
     stats = collect(model, rows.input_ids, seed=recipe["calibration"]["seed"], progress=progress)
-    names = [layer_prefix(index) + linear for index in range(model.config.num_hidden_layers) for linear in LINEARS]
     options = {}
-    for name in tqdm(names, desc="estimate", unit="linear", disable=not progress):
-        weight = model.get_submodule(name).weight.detach()
+    for name, uses in tqdm(allocated_tensors(model.config).items(), desc="estimate", unit="tensor",
+                           disable=not progress):
+        weight = model.get_submodule(uses[0]).weight.detach()
         n, k = weight.shape
-        options[gguf_name(f"{name}.weight")] = [
-            Option(t, _padded(n, k, t), estimated_kl(weight, stats[name], rounding(TYPES[t])))
-            for t in CANDIDATE_TYPES if TYPES[t].fits(k)]
+        weighted = uses[0] not in (EMBEDDING, OUTPUT)  # the export rounds these two without importance
+        options[name] = [Option(t, _padded(n, k, t), estimated_kl(weight, [stats[use] for use in uses],
+                                                                  rounding(TYPES[t], weighted)))
+                         for t in CANDIDATE_TYPES
+                         if TYPES[t].fits(k) and (weighted or not TYPES[t].requires_importance)]
     write_json(cached, {name: [[o.name, o.bytes, o.loss] for o in opts] for name, opts in options.items()})
     return options
 
@@ -160,12 +184,12 @@ def plan(options: dict[str, list[Option]], mix_types: dict[str, str], fixed_byte
     allocated tensors, ``mix_types`` the recipe's own types (for comparison), ``weights`` the allocated
     tensors' weight count. A budget outside what the candidates can reach is refused, naming the range."""
     smallest, largest = reachable(options)
-    unquantized = fixed_bytes + 2 * weights  # the linears in 16 bits
+    unquantized = fixed_bytes + 2 * weights  # the matrices in 16 bits
     if budget.file_bytes is not None:
         room, asked = budget.file_bytes - fixed_bytes, budget.file_bytes
         shown = (f"{(fixed_bytes + smallest) / 1e6:.2f} MB", f"{unquantized / 1e6:.2f} MB")
     else:
-        room, asked = math.floor(budget.linear_bpw * weights / 8), fixed_bytes + budget.linear_bpw * weights / 8
+        room, asked = math.floor(budget.matrix_bpw * weights / 8), fixed_bytes + budget.matrix_bpw * weights / 8
         shown = (f"{8 * smallest / weights:.3f}", "16 bits per weight")
     if room < smallest or asked >= unquantized:
         raise BudgetError(f"{budget.describe()} is out of reach for {file_type}: the plan can make files from "

@@ -1,4 +1,4 @@
-"""A size budget as the user states it: the whole file in bytes, or bits per weight of the linears."""
+"""A size budget as the user states it: the whole file in bytes, or bits per weight of its matrices."""
 from __future__ import annotations
 
 import re
@@ -17,23 +17,23 @@ class BudgetError(QuantkitError):
 
 @dataclass(frozen=True)
 class Budget:
-    """Either ``file_bytes`` (the whole written file) or ``linear_bpw`` (bits per weight over the decoder's
-    linears, the tensors the plan allocates)."""
+    """Either ``file_bytes`` (the whole written file) or ``matrix_bpw`` (bits per weight over the file's
+    weight matrices: the decoder's linears, the embedding and the output, the tensors the plan allocates)."""
 
     file_bytes: int | None = None
-    linear_bpw: float | None = None
+    matrix_bpw: float | None = None
 
     def __post_init__(self) -> None:
-        if (self.file_bytes is None) == (self.linear_bpw is None):
+        if (self.file_bytes is None) == (self.matrix_bpw is None):
             raise BudgetError("give one budget: --target-size or --target-bpw")
 
     def describe(self) -> str:
         if self.file_bytes is not None:
             return f"file of at most {self.file_bytes / 1e6:.2f} MB"
-        return f"at most {self.linear_bpw:g} bits per weight of the linears"
+        return f"at most {self.matrix_bpw:g} bits per weight of the matrices"
 
     def to_dict(self) -> dict:
-        return {"file_bytes": self.file_bytes} if self.file_bytes is not None else {"linear_bpw": self.linear_bpw}
+        return {"file_bytes": self.file_bytes} if self.file_bytes is not None else {"matrix_bpw": self.matrix_bpw}
 
 
 def parse_size(text: str) -> int:
@@ -56,4 +56,4 @@ def budget_from_options(target_size: str | None, target_bpw: float | None) -> Bu
         raise BudgetError("give --target-size or --target-bpw, not both")
     if target_bpw is not None and not target_bpw > 0:
         raise BudgetError(f"--target-bpw must be more than 0, got {target_bpw}")
-    return Budget(parse_size(target_size)) if target_size is not None else Budget(linear_bpw=float(target_bpw))
+    return Budget(parse_size(target_size)) if target_size is not None else Budget(matrix_bpw=float(target_bpw))

@@ -9,11 +9,13 @@ from quantkit.cli import emit, friendly_errors, json_option, progress_option, re
 from quantkit.table import format_table
 
 target_size_option = click.option(
-    "--target-size", metavar="SIZE", help="Largest file to write, e.g. 4.5GB or 800MiB: every decoder linear's type "
-                                           "is chosen to minimise the estimated loss within it (gguf-* recipes).")
+    "--target-size", metavar="SIZE", help="Largest file to write, e.g. 4.5GB or 800MiB: the type of every weight "
+                                           "matrix is chosen to minimise the estimated loss within it (gguf-* "
+                                           "recipes).")
 target_bpw_option = click.option(
     "--target-bpw", type=float, metavar="BITS",
-    help="Instead of --target-size: bits per weight over the decoder's linears (the tensors a plan allocates).")
+    help="Instead of --target-size: bits per weight over the weight matrices (decoder linears, embedding, "
+         "output: the tensors a plan allocates).")
 
 
 def make_plan(model_dir, recipe, budget, *, progress: bool):
@@ -37,8 +39,8 @@ plot_option = click.option("--plot", type=click.Path(dir_okay=False, path_type=P
 
 def plan_text(planned) -> str:
     headers, rows = planned.layer_rows()
-    return (format_table(headers, rows) + "\n\n"
-            + format_table(["", "file MB", "linears' bits/weight", "predicted KL"], planned.summary()))
+    return (format_table(headers, rows) + "\n\n" + format_table(["tensor", "type", "mix"], planned.other_rows())
+            + "\n\n" + format_table(["", "file MB", "matrices' bits/weight", "predicted KL"], planned.summary()))
 
 
 def plot_allocation(tensor_types: dict[str, str], path: Path, title: str) -> None:

@@ -23,7 +23,7 @@ from quantkit.gguf.mixes import MIXES, Model, choose_type
 from quantkit.gguf.names import LAYER_TENSOR_NAME, LAYER_TENSORS, gguf_name
 from quantkit.gguf.record import GGUFTensor
 from quantkit.gguf.types import TYPES, TensorType
-from quantkit.models.layers import LINEARS, layer_prefix
+from quantkit.models.layers import EMBEDDING, LINEARS, LM_HEAD, layer_prefix
 from quantkit.quant import QuantConfig
 from quantkit.recipes.fields import Field, Section
 
@@ -51,17 +51,30 @@ class GGUFGrid(QuantConfig):
     tensor_types: tuple[tuple[str, str], ...] = ()
 
 
+# the matrices outside the layers the overrides may name: the export rounds them as llama-quantize would
+MATRICES = (gguf_name(EMBEDDING), gguf_name(LM_HEAD))
+
+
+def _overridable(name: object, tensor_type: object) -> bool:
+    if tensor_type not in SOLVABLE_TYPES:
+        return False
+    if name in MATRICES:  # rounded without importance statistics, which some types cannot do without
+        return not TYPES[tensor_type].requires_importance
+    match = LAYER_TENSOR_NAME.fullmatch(name) if isinstance(name, str) else None
+    return match is not None and match[2] in LINEAR_STEMS and match[3] == "weight"
+
+
 def _valid_overrides(value: dict) -> bool:
-    return all(isinstance(name, str) and (match := LAYER_TENSOR_NAME.fullmatch(name)) is not None
-               and match[2] in LINEAR_STEMS and match[3] == "weight" and tensor_type in SOLVABLE_TYPES
-               for name, tensor_type in value.items())
+    return all(_overridable(name, tensor_type) for name, tensor_type in value.items())
 
 
 # The recipe's ``gguf`` section: present only in recipes that state it, so the others' fingerprints do not change
 SETTINGS = Section({
     "tensor_types": Field(dict, default={}, check=_valid_overrides,
-                          rule=f"a mapping of decoder linears' GGUF names (blk.N.<{'|'.join(sorted(LINEAR_STEMS))}>"
-                               f".weight) to types GPTQ solves on ({', '.join(SOLVABLE_TYPES)})",
+                          rule=f"a mapping of GGUF names of decoder linears (blk.N.<{'|'.join(sorted(LINEAR_STEMS))}>"
+                               f".weight) or of {' and '.join(MATRICES)} to types GPTQ solves on "
+                               f"({', '.join(SOLVABLE_TYPES)}; for those two, none that needs importance "
+                               "statistics)",
                           help="per-tensor types over the file type's mix, as llama-quantize's --tensor-type "
                                "(what `quantkit quantize --target-size` writes; formats gguf-*)"),
 }, optional=True)
@@ -81,7 +94,7 @@ def resolve(config: QuantConfig, recipe: Mapping[str, Any], layers: int) -> Quan
     if not overrides:
         return config
     for name in overrides:
-        if int(LAYER_TENSOR_NAME.fullmatch(name)[1]) >= layers:
+        if (match := LAYER_TENSOR_NAME.fullmatch(name)) and int(match[1]) >= layers:
             raise ValueError(f"gguf.tensor_types names {name}, but the model has {layers} layers")
     return GGUFGrid(**{f: getattr(config, f) for f in QuantConfig.__dataclass_fields__},
                     tensor_types=tuple(sorted(overrides.items())))

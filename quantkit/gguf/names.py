@@ -81,10 +81,10 @@ def unpermute_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def layer_table(values: Mapping[str, object]) -> tuple[list[str], list[list]]:
     """Values by decoder tensor GGUF name (blk.N.<stem>.weight) as one row per layer and one column per stem,
-    in the order the stems first appear: headers and rows."""
+    in the order the stems first appear: headers and rows. Names outside the layers are left out."""
     layers: dict[int, dict[str, object]] = {}
     for name, value in values.items():
-        match = LAYER_TENSOR_NAME.fullmatch(name)
-        layers.setdefault(int(match[1]), {})[match[2]] = value
+        if match := LAYER_TENSOR_NAME.fullmatch(name):
+            layers.setdefault(int(match[1]), {})[match[2]] = value
     stems = list(dict.fromkeys(stem for row in layers.values() for stem in row))
     return ["layer", *stems], [[index, *(row.get(stem, "") for stem in stems)] for index, row in sorted(layers.items())]
