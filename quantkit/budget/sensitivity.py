@@ -102,8 +102,10 @@ def collect(model: torch.nn.Module, input_ids: torch.Tensor, *, batch_size: int 
             handles.append(module.register_forward_pre_hook(inputs))
 
         def outputs(_module, _args, output, name=name):
+            # squared in the gradient's own dtype, summed in float64: the output's [tokens, vocabulary] gradient
+            # is not copied to float64 whole
             output.register_hook(lambda grad, name=name: add(
-                squares, name, grad.detach().reshape(-1, grad.shape[-1]).double().square().sum(0)))
+                squares, name, grad.detach().reshape(-1, grad.shape[-1]).square().sum(0, dtype=torch.float64)))
         handles.append(module.register_forward_hook(outputs))
     generator = torch.Generator().manual_seed(seed)
     params = {p: p.requires_grad for p in model.parameters()}
