@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from quantkit import calib
 from quantkit.activations import Activations
 from quantkit.algorithms import ALGORITHMS
+from quantkit.algorithms.reconstruct import reconstruct
 from quantkit.algorithms.smooth import search_scale, smooth_layer
 from quantkit.algorithms.smoothquant import SAMPLE_ROWS, search_migration
 from quantkit.artifact import PROGRESS_FILE, ArtifactWriter
@@ -222,22 +223,26 @@ def _layer_tensors(reader: CheckpointReader, index: int) -> dict[str, torch.Tens
 MEMORY_MARGIN = 1.25
 
 
-def calibration_memory(config: MiniCPMConfig, n_samples: int, seq_len: int, dtype: torch.dtype) -> dict[str, int]:
+def calibration_memory(config: MiniCPMConfig, n_samples: int, seq_len: int, dtype: torch.dtype,
+                       reconstructs: bool = False) -> dict[str, int]:
     """Bytes a run holds at its peak, by what holds them: the activations (the layer's input and the
     residual stream after attention, with o_proj's input or, later, down_proj's input: kept so that later
-    groups skip the attention, o_proj and gate/up; the output overwrites the residual stream), one layer's
+    groups skip the attention, o_proj and gate/up; the output overwrites the residual stream; with block
+    reconstruction, the unquantized model's stream and the layer's unquantized output too), one layer's
     weights (at the compute dtype, a float32 copy for smoothing and the solve, and the solver's work
-    matrices) and the largest Hessian (float32, and its factor)."""
+    matrices; with reconstruction, float32 offsets and their gradients) and the largest Hessian (float32,
+    and its factor)."""
     shapes = {name: shape for name, shape in weight_shapes(config).items() if name.startswith(layer_prefix(0))}
     layer_parameters = sum(math.prod(shape) for shape in shapes.values())
     widest = max(shape[1] for name, shape in shapes.items() if len(shape) == 2)
     largest = max(math.prod(shape) for shape in shapes.values())
     tokens = n_samples * seq_len
     attention_width = config.num_attention_heads * (config.hidden_size // config.num_attention_heads)
+    streams = 4 if reconstructs else 2
     return {
-        "activations": tokens * (2 * config.hidden_size + max(attention_width, config.intermediate_size))
+        "activations": tokens * (streams * config.hidden_size + max(attention_width, config.intermediate_size))
         * dtype.itemsize,
-        "layer weights": layer_parameters * (dtype.itemsize + 4) + 4 * largest * 4,
+        "layer weights": layer_parameters * (dtype.itemsize + 4 + (16 if reconstructs else 0)) + 4 * largest * 4,
         "Hessian": 2 * widest * widest * 4,
     }
 
@@ -246,7 +251,7 @@ ACTIVATION_PLACES = ("auto", "memory", "disk")
 
 
 def plan_activations(config: MiniCPMConfig, calibration: Mapping, dtype: torch.dtype, device: torch.device,
-                     place: str, spill_dir: Path) -> Activations:
+                     place: str, spill_dir: Path, reconstructs: bool = False) -> Activations:
     """Where the run keeps its calibration activations (``place``: memory, disk, or auto: memory where the
     whole run fits, else disk). Refuses before any work a run that cannot fit even with its activations
     on disk, or whose spill would not fit on the disk, with the estimate and the limit."""
@@ -255,7 +260,7 @@ def plan_activations(config: MiniCPMConfig, calibration: Mapping, dtype: torch.d
     if place not in ACTIVATION_PLACES:
         raise RunError(f"activations must be one of {', '.join(ACTIVATION_PLACES)}, not {place!r}")
     n_samples, seq_len = calibration["n_samples"], calibration["seq_len"]
-    parts = calibration_memory(config, n_samples, seq_len, dtype)
+    parts = calibration_memory(config, n_samples, seq_len, dtype, reconstructs)
     available = device_available_bytes(device)
     room = math.inf if available is None else available[0]
     needed = MEMORY_MARGIN * sum(parts.values())
@@ -318,7 +323,9 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
     validate_checkpoint(reader, config, qconfig, fmt, ALGORITHMS[recipe["algorithm"]].act_order(recipe.values),
                         progress)
     dtype = compute_dtype(recipe["compute_dtype"])
-    store = plan_activations(config, recipe["calibration"], dtype, device, activations, out_dir.absolute().parent)
+    reconstructs = "reconstruct" in recipe.values
+    store = plan_activations(config, recipe["calibration"], dtype, device, activations, out_dir.absolute().parent,
+                             reconstructs)
 
     from quantkit.tokenizer import load_tokenizer
 
@@ -350,6 +357,8 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
                         cal["batch_size"])
         positions = torch.arange(hidden.shape[1], device=device).unsqueeze(0)
         position_embeddings = MiniCPMRotaryEmbedding(config)(hidden[:1].to(device), positions)
+    # block reconstruction matches each layer's output to the unquantized model's: that model's own stream
+    unquantized = hidden if reconstructs else None
 
     layers = range(config.num_hidden_layers if stop_after_layers is None else stop_after_layers)
     bar = tqdm(layers, desc=f"quantize {recipe.name}", unit="layer", disable=not progress)
@@ -358,11 +367,16 @@ def quantize(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, resu
         if index < done:  # finished before the interruption: replay it from its shard
             layer = _build_layer(config, index, _replayed(writer, index, config, qconfig, fmt), dtype, device)
             hidden = LayerRunner(layer, position_embeddings, cal["batch_size"], store).forward(hidden)
+            if unquantized is not None:
+                layer = _build_layer(config, index, _layer_tensors(reader, index), dtype, device)
+                unquantized = LayerRunner(layer, position_embeddings, cal["batch_size"], store).forward(unquantized)
             continue
         job = _LayerJob(config, index, recipe, qconfig, dtype, device, position_embeddings, store)
-        shard, errors, alphas, hidden = job.run(_layer_tensors(reader, index), hidden, fmt)
+        shard, errors, alphas, hidden, unquantized, reconstruction = job.run(_layer_tensors(reader, index), hidden,
+                                                                            fmt, unquantized)
         writer.write_shard(index, shard)
-        layer_errors.append({"layer": index, "errors": errors, "smoothing_alpha": alphas})
+        layer_errors.append({"layer": index, "errors": errors, "smoothing_alpha": alphas,
+                             **({"reconstruction": reconstruction} if reconstruction else {})})
         writer.write_progress(layer_errors)
         report.layers.append(LayerReport(index, round(time.perf_counter() - layer_started, 3), errors,
                                          round(job.stats_seconds, 3), round(job.solve_seconds, 3)))
@@ -441,13 +455,15 @@ class _LayerJob:
                     for name, t in layer.state_dict().items()}
         return smoothed, {name: search.alpha for name, search in searches.items()}
 
-    def run(self, source: dict, hidden: torch.Tensor, fmt: Format):
-        alphas = {}
+    def run(self, source: dict, hidden: torch.Tensor, fmt: Format, unquantized: torch.Tensor | None = None):
+        """Quantize the layer; with block reconstruction, ``unquantized`` is the unquantized model's input to it,
+        and its output is returned in its place."""
+        alphas, checkpoint_layer = {}, source
         if self.recipe["smooth"]["enabled"]:
             source, alphas = self.smooth(source, hidden, fmt)
         runner = self._runner(source)
         algorithm = ALGORITHMS[self.recipe["algorithm"]]
-        records, errors, input_abs_max = {}, {}, {}
+        records, errors, input_abs_max, rounding_points = {}, {}, {}, {}
         for group in SEQUENTIAL_GROUPS:
             stats = self._stats(runner, hidden, (group[0],))[group[0]]
             for name in group:
@@ -455,7 +471,10 @@ class _LayerJob:
                 weight = source[f"{self.prefix}{name}.weight"].to(self.device, torch.float32)
                 target = fmt.target(self.qconfig, name, self.index, self.config, tuple(weight.shape))
                 started = time.perf_counter()
-                records[name] = algorithm(weight, stats, target, self.recipe.values)
+                if unquantized is None:
+                    records[name] = algorithm(weight, stats, target, self.recipe.values)
+                else:  # block reconstruction starts from what the solver rounded
+                    records[name], rounding_points[name] = algorithm.solve(weight, stats, target, self.recipe.values)
                 self.solve_seconds += time.perf_counter() - started
                 approx = records[name].dequantize(torch.float32).to(self.device)  # GGUF blocks decode on the host
                 errors[name] = fast_relative_error(weight, approx, stats.hessian)
@@ -465,6 +484,16 @@ class _LayerJob:
                 started = time.perf_counter()
                 keep(runner, hidden)
                 self.stats_seconds += time.perf_counter() - started
+        summary = None
+        if unquantized is not None:
+            started = time.perf_counter()
+            unquantized = self._runner(checkpoint_layer).forward(unquantized)
+            result = self.reconstruct(source, records, rounding_points, hidden, unquantized)
+            self.solve_seconds += time.perf_counter() - started
+            records, summary = result.records, result.summary()
+            runner = self._runner(source)
+            for name, record in records.items():
+                runner.layer.get_submodule(name).weight.data = record.dequantize(self.dtype).to(self.device)
         shard = {n: t for n, t in source.items() if not _is_linear_weight(n, self.index)}
         shard.update({n: t.cpu() for n, t in fmt.write_layer(records, self.prefix).items()})
         shard.update({n: t.cpu() for n, t in fmt.activation_tensors(self.qconfig, input_abs_max, self.prefix).items()})
@@ -474,7 +503,24 @@ class _LayerJob:
         started = time.perf_counter()
         hidden = runner.forward(hidden)
         self.stats_seconds += time.perf_counter() - started
-        return shard, errors, alphas, hidden
+        return shard, errors, alphas, hidden, unquantized, summary
+
+    def reconstruct(self, source: dict, records: dict, rounding_points: dict, inputs: torch.Tensor,
+                    targets: torch.Tensor):
+        """Block reconstruction of the layer's records against ``targets``, in float32 (the recipe's
+        ``reconstruct`` section; ``quantkit.algorithms.reconstruct``)."""
+        layer = _build_layer(self.config, self.index, source, torch.float32, self.device).requires_grad_(False)
+        position_embeddings = tuple(t.to(torch.float32) for t in self.position_embeddings)
+
+        def forward(linear_weights, batch):
+            parameters = {f"{name}.weight": weight for name, weight in linear_weights.items()}
+            return torch.func.functional_call(layer, parameters, (batch,),
+                                              {"position_embeddings": position_embeddings})
+
+        settings = self.recipe["reconstruct"]
+        return reconstruct(forward, rounding_points, records, inputs, targets, settings,
+                           eval_batch_size=self.recipe["calibration"]["batch_size"],
+                           seed=settings["seed"] * 1_000_003 + self.index)
 
 
 def _embed(embedding: torch.Tensor, input_ids: torch.Tensor, scale: float, store: Activations,

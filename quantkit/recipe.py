@@ -263,7 +263,31 @@ def load_recipe(name_or_path: str | Path, overrides: dict[str, Any] | None = Non
             _refuse(path, fmt.recipe_refusal(values))
     _refuse(path, gguf_format.refusal(values))
     _refuse(path, _smoothing_conflict(values, config))
+    _refuse(path, _reconstruction_conflict(values, config))
     return Recipe(values, str(path))
+
+
+def _reconstruction_conflict(values: dict, config: QuantConfig) -> str | None:
+    """Block reconstruction trains codes and scales on the uniform grid, matching each layer's output with
+    16-bit activations, from a post-training start."""
+    settings = values.get("reconstruct")
+    if settings is None:
+        return None
+    fmt = FORMATS[values["format"]]
+    solved_on = fmt.solved_on(values)
+    if solved_on is not None:
+        return (f"'reconstruct' trains codes and scales on the uniform integer grid; format '{fmt.name}' is solved on "
+                f"{solved_on.split(',')[0]}, which it cannot train: remove the reconstruct section")
+    resolved = fmt.resolve(config, values, 0)
+    if fmt.activation_grid(resolved) is not None or fmt.kv_cache_grid(resolved) is not None:
+        return ("'reconstruct' matches each layer's output with 16-bit activations and KV cache; this recipe "
+                "quantizes them too: remove the reconstruct section")
+    if "qat" in values:
+        return "'reconstruct' is a post-training step; a 'qat' recipe trains the whole model instead: remove one"
+    if settings["batch_size"] > values["calibration"]["n_samples"]:
+        return (f"'reconstruct.batch_size' {settings['batch_size']} exceeds calibration.n_samples "
+                f"{values['calibration']['n_samples']}: lower it or calibrate on more sequences")
+    return None
 
 
 def _smoothing_conflict(values: dict, config: QuantConfig) -> str | None:

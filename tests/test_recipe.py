@@ -14,6 +14,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "recipes.md"
 # the recipe quantizes and makes `--resume` refuse its earlier runs: update it only on purpose.
 FINGERPRINTS = {
     "awq-w4g128": "1381ebc14fd96f42f323d27aec68b3fb822c13b6dc28d1acc1cda6e6f4ed8f2d",
+    "block-recon-w2g64": "0e50f69de4f8753f3c35aaf69d2fcb2c7615413ad50fe88b77ca8431084e42b0",
     "cpmcu": "f0a91dadfa3ae0c3a1d5cde65f9ab384d10d31aa332d207aa3aee8ce5786e098",
     "gguf-iq4_xs": "4ba417ad05244aa5af53b235cc76a3b7eb5f5a8175332b5036c969595a942ec7",
     "gguf-q2_k": "11bc16f4ecc573cd3d9027be281abb580f745dc62b18e71cfc145b44daa1e26a",
@@ -130,5 +131,5 @@ def test_the_schema_is_assembled_from_the_sections_beside_their_code_in_recipe_o
     assert SCHEMA["gguf"] is gguf_format.SETTINGS  # one section for every gguf-* format
     # the order of Recipe.values, which every manifest records
     assert list(SCHEMA) == ["name", "description", "algorithm", "format", "prefix_tokens", "prefix_linears",
-                            "compute_dtype", "quant", "gptq", "smooth", "calibration", "compressed-tensors", "mlx",
-                            "qat", "gguf"]
+                            "compute_dtype", "quant", "gptq", "smooth", "reconstruct", "calibration",
+                            "compressed-tensors", "mlx", "qat", "gguf"]

@@ -39,6 +39,9 @@ METHODS = {
     "P-GPTQ": ("p-gptq-w4g128", ()),
     "S-GPTQ": ("s-gptq-w4g128", ()),
     "S-P-GPTQ": ("s-p-gptq-w4g128", ()),
+    # below 4 bits: the asymmetric grid, GPTQ alone and followed by block reconstruction
+    "GPTQ-ASYM": ("gptq-w4g128", ("quant.sym=false",)),
+    "BLOCK-RECON": ("block-recon-w2g64", ()),
     # compressed-tensors keeps scales in the model's dtype, so its weights differ from the GPTQ format's
     "S-GPTQ-CT": ("s-gptq-w4a16-ct", ()),
     "INT8-W8A8": ("int8-w8a8", ()),  # scored with its activations quantized per token (quantkit.loading)

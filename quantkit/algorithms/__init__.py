@@ -8,7 +8,7 @@ module plus an entry in ``ALGORITHMS`` (whose order is the recipe schema's list 
 """
 from __future__ import annotations
 
-from quantkit.algorithms import gptq, smooth
+from quantkit.algorithms import gptq, reconstruct, smooth
 from quantkit.algorithms.awq import AWQ
 from quantkit.algorithms.base import Algorithm
 from quantkit.algorithms.gptq import GPTQ
@@ -16,7 +16,8 @@ from quantkit.algorithms.rtn import RTN
 
 ALGORITHMS: dict[str, Algorithm] = {algorithm.name: algorithm for algorithm in (RTN(), AWQ(), GPTQ())}
 # The recipe sections of the algorithms' code, in recipe order: GPTQ's solver (stated by every recipe,
-# whatever its algorithm, so fingerprints stay put), and the smoothing the engine runs before any algorithm
-SECTIONS = {"gptq": gptq.SETTINGS, "smooth": smooth.SETTINGS}
+# whatever its algorithm, so fingerprints stay put), the smoothing the engine runs before any algorithm, and
+# the block reconstruction it may run after one (only in recipes that state it)
+SECTIONS = {"gptq": gptq.SETTINGS, "smooth": smooth.SETTINGS, "reconstruct": reconstruct.SETTINGS}
 
 __all__ = ["ALGORITHMS", "Algorithm", "SECTIONS"]

@@ -30,6 +30,12 @@ class Algorithm:
                  values: Mapping[str, Any]) -> QuantizedTensor | GGUFTensor | FP8Tensor:
         raise NotImplementedError
 
+    def solve(self, weight: Tensor, stats: InputStats, target: Target,
+              values: Mapping[str, Any]) -> tuple[QuantizedTensor | GGUFTensor | FP8Tensor, Tensor]:
+        """The record and the weights [N, K] it rounded (its rounding point), from which block reconstruction
+        starts: the weight itself for an algorithm that rounds each weight where it is; GPTQ's, compensated."""
+        return self(weight, stats, target, values), weight
+
     def clips(self, values: Mapping[str, Any]) -> bool:
         """Whether it searches each group's range, which a ternary grid (scale = mean |w|) does not have."""
         return False

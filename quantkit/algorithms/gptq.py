@@ -88,6 +88,9 @@ class GPTQSolution(NamedTuple):
     quantized: QuantizedTensor | GGUFTensor | FP8Tensor
     weight: Tensor  # [N, K] float32: the fake-quantized weights the solver propagated errors against
     damp_percent: float  # dampening actually used (larger than requested if retries were needed)
+    # [N, K] float32: each weight as the solver rounded it, every earlier column's compensation applied
+    # (block reconstruction starts from these: a decision GPTQ made narrowly is the cheapest to revisit)
+    rounding_point: Tensor
 
 
 def gptq_quantize(
@@ -159,6 +162,7 @@ def gptq_solve(
     del w
     residual = work.clone()  # row j: the original w[j] until column j is done, then w[j] - q[j]
     codes = torch.empty(k, n, dtype=torch.uint8, device=work.device)
+    rounding_point = torch.empty_like(work)
     for start in range(0, k, block_size):
         stop = min(start + block_size, k)
         block = work[start:stop]  # a view: updates land in ``work``
@@ -170,14 +174,16 @@ def gptq_solve(
         # (measured at 4096 x 4096 on 2 busy cores: 3.9-5.9 s with one thread against 6.5-37 s with
         # two), so it runs on one; the clipping search inside it is big enough to use them all again.
         with torch_threads(1):
-            codes[start:stop] = _quantize_block(block, u_block, start, grid)
+            codes[start:stop] = _quantize_block(block, u_block, start, grid, rounding_point[start:stop])
         residual[start:stop] -= block
 
     weight_hat = torch.empty(n, k, dtype=torch.float32, device=work.device)
     weight_hat[:, order] = work.T
     original_codes = torch.empty(n, k, dtype=torch.uint8, device=codes.device)
     original_codes[:, order] = codes.T
-    return GPTQSolution(grid.record(original_codes), weight_hat, used_damp)
+    rounded = torch.empty(n, k, dtype=torch.float32, device=work.device)
+    rounded[:, order] = rounding_point.T
+    return GPTQSolution(grid.record(original_codes), weight_hat, used_damp, rounded)
 
 
 def _group_aware_order(importance: Tensor, group_size: int, unit: int = 1) -> Tensor:
@@ -259,8 +265,9 @@ class _Grid:
 
 
 def _quantize_block(block: Tensor, u_block: Tensor, start: int,
-                    grid: _Grid | BlockGrid | LatticeGrid | FP8Solver) -> Tensor:
-    """Quantize ``block`` [B, N] in place to its fake-quantized rows; return their codes (uint8).
+                    grid: _Grid | BlockGrid | LatticeGrid | FP8Solver, rounding_point: Tensor) -> Tensor:
+    """Quantize ``block`` [B, N] in place to its fake-quantized rows; return their codes (uint8), and keep
+    each row as it was rounded in ``rounding_point`` [B, N].
 
     The reference recursion, with the rank-1 updates confined to sub-blocks of SUB_BLOCK rows and each
     finished sub-block applied to the rest of the block in one product. Sub-blocks divide the group
@@ -273,6 +280,7 @@ def _quantize_block(block: Tensor, u_block: Tensor, start: int,
         sub_stop = min(sub_start + SUB_BLOCK, width)
         for c in range(sub_start, sub_stop):
             column_codes, fake = grid.round(start + c, block[c:])
+            rounding_point[c] = block[c]
             torch.div(block[c] - fake, u_block[c, c], out=scaled_errors[c])
             block[c + 1:sub_stop].addr_(u_block[c, c + 1:sub_stop], scaled_errors[c], alpha=-1.0)
             block[c] = fake
@@ -360,6 +368,10 @@ class GPTQ(Algorithm):
 
     def __call__(self, weight, stats, target, values):
         return gptq_quantize(weight, stats.hessian, target, **values["gptq"])
+
+    def solve(self, weight, stats, target, values):
+        solution = gptq_solve(weight, stats.hessian, target, **values["gptq"])
+        return solution.quantized, solution.rounding_point
 
     def clips(self, values) -> bool:
         return values["gptq"]["clip_search"]
