@@ -24,8 +24,20 @@ LLMC_VENV ?= .venv-llmc
 LLMC_BIN := $(LLMC_VENV)/bin
 LLMC_INSTALLED := $(LLMC_VENV)/.installed
 LLMCOMPRESSOR ?= llmcompressor==0.14.0.1
+# AutoRound (Intel) goes in after $(TORCH) too, so torch stays the pinned one; quantkit then goes in with its deps.
+AUTOROUND_VENV ?= .venv-autoround
+AUTOROUND_BIN := $(AUTOROUND_VENV)/bin
+AUTOROUND_INSTALLED := $(AUTOROUND_VENV)/.installed
+AUTOROUND ?= auto-round==0.16.1
+# AutoRound as a bench peer (bench_methods --peer), asymmetric, on quantkit's calibration rows: its default
+# recipe (200 steps per layer), and its auto-round-best one (1000 steps on 512 rows of {seq_len} tokens; the
+# default mix holds 602 rows of 512 tokens, 162 of 2048). Defined here, with = so $(AUTOROUND_BIN) is read late.
+AUTOROUND_PEER = AutoRound=$(AUTOROUND_BIN)/python -m quantkit.eval.interop.autoround_quantize {model} {out} \
+	--bits {bits} --group-size {group_size} --nsamples {n_samples} --seqlen {seq_len} --seed {seed} --dtype {dtype}
+AUTOROUND_BEST_PEER = AutoRound-best=$(AUTOROUND_BIN)/python -m quantkit.eval.interop.autoround_quantize {model} \
+	{out} --best --bits {bits} --group-size {group_size} --seqlen {seq_len} --seed {seed} --dtype {dtype}
 
-.PHONY: install demo demo-marlin publish-demo test test-fast lint default-model bench-gptq bench-awq bench-ct bench-gguf bench-gguf-speed bench-gptq-transfer bench-budget llama-tools bench-mlx bench-scale bench-8b bench-hessian bench-runtime bench-qat bench-spec eval-sparse test-reliability interop interop-peer clean help \
+.PHONY: install demo demo-marlin publish-demo test test-fast lint default-model bench-gptq bench-awq bench-ct bench-gguf bench-gguf-speed bench-gptq-transfer bench-budget bench-lowbit llama-tools bench-mlx bench-scale bench-8b bench-hessian bench-runtime bench-qat bench-spec eval-sparse test-reliability interop interop-peer clean help \
 	eval-ppl eval-kld eval-report eval-niah eval-tasks eval-accept
 
 help:
@@ -44,6 +56,7 @@ help:
 	@echo "make bench-gguf-speed  quantkit export gguf vs llama.cpp's quantizer, time per type on the default model and an 8B-shaped slice (target <= 1.5x)"
 	@echo "make bench-gptq-transfer  GPTQ's output error over llama.cpp + imatrix per linear of a GGUF mix, under the calibration rows' and each held-out text's inputs (BENCH_TRANSFER_ARGS='--file-type q4_k_m')"
 	@echo "make bench-budget  quantkit quantize --target-size at the sizes of llama.cpp's q4_k_m/q3_k_m/iq2_m files against every llama.cpp mix + imatrix, scored in llama.cpp (BENCH_BUDGET_ARGS=...)"
+	@echo "make bench-lowbit  GPTQ W2 g64 / W3 g128 asym, plus block reconstruction, vs Intel AutoRound (default and best) on the same rows (hours; BENCH_LOWBIT_ARGS=...)"
 	@echo "make llama-tools  build llama.cpp's llama-imatrix and llama-quantize once (bench-gguf's imatrix anchor; ~10 min)"
 	@echo "make bench-mlx   mlx_lm.convert, mlx-lm's GPTQ/AWQ/DWQ, quantkit's MLX recipes and DWQ at W4 g64, scored by mlx-lm (BENCH_MLX_ARGS='--reuse')"
 	@echo "make bench-runtime  a fresh quantkit generate's first token (target 2 s); quantkit's runtime (W4) vs transformers fp32/bf16 and llama.cpp Q4_0, decode and prefill; InfLLM v2 vs dense attention"
@@ -154,6 +167,19 @@ bench-ct: $(INSTALLED) $(LLMC_INSTALLED)
 	$(BIN)/python -m quantkit.eval.bench.bench_methods --out $(OUT)/bench-ct-fp8 --methods FP8-W8A8 --bits 8 \
 	  --group-size -1 --baseline FP8-W8A8 --peer "$(LLMC_FP8_PEER)" $(BENCH_CT_ARGS)
 
+# Below 4 bits (issue 69): GPTQ on the asymmetric grid, then GPTQ followed by block reconstruction, against Intel
+# AutoRound's default and best recipes on the same calibration rows, at W2 g64 and W3 g128, scored on the four
+# test texts (hours: every method trains each layer on a CPU). Known gap: AutoRound's GPTQ export stores a zero
+# point of 0 as 1 (v1's zero - 1 clamped at 0), so those groups read back one step off (eval/interop/autoround_quantize.py).
+BENCH_LOWBIT_ARGS ?=
+bench-lowbit: $(INSTALLED) $(AUTOROUND_INSTALLED)
+	$(BIN)/python -m quantkit.eval.bench.bench_methods --out $(OUT)/bench-lowbit-w2 --methods GPTQ-ASYM,BLOCK-RECON \
+	  --bits 2 --group-size 64 --seeds 0 --baseline GPTQ-ASYM --peer "$(AUTOROUND_PEER)" --peer "$(AUTOROUND_BEST_PEER)" \
+	  $(BENCH_LOWBIT_ARGS)
+	$(BIN)/python -m quantkit.eval.bench.bench_methods --out $(OUT)/bench-lowbit-w3 --methods GPTQ-ASYM,BLOCK-RECON \
+	  --bits 3 --group-size 128 --seeds 0 --baseline GPTQ-ASYM --peer "$(AUTOROUND_PEER)" --peer "$(AUTOROUND_BEST_PEER)" \
+	  $(BENCH_LOWBIT_ARGS)
+
 bench-gguf: $(TEST_INSTALLED)
 	$(BIN)/python -m quantkit.eval.bench.bench_gguf --out $(OUT)/bench-gguf
 
@@ -232,12 +258,21 @@ $(INTEROP_INSTALLED): pyproject.toml
 	$(INTEROP_BIN)/python -m pip install --no-deps -e .
 	touch $@
 
-$(LLMC_INSTALLED): pyproject.toml
-	test -x $(LLMC_BIN)/python || $(PYTHON) -m venv $(LLMC_VENV)
-	$(LLMC_BIN)/python -m pip install $(TORCH)
-	$(LLMC_BIN)/python -m pip install $(LLMCOMPRESSOR)
-	$(LLMC_BIN)/python -m pip install -e .
+# A peer's venv that accepts the pinned torch: $(TORCH) first, so pip keeps it, then the peer ($(2)), then quantkit
+# with its dependencies. $(1) is the venv's folder.
+define torch_first_venv
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install $(TORCH)
+	$(1)/bin/python -m pip install $(2)
+	$(1)/bin/python -m pip install -e .
 	touch $@
+endef
+
+$(LLMC_INSTALLED): pyproject.toml
+	$(call torch_first_venv,$(LLMC_VENV),$(LLMCOMPRESSOR))
+
+$(AUTOROUND_INSTALLED): pyproject.toml
+	$(call torch_first_venv,$(AUTOROUND_VENV),$(AUTOROUND))
 
 # A symmetric GPTQ checkpoint and an asymmetric one, each read by GPTQModel (weights bit for bit, logits)
 # and by every consumer rule (quantkit eval conformance). The asymmetric one is gptq-v2: GPTQModel 7.7

@@ -17,7 +17,6 @@ compressed-tensors), with the source's config files and tokenizer, plus llmcompr
 """
 from __future__ import annotations
 
-import json
 import shutil
 import time
 
@@ -26,7 +25,7 @@ from transformers import AutoModelForCausalLM
 
 import quantkit  # noqa: F401  (registers model_type "minicpm" with transformers' Auto classes)
 from quantkit.atomic import publish_dir, write_json
-from quantkit.eval.interop.peer_cli import calibration_of, model_dir_of, peer_parser
+from quantkit.eval.interop.peer_cli import adopt_source_configs, calibration_of, model_dir_of, peer_parser
 
 RUN_FILE = "llmcompressor_run.json"
 
@@ -106,14 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     staging = args.out.with_name(args.out.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging, save_compressed=True)
-    saved = json.loads((staging / "config.json").read_text())
-    # the source's own config files and tokenizer (MiniCPM's, not transformers' re-serialisation), with
-    # the quantization_config llm-compressor wrote
-    for source in model_dir.iterdir():
-        if source.is_file() and not source.name.endswith((".safetensors", ".safetensors.index.json")):
-            shutil.copy2(source, staging / source.name)
-    config = json.loads((model_dir / "config.json").read_text())
-    write_json(staging / "config.json", {**config, "quantization_config": saved["quantization_config"]})
+    adopt_source_configs(staging, model_dir)
     write_json(staging / RUN_FILE, {
         "settings": {"method": args.method, "bits": args.bits, "group_size": args.group_size, "modifiers": described},
         "calibration": calibration.describe(),

@@ -3,12 +3,14 @@ that each peer sees exactly the tokens quantkit's own methods see."""
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 from pathlib import Path
 
 from transformers import AutoTokenizer
 
 from quantkit import calib, zoo
-from quantkit.atomic import refuse_existing
+from quantkit.atomic import refuse_existing, write_json
 
 
 def peer_parser(description: str) -> argparse.ArgumentParser:
@@ -36,3 +38,14 @@ def model_dir_of(args: argparse.Namespace) -> Path:
 def calibration_of(args: argparse.Namespace, model_dir: Path) -> calib.CalibrationSet:
     return calib.calibration_set(AutoTokenizer.from_pretrained(model_dir), source=args.calibration,
                                  n_samples=args.nsamples, seq_len=args.seqlen, seed=args.seed)
+
+
+def adopt_source_configs(staging: Path, model_dir: Path) -> None:
+    """Give the peer's checkpoint in ``staging`` the source's own config files and tokenizer (MiniCPM's, not
+    transformers' re-serialisation), keeping the quantization_config the peer wrote into its config.json."""
+    quantization_config = json.loads((staging / "config.json").read_text())["quantization_config"]
+    for source in model_dir.iterdir():
+        if source.is_file() and not source.name.endswith((".safetensors", ".safetensors.index.json")):
+            shutil.copy2(source, staging / source.name)
+    config = json.loads((model_dir / "config.json").read_text())
+    write_json(staging / "config.json", {**config, "quantization_config": quantization_config})
