@@ -17,15 +17,19 @@ out of attention, as it does with any dataset it is given as tokens.
 Asymmetric by default (--sym for symmetric). On the CPU: no torch.compile, and its mixed precision (bf16,
 its CPU default) only where the CPU multiplies bf16 in hardware: --dtype auto follows quantkit's
 ``compute_dtype: auto``; elsewhere bf16 is emulated many times slower and the layers are tuned in float32.
-OUT is AutoRound's ``auto_gptq`` export (checkpoint_format "gptq", which stores zero - 1: AutoRound clamps
-a zero point of 0 to a stored 0, read back as 1), with the source's config files and tokenizer, plus
-autoround_run.json (settings, calibration fingerprint, wall time, versions). --check-export keeps
-AutoRound's own fake-quantized weights until the export is written, then reads the export with quantkit
-and records how many groups differ from them and by how much (its packing works on a copy: more memory).
+OUT is AutoRound's ``auto_gptq`` export with its zero points stored as GPTQ v2 (``checkpoint_format``
+"gptq_v2", the zero itself): AutoRound's v1 packing stores zero - 1 and clamps a zero point of 0 to a
+stored 0, read back as 1, so every group whose tuned zero point is 0 would be read a step off. Its codes
+and scales are kept as it packed them; the zero points are AutoRound's own, taken from the tuned layers
+(the export packs a copy: the model is held twice, which these model sizes afford). The source's config
+files and tokenizer are adopted, and autoround_run.json records the settings, calibration fingerprint,
+wall time, versions, and a check of the export as quantkit reads it against AutoRound's own
+fake-quantized weights (how many groups differ, and by how much: none, once the zero points are v2).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import time
 from pathlib import Path
@@ -39,6 +43,7 @@ from quantkit.eval.interop.peer_cli import adopt_source_configs, calibration_of,
 
 RUN_FILE = "autoround_run.json"
 FORMAT = "auto_gptq"
+CHECKPOINT_FORMAT = "gptq_v2"  # what the export's zero points are rewritten to: the zero point itself
 # AutoRound's recipes (auto_round/cli/main.py, RECIPES): steps per layer, and samples; both tune in
 # batches of 8 on 2048-token rows, which quantkit's calibration rows replace
 RECIPES = {"default": {"iters": 200, "nsamples": 128}, "best": {"iters": 1000, "nsamples": 512}}
@@ -57,8 +62,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                         help="bfloat16: AutoRound's mixed precision; float32: none; auto: bfloat16 where the "
                              "CPU multiplies it in hardware")
-    parser.add_argument("--check-export", action="store_true",
-                        help="compare the export, as quantkit reads it, with AutoRound's own quantized weights")
     args = parser.parse_args(argv)
     args.recipe = "best" if args.best else "default"
     args.iters = RECIPES[args.recipe]["iters"] if args.iters is None else args.iters
@@ -76,6 +79,40 @@ def own_weights(model: torch.nn.Module) -> dict[str, dict[str, torch.Tensor]]:
                    "zp": module.zp.float() if isinstance(module.zp, torch.Tensor) else torch.tensor(float(module.zp))}
             for name, module in model.named_modules()
             if isinstance(module, torch.nn.Linear) and getattr(module, "scale", None) is not None}
+
+
+def store_zero_points_v2(checkpoint: Path, zero_points: dict[str, torch.Tensor], bits: int) -> None:
+    """Rewrite every quantized linear's ``qzeros`` in ``checkpoint`` from AutoRound's own zero points
+    ([out_features, groups] per linear name) as GPTQ v2 stores them, and say so in its config.json."""
+    from safetensors.torch import load_file, save_file
+
+    from quantkit.formats.gptq import ZERO_OFFSETS, pack_cols
+
+    offset = ZERO_OFFSETS[CHECKPOINT_FORMAT]
+    rewritten = set()
+    for shard in sorted(checkpoint.glob("*.safetensors")):
+        tensors = load_file(shard)
+        for name, zero_point in zero_points.items():
+            key = f"{name}.qzeros"
+            if key in tensors:
+                zeros = zero_point.reshape(zero_point.shape[0], -1).T.round().to(torch.int64) - offset
+                packed = pack_cols(zeros, bits)
+                if packed.shape != tensors[key].shape:
+                    raise RuntimeError(f"{key}: AutoRound's zero points pack to {tuple(packed.shape)}, "
+                                       f"its export holds {tuple(tensors[key].shape)}")
+                tensors[key] = packed
+                rewritten.add(name)
+        save_file(tensors, shard, metadata={"format": "pt"})
+    missing = sorted(set(zero_points) - rewritten)
+    if missing:
+        raise RuntimeError(f"{checkpoint}: no qzeros in the export for {missing[:3]} ({len(missing)} linears)")
+    config_path = checkpoint / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"]["checkpoint_format"] = CHECKPOINT_FORMAT
+    write_json(config_path, config)
+    quantize_config = checkpoint / "quantize_config.json"
+    if quantize_config.is_file():
+        write_json(quantize_config, {**json.loads(quantize_config.read_text()), "checkpoint_format": CHECKPOINT_FORMAT})
 
 
 def compare_export(artifact: Path, own: dict[str, dict[str, torch.Tensor]], group_size: int) -> dict:
@@ -122,13 +159,13 @@ def main(argv: list[str] | None = None) -> None:
                           sym=args.sym, dataset=rows, iters=args.iters, nsamples=len(rows),
                           seqlen=calibration.seq_len, batch_size=args.batch_size, seed=args.seed,
                           device_map="cpu", enable_torch_compile=False, amp=args.dtype == "bfloat16",
-                          low_cpu_mem_usage=not args.check_export)
+                          low_cpu_mem_usage=False)
 
     staging = args.out.with_name(args.out.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     exported = staging / "autoround-export"
-    # inplace=False packs a copy and leaves AutoRound's fake-quantized weights in the model, to compare with
-    autoround.quantize_and_save(output_dir=str(exported), format=FORMAT, inplace=not args.check_export)
+    # inplace=False packs a copy and leaves AutoRound's tuned layers (zero points, fake-quantized weights) in the model
+    autoround.quantize_and_save(output_dir=str(exported), format=FORMAT, inplace=False)
     seconds = time.perf_counter() - started
     # AutoRound names its own subdirectory of output_dir (model name and grid): the one holding a config.json
     written = [path.parent for path in exported.rglob("config.json")]
@@ -138,6 +175,8 @@ def main(argv: list[str] | None = None) -> None:
         path.rename(staging / path.name)
     shutil.rmtree(exported)
 
+    own = own_weights(autoround.model)
+    store_zero_points_v2(staging, {name: weights["zp"] for name, weights in own.items()}, args.bits)
     adopt_source_configs(staging, model_dir)
     tuning = autoround.quantize_config
     record = {
@@ -145,13 +184,13 @@ def main(argv: list[str] | None = None) -> None:
                      "iters": args.iters, "lr": tuning.lr, "minmax_lr": tuning.minmax_lr,
                      "enable_minmax_tuning": tuning.enable_minmax_tuning,
                      "enable_quanted_input": tuning.enable_quanted_input, "batch_size": args.batch_size,
-                     "dtype": args.dtype, "device": "cpu", "torch_compile": False, "format": FORMAT},
+                     "dtype": args.dtype, "device": "cpu", "torch_compile": False, "format": FORMAT,
+                     "checkpoint_format": CHECKPOINT_FORMAT},
         "calibration": calibration.describe(),
         "seconds": round(seconds, 1),
         "versions": {name: __import__(name).__version__ for name in ("auto_round", "torch", "transformers")},
     }
-    if args.check_export:
-        record["export_check"] = compare_export(staging, own_weights(autoround.model), args.group_size)
+    record["export_check"] = compare_export(staging, own, args.group_size)
     write_json(staging / RUN_FILE, record)
     publish_dir(staging, args.out)
 
