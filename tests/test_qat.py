@@ -32,10 +32,11 @@ def model(tiny_checkpoint_factory):
 
 
 def overrides(training_text, **settings) -> dict:
-    """The tests' small QAT settings (64-token rows, two a step, the tiny training text), updated by ``settings``."""
+    """The tests' small QAT settings (64-token rows, two a step, the tiny training text, the full learning rate
+    whatever the start: the tiny random model's ternary start is already close to it), updated by ``settings``."""
     return {"qat.seq_len": 64, "qat.batch_tokens": STEP_TOKENS, "qat.eval_interval": 5, "qat.eval_tokens": 128,
             "qat.checkpoint_interval": 5, "qat.data": str(training_text), "qat.learning_rate": 1e-3,
-            "qat.top_k": 8, **settings}
+            "qat.top_k": 8, "qat.full_rate_excess": 0.0, **settings}
 
 
 def recipe(training_text, name="qat-ternary-g32", **settings):
@@ -146,7 +147,7 @@ def test_interrupted_checkpoint_write_keeps_the_previous_one(model, training_tex
 def test_non_finite_loss_stops_with_a_clear_message_and_keeps_the_checkpoint(model, training_text, tmp_path,
                                                                              monkeypatch):
     out = tmp_path / "out"
-    settings = recipe(training_text, **{"qat.checkpoint_interval": 1, "qat.distill_weight": 0.0})
+    settings = recipe(training_text, **{"qat.checkpoint_interval": 1, "qat.distill_weight": 0.0, "qat.keep": "last"})
     real, calls = torch.nn.functional.cross_entropy, []
 
     def nan_from_step_four(*args, **kwargs):  # two micro-batches a step
@@ -226,6 +227,50 @@ def test_qat_from_a_gptq_ternary_artifact_starts_exactly_at_its_weights(model, t
     for index in range(ours.num_layers):
         for name, record in theirs.layer(index)[1].items():
             assert torch.equal(ours.layer(index)[1][name].dequantize(), record.dequantize()), name
+
+
+def _artifact_tensors(directory) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        tensors |= load_file(path)
+    return tensors
+
+
+def test_a_run_that_only_gets_worse_writes_its_start(model, training_text, tmp_path):
+    """qat.keep best: at a rate that wrecks the tiny model's near-lossless ternary start, the held-out KL
+    never falls below the start's, and what is written is the start bit for bit (the zero-step artifact);
+    qat.keep last writes the wrecked weights."""
+    wrecking = {"qat.learning_rate": 0.05, "qat.warmup": 0.0, "qat.stable": 1.0, "qat.decay": 0.0,
+                "qat.distill_weight": 1.0}
+    start = tmp_path / "start"
+    settings = recipe(training_text, **wrecking)
+    write_outputs(train(model, settings, start, perplexity=perplexity, tokens=STEP_TOKENS, stop_after_steps=0,
+                        progress=False), model, settings)
+    best = run_qat(model, settings, tmp_path / "best", tokens=10 * STEP_TOKENS, perplexity=perplexity, progress=False)
+    losses = [entry["heldout_kl"] for entry in best.log if "heldout_kl" in entry]
+    assert len(losses) == 3 and min(losses[1:]) > losses[0]  # every measurement after the start is worse
+    assert best.kept_step == 0 and best.kept_heldout_ppl == best.log[0]["heldout_ppl"]
+    ours, theirs = _artifact_tensors(tmp_path / "best"), _artifact_tensors(start)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    last = run_qat(model, recipe(training_text, **wrecking, **{"qat.keep": "last"}), tmp_path / "last",
+                   tokens=10 * STEP_TOKENS, perplexity=perplexity, progress=False)
+    assert last.kept_step == 10
+    assert any(not torch.equal(tensor, theirs[k]) for k, tensor in _artifact_tensors(tmp_path / "last").items())
+
+
+def test_a_start_close_to_the_fp_model_takes_smaller_steps(model, training_text, tmp_path):
+    """qat.full_rate_excess: the peak rate is scaled by sqrt(KL / full_rate_excess), KL the start's held-out KL
+    to the FP model; the tiny model's ternary start is close to it."""
+    settings = recipe(training_text, **{"qat.full_rate_excess": 1.0, "qat.warmup": 0.0, "qat.stable": 1.0,
+                                        "qat.decay": 0.0})
+    report = run_qat(model, settings, tmp_path / "out", tokens=2 * STEP_TOKENS, perplexity=perplexity,
+                     progress=False)
+    start = report.log[0]
+    assert 0 < start["heldout_kl"] < 0.25 and start["rate_factor"] == pytest.approx(start["heldout_kl"] ** 0.5)
+    assert [entry["lr"] for entry in report.log[1:]] == [pytest.approx(1e-3 * start["rate_factor"])] * 2
+    full = run_qat(model, recipe(training_text), tmp_path / "full", tokens=STEP_TOKENS, perplexity=perplexity,
+                   progress=False)
+    assert full.log[0]["rate_factor"] == 1.0 and "heldout_kl" in full.log[0]  # qat.full_rate_excess 0
 
 
 def test_overrides_read_as_a_user_types_them(training_text):

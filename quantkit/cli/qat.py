@@ -42,8 +42,13 @@ def _run_qat(model, revision, out, recipe, overrides, tokens, init, fake_quant, 
     report = run_qat(resolve_model(model, revision=revision), loaded, out, perplexity=perplexity, tokens=tokens,
                      init=init, resume=resume, fake_quant=fake_quant, device=device, progress=progress)
     measured = [e for e in report.log if "heldout_ppl" in e]
-    rows = [[e["step"], e["tokens"], e.get("loss"), e["heldout_ppl"]] for e in measured]
-    text = format_table(["step", "tokens", "loss", "held-out ppl"], rows)
+    rows = [[e["step"], e["tokens"], e.get("loss"), e.get("heldout_kl"), e["heldout_ppl"],
+             "kept" if e["step"] == report.kept_step else ""] for e in measured]
+    text = format_table(["step", "tokens", "loss", "held-out KL", "held-out ppl", ""], rows)
+    start = report.log[0]
+    if "heldout_kl" in start:
+        text += (f"\n\npeak learning rate x{start['rate_factor']:.3g}: the start's held-out KL to the FP model is "
+                 f"{start['heldout_kl']:.4g} (qat.full_rate_excess)")
     text += (f"\n\nwrote {out}: {report.steps} steps, {report.tokens} tokens at {report.tokens_per_second:.0f} tok/s "
              f"(teacher {report.teacher_seconds:.0f} s, training {report.train_seconds:.0f} s), "
              f"peak RSS {report.peak_rss_mb:.0f} MB" + (f" (resumed at step {report.resumed_from_step})"

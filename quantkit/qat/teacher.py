@@ -5,10 +5,16 @@ model in memory. Instead its k largest logits per position (and their token ids)
 one no-grad pass before training (``quantkit.training.rowcache``) and then read back by row. The
 distillation loss (``quantkit.training.distill``) renormalises the teacher over those k tokens;
 ``tests/test_qat.py`` measures how close that is to the full distribution's KL.
+
+On the held-out text the teacher's whole distribution is kept in memory (``heldout_targets``; a top-k
+renormalised over a flat distribution rewards a student for sharpening, not for matching), so that the
+student's KL to the teacher can be measured there (``heldout_kl``): the run keeps the weights where it
+was lowest, and its value at the start sets the learning rate.
 """
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,3 +36,33 @@ def build_cache(teacher, rows: Tensor, visited: list[int], top_k: int, directory
         return {"ids": indices.to(torch.int32), "logits": values}
 
     return rowcache.build(rowcache.row_by_row(top_logits), rows, visited, directory, "teacher top-k", progress)
+
+
+@dataclass
+class HeldoutTargets:
+    """Held-out rows [R, T] and the teacher's log-probabilities for every position but the last [R, T-1, V]
+    (float16: the same stored values every measurement compares with, at half float32's memory)."""
+
+    rows: Tensor
+    log_probs: Tensor
+
+
+@torch.no_grad()
+def heldout_targets(teacher, tokens: Tensor, seq_len: int) -> HeldoutTargets:
+    """``tokens`` [N] cut into rows of ``seq_len`` (one row of all of them if fewer), with ``teacher``'s
+    whole next-token distribution at every position."""
+    rows = tokens[: len(tokens) // seq_len * seq_len].reshape(-1, seq_len) if len(tokens) >= seq_len else tokens[None]
+    log_probs = [torch.log_softmax(teacher(row[None, :-1]).logits[0].float(), -1).to(torch.float16) for row in rows]
+    return HeldoutTargets(rows, torch.stack(log_probs))
+
+
+@torch.no_grad()
+def heldout_kl(model, targets: HeldoutTargets) -> float:
+    """Mean KL(teacher || model) per held-out position, over the whole vocabulary (what `quantkit eval kld`
+    measures, here in windows of the training rows)."""
+    total = 0.0
+    for row, teacher in zip(targets.rows, targets.log_probs):
+        student = torch.log_softmax(model(row[None, :-1]).logits[0].float(), -1)
+        teacher = teacher.float()
+        total += float((teacher.exp() * (teacher - student)).sum(-1).mean())
+    return total / targets.rows.shape[0]

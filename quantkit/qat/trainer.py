@@ -13,6 +13,13 @@ Everything a run needs to continue lives in ``<out>.partial`` (``quantkit.run``)
 the last checkpoint (``state``) and the log. The same inputs, seed and thread count give the same
 losses and bytes, and a resumed run ends with the weights of an uninterrupted one.
 
+On a validation text the KL to the FP model (``teacher.heldout_kl``) and the perplexity are measured at
+the start and every ``eval_interval`` steps. The KL chooses what is written (``qat.keep: best``: the
+weights where it was lowest, the start's included, kept in the run's own folder as they are measured, so
+that a run can only end at least as close to the FP model on that text as it started) and scales the
+learning rate (``qat.full_rate_excess``: a start close to the FP model, such as a GPTQ, block-reconstructed
+or int4 one, takes proportionally smaller steps; ``schedule.start_rate_factor``).
+
 The held-out perplexity comes from the caller (``perplexity``: ``quantkit.eval.ppl.perplexity``, which
 the entry points pass in): a pipeline does not import the scoring layer.
 """
@@ -25,6 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from quantkit import atomic, calib
@@ -35,7 +43,7 @@ from quantkit.formats import FORMATS
 from quantkit.loading import load_model
 from quantkit.models import MiniCPMConfig
 from quantkit.models.layers import EMBEDDING, LM_HEAD, layer_prefix
-from quantkit.qat.teacher import build_cache, cache_key
+from quantkit.qat.teacher import build_cache, cache_key, heldout_kl, heldout_targets
 from quantkit.quant import QuantConfig
 from quantkit.reader import ArtifactReader, linear_shapes
 from quantkit.recipe import Recipe
@@ -46,10 +54,11 @@ from quantkit.training import state
 from quantkit.training.data import training_data
 from quantkit.training.distill import distillation_loss
 from quantkit.training.fake_quant import TRAINS, FakeQuantLinear, Trains, check_groups, wrap_linears
-from quantkit.training.schedule import wsd_learning_rate
+from quantkit.training.schedule import start_rate_factor, wsd_learning_rate
 from quantkit.version import __version__
 
 CHECKPOINT_FILE = "qat_checkpoint.safetensors"
+BEST_FILE = "qat_best.safetensors"  # the trainable weights of the lowest held-out KL measured so far
 LOG_FILE = "qat_log.json"
 HELDOUT = "austen"
 NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -67,7 +76,9 @@ class QATReport:
     tokens_per_second: float = 0.0
     peak_rss_mb: float = 0.0
     threads: int = field(default_factory=torch.get_num_threads)
-    log: list[dict] = field(default_factory=list)  # one entry per step; "heldout_ppl" where measured
+    kept_step: int = 0  # the step whose weights are written (qat.keep)
+    kept_heldout_ppl: float = 0.0
+    log: list[dict] = field(default_factory=list)  # one entry per step; "heldout_kl"/"heldout_ppl" where measured
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -129,6 +140,28 @@ def _refresh(model: torch.nn.Module) -> None:
             module.refresh()
 
 
+def _best_measured(log: list[dict]) -> dict:
+    """The log's entry of the lowest held-out KL, the earliest of equals."""
+    return min((entry for entry in log if "heldout_kl" in entry), key=lambda entry: entry["heldout_kl"])
+
+
+def _save_best(path: Path, trainable: dict[str, torch.nn.Parameter], step: int) -> None:
+    atomic.save_safetensors(path, {name: param.detach().cpu() for name, param in trainable.items()},
+                            metadata={"step": str(step)})
+
+
+def _restore_best(path: Path, trainable: dict[str, torch.nn.Parameter], step: int) -> None:
+    """Put the weights saved at ``step`` back into ``trainable``."""
+    with safe_open(str(path), framework="pt") as f:
+        saved = int(f.metadata()["step"])
+        if saved != step:
+            raise RunError(f"{path} holds the weights of step {saved}, the log's lowest held-out KL is "
+                           f"step {step}'s: the run's files disagree; start it again without --resume")
+        with torch.no_grad():
+            for name, param in trainable.items():
+                param.copy_(f.get_tensor(name))
+
+
 def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, perplexity: Callable,
           tokens: int | None = None, init: str | Path | None = None, resume: bool = False, device: str = "auto",
           progress: bool = True, stop_after_steps: int | None = None) -> TrainedModel:
@@ -179,15 +212,20 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, perplex
                            CHECKPOINT_FILE)
 
     report = QATReport(out_dir=str(run.out), recipe=recipe.name)
-    cache = None
-    if settings["distill_weight"] > 0:
+    heldout = heldout.to(device)
+    weight, temperature = settings["distill_weight"], settings["temperature"]
+    # the teacher's distribution on the held-out rows, for the KL measured there
+    cache, targets = None, None
+    if weight > 0 or settings["keep"] == "best" or settings["full_rate_excess"] > 0:
         started = time.perf_counter()
         dtype = compute_dtype(recipe["compute_dtype"])
-        key = cache_key(model_fingerprint, data.fingerprint, settings["top_k"], dtype)
-        teacher = load_model(model_dir, dtype).to(device)
-        visited = list(dict.fromkeys(data.row_ids(0, total_steps * rows_per_step)))
-        cache = build_cache(teacher, data.rows.to(device), visited, settings["top_k"],
-                            cache_root() / "qat-teacher" / key, progress)
+        teacher = load_model(model_dir, torch.float32).to(device)  # in float32, as the student is measured
+        targets = heldout_targets(teacher, heldout, settings["seq_len"])
+        if weight > 0:
+            key = cache_key(model_fingerprint, data.fingerprint, settings["top_k"], dtype)
+            visited = list(dict.fromkeys(data.row_ids(0, total_steps * rows_per_step)))
+            cache = build_cache(teacher.to(dtype), data.rows.to(device), visited, settings["top_k"],
+                                cache_root() / "qat-teacher" / key, progress)
         del teacher
         report.teacher_seconds = round(time.perf_counter() - started, 3)
 
@@ -195,7 +233,6 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, perplex
              for index in range(config.num_hidden_layers) for linear, shape in linear_shapes(config).items()}
     model, trainable = _student(Path(init) if init is not None else model_dir, config, grids, trains, outside)
     model.to(device)
-    heldout = heldout.to(device)
     optimizer = torch.optim.AdamW(list(trainable.values()), lr=settings["learning_rate"],
                                   betas=tuple(settings["betas"]), eps=settings["eps"],
                                   weight_decay=settings["weight_decay"])
@@ -207,14 +244,23 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, perplex
     _refresh(model)
 
     @torch.no_grad()
-    def heldout_perplexity() -> float:
-        return perplexity(model, heldout, window=settings["seq_len"]).perplexity
+    def measured() -> dict:
+        """The held-out perplexity, and the KL to the teacher there when its targets are known."""
+        result = {"heldout_ppl": perplexity(model, heldout, window=settings["seq_len"]).perplexity}
+        if targets is not None:
+            result["heldout_kl"] = heldout_kl(model, targets)
+        return result
 
     if start_step == 0:
-        report.log.append({"step": 0, "tokens": 0, "heldout_ppl": heldout_perplexity()})
+        start = {"step": 0, "tokens": 0, **measured(), "rate_factor": 1.0}
+        if targets is not None:
+            start["rate_factor"] = start_rate_factor(start["heldout_kl"], settings["full_rate_excess"])
+        report.log.append(start)
+        if settings["keep"] == "best":
+            _save_best(run.private / BEST_FILE, trainable, 0)
+    rate_factor = report.log[0]["rate_factor"]
 
     autocast = compute_dtype(recipe["compute_dtype"]) == torch.bfloat16
-    weight = settings["distill_weight"]
     micro_batches = rows_per_step // settings["micro_batch"]
     best = min((entry["loss"] for entry in report.log if "loss" in entry), default=math.inf)
     last = total_steps if stop_after_steps is None else min(total_steps, stop_after_steps)
@@ -222,7 +268,7 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, perplex
                initial=start_step, total=total_steps)
     started = time.perf_counter()
     for step in bar:
-        lr = wsd_learning_rate(step, total_steps, settings["learning_rate"], settings["warmup"],
+        lr = wsd_learning_rate(step, total_steps, settings["learning_rate"] * rate_factor, settings["warmup"],
                                settings["decay"], settings["final_lr"])
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -237,8 +283,7 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, perplex
             if cache is not None:
                 teacher = cache.batch(rows)
                 teacher_ids, teacher_logits = teacher["ids"].long().to(device), teacher["logits"].to(device)
-                distill = distillation_loss(logits, teacher_ids[:, :-1], teacher_logits[:, :-1],
-                                            settings["temperature"])
+                distill = distillation_loss(logits, teacher_ids[:, :-1], teacher_logits[:, :-1], temperature)
                 loss = (1 - weight) * loss + weight * distill
             (loss / micro_batches).backward()
             losses.append(loss.item())
@@ -257,7 +302,9 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, perplex
         entry = {"step": step + 1, "tokens": (step + 1) * settings["batch_tokens"], "loss": step_loss,
                  "lr": lr, "grad_norm": grad_norm}
         if (step + 1) % settings["eval_interval"] == 0 or step + 1 == total_steps:
-            entry["heldout_ppl"] = heldout_perplexity()
+            entry.update(measured())
+            if settings["keep"] == "best" and entry["heldout_kl"] < _best_measured(report.log)["heldout_kl"]:
+                _save_best(run.private / BEST_FILE, trainable, step + 1)
         if (step + 1) % settings["checkpoint_interval"] == 0 or step + 1 == last:
             entry["checkpoint"] = True
         report.log.append(entry)
@@ -268,6 +315,11 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, perplex
         done = (step + 1 - start_step) * settings["batch_tokens"]
         bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{done / elapsed:.0f}")
 
+    kept = _best_measured(report.log) if settings["keep"] == "best" else report.log[-1]
+    if last == total_steps and kept["step"] != last:
+        _restore_best(run.private / BEST_FILE, trainable, kept["step"])
+        _refresh(model)
+    report.kept_step, report.kept_heldout_ppl = kept["step"], kept.get("heldout_ppl", 0.0)
     report.steps = last
     report.tokens = last * settings["batch_tokens"]
     report.train_seconds = round(time.perf_counter() - started, 3)

@@ -136,6 +136,12 @@ class Run:
         atomic.remove_tree(parked)
         self._lock.release()
 
+    @property
+    def private(self) -> Path:
+        """The run's own folder in the staging, for files it needs until the end that the output must not
+        hold (it goes before the output is published)."""
+        return self.staging / RUN_DIR
+
     def elapsed(self) -> float:
         """Seconds since the run was made."""
         return time.perf_counter() - self._started

@@ -271,6 +271,14 @@ SETTINGS = Section({
                                  help="steps between resumable checkpoints"),
     "max_loss_growth": Field(float, default=4.0, check=lambda v: v > 1, rule="> 1",
                              help="stop if a step's loss exceeds this multiple of the best loss so far"),
+    "keep": Field(str, default="best", choices=("best", "last"),
+                  help="the weights written: those of the lowest held-out KL to the FP model measured, the "
+                       "start's included (best), or the last step's"),
+    "full_rate_excess": Field(float, default=1.0, check=lambda v: v >= 0, rule=">= 0",
+                              help="the start's held-out KL to the FP model (nats) at which the full learning "
+                                   "rate applies; below it the rate is scaled "
+                                   "by sqrt(KL / this), so a good start (GPTQ, block reconstruction, int4) takes "
+                                   "small steps (0: always the full rate)"),
 }, optional=True)
 
 
