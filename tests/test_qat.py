@@ -215,9 +215,15 @@ def test_empty_data_and_existing_output_are_refused(model, training_text, tmp_pa
     assert not staging_dir(tmp_path / "out").exists()
 
 
-def test_qat_from_a_gptq_ternary_artifact_starts_exactly_at_its_weights(model, training_text, tmp_path):
+@pytest.mark.parametrize("name, settings", [
+    ("gptq-ternary-g32", {}),
+    ("block-recon-ternary-g32",
+     {"reconstruct.iterations": 4, "reconstruct.batch_size": 2, "reconstruct.eval_every": 2}),
+])
+def test_qat_from_a_post_training_ternary_artifact_starts_exactly_at_its_weights(model, training_text, tmp_path,
+                                                                                name, settings):
     gptq = tmp_path / "gptq"
-    quantize(model, load_recipe("gptq-ternary-g32", {"calibration.n_samples": 4, "calibration.seq_len": 32}), gptq,
+    quantize(model, load_recipe(name, {"calibration.n_samples": 4, "calibration.seq_len": 32, **settings}), gptq,
              progress=False)
     settings = recipe(training_text, **{"qat.distill_weight": 0.0})
     trained = train(model, settings, tmp_path / "qat", tokens=STEP_TOKENS, init=gptq, stop_after_steps=0,

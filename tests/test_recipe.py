@@ -15,6 +15,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "recipes.md"
 FINGERPRINTS = {
     "awq-w4g128": "1381ebc14fd96f42f323d27aec68b3fb822c13b6dc28d1acc1cda6e6f4ed8f2d",
     "block-recon-w2g64": "0e50f69de4f8753f3c35aaf69d2fcb2c7615413ad50fe88b77ca8431084e42b0",
+    "block-recon-ternary-g32": "9e11f7d8c3dad5cd39eb40b97d23f59bbc8318b4fa7ce6c44f739284ba02b04f",
     "cpmcu": "f0a91dadfa3ae0c3a1d5cde65f9ab384d10d31aa332d207aa3aee8ce5786e098",
     "gguf-iq4_xs": "4ba417ad05244aa5af53b235cc76a3b7eb5f5a8175332b5036c969595a942ec7",
     "gguf-q2_k": "11bc16f4ecc573cd3d9027be281abb580f745dc62b18e71cfc145b44daa1e26a",
