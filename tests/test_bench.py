@@ -136,6 +136,22 @@ def test_bench_8b_layer_floor_counts_each_phase_of_an_8b_layer():
     assert macs["solves"] == updates + 6 * hidden ** 3 / 3 + ffn ** 3 / 3
 
 
+
+def test_bench_8b_reconstruct_counts_an_8b_forward_and_times_a_small_layer(tiny_checkpoint, monkeypatch):
+    """The floor's count for the 8B layer, and the measurement run end to end on the tiny model's layer."""
+    from quantkit.eval.bench import bench_8b_reconstruct
+    from quantkit.eval.bench.bench_8b_reconstruct import forward_multiply_adds, measure
+    from quantkit.models import MiniCPMConfig
+    from quantkit.synthetic import minicpm41_8b_config
+
+    hidden, ffn, kv = 4096, 16384, 2 * 128
+    linears = 2 * hidden * hidden + 2 * kv * hidden + 3 * ffn * hidden
+    assert forward_multiply_adds(minicpm41_8b_config(), 8, 2) == 2 * (8 * linears + 8 * 2 * hidden * (8 + 1) / 2)
+    monkeypatch.setattr(bench_8b_reconstruct, "RATE_SHAPE", (64, 64, 64))  # the 8B shape's matmul takes seconds
+    measured = measure(MiniCPMConfig.from_pretrained(tiny_checkpoint), rows=2, seq_len=16, threads=1)
+    assert measured["measurement_seconds"] > 0 and measured["float32_rate_macs"] > 0
+    assert measured["forward_multiply_adds"] > 0
+
 def test_llamacpp_bench_fills_a_long_cache_once_and_reuses_it_across_ggufs(tiny_checkpoint, tmp_path):
     """bench-8b's 8K rows: llama.cpp's cache is prefilled and saved by the first GGUF, loaded (not
     prefilled) by the next one of the same architecture; another prompt is prefilled again."""
