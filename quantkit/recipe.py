@@ -268,16 +268,16 @@ def load_recipe(name_or_path: str | Path, overrides: dict[str, Any] | None = Non
 
 
 def _reconstruction_conflict(values: dict, config: QuantConfig) -> str | None:
-    """Block reconstruction trains codes and scales on the uniform grid, matching each layer's output with
-    16-bit activations, from a post-training start."""
+    """Block reconstruction trains codes and scales on the uniform grid (codes alone on GGUF's affine block
+    types), matching each layer's output with 16-bit activations, from a post-training start."""
     settings = values.get("reconstruct")
     if settings is None:
         return None
     fmt = FORMATS[values["format"]]
-    solved_on = fmt.solved_on(values)
-    if solved_on is not None:
-        return (f"'reconstruct' trains codes and scales on the uniform integer grid; format '{fmt.name}' is solved on "
-                f"{solved_on.split(',')[0]}, which it cannot train: remove the reconstruct section")
+    untrainable = fmt.untrainable(values)
+    if untrainable is not None:
+        return (f"'reconstruct' trains the rounding of the uniform integer grid and of GGUF's affine block types; "
+                f"{untrainable}, which it cannot train: remove the reconstruct section")
     resolved = fmt.resolve(config, values, 0)
     if fmt.activation_grid(resolved) is not None or fmt.kv_cache_grid(resolved) is not None:
         return ("'reconstruct' matches each layer's output with 16-bit activations and KV cache; this recipe "

@@ -4,13 +4,16 @@ solver's artifact, resume, refusals)."""
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from quantkit.algorithms.gptq import gptq_solve
-from quantkit.algorithms.reconstruct import _Rounding, reconstruct
+from quantkit.algorithms.reconstruct import _Rounding, _rounding, reconstruct
 from quantkit.artifact import REPORT_FILE
 from quantkit.engine import quantize
+from quantkit.gguf.record import GGUFTensor
+from quantkit.gguf.types import TYPES
 from quantkit.quant import QuantConfig, QuantizedTensor, rtn_quantize
 from quantkit.recipe import RecipeError, load_recipe
 from quantkit.synthetic import write_tiny_checkpoint
@@ -175,8 +178,51 @@ def test_reconstruction_lowers_each_layers_error_and_resumes_to_the_same_bytes(t
     assert _artifact_bytes(straight) == _artifact_bytes(resumed)
 
 
+@pytest.mark.parametrize("type_name", ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_0", "q5_1"])
+def test_gguf_block_types_start_at_their_blocks_and_keep_their_scales(type_name):
+    """On a GGUF affine block type the start is the solver's blocks byte for byte, training moves codes only
+    (every scale and minimum byte of the blocks stays), and the error never ends above the start's."""
+    forward, weights, inputs, targets = _problem(k=256)
+    tensor_type = TYPES[type_name]
+    start = {name: GGUFTensor.quantize(weight, tensor_type) for name, weight in weights.items()}
+    rounding = _rounding(weights["a"], start["a"], 0.25)
+    assert torch.equal(rounding.record().data, start["a"].data)
+    assert torch.equal(rounding.fake().detach(), start["a"].dequantize())
+    result = reconstruct(forward, weights, start, inputs, targets, SETTINGS, eval_batch_size=5, seed=1)
+    assert result.error <= result.start_error
+    assert result.best_step > 0 and result.error < 0.97 * result.start_error, result.errors
+    for name, record in result.records.items():
+        codes = tensor_type.codec.codes(record.data.numpy().reshape(-1, tensor_type.block_bytes))
+        kept = tensor_type.codec.with_codes(start[name].data.numpy().reshape(-1, tensor_type.block_bytes), codes)
+        assert np.array_equal(kept.reshape(record.data.shape), record.data.numpy())  # only the codes moved
+
+
+def test_gguf_codebook_types_are_refused():
+    _, weights, _, _ = _problem(k=256)
+    with pytest.raises(ValueError, match="cannot train iq4_nl"):
+        _rounding(weights["a"], GGUFTensor.quantize(weights["a"], TYPES["iq4_nl"]), 0.25)
+
+
+def test_a_gguf_file_type_reconstructs_end_to_end(tiny, tmp_path):
+    """gguf-q3_k_m (Q3_K, Q4_K and Q5_K blocks) through the engine: every layer's error falls, and with zero
+    iterations the file is the plain GPTQ one."""
+    def recipe(iterations):
+        return small_recipe("gguf-q3_k_m", tmp_path, reconstruct={"iterations": iterations, "batch_size": 2,
+                                                                  "eval_every": 5})
+
+    quantize(tiny, recipe(10), tmp_path / "recon", progress=False)
+    for entry in _layer_errors(tmp_path / "recon"):
+        assert entry["reconstruction"]["error"] < entry["reconstruction"]["start_error"], entry
+    quantize(tiny, small_recipe("gguf-q3_k_m", tmp_path), tmp_path / "gptq", progress=False)
+    quantize(tiny, recipe(0), tmp_path / "recon0", progress=False)
+    manifest = "quantkit.json"
+    assert _artifact_bytes(tmp_path / "gptq", (REPORT_FILE, manifest)) == \
+        _artifact_bytes(tmp_path / "recon0", (REPORT_FILE, manifest))
+
+
 @pytest.mark.parametrize(("recipe", "overrides", "message"), [
-    ("gguf-q4_k_m", {}, "solved on GGUF block types"),
+    ("gguf-iq3_m", {}, "writes iq3_s, iq4_nl, whose codes stand for codebook or lattice points"),
+    ("fp8-w8a8", {}, "16-bit activations|solved on FP8"),
     ("int8-w8a8", {}, "16-bit activations"),
     ("gptq-w4g128", {"reconstruct.batch_size": 200}, "exceeds calibration.n_samples"),
     ("gptq-w4g128", {"reconstruct.iterations": -1}, r"in \[0, 100000\]"),

@@ -26,9 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from quantkit.gguf.record import GGUFTensor
+from quantkit.gguf.types import TYPES
 from quantkit.quant import QuantizedTensor
 from quantkit.recipes.fields import Field, Section, positive, seed_field
 
@@ -145,12 +148,69 @@ class _Rounding:
             self.bias_shift.clamp_(-0.5, 0.5)
 
 
+class _BlockRounding:
+    """A GGUF block type's trainable rounding: offsets V [N, K] only. Its scales and offsets stay the ones
+    llama.cpp's search chose for the solver (they are stored as small integers under a super-block scale,
+    a grid of their own); the codes ``clamp(round((w' - offset) / scale + V) + D, 0, maxq)`` are written back
+    into the same blocks. Affine block types only (the level of a code is the code)."""
+
+    def __init__(self, rounding_point: Tensor, start: GGUFTensor):
+        tensor_type = TYPES[start.type_name]
+        self.start, self.codec, self.block_bytes = start, tensor_type.codec, tensor_type.block_bytes
+        n, k = start.shape
+        self.blocks = start.data.cpu().numpy().reshape(-1, self.block_bytes)
+        sub_scales, sub_offsets = self.codec.grid(self.blocks)  # [rows x blocks, sub-blocks] each
+        device = rounding_point.device
+
+        def columns(per_sub_block):
+            return torch.from_numpy(per_sub_block).reshape(n, -1).repeat_interleave(self.codec.sub_block, 1).to(device)
+
+        self.scale, self.offset = columns(sub_scales), columns(sub_offsets)
+        self.dead = self.scale == 0  # the quantizer found nothing to scale: every code means the offset
+        self.units = (rounding_point.to(torch.float32) - self.offset) / torch.where(self.dead, 1.0, self.scale)
+        codes = torch.from_numpy(self.codec.codes(self.blocks).astype(np.float32)).reshape(n, k).to(device)
+        self.shift = codes - torch.round(self.units)
+        self.offset_v = torch.zeros_like(self.units, requires_grad=True)
+
+    def parameters(self) -> list[Tensor]:
+        return [self.offset_v]
+
+    def parameter_groups(self, learning_rate: float) -> list[dict]:
+        return [{"params": [self.offset_v], "lr": learning_rate}]
+
+    def _codes(self, rounded) -> Tensor:
+        return torch.clamp(rounded(self.units + self.offset_v) + self.shift, 0, self.codec.maxq)
+
+    def fake(self) -> Tensor:
+        return torch.where(self.dead, self.offset, self._codes(_round_through) * self.scale + self.offset)
+
+    @torch.no_grad()
+    def record(self) -> GGUFTensor:
+        codes = self._codes(torch.round).to(torch.uint8).cpu().numpy().reshape(self.blocks.shape[0], -1)
+        blocks = np.ascontiguousarray(self.codec.with_codes(self.blocks, codes).reshape(self.start.data.shape))
+        return GGUFTensor(self.start.type_name, torch.from_numpy(blocks), self.start.shape)
+
+    @torch.no_grad()
+    def bound(self) -> None:
+        self.offset_v.clamp_(-0.5, 0.5)
+
+
+def _rounding(rounding_point: Tensor, start: QuantizedTensor | GGUFTensor, scale_range: float):
+    """The trainable rounding of a record: the uniform grid's, or a GGUF block type's."""
+    if isinstance(start, QuantizedTensor):
+        return _Rounding(rounding_point, start, scale_range)
+    if not TYPES[start.type_name].codes_are_levels:
+        raise ValueError(f"block reconstruction cannot train {start.type_name}: its codes are not their levels "
+                         "(a codebook or lattice type); use a K-quant or legacy block type")
+    return _BlockRounding(rounding_point, start)
+
+
 @dataclass
 class Reconstruction:
     """What a layer's reconstruction gives: the records kept and how the output error went (mean squared
     error of the layer's output on every calibration row, measured on the stored records)."""
 
-    records: dict[str, QuantizedTensor]
+    records: dict[str, QuantizedTensor | GGUFTensor]
     start_error: float
     error: float
     best_step: int  # 0: the start was kept
@@ -187,7 +247,7 @@ def reconstruct(forward: LayerForward, rounding_points: Mapping[str, Tensor], re
     result = Reconstruction(dict(records), start_error, start_error, 0, [(0, start_error)])
     if iterations == 0:
         return result
-    roundings = {name: _Rounding(rounding_points[name], record, settings["scale_range"])
+    roundings = {name: _rounding(rounding_points[name], record, settings["scale_range"])
                  for name, record in records.items()}
     parameters = [p for rounding in roundings.values() for p in rounding.parameters()]
     make_optimizer, gradient_of = OPTIMIZERS[settings["optimizer"]]

@@ -153,6 +153,12 @@ class Format:
         ``solves_block_types`` solve on those; or None."""
         return None
 
+    def untrainable(self, values: Mapping[str, Any]) -> str | None:
+        """Why block reconstruction (``quantkit.algorithms.reconstruct``) cannot train a recipe's linears in this
+        format, or None: by default it trains the uniform grid alone."""
+        solved_on = self.solved_on(values)
+        return None if solved_on is None else f"format '{self.name}' is solved on {solved_on.split(',')[0]}"
+
     def activation_grid(self, config: QuantConfig) -> Any:
         """How a serving kernel quantizes each quantized linear's input on this grid (an
         ``activation_quant.ActivationGrid``), or None: the activations stay in 16 bits."""

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from quantkit.formats.base import Format
-from quantkit.gguf.mixes import MIXES, Model, choose_type
+from quantkit.gguf.mixes import MIXES, Model, choose_type, layer_types
 from quantkit.gguf.names import LAYER_TENSOR_NAME, LAYER_TENSORS, gguf_name
 from quantkit.gguf.record import GGUFTensor
 from quantkit.gguf.types import TYPES, TensorType
@@ -173,6 +173,13 @@ class GGUFBlocks(Format):
 
     def solved_on(self, values):
         return "GGUF block types, whose scales llama.cpp's quantizer chooses"
+
+    def untrainable(self, values):
+        codebooks = sorted(name for name in layer_types(self.file_type) if not TYPES[name].codes_are_levels)
+        if codebooks:
+            return (f"format '{self.name}' writes {', '.join(codebooks)}, whose codes stand for codebook or lattice "
+                    "points (the K-quant and legacy files train: gguf-q2_k, gguf-q3_k_m, gguf-q4_k_m, ...)")
+        return None
 
     def quantization_config(self, config, **settings):
         return quantization_config(self.file_type, config, **settings)

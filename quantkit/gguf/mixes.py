@@ -211,3 +211,20 @@ def needs_imatrix(file_type: str, name: str, tensor_type: TensorType) -> bool:
     if name in ("token_embd.weight", "output.weight"):
         return False
     return tensor_type.name in IMATRIX_TYPES or (file_type == "q2_k_s" and tensor_type.name == "q2_k")
+
+
+def layer_types(file_type: str) -> frozenset[str]:
+    """Every type a ``file_type`` file may give a decoder layer's matrix: its default, what its rules name at
+    any layer of models of 1 to 64 layers, with or without GQA and importance statistics, and the
+    fallbacks of those for rows that are not whole blocks."""
+    mix = MIXES[file_type]
+    places = [Place(layer, layers, gqa, imatrix) for layers in (1, 8, 16, 32, 40, 64) for layer in range(layers)
+              for gqa in (1, 4) for imatrix in (False, True)]
+    named = {mix.default} | {rule(at) for rule in mix.rules.values() for at in places} - {None}
+    types = set()
+    while named:  # a fallback may have its own
+        name = named.pop()
+        types.add(name)
+        if BLOCK_FALLBACK.get(name) not in types | {None}:
+            named.add(BLOCK_FALLBACK[name])
+    return frozenset(types)

@@ -43,6 +43,12 @@ class TensorType:
         return self.codec is not None or self.lattice is not None
 
     @property
+    def codes_are_levels(self) -> bool:
+        """Whether the type is a scalar affine grid (weight = code · scale + offset per sub-block), whose
+        rounding block reconstruction trains."""
+        return self.codec is not None and self.codec.values is None
+
+    @property
     def quantized_by_ggml(self) -> bool:
         """Whether ``quantize_fast`` runs ggml's quantizer here (which makes no temporaries)."""
         return self.ggml_quantizes and native.load_libggml() is not None
