@@ -56,7 +56,7 @@ help:
 	@echo "make bench-gguf-speed  quantkit export gguf vs llama.cpp's quantizer, time per type on the default model and an 8B-shaped slice (target <= 1.5x)"
 	@echo "make bench-gptq-transfer  GPTQ's output error over llama.cpp + imatrix per linear of a GGUF mix, under the calibration rows' and each held-out text's inputs (BENCH_TRANSFER_ARGS='--file-type q4_k_m')"
 	@echo "make bench-budget  quantkit quantize --target-size at the sizes of llama.cpp's q4_k_m/q3_k_m/iq2_m files against every llama.cpp mix + imatrix, scored in llama.cpp (BENCH_BUDGET_ARGS=...)"
-	@echo "make bench-lowbit  GPTQ W2 g64 / W3 g128 asym, plus block reconstruction, vs Intel AutoRound (default and best) on the same rows (hours; BENCH_LOWBIT_ARGS=...)"
+	@echo "make bench-lowbit  GPTQ W2 g64 / W3 g128 asym, plus block reconstruction, vs Intel AutoRound (default and best) on the same rows; GGUF Q3_K_M/Q2_K with it vs llama.cpp + imatrix (hours; BENCH_LOWBIT_ARGS=...)"
 	@echo "make llama-tools  build llama.cpp's llama-imatrix and llama-quantize once (bench-gguf's imatrix anchor; ~10 min)"
 	@echo "make bench-mlx   mlx_lm.convert, mlx-lm's GPTQ/AWQ/DWQ, quantkit's MLX recipes and DWQ at W4 g64, scored by mlx-lm (BENCH_MLX_ARGS='--reuse')"
 	@echo "make bench-runtime  a fresh quantkit generate's first token (target 2 s); quantkit's runtime (W4) vs transformers fp32/bf16 and llama.cpp Q4_0, decode and prefill; InfLLM v2 vs dense attention"
@@ -180,6 +180,8 @@ bench-lowbit: $(INSTALLED) $(AUTOROUND_INSTALLED)
 	$(BIN)/python -m quantkit.eval.bench.bench_methods --out $(OUT)/bench-lowbit-w3 --methods GPTQ-ASYM,BLOCK-RECON \
 	  --bits 3 --group-size 128 --seeds 0 --baseline GPTQ-ASYM --peer "$(AUTOROUND_PEER)" --peer "$(AUTOROUND_BEST_PEER)" \
 	  $(BENCH_LOWBIT_ARGS)
+	$(BIN)/python -m quantkit.eval.bench.bench_gguf --out $(OUT)/bench-lowbit-gguf --types "" \
+	  --recipes gguf-q3_k_m,gguf-q3_k_m-recon,gguf-q2_k,gguf-q2_k-recon --imatrix-types q3_k_m,q2_k
 
 bench-gguf: $(TEST_INSTALLED)
 	$(BIN)/python -m quantkit.eval.bench.bench_gguf --out $(OUT)/bench-gguf

@@ -43,10 +43,15 @@ GPTQ_RECIPES = {
     "gguf-iq4_xs": ("gguf-iq4_xs", "iq4_xs", ()),
     "gguf-q3_k_m": ("gguf-q3_k_m", "q3_k_m", ()),
     "gguf-q2_k": ("gguf-q2_k", "q2_k", ()),
+    # then each layer's codes trained against its FP output (docs/lowbit.md), the recipe defaults
+    "gguf-q3_k_m-recon": ("gguf-q3_k_m", "q3_k_m", ("reconstruct.iterations=200",)),
+    "gguf-q2_k-recon": ("gguf-q2_k", "q2_k", ("reconstruct.iterations=200",)),
     "gguf-iq3_m": ("gguf-iq3_m", "iq3_m", ()),
     "gguf-iq2_m": ("gguf-iq2_m", "iq2_m", ()),
     "gguf-iq1_m": ("gguf-iq1_m", "iq1_m", ()),
 }
+# the rows `make bench-gguf` runs; `make bench-lowbit` runs the -recon ones (an hour or more each)
+DEFAULT_RECIPES = tuple(name for name in GPTQ_RECIPES if not name.endswith("-recon"))
 PLAIN_TYPES = ("q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_k_s", "q4_1", "q4_0", "iq4_xs", "iq4_nl", "q3_k_m", "q3_k_s",
                "iq3_m", "iq3_s", "q2_k")
 # quantkit's best file of the type, against llama.cpp + llama-imatrix
@@ -165,7 +170,7 @@ def tensor_digest(path: Path) -> str:
 @texts_option("test-fiction,test-manual,test-code,test-zh")
 @click.option("--max-tokens", default=4096, show_default=True, help="Tokens scored per text.")
 @click.option("--window", default=512, show_default=True, help="Tokens per llama.cpp evaluation window.")
-@click.option("--recipes", default=",".join(GPTQ_RECIPES), show_default=True,
+@click.option("--recipes", default=",".join(DEFAULT_RECIPES), show_default=True,
               help=f"Comma-separated GPTQ-on-GGUF rows, of {', '.join(GPTQ_RECIPES)}.")
 @click.option("--imatrix-types", default=",".join(TARGET_TYPES + LATTICE_TYPES), show_default=True,
               help="Comma-separated types quantized by llama-quantize --imatrix (empty: none).")
