@@ -252,7 +252,8 @@ bench-hessian: $(TEST_INSTALLED)
 	$(BIN)/python -m quantkit.eval.bench.bench_hessian --json $(OUT)/bench-hessian.json
 
 # Ternary QAT against the post-training ways to its size, one run each on the default model (hours on
-# 2 cores): BENCH_QAT_ARGS='--reuse' keeps what an earlier run made, '--with-init' adds QAT from GPTQ ternary.
+# 2 cores): BENCH_QAT_ARGS='--reuse' keeps what an earlier run made, '--with-init' adds QAT from GPTQ ternary
+# ('--init-recipe block-recon-ternary-g32': from block reconstruction's).
 BENCH_QAT_ARGS ?=
 bench-qat: $(INSTALLED)
 	$(BIN)/python -m quantkit.eval.bench.bench_qat --model $(MODEL) --out $(OUT)/bench-qat $(BENCH_QAT_ARGS)

@@ -47,6 +47,8 @@ from quantkit.eval.bench.common import (
 from quantkit.table import format_table
 
 QAT_RECIPE = "qat-ternary-g32"
+# the post-training ternary artifacts --with-init can start QAT from
+INIT_RECIPES = ("gptq-ternary-g32", "block-recon-ternary-g32")
 W2 = ("gptq-w4g128", ("quant.bits=2", "quant.group_size=32"))
 REPORT_QAT_TOKENS = 350e9  # BitCPM4's QAT budget in the MiniCPM4 technical report
 
@@ -176,7 +178,12 @@ def _verdict(passed: bool) -> str:
 @click.option("--tokens", default=400_000, show_default=True, type=click.IntRange(min=1),
               help="Training tokens of each QAT run.")
 @click.option("--max-tokens", default=8192, show_default=True, help="Held-out tokens for ppl/KL.")
-@click.option("--with-init", is_flag=True, help="Also QAT (distilled) from the gptq-ternary-g32 artifact.")
+@click.option("--with-init", is_flag=True, help="Also QAT (distilled) from a post-training ternary artifact.")
+@click.option("--init-recipe", type=click.Choice(INIT_RECIPES), default=INIT_RECIPES[0], show_default=True,
+              help="The post-training recipe --with-init starts from.")
+@click.option("--data", default="test-fiction", show_default=True,
+              help="Held-out text the table scores (a test text: the runs keep the weights closest to the FP "
+                   "model on the validation text austen, which the curve shows).")
 @click.option("--reuse", is_flag=True, help="Reuse the artifacts a previous run left in --out (same commands), "
               "and continue interrupted ones, instead of making them again.")
 @click.option("--qat-set", "qat_settings", multiple=True, metavar="KEY=VALUE",
@@ -189,8 +196,8 @@ def _verdict(passed: bool) -> str:
 @click.option("--repeats", default=3, show_default=True, help="Decode timings; the median is kept.")
 @click.option("--threads", default=2, show_default=True,
               help="torch threads here and in every subprocess (OMP_NUM_THREADS).")
-def main(model, out, tokens, max_tokens, with_init, reuse, qat_settings, naive_batch, naive_seq_len, naive_steps,
-         prompt_tokens, new_tokens, repeats, threads):
+def main(model, out, tokens, max_tokens, with_init, init_recipe, data, reuse, qat_settings, naive_batch,
+         naive_seq_len, naive_steps, prompt_tokens, new_tokens, repeats, threads):
     """Ternary QAT against RTN/GPTQ ternary, GPTQ W2 g32 and W4, with its curve, cost and targets."""
     import torch
     from transformers import AutoTokenizer
@@ -221,9 +228,12 @@ def main(model, out, tokens, max_tokens, with_init, reuse, qat_settings, naive_b
                 _qat_command(model_dir, out / "qat-distill", tokens, qat_settings), checkpoint=CHECKPOINT_FILE),
     ]
     if with_init:
-        variants.append(Variant("qat-distill-init", "QAT ternary g32, distilled, from GPTQ ternary",
+        if init_recipe not in {variant.key for variant in variants}:
+            start = quantize_command(init_recipe, model_dir, out / init_recipe)
+            variants.append(Variant(init_recipe, init_recipe, start))
+        variants.append(Variant("qat-distill-init", f"QAT ternary g32, distilled, from {init_recipe}",
                                 _qat_command(model_dir, out / "qat-distill-init", tokens, qat_settings,
-                                             init=out / "gptq-ternary-g32"), checkpoint=CHECKPOINT_FILE))
+                                             init=out / init_recipe), checkpoint=CHECKPOINT_FILE))
     variants.append(Variant("gptq-w4g128", "GPTQ W4 g128", quantize_command("gptq-w4g128", model_dir,
                                                                              out / "gptq-w4g128")))
     made = {}
@@ -237,7 +247,7 @@ def main(model, out, tokens, max_tokens, with_init, reuse, qat_settings, naive_b
     curve_tokens = calib.heldout_tokens(tokenizer, HELDOUT, max_tokens=qat_recipe["eval_tokens"])
     curve_window = qat_recipe["seq_len"]
     cli = [sys.executable, "-m", "quantkit.cli", "eval"]
-    fp_command = [*cli, "ppl", "--model", str(model_dir), "--max-tokens", str(max_tokens), "--json"]
+    fp_command = [*cli, "ppl", "--model", str(model_dir), "--data", data, "--max-tokens", str(max_tokens), "--json"]
     click.echo(f"[FP] {shlex.join(fp_command)}", err=True)
     fp = _run_json(fp_command)
     commands.append({"step": "eval FP", "command": shlex.join(fp_command)})
@@ -246,7 +256,7 @@ def main(model, out, tokens, max_tokens, with_init, reuse, qat_settings, naive_b
     by_key = {}
     for variant in variants:
         artifact, record = out / variant.key, made[variant.key]
-        kld_command = [*cli, "kld", "--model", str(artifact), "--ref", str(model_dir), "--max-tokens",
+        kld_command = [*cli, "kld", "--model", str(artifact), "--ref", str(model_dir), "--data", data, "--max-tokens",
                        str(max_tokens), "--json"]
         click.echo(f"[{variant.label}] {shlex.join(kld_command)}", err=True)
         kl = _run_json(kld_command)
@@ -303,6 +313,12 @@ def main(model, out, tokens, max_tokens, with_init, reuse, qat_settings, naive_b
         reach = {r.name: tokens_to_reach(r.log, level) for r in (distill, started)}
         curves.append(f"which start converges faster: tokens to curve ppl <= {level:.4g} (the higher final): "
                       + "; ".join(f"{name} {t}" for name, t in reach.items()))
+        half = tokens_to_reach(started.log, distill.log[-1]["heldout_ppl"])
+        targets.append(
+            f"{_verdict(half is not None and half <= tokens / 2 and started.perplexity < distill.perplexity)}  from "
+            f"{init_recipe}: the FP start's final curve ppl {distill.log[-1]['heldout_ppl']:.4g} reached in <= half "
+            f"the tokens ({half} of {tokens}), and a lower final ppl ({started.perplexity:.4g} vs "
+            f"{distill.perplexity:.4g})")
     qat_rate = {r.name: r.tokens_per_second for r in qat_rows}
     throughput = (f"naive full fine-tune (all parameters, fp32, AdamW, {naive_batch} x {naive_seq_len} tokens a "
                   f"step, median of {naive_steps} steps after a warm-up): {naive:.4g} tok/s; QAT: "
@@ -322,7 +338,7 @@ def main(model, out, tokens, max_tokens, with_init, reuse, qat_settings, naive_b
                        decode_table])
     header = (f"model {model_dir.name}; QAT {QAT_RECIPE}, {tokens} tokens"
               + (f", --set {' '.join(qat_settings)}" if qat_settings else "")
-              + f"; ppl/KL/top-1: held-out austen, {fp['tokens']} scored tokens, window 2048; curve ppl: "
+              + f"; ppl/KL/top-1: held-out {data}, {fp['tokens']} scored tokens, window 2048; curve ppl: "
               f"{curve_setup}; machine: {machine()}")
     report(header, table, rows, json_path=out / "bench.json", markdown_path=out / "bench.md", notes=notes,
            extra={"commands": commands, "naive_finetune_tok_s": naive, "decode": decode, "targets": targets,
