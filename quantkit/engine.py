@@ -487,8 +487,10 @@ class _LayerJob:
         summary = None
         if unquantized is not None:
             started = time.perf_counter()
-            unquantized = self._runner(checkpoint_layer).forward(unquantized)
-            result = self.reconstruct(source, records, rounding_points, hidden, unquantized)
+            # the unquantized input stays alive through the training (fp_input_fraction feeds it): the peak
+            # is the unquantized forward's, which holds it beside its output anyway
+            unquantized_inputs, unquantized = unquantized, self._runner(checkpoint_layer).forward(unquantized)
+            result = self.reconstruct(source, records, rounding_points, hidden, unquantized, unquantized_inputs)
             self.solve_seconds += time.perf_counter() - started
             records, summary = result.records, result.summary()
             runner = self._runner(source)
@@ -506,7 +508,7 @@ class _LayerJob:
         return shard, errors, alphas, hidden, unquantized, summary
 
     def reconstruct(self, source: dict, records: dict, rounding_points: dict, inputs: torch.Tensor,
-                    targets: torch.Tensor):
+                    targets: torch.Tensor, unquantized_inputs: torch.Tensor):
         """Block reconstruction of the layer's records against ``targets``, in float32 (the recipe's
         ``reconstruct`` section; ``quantkit.algorithms.reconstruct``)."""
         layer = _build_layer(self.config, self.index, source, torch.float32, self.device).requires_grad_(False)
@@ -520,7 +522,7 @@ class _LayerJob:
         settings = self.recipe["reconstruct"]
         return reconstruct(forward, rounding_points, records, inputs, targets, settings,
                            eval_batch_size=self.recipe["calibration"]["batch_size"],
-                           seed=settings["seed"] * 1_000_003 + self.index)
+                           seed=settings["seed"] * 1_000_003 + self.index, fp_inputs=unquantized_inputs)
 
 
 def _embed(embedding: torch.Tensor, input_ids: torch.Tensor, scale: float, store: Activations,

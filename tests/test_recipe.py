@@ -14,8 +14,8 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "recipes.md"
 # the recipe quantizes and makes `--resume` refuse its earlier runs: update it only on purpose.
 FINGERPRINTS = {
     "awq-w4g128": "1381ebc14fd96f42f323d27aec68b3fb822c13b6dc28d1acc1cda6e6f4ed8f2d",
-    "block-recon-w2g64": "0e50f69de4f8753f3c35aaf69d2fcb2c7615413ad50fe88b77ca8431084e42b0",
-    "block-recon-ternary-g32": "9e11f7d8c3dad5cd39eb40b97d23f59bbc8318b4fa7ce6c44f739284ba02b04f",
+    "block-recon-w2g64": "2e06d36d483f746dfbc2538602bb733ddf5c94eb547b00fc18de446133be5638",
+    "block-recon-ternary-g32": "6049fefe92d2027add18601f5d6ebd918a355d9ba268e235a61481938bb7ed1e",
     "cpmcu": "f0a91dadfa3ae0c3a1d5cde65f9ab384d10d31aa332d207aa3aee8ce5786e098",
     "gguf-iq4_xs": "4ba417ad05244aa5af53b235cc76a3b7eb5f5a8175332b5036c969595a942ec7",
     "gguf-q2_k": "11bc16f4ecc573cd3d9027be281abb580f745dc62b18e71cfc145b44daa1e26a",

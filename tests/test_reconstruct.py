@@ -28,7 +28,7 @@ GRIDS = {
     "mlx affine w2 g32": QuantConfig(2, 32, False, float_bias=True, scale_dtype=torch.bfloat16),
 }
 SETTINGS = {"iterations": 100, "learning_rate": 0.005, "batch_size": 4, "scale_range": 0.25, "optimizer": "sign-sgd",
-            "eval_every": 10, "seed": 0}
+            "eval_every": 10, "seed": 0, "fp_input_fraction": 0.0}
 LOW_BITS = ("asym w2 g32", "ternary g32")  # where these settings find a better rounding on these weights
 
 
@@ -134,6 +134,30 @@ def test_a_start_that_cannot_be_improved_is_kept():
     assert result.best_step == 0 and all(result.records[n] is start[n] for n in start)
 
 
+def test_fp_inputs_are_fed_to_the_chosen_share_of_sequences_and_never_move_the_order():
+    """The share of sequences fed the unquantized model's inputs follows ``fp_input_fraction`` and its own
+    random stream: with inputs equal to the quantized model's, any fraction trains exactly as none."""
+    forward, weights, inputs, targets = _problem(seed=5)
+    start, points = _gptq(weights, inputs, GRIDS["asym w2 g32"])
+    fp_inputs = inputs + 10.0  # far from every quantized input: each batch row tells where it came from
+    fed: list[bool] = []
+
+    def watched(linear_weights, batch):
+        if torch.is_grad_enabled():  # a training step (the measurements run without gradients)
+            fed.extend(bool(row.mean() > 5) for row in batch)
+        return forward(linear_weights, batch)
+
+    settings = {**SETTINGS, "iterations": 200, "fp_input_fraction": 0.25}
+    reconstruct(watched, points, start, inputs, targets, settings, eval_batch_size=4, seed=2, fp_inputs=fp_inputs)
+    assert len(fed) == 200 * SETTINGS["batch_size"] and 0.2 < sum(fed) / len(fed) < 0.3
+    plain = reconstruct(forward, points, start, inputs, targets, SETTINGS, eval_batch_size=4, seed=2)
+    mixed = reconstruct(forward, points, start, inputs, targets, {**SETTINGS, "fp_input_fraction": 0.5},
+                        eval_batch_size=4, seed=2, fp_inputs=inputs.clone())
+    assert all(_same(plain.records[n], mixed.records[n]) for n in start) and plain.errors == mixed.errors
+    with pytest.raises(ValueError, match="unquantized model's inputs"):
+        reconstruct(forward, points, start, inputs, targets, settings, eval_batch_size=4, seed=2)
+
+
 # --- the engine ---------------------------------------------------------------------------------------------
 
 
@@ -176,6 +200,15 @@ def test_reconstruction_lowers_each_layers_error_and_resumes_to_the_same_bytes(t
     quantize(tiny, recipe, resumed, progress=False, stop_after_layers=1)
     quantize(tiny, recipe, resumed, progress=False, resume=True)
     assert _artifact_bytes(straight) == _artifact_bytes(resumed)
+
+
+def test_the_engine_feeds_the_unquantized_models_inputs(tiny, tmp_path):
+    """AutoRound's other choice (every step on the unquantized model's inputs) runs through the engine and,
+    measured on the quantized model's inputs, still ends no worse than GPTQ's start in any layer."""
+    quantize(tiny, _recipe(tmp_path, iterations=10, fp_input_fraction=1.0), tmp_path / "fp", progress=False)
+    for entry in _layer_errors(tmp_path / "fp"):
+        summary = entry["reconstruction"]
+        assert summary["error"] <= summary["start_error"], summary
 
 
 @pytest.mark.parametrize("type_name", ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_0", "q5_1"])
@@ -228,6 +261,7 @@ def test_a_gguf_file_type_reconstructs_end_to_end(tiny, tmp_path):
     ("gptq-w4g128", {"reconstruct.iterations": -1}, r"in \[0, 100000\]"),
     ("gptq-w4g128", {"reconstruct.learning_rate": 0}, r"in \(0, 0.5\]"),
     ("gptq-w4g128", {"reconstruct.scale_range": 1.5}, r"in \[0, 1\)"),
+    ("gptq-w4g128", {"reconstruct.fp_input_fraction": 1.5}, r"in \[0, 1\]"),
 ])
 def test_bad_settings_and_untrainable_grids_are_refused(recipe, overrides, message):
     with pytest.raises(RecipeError, match=message):

@@ -69,7 +69,7 @@ def _layer(config):
 def measure(config, rows: int, seq_len: int, threads: int) -> dict:
     """Seconds of a step and of a measurement pass of a ``config`` layer on ``rows`` rows of ``seq_len`` tokens,
     and the rates."""
-    from quantkit.algorithms.reconstruct import reconstruct
+    from quantkit.algorithms.reconstruct import SETTINGS, reconstruct
     from quantkit.models import MiniCPMRotaryEmbedding
     from quantkit.quant import QuantConfig, rtn_quantize
 
@@ -95,8 +95,8 @@ def measure(config, rows: int, seq_len: int, threads: int) -> dict:
     measurement = time.perf_counter() - started
 
     def run(iterations: int) -> float:
-        settings = {"iterations": iterations, "learning_rate": 0.005, "batch_size": rows, "scale_range": 0.25,
-                    "optimizer": "sign-sgd", "eval_every": iterations, "seed": 0}
+        settings = {**{key: field.default for key, field in SETTINGS.items()},
+                    "iterations": iterations, "batch_size": rows, "eval_every": iterations}
         started = time.perf_counter()
         reconstruct(forward, weights, records, inputs, targets, settings, eval_batch_size=rows, seed=0)
         return time.perf_counter() - started

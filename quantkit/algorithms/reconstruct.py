@@ -13,6 +13,8 @@ the layer's output, the rounding passed straight through. Two differences:
   At V = 0 and the record's scales the codes are the record's bit for bit, and a decision the solver made
   narrowly is the first to be revisited (AutoRound's offsets around the unquantized weights would
   undo GPTQ's compensation wherever it moved a weight across a rounding boundary);
+- the layer's inputs are the quantized model's (what it will see), optionally mixed per sequence with the
+  unquantized model's (``fp_input_fraction``; AutoRound offers the two, not a mix);
 - the iterate kept is the best by the error on every calibration row, measured on the record as stored
   (scales rounded to the format's dtype), at the start and every ``eval_every`` steps: the result is
   never worse than the start on the calibration rows.
@@ -33,7 +35,7 @@ from torch import Tensor
 from quantkit.gguf.record import GGUFTensor
 from quantkit.gguf.types import TYPES
 from quantkit.quant import QuantizedTensor
-from quantkit.recipes.fields import Field, Section, positive, seed_field
+from quantkit.recipes.fields import Field, Section, fraction, positive, seed_field
 
 SETTINGS = Section({
     "iterations": Field(int, default=200, check=lambda v: 0 <= v <= 100_000, rule="in [0, 100000]",
@@ -47,6 +49,10 @@ SETTINGS = Section({
                          help="each group scale moves within this fraction of the solver's (0: rounding only)"),
     "optimizer": Field(str, default="sign-sgd", choices=("sign-sgd", "adam"),
                        help="signed gradient descent (AutoRound's) or Adam, the step decaying linearly to 0"),
+    "fp_input_fraction": Field(float, default=0.0, check=fraction, rule="in [0, 1]",
+                               help="share of each step's sequences fed the unquantized model's input to the layer "
+                                    "instead of the quantized model's (1: AutoRound's enable_quanted_input off); "
+                                    "the iterate kept is still measured on the quantized model's inputs"),
     "eval_every": Field(int, default=50, check=positive, rule="> 0",
                         help="steps between measurements of the error on every calibration row; the best "
                              "measured iterate is kept"),
@@ -233,14 +239,17 @@ def _output_error(forward: LayerForward, weights: Mapping[str, Tensor], inputs: 
 
 
 def reconstruct(forward: LayerForward, rounding_points: Mapping[str, Tensor], records: Mapping[str, QuantizedTensor],
-                inputs: Tensor, targets: Tensor, settings: Mapping, *, eval_batch_size: int,
-                seed: int) -> Reconstruction:
+                inputs: Tensor, targets: Tensor, settings: Mapping, *, eval_batch_size: int, seed: int,
+                fp_inputs: Tensor | None = None) -> Reconstruction:
     """Train the rounding of every linear in ``records`` (the weights its solver rounded in ``rounding_points``)
     so that ``forward`` of ``inputs`` [S, T, H] matches ``targets`` [S, T, H]; ``settings`` is the recipe's
-    ``reconstruct`` section, ``seed`` orders the sequences drawn (one permutation per pass over them)."""
-    iterations, batch_size = settings["iterations"], settings["batch_size"]
+    ``reconstruct`` section, ``seed`` orders the sequences drawn (one permutation per pass over them) and which
+    of them are fed ``fp_inputs`` (the unquantized model's inputs, needed when ``fp_input_fraction`` is not 0)."""
+    iterations, batch_size, fp_fraction = settings["iterations"], settings["batch_size"], settings["fp_input_fraction"]
     if batch_size > inputs.shape[0]:
         raise ValueError(f"reconstruct.batch_size {batch_size} exceeds the {inputs.shape[0]} calibration sequences")
+    if fp_fraction and (fp_inputs is None or fp_inputs.shape != inputs.shape):
+        raise ValueError("reconstruct.fp_input_fraction needs the unquantized model's inputs, shaped as the inputs")
     device = next(iter(rounding_points.values())).device
     start_error = _output_error(forward, {n: r.dequantize() for n, r in records.items()}, inputs,
                                 targets, eval_batch_size, device)
@@ -255,12 +264,16 @@ def reconstruct(forward: LayerForward, rounding_points: Mapping[str, Tensor], re
                                 for group in rounding.parameter_groups(settings["learning_rate"])])
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: 1 - done / iterations)
     generator = torch.Generator().manual_seed(seed)
+    fp_draws = torch.Generator().manual_seed(seed + 1)  # its own stream: the order does not depend on the fraction
     order: list[int] = []
     for step in range(1, iterations + 1):
         if len(order) < batch_size:
             order += torch.randperm(inputs.shape[0], generator=generator, device="cpu").tolist()
         rows, order = order[:batch_size], order[batch_size:]
         batch = inputs[rows].to(device, torch.float32)
+        if fp_fraction:
+            from_fp = (torch.rand(len(rows), generator=fp_draws) < fp_fraction).to(device)
+            batch = torch.where(from_fp[:, None, None], fp_inputs[rows].to(device, torch.float32), batch)
         out = forward({name: rounding.fake() for name, rounding in roundings.items()}, batch)
         loss = (out - targets[rows].to(device, torch.float32)).square().mean()
         for parameter, gradient in zip(parameters, torch.autograd.grad(loss, parameters)):
