@@ -41,6 +41,8 @@ def _run_qat(model, revision, out, recipe, overrides, tokens, init, fake_quant, 
         raise click.ClickException(f"recipe {loaded.name} {refusal}")
     report = run_qat(resolve_model(model, revision=revision), loaded, out, perplexity=perplexity, tokens=tokens,
                      init=init, resume=resume, fake_quant=fake_quant, device=device, progress=progress)
+    if report is None:  # another rank of a torchrun job: rank 0 reports the run
+        return
     measured = [e for e in report.log if "heldout_ppl" in e]
     rows = [[e["step"], e["tokens"], e.get("loss"), e.get("heldout_kl"), e["heldout_ppl"],
              "kept" if e["step"] == report.kept_step else ""] for e in measured]
@@ -53,6 +55,9 @@ def _run_qat(model, revision, out, recipe, overrides, tokens, init, fake_quant, 
              f"(teacher {report.teacher_seconds:.0f} s, training {report.train_seconds:.0f} s), "
              f"peak RSS {report.peak_rss_mb:.0f} MB" + (f" (resumed at step {report.resumed_from_step})"
                                                        if report.resumed_from_step else ""))
+    if report.world_size > 1:
+        text += (f"\n{report.world_size} ranks ({report.backend}), tok/s per rank: "
+                 + ", ".join(f"{rate:.0f}" for rate in report.rank_tokens_per_second))
     emit(as_json, report.to_dict(), text)
 
 

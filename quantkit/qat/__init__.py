@@ -14,7 +14,8 @@
 def run_qat(model_dir, recipe, out_dir, *, perplexity, tokens=None, init=None, resume=False, fake_quant=False,
             device="cpu", progress=True):
     """Train, then write the result to ``out_dir``; returns the run's ``QATReport``. ``perplexity`` is
-    ``quantkit.eval.ppl.perplexity``, passed in by the entry points (a pipeline does not import scoring)."""
+    ``quantkit.eval.ppl.perplexity``, passed in by the entry points (a pipeline does not import scoring).
+    Under torchrun every rank trains and rank 0 alone writes and returns the report (None on the others)."""
     from pathlib import Path
 
     from quantkit.qat.trainer import train
@@ -22,5 +23,7 @@ def run_qat(model_dir, recipe, out_dir, *, perplexity, tokens=None, init=None, r
 
     trained = train(model_dir, recipe, out_dir, perplexity=perplexity, tokens=tokens, init=init, resume=resume,
                     device=device, progress=progress)
+    if not trained.world.is_main:
+        return None
     write_outputs(trained, Path(model_dir), recipe, fake_quant=fake_quant, init=None if init is None else str(init))
     return trained.report

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from quantkit.training import rowcache
+from quantkit.training.distributed import SINGLE, World
 
 
 def cache_key(model_fingerprint: str, data_fingerprint: str, top_k: int, dtype: torch.dtype) -> str:
@@ -28,14 +29,16 @@ def cache_key(model_fingerprint: str, data_fingerprint: str, top_k: int, dtype: 
 
 
 def build_cache(teacher, rows: Tensor, visited: list[int], top_k: int, directory: Path,
-                progress: bool = True) -> rowcache.RowCache:
+                progress: bool = True, world: World = SINGLE) -> rowcache.RowCache:
     """Top-k logits of ``teacher`` on the rows ``visited`` (ids into ``rows`` [R, T], in visit order):
-    tensors ``ids`` (int32) and ``logits`` (float32, descending), [rows, T, k]."""
+    tensors ``ids`` (int32) and ``logits`` (float32, descending), [rows, T, k]; ``world``'s ranks compute a
+    share of them each."""
     def top_logits(tokens: Tensor) -> dict[str, Tensor]:
         values, indices = teacher(tokens[None]).logits[0].float().topk(top_k, dim=-1)
         return {"ids": indices.to(torch.int32), "logits": values}
 
-    return rowcache.build(rowcache.row_by_row(top_logits), rows, visited, directory, "teacher top-k", progress)
+    return rowcache.build(rowcache.row_by_row(top_logits), rows, visited, directory, "teacher top-k", progress,
+                          world)
 
 
 @dataclass

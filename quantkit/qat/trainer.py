@@ -20,6 +20,15 @@ that a run can only end at least as close to the FP model on that text as it sta
 learning rate (``qat.full_rate_excess``: a start close to the FP model, such as a GPTQ, block-reconstructed
 or int4 one, takes proportionally smaller steps; ``schedule.start_rate_factor``).
 
+Under torchrun the run is data-parallel (``quantkit.training.distributed``; docs/distributed.md): each
+step's micro-batches are dealt to the ranks (rank r takes micro-batches r, r + W, ...) and their
+gradients summed over the ranks, so that a step, its learning rate and its batch mean what they mean in
+one process, and the update is one process's up to the order of float additions. Each rank computes a
+share of the teacher cache's chunks. Rank 0 alone owns the run (its lock, staging, checkpoints, log,
+best weights and output) and measures the held-out text, sending the numbers to the others so that
+every rank takes the same decisions. The checkpoint holds the whole trainable state: a run resumes at
+any world size.
+
 The held-out perplexity comes from the caller (``perplexity``: ``quantkit.eval.ppl.perplexity``, which
 the entry points pass in): a pipeline does not import the scoring layer.
 """
@@ -53,6 +62,7 @@ from quantkit.stats import compute_dtype
 from quantkit.training import state
 from quantkit.training.data import training_data
 from quantkit.training.distill import distillation_loss
+from quantkit.training.distributed import World, joined
 from quantkit.training.fake_quant import TRAINS, FakeQuantLinear, Trains, check_groups, wrap_linears
 from quantkit.training.schedule import start_rate_factor, wsd_learning_rate
 from quantkit.version import __version__
@@ -75,7 +85,10 @@ class QATReport:
     train_seconds: float = 0.0
     tokens_per_second: float = 0.0
     peak_rss_mb: float = 0.0
-    threads: int = field(default_factory=torch.get_num_threads)
+    threads: int = field(default_factory=torch.get_num_threads)  # per rank
+    world_size: int = 1
+    backend: str | None = None  # torch.distributed's, None for one process
+    rank_tokens_per_second: list[float] = field(default_factory=list)  # each rank's share of tokens_per_second
     kept_step: int = 0  # the step whose weights are written (qat.keep)
     kept_heldout_ppl: float = 0.0
     log: list[dict] = field(default_factory=list)  # one entry per step; "heldout_kl"/"heldout_ppl" where measured
@@ -87,14 +100,16 @@ class QATReport:
 @dataclass
 class TrainedModel:
     """What ``train`` hands the writer: the student, whose wrapped linears give their records, the grid of
-    each linear, the run's grid, and the run, which the writer publishes."""
+    each linear, the run's grid, the run, which the writer publishes (rank 0's: the other ranks of a torchrun
+    job have none, and write nothing), and the world the run trained in."""
 
     model: torch.nn.Module
     grids: dict[str, QuantConfig]  # "model.layers.{i}.{linear}" -> grid
     report: QATReport
-    run: Run
+    run: Run | None
     data: dict
     qconfig: QuantConfig
+    world: World
 
 
 def _student(source: Path, config: MiniCPMConfig, grids: dict[str, QuantConfig], trains: Trains,
@@ -168,20 +183,33 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, perplex
     """Train ``model_dir`` (or the artifact ``init``, e.g. a GPTQ ternary one, as the starting weights)
     toward ``recipe``'s grid, logging the held-out ``perplexity`` (``quantkit.eval.ppl.perplexity``).
     ``stop_after_steps`` ends the run early, leaving its checkpoint as an interruption would (tests use
-    it to prove resumption)."""
-    model_dir = Path(model_dir)
-    run = Run(out_dir, resume=resume)
-    staging = run.staging
+    it to prove resumption). Under torchrun, this process's rank of the job's data-parallel run."""
+    device = resolve_device(device)
+    with joined(device) as world:
+        return _train(Path(model_dir), recipe, Path(out_dir), perplexity=perplexity, tokens=tokens, init=init,
+                      resume=resume, device=device, progress=progress and world.is_main,
+                      stop_after_steps=stop_after_steps, world=world)
+
+
+def _train(model_dir: Path, recipe: Recipe, out_dir: Path, *, perplexity: Callable, tokens: int | None,
+           init: str | Path | None, resume: bool, device: str, progress: bool, stop_after_steps: int | None,
+           world: World) -> TrainedModel:
+    run = Run(out_dir, resume=resume) if world.is_main else None
+    staging = atomic.staging_dir(out_dir)
     if "qat" not in recipe.values:
         raise RunError(f"recipe {recipe.name} has no 'qat' section: it is a post-training recipe "
                        "(`quantkit quantize`); QAT recipes are qat-ternary-g32, qat-ternary-g256 and mlx-dwq-w4g64")
-    device = resolve_device(device)
     settings = recipe["qat"]
     total_tokens = tokens or settings["tokens"]
     rows_per_step = settings["batch_tokens"] // settings["seq_len"]
     total_steps = total_tokens // settings["batch_tokens"]
     if total_steps < 1:
         raise RunError(f"--tokens {total_tokens} is less than one step of {settings['batch_tokens']} tokens")
+    micro_batches = rows_per_step // settings["micro_batch"]
+    if micro_batches % world.world_size:
+        raise RunError(f"qat: a step's {micro_batches} micro-batches (qat.batch_tokens / (qat.seq_len x "
+                       f"qat.micro_batch)) cannot be dealt evenly to {world.world_size} ranks: run a number of "
+                       f"ranks that divides {micro_batches}, or change qat.batch_tokens or qat.micro_batch")
 
     config = MiniCPMConfig.from_pretrained(model_dir)
     reader = CheckpointReader(model_dir)
@@ -207,25 +235,29 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, perplex
     data = training_data(tokenizer, settings["data"], settings["seq_len"], settings["seed"])
     heldout = calib.heldout_tokens(tokenizer, HELDOUT, max_tokens=settings["eval_tokens"])
     model_fingerprint = reader.fingerprint()
-    continuing = run.begin({"model": model_fingerprint, "init": init_fingerprint, "recipe": recipe.fingerprint(),
-                            "data": data.fingerprint, "tokens": total_tokens, "quantkit": __version__},
-                           CHECKPOINT_FILE)
+    inputs = {"model": model_fingerprint, "init": init_fingerprint, "recipe": recipe.fingerprint(),
+              "data": data.fingerprint, "tokens": total_tokens, "quantkit": __version__}
+    # rank 0 begins the run; the others continue it with it, from its checkpoint
+    continuing = world.from_main(lambda: {"continuing": run.begin(inputs, CHECKPOINT_FILE)}, ("continuing",))
+    continuing = bool(continuing["continuing"])
 
-    report = QATReport(out_dir=str(run.out), recipe=recipe.name)
+    report = QATReport(out_dir=str(out_dir), recipe=recipe.name, **world.described)
     heldout = heldout.to(device)
     weight, temperature = settings["distill_weight"], settings["temperature"]
-    # the teacher's distribution on the held-out rows, for the KL measured there
+    # the teacher's distribution on the held-out rows, for the KL measured there (by rank 0)
+    measures_kl = weight > 0 or settings["keep"] == "best" or settings["full_rate_excess"] > 0
     cache, targets = None, None
-    if weight > 0 or settings["keep"] == "best" or settings["full_rate_excess"] > 0:
+    if weight > 0 or (measures_kl and world.is_main):
         started = time.perf_counter()
         dtype = compute_dtype(recipe["compute_dtype"])
         teacher = load_model(model_dir, torch.float32).to(device)  # in float32, as the student is measured
-        targets = heldout_targets(teacher, heldout, settings["seq_len"])
+        if measures_kl and world.is_main:
+            targets = heldout_targets(teacher, heldout, settings["seq_len"])
         if weight > 0:
             key = cache_key(model_fingerprint, data.fingerprint, settings["top_k"], dtype)
             visited = list(dict.fromkeys(data.row_ids(0, total_steps * rows_per_step)))
             cache = build_cache(teacher.to(dtype), data.rows.to(device), visited, settings["top_k"],
-                                cache_root() / "qat-teacher" / key, progress)
+                                cache_root() / "qat-teacher" / key, progress, world)
         del teacher
         report.teacher_seconds = round(time.perf_counter() - started, 3)
 
@@ -244,24 +276,27 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, perplex
     _refresh(model)
 
     @torch.no_grad()
-    def measured() -> dict:
+    def on_heldout() -> dict:
         """The held-out perplexity, and the KL to the teacher there when its targets are known."""
         result = {"heldout_ppl": perplexity(model, heldout, window=settings["seq_len"]).perplexity}
         if targets is not None:
             result["heldout_kl"] = heldout_kl(model, targets)
         return result
 
+    def measured() -> dict:
+        """``on_heldout`` as rank 0 (which alone holds the targets) measures it, on every rank."""
+        return world.from_main(on_heldout, ("heldout_ppl", "heldout_kl") if measures_kl else ("heldout_ppl",))
+
     if start_step == 0:
         start = {"step": 0, "tokens": 0, **measured(), "rate_factor": 1.0}
-        if targets is not None:
+        if measures_kl:
             start["rate_factor"] = start_rate_factor(start["heldout_kl"], settings["full_rate_excess"])
         report.log.append(start)
-        if settings["keep"] == "best":
+        if settings["keep"] == "best" and world.is_main:
             _save_best(run.private / BEST_FILE, trainable, 0)
     rate_factor = report.log[0]["rate_factor"]
 
     autocast = compute_dtype(recipe["compute_dtype"]) == torch.bfloat16
-    micro_batches = rows_per_step // settings["micro_batch"]
     best = min((entry["loss"] for entry in report.log if "loss" in entry), default=math.inf)
     last = total_steps if stop_after_steps is None else min(total_steps, stop_after_steps)
     bar = tqdm(range(start_step, last), desc=f"qat {recipe.name}", unit="step", disable=not progress,
@@ -273,9 +308,8 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, perplex
         for group in optimizer.param_groups:
             group["lr"] = lr
         losses = []
-        for micro in range(micro_batches):
-            position = step * rows_per_step + micro * settings["micro_batch"]
-            rows = data.row_ids(position, settings["micro_batch"])
+        for micro in world.share(micro_batches):
+            rows = data.micro_batch(step, micro, rows_per_step, settings["micro_batch"])
             ids = data.rows[rows].to(device)
             with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
                 logits = model(ids[:, :-1]).logits.float()
@@ -285,8 +319,10 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, perplex
                 teacher_ids, teacher_logits = teacher["ids"].long().to(device), teacher["logits"].to(device)
                 distill = distillation_loss(logits, teacher_ids[:, :-1], teacher_logits[:, :-1], temperature)
                 loss = (1 - weight) * loss + weight * distill
-            (loss / micro_batches).backward()
+            (loss / micro_batches).backward()  # a share of the step's mean over every rank's micro-batches
             losses.append(loss.item())
+        world.sum_([param.grad for param in trainable.values() if param.grad is not None])
+        losses = world.unshared(losses)  # every micro-batch's, in order: the step loss one process computes
         step_loss = sum(losses) / len(losses)
         if not math.isfinite(step_loss) or step_loss > settings["max_loss_growth"] * best:
             saved = max((entry["step"] for entry in report.log if entry.get("checkpoint")), default=0)
@@ -303,12 +339,13 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, perplex
                  "lr": lr, "grad_norm": grad_norm}
         if (step + 1) % settings["eval_interval"] == 0 or step + 1 == total_steps:
             entry.update(measured())
-            if settings["keep"] == "best" and entry["heldout_kl"] < _best_measured(report.log)["heldout_kl"]:
+            if (settings["keep"] == "best" and world.is_main
+                    and entry["heldout_kl"] < _best_measured(report.log)["heldout_kl"]):
                 _save_best(run.private / BEST_FILE, trainable, step + 1)
         if (step + 1) % settings["checkpoint_interval"] == 0 or step + 1 == last:
             entry["checkpoint"] = True
         report.log.append(entry)
-        if entry.get("checkpoint"):
+        if entry.get("checkpoint") and world.is_main:
             state.save(staging / CHECKPOINT_FILE, trainable, optimizer, {"step": step + 1, "log": report.log})
             atomic.write_json(staging / LOG_FILE, report.log)
         elapsed = time.perf_counter() - started
@@ -316,7 +353,7 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, perplex
         bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{done / elapsed:.0f}")
 
     kept = _best_measured(report.log) if settings["keep"] == "best" else report.log[-1]
-    if last == total_steps and kept["step"] != last:
+    if last == total_steps and kept["step"] != last and world.is_main:
         _restore_best(run.private / BEST_FILE, trainable, kept["step"])
         _refresh(model)
     report.kept_step, report.kept_heldout_ppl = kept["step"], kept.get("heldout_ppl", 0.0)
@@ -325,5 +362,7 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, perplex
     report.train_seconds = round(time.perf_counter() - started, 3)
     trained = (last - start_step) * settings["batch_tokens"]
     report.tokens_per_second = round(trained / report.train_seconds, 2) if report.train_seconds else 0.0
+    report.rank_tokens_per_second = world.per_rank(round(trained / world.world_size / report.train_seconds, 2)
+                                                   if report.train_seconds else 0.0)
     report.peak_rss_mb = peak_rss_mb()
-    return TrainedModel(model, grids, report, run, data.described, qconfig)
+    return TrainedModel(model, grids, report, run, data.described, qconfig, world)

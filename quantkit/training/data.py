@@ -40,6 +40,10 @@ class TrainingData:
             ids.append(int(orders[epoch][offset]))
         return ids
 
+    def micro_batch(self, step: int, index: int, rows_per_step: int, size: int) -> list[int]:
+        """Indices of micro-batch ``index`` (``size`` rows) of optimizer step ``step`` (``rows_per_step`` rows)."""
+        return self.row_ids(step * rows_per_step + index * size, size)
+
     def batch(self, position: int, count: int) -> Tensor:
         return self.rows[self.row_ids(position, count)]
 

@@ -8,6 +8,10 @@ cache (a whole corpus's draft features are gigabytes, an 8B's more); ``row_by_ro
 makes a chunk function of a per-row one, whose numbers then cannot depend on the chunk. Visit
 orders of runs on the same data share their prefix, so a longer run reuses a shorter one's chunks;
 a shorter run's last, partial chunk is computed again.
+
+In a torchrun job the ranks compute disjoint shares of the chunks, then every rank reads them all: a
+chunk's file depends on the visit order only, never on the world size, so a cache built by one world
+size is reused by any other. Ranks on several machines must therefore share the cache's folder.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from quantkit import atomic
+from quantkit.run import RunError
+from quantkit.training.distributed import SINGLE, World
 
 CHUNK_ROWS = 16  # rows per cache file: what an interruption can lose
 
@@ -41,17 +47,25 @@ class RowCache:
 
 @torch.no_grad()
 def build(compute: Callable[[Tensor], dict[str, Tensor]], rows: Tensor, visited: list[int], directory: Path,
-          description: str, progress: bool = True) -> RowCache:
+          description: str, progress: bool = True, world: World = SINGLE) -> RowCache:
     """``compute(rows[chunk])`` for the row ids in ``visited`` (visit order), chunk by chunk, cached in
-    ``directory``."""
+    ``directory``; in a torchrun job, ``world``'s share of the chunks here and the others by the other ranks."""
     directory.mkdir(parents=True, exist_ok=True)
-    chunks = range(0, len(visited), CHUNK_ROWS)
-    for start in tqdm(chunks, desc=description, unit="chunk", disable=not progress):
+    starts = range(0, len(visited), CHUNK_ROWS)
+    for start in tqdm([starts[i] for i in world.share(len(starts))], desc=description, unit="chunk",
+                      disable=not progress):
         path = _chunk_file(directory, start)
         wanted = visited[start:start + CHUNK_ROWS]
         if path.is_file() and _rows_in(path) == len(wanted):
             continue
         atomic.save_safetensors(path, {name: tensor.cpu() for name, tensor in compute(rows[wanted]).items()})
+    world.barrier(f"waiting for the other ranks' chunks of the {description} cache")
+    missing = next((_chunk_file(directory, start) for start in starts if not _chunk_file(directory, start).is_file()),
+                   None)
+    if missing is not None:  # another machine's rank wrote it to a folder this one does not see
+        raise RunError(f"rank {world.rank}: {missing} is missing after every rank computed its chunks of the "
+                       f"{description} cache: ranks on several machines need QUANTKIT_CACHE on a filesystem "
+                       "they share")
     return RowCache({row: (_chunk_file(directory, index - index % CHUNK_ROWS), index % CHUNK_ROWS)
                      for index, row in enumerate(visited)})
 

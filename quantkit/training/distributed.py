@@ -1,0 +1,155 @@
+"""A training process's place in a torchrun job, and the few collectives data-parallel training needs.
+
+torchrun (alone, or under SLURM as ``srun torchrun``) starts one process per device and tells each its
+place through the environment: RANK, WORLD_SIZE, LOCAL_RANK, and where to meet (MASTER_ADDR,
+MASTER_PORT). ``joined`` reads them and joins the job's process group, gloo on CPUs and NCCL on CUDA
+GPUs. Without them (a plain ``quantkit`` run, a test) the world is one process: no process group is
+made, nothing here calls torch.distributed, and every operation returns its input, so a single process
+computes exactly what it did before data parallelism existed.
+
+Every operation is one of torch.distributed's own collectives, bounded by the group's timeout
+(``TIMEOUT_ENV``): a rendezvous that never completes, or a peer that died, ends the run with one line
+naming this rank (``RunError``), never a hang. A collective waits for the slowest rank, so the timeout
+must exceed the longest stretch one rank works alone: rank 0's held-out measurement, the last chunk of
+the teacher's cache.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from quantkit.run import RunError
+
+TIMEOUT_ENV = "QUANTKIT_DISTRIBUTED_TIMEOUT"  # seconds
+DEFAULT_TIMEOUT_SECONDS = 600  # torch's own default for NCCL
+BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # device type -> the backend whose collectives run there
+TENSORS_ON = {backend: device for device, backend in BACKENDS.items()}  # where a backend's collectives take tensors
+
+
+@dataclass(frozen=True)
+class World:
+    """The processes of one training job and this one's place among them. ``backend`` is None for a
+    world of one process, which has no process group."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str | None = None
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process owns the run: its output, checkpoints, logs and progress."""
+        return self.rank == 0
+
+    @property
+    def described(self) -> dict:
+        """What a manifest and a report record of the world."""
+        return {"world_size": self.world_size, "backend": self.backend}
+
+    def share(self, count: int) -> range:
+        """This rank's items of ``count`` (a step's micro-batches, a cache's chunks): every
+        ``world_size``-th from its own rank, so that the ranks' shares are disjoint and cover them all."""
+        return range(self.rank, count, self.world_size)
+
+    def sum_(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Replace each tensor by its sum over the ranks, in place (gradients: each rank's holds its
+        share of the step's mean)."""
+        if self.world_size > 1:
+            with _collective(self, "summing gradients"):
+                for work in [dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True) for t in tensors]:
+                    work.wait()
+
+    def unshared(self, mine: Sequence[float]) -> list[float]:
+        """The values of all items when each rank computed those of its ``share`` (``mine``, in order):
+        in item order, as one process computing them all would have listed them."""
+        if self.world_size == 1:
+            return list(mine)
+        per_rank, size = self._gathered(mine), self.world_size
+        return [per_rank[item % size][item // size] for item in range(len(mine) * size)]
+
+    def per_rank(self, value: float) -> list[float]:
+        """Every rank's ``value``, by rank."""
+        if self.world_size == 1:
+            return [value]
+        return [row[0] for row in self._gathered([value])]
+
+    def from_main(self, compute: Callable[[], dict[str, float]], names: Sequence[str]) -> dict[str, float]:
+        """``compute()``'s values on rank 0, the others receiving them: numbers only rank 0 measures (it
+        alone holds what they need), that every rank must act on alike. ``names``: the keys it returns."""
+        if self.world_size == 1:
+            return compute()
+        computed = compute() if self.is_main else dict.fromkeys(names, 0.0)
+        values = torch.tensor([computed[name] for name in names], dtype=torch.float64, device=self._device)
+        with _collective(self, "waiting for rank 0's numbers"):
+            dist.broadcast(values, src=0)
+        return dict(zip(names, values.tolist()))
+
+    def barrier(self, what: str) -> None:
+        """Wait until every rank has reached this point (``what``: the point, for the error's message)."""
+        if self.world_size > 1:
+            with _collective(self, what):
+                dist.barrier()
+
+    def _gathered(self, values: Sequence[float]) -> list[list[float]]:
+        """Every rank's ``values`` (as many on each), by rank; float64 holds a Python float exactly."""
+        mine = torch.tensor(list(values), dtype=torch.float64, device=self._device)
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        with _collective(self, "gathering the ranks' numbers"):
+            dist.all_gather(gathered, mine)
+        return [row.tolist() for row in gathered]
+
+    @property
+    def _device(self) -> str:
+        return TENSORS_ON[self.backend]
+
+
+SINGLE = World()
+
+
+def timeout_seconds() -> float:
+    return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_SECONDS))
+
+
+@contextmanager
+def joined(device: str) -> Iterator[World]:
+    """The job this process belongs to, its process group made for the block (and destroyed after it),
+    with the backend of ``device`` ("cpu" or "cuda"): torchrun's environment says which (a world of one
+    without it, which makes no group)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        yield SINGLE
+        return
+    world = World(int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", "0")), BACKENDS[device])
+    if device == "cuda":
+        torch.cuda.set_device(world.local_rank)  # one GPU per process: the local rank's
+    timeout = timeout_seconds()
+    try:
+        dist.init_process_group(world.backend, timeout=datetime.timedelta(seconds=timeout))
+    except (dist.DistError, ValueError) as e:  # no rendezvous: no peer came, or no address to meet at
+        raise RunError(f"rank {world.rank} of {world.world_size}: no rendezvous with the other ranks at "
+                       f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} within {timeout:g} s "
+                       f"({_first_line(e)}); start every rank with torchrun, or raise {TIMEOUT_ENV}") from e
+    try:
+        yield world
+    finally:
+        dist.destroy_process_group()
+
+
+@contextmanager
+def _collective(world: World, what: str) -> Iterator[None]:
+    """A collective whose failure (a peer that died, or did not come within the timeout) is one line."""
+    try:
+        yield
+    except RuntimeError as e:  # gloo and NCCL raise RuntimeError, or torch's DistError, one of its kinds
+        raise RunError(f"rank {world.rank} of {world.world_size}: {what} failed, another rank stopped or did not "
+                       f"answer within {timeout_seconds():g} s ({_first_line(e)})") from e
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
