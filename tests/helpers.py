@@ -107,3 +107,28 @@ def run_without(blocked: set[str], code: str, *args: str, env: dict | None = Non
     return subprocess.run([sys.executable, "-c", _BLOCKER.format(blocked=blocked) + code, *args],
                           capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600,
                           env={**os.environ, **(env or {})}, cwd=tempfile.gettempdir())
+
+
+def write_sentencepiece_tokenizer(folder: Path) -> None:
+    """Give the tiny checkpoint ``folder`` (of vocab_size 1216) a SentencePiece BPE tokenizer like MiniCPM4.1's
+    own (tokenizer.model, byte fallback, no normalization, chat tokens added on top as ids 1200 and 1201),
+    trained here on the shipped calibration text, in place of its byte-level one."""
+    import json
+
+    import sentencepiece
+
+    import quantkit.calib_data
+
+    data = Path(quantkit.calib_data.__file__).parent
+    lines = [line for name in ("en_calib.txt", "zh_calib.txt", "code_calib.txt")
+             for line in (data / name).read_text().splitlines()[:400] if line.strip()]
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_prefix=str(folder / "tokenizer"), vocab_size=1200, model_type="bpe",
+        byte_fallback=True, character_coverage=0.9995, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, split_digits=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, num_threads=1, minloglevel=2)
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True, "added_tokens_decoder": {
+        "1200": {"content": "<|im_start|>", "special": True}, "1201": {"content": "<|im_end|>", "special": True}}}))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "bos_token_id": 1, "eos_token_id": 2,
+                                                     "pad_token_id": None}))

@@ -33,7 +33,7 @@ LAYERS = {
     "synthetic checkpoints": ("quantkit.synthetic",),
     "runtime": ("quantkit.kernels",),
     "scoring": ("quantkit.eval",),
-    "exporters": ("quantkit.gguf.export", "quantkit.gguf.importer", "quantkit.mlx_export"),
+    "exporters": ("quantkit.gguf.export", "quantkit.gguf.eagle3_head", "quantkit.gguf.importer", "quantkit.mlx_export"),
     "hub": ("quantkit.hub", "quantkit.zoo"),
     "pipeline parts": ("quantkit.run", "quantkit.recipe", "quantkit.training", "quantkit.activations"),
     "post-training quantization": ("quantkit.engine",),

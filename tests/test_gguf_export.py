@@ -215,14 +215,14 @@ def test_export_without_libggml_writes_the_same_file(tiny_checkpoint, tmp_path, 
 def test_metadata_arrays_pack_as_gguf_py_packs_them(value):
     import gguf
 
-    from quantkit.gguf.export import _Writer
+    from quantkit.gguf.export import PackedWriter
 
     def packed(writer):
         try:
             return writer._pack_val(value, gguf.GGUFValueType.ARRAY, add_vtype=True)
         except ValueError as e:
             return str(e)
-    assert packed(_Writer(None, "minicpm")) == packed(gguf.GGUFWriter(None, "minicpm"))
+    assert packed(PackedWriter(None, "minicpm")) == packed(gguf.GGUFWriter(None, "minicpm"))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -381,27 +381,12 @@ def sentencepiece_checkpoint(tiny_checkpoint_factory, tmp_path_factory):
     """A tiny MiniCPM with a SentencePiece BPE tokenizer like MiniCPM4.1's own (tokenizer.model, byte
     fallback, no normalization, chat tokens added on top), trained here on the shipped calibration text."""
     import shutil
-    from pathlib import Path
 
-    import sentencepiece
-
-    import quantkit.calib_data
+    from helpers import write_sentencepiece_tokenizer
 
     folder = tmp_path_factory.mktemp("spm") / "model"
     shutil.copytree(tiny_checkpoint_factory(vocab_size=1216), folder)
-    data = Path(quantkit.calib_data.__file__).parent
-    lines = [line for name in ("en_calib.txt", "zh_calib.txt", "code_calib.txt")
-             for line in (data / name).read_text().splitlines()[:400] if line.strip()]
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_prefix=str(folder / "tokenizer"), vocab_size=1200, model_type="bpe",
-        byte_fallback=True, character_coverage=0.9995, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, split_digits=True,
-        normalization_rule_name="identity", remove_extra_whitespaces=False, num_threads=1, minloglevel=2)
-    (folder / "tokenizer.json").unlink()
-    (folder / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True, "added_tokens_decoder": {
-        "1200": {"content": "<|im_start|>", "special": True}, "1201": {"content": "<|im_end|>", "special": True}}}))
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "bos_token_id": 1, "eos_token_id": 2,
-                                                     "pad_token_id": None}))
+    write_sentencepiece_tokenizer(folder)
     return folder
 
 

@@ -50,6 +50,12 @@ def _vendored_source(root: Path) -> Path:
     return src
 
 
+def llama_cpp_source() -> Path:
+    """The source tree of the llama.cpp the installed llama-cpp-python vendors, fetched on first use: what its
+    programs are built from, and its converter (convert_hf_to_gguf.py with gguf-py) that tests compare with."""
+    return _vendored_source(llama_cpp_dir())
+
+
 def llama_cpp_programs(name: str, programs: tuple[str, ...], instruction_sets: tuple[str, ...], build: bool = True,
                        jobs: int = 1) -> Path | None:
     """The bin directory of the build ``name`` holding ``programs``, compiled with ``instruction_sets`` (cmake
@@ -60,7 +66,7 @@ def llama_cpp_programs(name: str, programs: tuple[str, ...], instruction_sets: t
         return bin_dir
     if not build:
         return None
-    src, build_dir = _vendored_source(root), root / name / "build"
+    src, build_dir = llama_cpp_source(), root / name / "build"
     subprocess.run(["cmake", "-S", str(src), "-B", str(build_dir), *CMAKE_FLAGS, *instruction_sets], check=True)
     subprocess.run(["cmake", "--build", str(build_dir), "--config", "Release", "-j", str(jobs), "--target",
                     *programs], check=True)

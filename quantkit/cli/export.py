@@ -57,6 +57,37 @@ def export_gguf(model, revision, file_type, out, tokenizer_pre, imatrix, progres
     emit(as_json, payload, format_table(["field", "value"], rows))
 
 
+@export_group.command("gguf-head")
+@click.option("--head", required=True, type=click.Path(path_type=Path),
+              help="EAGLE-3 head folder in quantkit's layout (`quantkit draft train`), FP.")
+@click.option("--target", required=True,
+              help="The model the head drafts for (folder, `default` or Hub id): its config.json and tokenizer "
+                   "go into the file, as llama.cpp's converter takes them from --target-model-dir.")
+@revision_option("--target")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Output .gguf file (must not exist).")
+# the choices are quantkit.gguf.eagle3_head.OUTTYPES, which imports torch: checked there, in one line
+@click.option("--outtype", default="f16", show_default=True, metavar="TYPE",
+              help="Type of the matrices, as the converter's --outtype: f32, f16, bf16 or q8_0 (norms stay F32).")
+@click.option("--tokenizer-pre", default=None, help="llama.cpp pre-tokenizer name, if it cannot be recognised.")
+@json_option
+@friendly_errors
+def export_gguf_head(head, target, revision, out, outtype, tokenizer_pre, as_json):
+    """Export an EAGLE-3 draft head as the GGUF llama.cpp's converter writes (`--spec-type draft-eagle3`)."""
+    from quantkit.atomic import refuse_existing
+    from quantkit.gguf.eagle3_head import check_outtype, export_head_gguf
+    from quantkit.zoo import resolve_model
+
+    refuse_existing(out)  # these two before the target is resolved (a Hub id is fetched)
+    check_outtype(outtype)
+    report = export_head_gguf(head, resolve_model(target, revision=revision), out, outtype,
+                              tokenizer_pre=tokenizer_pre)
+    rows = [["file", report.path], ["type", report.outtype], ["target", report.target_model_type],
+            ["folded scales", report.folded or "none"], ["tensors by type", report.tensors_by_type],
+            ["size MB", report.file_bytes / 2**20], ["seconds", report.seconds]]
+    emit(as_json, asdict(report), format_table(["field", "value"], rows + ([["note", report.note]] if report.note
+                                                                           else [])))
+
+
 @export_group.command("mlx")
 @click.option("--model", required=True, help="A quantized artifact whose grid MLX holds (natural groups of 32, 64 "
                                              "or 128 channels that tile K): the codes and scales are kept, "

@@ -162,7 +162,7 @@ def _widen(source: np.ndarray, bfloat16: bool, out: np.ndarray) -> None:
         np.copyto(out, source)
 
 
-class _Writer(gguf.GGUFWriter):
+class PackedWriter(gguf.GGUFWriter):
     """gguf-py's writer with uniform metadata arrays packed in one call: gguf-py packs them item by item,
     which for the tokenizer's ~150k tokens, token types and merges took 0.8 s of every export of the
     default model. Bytes unchanged (tests/test_gguf_export.py)."""
@@ -379,9 +379,9 @@ def _tensor_bytes(item: _Planned) -> int:
 
 
 def _header(path: Path, planned: list[_Planned], config: MiniCPMConfig, model_dir: Path, file_type: str,
-            tokenizer_pre: str | None) -> _Writer:
+            tokenizer_pre: str | None) -> PackedWriter:
     """A writer that has written the file's header, metadata and tensor table to ``path``."""
-    writer = _Writer(path, ARCH)
+    writer = PackedWriter(path, ARCH)
     _add_metadata(writer, config, model_dir, file_type, tokenizer_pre)
     for item in planned:
         byte_shape = (*item.shape[:-1], item.tensor_type.row_bytes(item.shape[-1]))

@@ -46,8 +46,10 @@ class Vocab:
     scores: list[float] = field(default_factory=list)  # SentencePiece only
     add_space_prefix: bool | None = None  # SentencePiece only
 
-# llama.cpp's converter gives added and padding tokens this score
+# llama.cpp's converter gives added tokens this score, and ids the tokenizer leaves empty ([PAD<i>]) the
+# other (conversion/base.py, _create_vocab_sentencepiece: every id starts at PAD_SCORE)
 ADDED_SCORE = -1000.0
+PAD_SCORE = -10000.0
 
 
 def _merge_strings(merges: list) -> list[str]:
@@ -133,7 +135,7 @@ def _sentencepiece_vocab(model_dir: Path, vocab_size: int, special_ids: dict[str
     add_space_prefix = sp.encode("a", out_type=str)[0].startswith("▁")
     return Vocab("llama", "default", tokens, token_types, [], special_ids,
                  bool(config.get("add_bos_token", True)), _chat_template(model_dir, config),
-                 [float(scores.get(i, ADDED_SCORE)) for i in range(vocab_size)], add_space_prefix)
+                 [float(scores.get(i, PAD_SCORE)) for i in range(vocab_size)], add_space_prefix)
 
 
 def _byte_level_vocab(model_dir: Path, vocab_size: int, special_ids: dict[str, int], pre: str | None) -> Vocab:
