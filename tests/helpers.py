@@ -109,6 +109,25 @@ def run_without(blocked: set[str], code: str, *args: str, env: dict | None = Non
                           env={**os.environ, **(env or {})}, cwd=tempfile.gettempdir())
 
 
+TIMEOUT = 240  # seconds for one torchrun job: a hang fails its test instead of stalling the suite
+
+
+def torchrun(ranks: int, *args: str, check: bool = True, logs: Path | None = None):
+    """A gloo job of ``ranks`` processes of one thread each, meeting on a free port (--standalone); with
+    ``logs``, each rank's stderr goes to a file of its own there (tests/test_distributed*.py)."""
+    import os
+    import subprocess
+    import sys
+
+    own_logs = ["--log-dir", str(logs), "--redirects", "2"] if logs else []
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+                           *own_logs, *args], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=TIMEOUT)
+    if check:
+        assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 def write_sentencepiece_tokenizer(folder: Path) -> None:
     """Give the tiny checkpoint ``folder`` (of vocab_size 1216) a SentencePiece BPE tokenizer like MiniCPM4.1's
     own (tokenizer.model, byte fallback, no normalization, chat tokens added on top as ids 1200 and 1201),

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import TIMEOUT, torchrun
+
 # Float reduction tolerance. A step's gradient is the sum of its 4 micro-batches' gradients: one rank adds
 # them in order, ((g0 + g1) + g2) + g3, two ranks as (g0 + g2) + (g1 + g3). float32 addition is not
 # associative, so the sums may differ in their last bits (6e-8 relative per addition), and AdamW carries
@@ -30,7 +32,6 @@ SEQ_LEN = 64
 STEP_TOKENS = 4 * SEQ_LEN  # 4 micro-batches of one row a step: 2 for each of 2 ranks
 STEPS = 5  # 20 rows: the teacher's cache is 2 chunks of 16 rows, one computed by each rank
 STOP = 2
-TIMEOUT = 240  # seconds for one job: a hang fails its test instead of stalling the suite
 
 pytestmark = pytest.mark.usefixtures("private_cache")
 
@@ -42,18 +43,6 @@ def settings(training_text, **more) -> dict:
     return {"qat.seq_len": SEQ_LEN, "qat.batch_tokens": STEP_TOKENS, "qat.eval_interval": 2, "qat.eval_tokens": 128,
             "qat.checkpoint_interval": 2, "qat.data": str(training_text), "qat.learning_rate": 1e-3,
             "qat.top_k": 8, "qat.full_rate_excess": 0.0, "qat.keep": "last", **more}
-
-
-def torchrun(ranks: int, *args: str, check: bool = True, logs: Path | None = None) -> subprocess.CompletedProcess:
-    """A gloo job of ``ranks`` processes of one thread each, meeting on a free port (--standalone); with
-    ``logs``, each rank's stderr goes to a file of its own there."""
-    own_logs = ["--log-dir", str(logs), "--redirects", "2"] if logs else []
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-                           *own_logs, *args], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=TIMEOUT)
-    if check:
-        assert done.returncode == 0, done.stderr[-3000:]
-    return done
 
 
 def cli_qat(ranks: int, model, out, overrides: dict, *more: str, **job) -> subprocess.CompletedProcess:

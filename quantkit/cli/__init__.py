@@ -84,6 +84,15 @@ def emit(as_json: bool, payload: dict, text: str) -> None:
     click.echo(json.dumps(payload, indent=2, sort_keys=True) if as_json else text)
 
 
+def ranks_text(report) -> str:
+    """What a training report adds when a torchrun job of several ranks made it: their number, backend
+    and each rank's tokens/s (nothing for one process)."""
+    if report.world_size == 1:
+        return ""
+    return (f"\n{report.world_size} ranks ({report.backend}), tok/s per rank: "
+            + ", ".join(f"{rate:.0f}" for rate in report.rank_tokens_per_second))
+
+
 def stack(*options):
     """One decorator applying ``options`` (click options or other decorators) in the order listed, the
     first outermost, as the same decorators written one per line above a function would."""

@@ -12,6 +12,7 @@ from quantkit.cli import (
     json_option,
     out_dir_option,
     progress_option,
+    ranks_text,
     revision_option,
     seed_option,
 )
@@ -62,7 +63,8 @@ def draft_group():
 def draft_train(target, revision, out, tokens, draft_vocab, ttt_steps, learning_rate, seq_len, batch_rows, aux_states,
                 data, own_text_after, init, w4, seed, resume, device, progress, as_json):
     """Train an EAGLE-3 head for TARGET (training-time test, FR-Spec vocabulary, distilled from TARGET's
-    own distribution); writes the head in the official layout and a JSON log."""
+    own distribution); writes the head in the official layout and a JSON log. Under torchrun, data-parallel
+    (docs/distributed.md)."""
     from dataclasses import replace
 
     from quantkit.draft.trainer import train_head
@@ -73,6 +75,8 @@ def draft_train(target, revision, out, tokens, draft_vocab, ttt_steps, learning_
                        data=data, own_text_after=own_text_after, w4=w4, seed=seed)
     report = train_head(resolve_model(target, revision=revision), out, settings, init=init, resume=resume,
                         device=device, progress=progress)
+    if report is None:  # another rank of a torchrun job: rank 0 reports the run
+        return
     measured = [e for e in report.log if "heldout_loss" in e]
     rows = [[e["step"], e["tokens"], e.get("loss"), e["heldout_loss"], *e["heldout_top1_by_step"][:4]]
             for e in measured]
@@ -83,7 +87,7 @@ def draft_train(target, revision, out, tokens, draft_vocab, ttt_steps, learning_
              f"at {report.tokens_per_second:.0f} tok/s (target features {report.features_seconds:.0f} s, training "
              f"{report.train_seconds:.0f} s) on {report.device}, peak RSS {report.peak_rss_mb:.0f} MB"
              + (f" (resumed at step {report.resumed_from_step})" if report.resumed_from_step else "")
-             + f"\nmeasure its acceptance: quantkit eval accept --target {target} --draft {out}")
+             + ranks_text(report) + f"\nmeasure its acceptance: quantkit eval accept --target {target} --draft {out}")
     emit(as_json, report.to_dict(), text)
 
 

@@ -13,6 +13,7 @@ from quantkit.cli import (
     json_option,
     out_dir_option,
     progress_option,
+    ranks_text,
     revision_option,
     stack,
 )
@@ -55,10 +56,7 @@ def _run_qat(model, revision, out, recipe, overrides, tokens, init, fake_quant, 
              f"(teacher {report.teacher_seconds:.0f} s, training {report.train_seconds:.0f} s), "
              f"peak RSS {report.peak_rss_mb:.0f} MB" + (f" (resumed at step {report.resumed_from_step})"
                                                        if report.resumed_from_step else ""))
-    if report.world_size > 1:
-        text += (f"\n{report.world_size} ranks ({report.backend}), tok/s per rank: "
-                 + ", ".join(f"{rate:.0f}" for rate in report.rank_tokens_per_second))
-    emit(as_json, report.to_dict(), text)
+    emit(as_json, report.to_dict(), text + ranks_text(report))
 
 
 def _qat_command(name, recipe_default, recipe_help, set_example, init_help):

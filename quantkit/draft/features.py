@@ -16,6 +16,7 @@ from torch import Tensor
 
 from quantkit.models.eagle3 import Eagle3Head, entering_states
 from quantkit.training import rowcache
+from quantkit.training.distributed import SINGLE, World
 
 
 def features_key(target_fingerprint: str, data_fingerprint: str, head: Eagle3Head, top_k: int) -> str:
@@ -37,6 +38,8 @@ def row_features(target, head: Eagle3Head, tokens: Tensor, top_k: int) -> dict[s
 
 @torch.no_grad()
 def build_features(target, head: Eagle3Head, rows: Tensor, visited: list[int], top_k: int, directory: Path,
-                   progress: bool = True) -> rowcache.RowCache:
+                   progress: bool = True, world: World = SINGLE) -> rowcache.RowCache:
+    """The features of the rows in ``visited``, cached in ``directory``; in a torchrun job, ``world``'s share
+    of the chunks computed here, the others by the other ranks."""
     compute = rowcache.row_by_row(lambda tokens: row_features(target, head, tokens, top_k))
-    return rowcache.build(compute, rows, visited, directory, "target features", progress)
+    return rowcache.build(compute, rows, visited, directory, "target features", progress, world)

@@ -12,6 +12,15 @@ log as in QAT (``quantkit.training``).
 The target, the head, the features of the step's rows and the optimizer's state live on the chosen
 device (a CUDA GPU or the CPU, the same torch code on either); the text, the feature cache's files
 and the written head stay on the host.
+
+Under torchrun the run is data-parallel, as QAT's (``quantkit.training.distributed``; docs/distributed.md):
+rank r of W takes rows r, r + W, ... of each step's ``batch_rows``; each step's loss is a mean over the
+positions of all the step's rows, so each rank divides its positions' sum by the step's count over every
+rank, and the ranks' losses and gradients, summed, are the step's, one process's up to the order of float
+additions. Each rank computes a share of the target features' chunks (and of the own-text rows). Rank 0
+alone owns the run (its lock, staging, checkpoints and the written head); every rank measures the held-out
+rows alike, the same head on the same rows. The checkpoint holds the whole state: a run resumes at any world
+size.
 """
 from __future__ import annotations
 
@@ -46,6 +55,7 @@ from quantkit.run import Run, RunError, peak_rss_mb
 from quantkit.training import state
 from quantkit.training.data import training_data
 from quantkit.training.distill import distillation_loss
+from quantkit.training.distributed import SINGLE, World, begin_on_main, joined, throughput
 from quantkit.training.fake_quant import FakeQuantLinear, quantized_record, wrap_linears
 from quantkit.training.own_text import own_text
 from quantkit.training.schedule import wsd_learning_rate
@@ -71,7 +81,10 @@ class DraftReport:
     train_seconds: float = 0.0
     tokens_per_second: float = 0.0
     peak_rss_mb: float = 0.0
-    threads: int = field(default_factory=torch.get_num_threads)
+    threads: int = field(default_factory=torch.get_num_threads)  # per rank
+    world_size: int = 1
+    backend: str | None = None  # torch.distributed's, None for one process
+    rank_tokens_per_second: list[float] = field(default_factory=list)  # each rank's share of tokens_per_second
     log: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -101,24 +114,30 @@ def initial_head(target, settings: DraftSettings, token_counts: torch.Tensor) ->
     return head
 
 
-def step_loss(head: Eagle3Head, embedding, tokens: torch.Tensor, features: dict, settings: DraftSettings):
+def step_loss(head: Eagle3Head, embedding, tokens: torch.Tensor, features: dict, settings: DraftSettings,
+              world: World = SINGLE):
     """Weighted loss over the unrolled steps of rows ``tokens`` [B, T], and each step's top-1 agreement
     with the target (draft argmax = the target's top token in the draft vocabulary, where the target's
-    argmax is in it): the acceptance rate a greedy chain would see at that depth."""
+    argmax is in it): the acceptance rate a greedy chain would see at that depth. In a torchrun job
+    ``tokens`` are this rank's share of the step's rows: each draft step's mean is over the positions of
+    every rank's rows, so the loss is this rank's share of the step's, and the agreement the step's."""
     aux = features["aux"][:, :-1].float()  # positions 0..T-2: the last has no next token in the row
     embeds = head.embed(embedding, tokens[:, 1:])
     teacher_ids, teacher_logits = features["ids"][:, 1:].long(), features["logits"][:, 1:]
     valid = features["in_vocabulary"][:, 1:]
     positions = torch.arange(aux.shape[1], device=aux.device)[None]
-    total, agreement = 0.0, []
+    masks = [valid & (positions >= step) for step in range(settings.ttt_steps)]  # no chain reaches before ``step``
+    kept = torch.stack([mask.sum() for mask in masks])
+    world.sum_([kept])
+    total, agreed = 0.0, []
     for step, hidden in enumerate(unrolled_steps(head, aux, embeds, settings.ttt_steps)):
         logits = head.logits(hidden)
-        mask = valid & (positions >= step)  # no chain reaches positions before ``step``
         total = total + settings.step_weight ** step * distillation_loss(logits, teacher_ids, teacher_logits, 1.0,
-                                                                         mask)
-        agree = (logits.argmax(-1) == teacher_ids[..., 0]) & mask
-        agreement.append(float(agree.sum()) / max(int(mask.sum()), 1))
-    return total, agreement
+                                                                         masks[step], kept[step])
+        agreed.append(((logits.argmax(-1) == teacher_ids[..., 0]) & masks[step]).sum())
+    agreed = torch.stack(agreed)
+    world.sum_([agreed])
+    return total, [float(agree) / max(int(count), 1) for agree, count in zip(agreed, kept)]
 
 
 def _starting_head(init: Path, target, settings: DraftSettings) -> Eagle3Head:
@@ -136,16 +155,27 @@ def _starting_head(init: Path, target, settings: DraftSettings) -> Eagle3Head:
 
 def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSettings = DraftSettings(), *,
                init: str | Path | None = None, resume: bool = False, device: str = "auto", progress: bool = True,
-               stop_after_steps: int | None = None) -> DraftReport:
+               stop_after_steps: int | None = None) -> DraftReport | None:
     """Train a head for the checkpoint or artifact ``target_dir`` (from scratch, or from the head ``init``)
     on ``device`` (cpu, cuda, or auto: ``resolve_device``) and write it to ``out_dir`` (official layout,
-    plus ``draft_train.json``). ``stop_after_steps`` leaves the run as an interruption would (tests)."""
+    plus ``draft_train.json``). ``stop_after_steps`` leaves the run as an interruption would (tests).
+    Under torchrun, this process's rank of the job's data-parallel run: rank 0 writes and returns the
+    report, the other ranks None."""
+    device = resolve_device(device)
+    with joined(device) as world:
+        report = _train_head(Path(target_dir), Path(out_dir), settings, init=init, resume=resume, device=device,
+                             progress=progress and world.is_main, stop_after_steps=stop_after_steps, world=world)
+        return report if world.is_main else None
+
+
+def _train_head(target_dir: Path, out_dir: Path, settings: DraftSettings, *, init: str | Path | None, resume: bool,
+                device: str, progress: bool, stop_after_steps: int | None, world: World) -> DraftReport:
     from quantkit.tokenizer import load_tokenizer
 
-    target_dir = Path(target_dir)
-    run = Run(out_dir, resume=resume)
-    staging = run.staging
-    device = resolve_device(device)
+    world.refuse_uneven(settings.batch_rows, f"draft train: a step's {settings.batch_rows} rows (--batch-rows)",
+                        "--batch-rows")
+    run = Run(out_dir, resume=resume) if world.is_main else None
+    staging = atomic.staging_dir(out_dir)
     target = load_model(target_dir, torch.float32).to(device)
     target.requires_grad_(False)
     settings.check(target.config.vocab_size)
@@ -153,25 +183,27 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
     data = training_data(tokenizer, settings.data, settings.seq_len, settings.seed)
     target_fingerprint = CheckpointReader(target_dir).fingerprint()
     init_fingerprint = None if init is None else CheckpointReader(init).fingerprint()
-    continuing = run.begin({"target": target_fingerprint, "data": data.fingerprint, "settings": asdict(settings),
-                            "init": init_fingerprint, "quantkit": __version__}, CHECKPOINT_FILE)
+    continuing = begin_on_main(world, run, {"target": target_fingerprint, "data": data.fingerprint,
+                                            "settings": asdict(settings), "init": init_fingerprint,
+                                            "quantkit": __version__}, CHECKPOINT_FILE)
     total_steps = settings.tokens // (settings.batch_rows * settings.seq_len)
     visited = list(dict.fromkeys(data.row_ids(0, total_steps * settings.batch_rows)))
     if settings.own_text_after:
         data = own_text(target, target_fingerprint, data, settings.own_text_after, visited,
-                        cache_root() / "draft-own-text", progress)
+                        cache_root() / "draft-own-text", progress, world)
 
     # made on the host, then moved: the seeded initialisation draws from the CPU's generator on either device
     head = (initial_head(target, settings, torch.bincount(data.rows.flatten(), minlength=target.config.vocab_size))
             if init is None else _starting_head(Path(init), target, settings)).to(device)
-    report = DraftReport(out_dir=str(run.out), device=device, draft_vocab=head.config.draft_vocab_size)
+    report = DraftReport(out_dir=str(out_dir), device=device, draft_vocab=head.config.draft_vocab_size,
+                         **world.described)
     heldout = calib.heldout_tokens(tokenizer, HELDOUT, max_tokens=settings.eval_rows * settings.seq_len).to(device)
     report.heldout_coverage = float(head.t2d[heldout].float().mean())
     heldout_rows = heldout[:heldout.numel() // settings.seq_len * settings.seq_len].view(-1, settings.seq_len)
     started = time.perf_counter()
     key = features_key(target_fingerprint, data.fingerprint, head, settings.top_k)
     features = build_features(target, head, data.rows.to(device), visited, settings.top_k,
-                              cache_root() / "draft-features" / key, progress)
+                              cache_root() / "draft-features" / key, progress, world)
     with torch.no_grad():
         heldout_features = [row_features(target, head, row, settings.top_k) for row in heldout_rows]
     heldout_features = {name: torch.stack([f[name] for f in heldout_features]) for name in heldout_features[0]}
@@ -209,13 +241,15 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
         for group in optimizer.param_groups:
             group["lr"] = lr
         rows = data.row_ids(step * settings.batch_rows, settings.batch_rows)
+        rows = [rows[index] for index in world.share(len(rows))]  # this rank's: rows r, r + W, ... of the step's
         batch = {name: tensor.to(device) for name, tensor in features.batch(rows).items()}
-        loss, agreement = step_loss(head, embedding, data.rows[rows].to(device), batch, settings)
-        value = float(loss.detach())
+        loss, agreement = step_loss(head, embedding, data.rows[rows].to(device), batch, settings, world)
+        value = sum(world.per_rank(float(loss.detach())))  # the ranks' shares of the step's loss
         if not math.isfinite(value):
             raise RunError(f"draft train: the loss is not finite at step {step + 1}; the last checkpoint "
                            f"is kept in {staging}. Lower the learning rate and start again")
         loss.backward()
+        world.sum_([param.grad for param in trainable.values() if param.grad is not None])
         grad_norm = float(torch.nn.utils.clip_grad_norm_(list(trainable.values()), settings.grad_clip))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -229,7 +263,7 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
         if (step + 1) % settings.checkpoint_interval == 0 or step + 1 == last:
             entry["checkpoint"] = True
         report.log.append(entry)
-        if entry.get("checkpoint"):
+        if entry.get("checkpoint") and world.is_main:
             state.save(staging / CHECKPOINT_FILE, trainable, optimizer, {"step": step + 1, "log": report.log})
         done = (step + 1 - start_step) * settings.batch_rows * settings.seq_len
         bar.set_postfix(loss=f"{value:.3f}", top1=f"{agreement[0]:.2f}", lr=f"{lr:.2e}",
@@ -238,9 +272,9 @@ def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSetti
     report.steps, report.tokens = last, last * settings.batch_rows * settings.seq_len
     report.train_seconds = round(time.perf_counter() - started, 3)
     trained = (last - start_step) * settings.batch_rows * settings.seq_len
-    report.tokens_per_second = round(trained / report.train_seconds, 2) if report.train_seconds else 0.0
+    report.tokens_per_second, report.rank_tokens_per_second = throughput(world, trained, report.train_seconds)
     report.peak_rss_mb = peak_rss_mb()
-    if last < total_steps:  # stopped early: the checkpoint stays, nothing is published
+    if last < total_steps or not world.is_main:  # stopped early (the checkpoint stays), or not the run's owner
         return report
     head.cpu()  # the writer works on the host
     with run.publishing():

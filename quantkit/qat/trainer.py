@@ -62,7 +62,7 @@ from quantkit.stats import compute_dtype
 from quantkit.training import state
 from quantkit.training.data import training_data
 from quantkit.training.distill import distillation_loss
-from quantkit.training.distributed import World, joined
+from quantkit.training.distributed import World, begin_on_main, joined, throughput
 from quantkit.training.fake_quant import TRAINS, FakeQuantLinear, Trains, check_groups, wrap_linears
 from quantkit.training.schedule import start_rate_factor, wsd_learning_rate
 from quantkit.version import __version__
@@ -206,10 +206,8 @@ def _train(model_dir: Path, recipe: Recipe, out_dir: Path, *, perplexity: Callab
     if total_steps < 1:
         raise RunError(f"--tokens {total_tokens} is less than one step of {settings['batch_tokens']} tokens")
     micro_batches = rows_per_step // settings["micro_batch"]
-    if micro_batches % world.world_size:
-        raise RunError(f"qat: a step's {micro_batches} micro-batches (qat.batch_tokens / (qat.seq_len x "
-                       f"qat.micro_batch)) cannot be dealt evenly to {world.world_size} ranks: run a number of "
-                       f"ranks that divides {micro_batches}, or change qat.batch_tokens or qat.micro_batch")
+    world.refuse_uneven(micro_batches, f"qat: a step's {micro_batches} micro-batches (qat.batch_tokens / "
+                        "(qat.seq_len x qat.micro_batch))", "qat.batch_tokens or qat.micro_batch")
 
     config = MiniCPMConfig.from_pretrained(model_dir)
     reader = CheckpointReader(model_dir)
@@ -237,9 +235,7 @@ def _train(model_dir: Path, recipe: Recipe, out_dir: Path, *, perplexity: Callab
     model_fingerprint = reader.fingerprint()
     inputs = {"model": model_fingerprint, "init": init_fingerprint, "recipe": recipe.fingerprint(),
               "data": data.fingerprint, "tokens": total_tokens, "quantkit": __version__}
-    # rank 0 begins the run; the others continue it with it, from its checkpoint
-    continuing = world.from_main(lambda: {"continuing": run.begin(inputs, CHECKPOINT_FILE)}, ("continuing",))
-    continuing = bool(continuing["continuing"])
+    continuing = begin_on_main(world, run, inputs, CHECKPOINT_FILE)
 
     report = QATReport(out_dir=str(out_dir), recipe=recipe.name, **world.described)
     heldout = heldout.to(device)
@@ -361,8 +357,6 @@ def _train(model_dir: Path, recipe: Recipe, out_dir: Path, *, perplexity: Callab
     report.tokens = last * settings["batch_tokens"]
     report.train_seconds = round(time.perf_counter() - started, 3)
     trained = (last - start_step) * settings["batch_tokens"]
-    report.tokens_per_second = round(trained / report.train_seconds, 2) if report.train_seconds else 0.0
-    report.rank_tokens_per_second = world.per_rank(round(trained / world.world_size / report.train_seconds, 2)
-                                                   if report.train_seconds else 0.0)
+    report.tokens_per_second, report.rank_tokens_per_second = throughput(world, trained, report.train_seconds)
     report.peak_rss_mb = peak_rss_mb()
     return TrainedModel(model, grids, report, run, data.described, qconfig, world)

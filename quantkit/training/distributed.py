@@ -11,7 +11,7 @@ Every operation is one of torch.distributed's own collectives, bounded by the gr
 (``TIMEOUT_ENV``): a rendezvous that never completes, or a peer that died, ends the run with one line
 naming this rank (``RunError``), never a hang. A collective waits for the slowest rank, so the timeout
 must exceed the longest stretch one rank works alone: rank 0's held-out measurement, the last chunk of
-the teacher's cache.
+a row cache (the teacher's, the target features).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from quantkit.run import RunError
+from quantkit.run import Run, RunError
 
 TIMEOUT_ENV = "QUANTKIT_DISTRIBUTED_TIMEOUT"  # seconds
 DEFAULT_TIMEOUT_SECONDS = 600  # torch's own default for NCCL
@@ -51,6 +51,14 @@ class World:
     def described(self) -> dict:
         """What a manifest and a report record of the world."""
         return {"world_size": self.world_size, "backend": self.backend}
+
+    def refuse_uneven(self, count: int, items: str, change: str) -> None:
+        """Refuse, on every rank alike and before any work, a world size that cannot give every rank as many of
+        a step's ``count`` items (``items``: what they are, as the message names them; ``change``: the settings
+        that make them): with fewer on some ranks, a step would not mean what it means in one process."""
+        if count % self.world_size:
+            raise RunError(f"{items} cannot be dealt evenly to {self.world_size} ranks: run a number of ranks that "
+                           f"divides {count}, or change {change}")
 
     def share(self, count: int) -> range:
         """This rank's items of ``count`` (a step's micro-batches, a cache's chunks): every
@@ -110,6 +118,21 @@ class World:
 
 
 SINGLE = World()
+
+
+def begin_on_main(world: World, run: Run | None, inputs: dict, checkpoint_file: str) -> bool:
+    """Whether the run continues an interrupted one: rank 0 begins ``run`` (it alone owns the run; None on
+    the other ranks), and the others continue with it, from its checkpoint."""
+    continuing = world.from_main(lambda: {"continuing": run.begin(inputs, checkpoint_file)}, ("continuing",))
+    return bool(continuing["continuing"])
+
+
+def throughput(world: World, tokens: int, seconds: float) -> tuple[float, list[float]]:
+    """The job's tokens per second, when its ranks together trained ``tokens`` in ``seconds``, and each
+    rank's share of it, by rank (a collective: every rank calls it)."""
+    if not seconds:
+        return 0.0, world.per_rank(0.0)
+    return round(tokens / seconds, 2), world.per_rank(round(tokens / world.world_size / seconds, 2))
 
 
 def timeout_seconds() -> float:

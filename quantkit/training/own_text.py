@@ -18,6 +18,7 @@ from transformers.cache_utils import DynamicCache
 
 from quantkit.training import rowcache
 from quantkit.training.data import TrainingData
+from quantkit.training.distributed import SINGLE, World
 
 
 @torch.no_grad()
@@ -34,16 +35,17 @@ def greedy_continuation(model, prompts: Tensor, length: int) -> Tensor:
 
 
 def own_text(model, model_fingerprint: str, data: TrainingData, prompt_tokens: int, visited: list[int],
-             cache: Path, progress: bool = True) -> TrainingData:
+             cache: Path, progress: bool = True, world: World = SINGLE) -> TrainingData:
     """``data`` with each row in ``visited`` replaced by its first ``prompt_tokens`` tokens and ``model``'s
     greedy continuation to the row's length; rows never visited stay as they are (no step reads them).
-    The continuations are cached under ``cache``, keyed by the model, the data and ``prompt_tokens``."""
+    The continuations are cached under ``cache``, keyed by the model, the data and ``prompt_tokens``; in a
+    torchrun job ``world``'s ranks write shares of them."""
     length = data.rows.shape[1]
     if not 0 < prompt_tokens < length:
         raise ValueError(f"own text needs a prompt of 1..{length - 1} tokens (rows of {length}), got {prompt_tokens}")
     key = hashlib.sha256(f"{model_fingerprint}:{data.fingerprint}:{prompt_tokens}".encode()).hexdigest()[:24]
     written = rowcache.build(lambda chunk: {"tokens": greedy_continuation(model, chunk[:, :prompt_tokens], length)},
-                             data.rows.to(model.device), visited, cache / key, "target's own text", progress)
+                             data.rows.to(model.device), visited, cache / key, "target's own text", progress, world)
     rows = data.rows.clone()
     rows[visited] = written.batch(visited)["tokens"]
     return TrainingData(rows, data.seed, key, {**data.described, "own_text_after": prompt_tokens,
