@@ -156,6 +156,7 @@ def test_two_ranks_train_as_one_rank_does(model, two_ranks, one_rank_reference):
     assert trained == pytest.approx(artifact_kl(model, one_rank_reference), rel=0, abs=KL_TOLERANCE)
     assert (report["world_size"], report["backend"], report["threads"]) == (2, "gloo", 1)
     assert len(report["rank_tokens_per_second"]) == 2 and min(report["rank_tokens_per_second"]) > 0
+    assert len(report["rank_collective_share"]) == 2 and all(0 < share < 1 for share in report["rank_collective_share"])
     assert (report["steps"], report["tokens"]) == (STEPS, STEPS * STEP_TOKENS)
     assert not (out / "qat_checkpoint.safetensors").exists()
     recorded = json.loads((out / "quantkit.json").read_text())["qat"]

@@ -112,14 +112,15 @@ def test_two_ranks_train_as_one_rank_does(two_ranks, one_rank_reference):
     assert logged(out, "heldout_loss")[-1] < logged(out, "heldout_loss")[0]  # trained, not the start
     assert (report["world_size"], report["backend"], report["threads"]) == (2, "gloo", 1)
     assert len(report["rank_tokens_per_second"]) == 2 and min(report["rank_tokens_per_second"]) > 0
+    assert len(report["rank_collective_share"]) == 2 and all(0 < share < 1 for share in report["rank_collective_share"])
     assert (report["steps"], report["tokens"]) == (STEPS, TINY_RUN["tokens"])
     assert {path.name for path in out.iterdir()} == {"config.json", "model.safetensors", "draft_train.json",
                                                      "draft_report.json"}
     recorded = json.loads((out / "draft_report.json").read_text())
     assert (recorded["world_size"], recorded["backend"]) == (2, "gloo")
     recorded = json.loads((one_rank_reference / "draft_report.json").read_text())
-    assert (recorded["world_size"], recorded["backend"], recorded["rank_tokens_per_second"]) == (1, None, [
-        recorded["tokens_per_second"]])
+    assert (recorded["world_size"], recorded["backend"], recorded["rank_tokens_per_second"],
+            recorded["rank_collective_share"]) == (1, None, [recorded["tokens_per_second"]], [0.0])
 
 
 def test_features_two_ranks_cached_are_read_by_one(two_ranks, one_rank_reference):

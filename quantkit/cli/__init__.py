@@ -86,11 +86,12 @@ def emit(as_json: bool, payload: dict, text: str) -> None:
 
 def ranks_text(report) -> str:
     """What a training report adds when a torchrun job of several ranks made it: their number, backend
-    and each rank's tokens/s (nothing for one process)."""
+    and each rank's tokens/s and share of its loop in collectives (nothing for one process)."""
     if report.world_size == 1:
         return ""
     return (f"\n{report.world_size} ranks ({report.backend}), tok/s per rank: "
-            + ", ".join(f"{rate:.0f}" for rate in report.rank_tokens_per_second))
+            + ", ".join(f"{rate:.0f}" for rate in report.rank_tokens_per_second)
+            + "; in collectives: " + ", ".join(f"{share:.0%}" for share in report.rank_collective_share))
 
 
 def stack(*options):

@@ -85,6 +85,7 @@ class DraftReport:
     world_size: int = 1
     backend: str | None = None  # torch.distributed's, None for one process
     rank_tokens_per_second: list[float] = field(default_factory=list)  # each rank's share of tokens_per_second
+    rank_collective_share: list[float] = field(default_factory=list)  # of each rank's loop, in collectives
     log: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -235,6 +236,7 @@ def _train_head(target_dir: Path, out_dir: Path, settings: DraftSettings, *, ini
     bar = tqdm(range(start_step, last), desc="draft head", unit="step", disable=not progress, initial=start_step,
                total=total_steps)
     started = time.perf_counter()
+    collectives_before = world.in_collectives.seconds
     for step in bar:
         lr = wsd_learning_rate(step, total_steps, settings.learning_rate, settings.warmup, settings.decay,
                                settings.final_lr)
@@ -272,7 +274,8 @@ def _train_head(target_dir: Path, out_dir: Path, settings: DraftSettings, *, ini
     report.steps, report.tokens = last, last * settings.batch_rows * settings.seq_len
     report.train_seconds = round(time.perf_counter() - started, 3)
     trained = (last - start_step) * settings.batch_rows * settings.seq_len
-    report.tokens_per_second, report.rank_tokens_per_second = throughput(world, trained, report.train_seconds)
+    report.tokens_per_second, report.rank_tokens_per_second, report.rank_collective_share = throughput(
+        world, trained, report.train_seconds, world.in_collectives.seconds - collectives_before)
     report.peak_rss_mb = peak_rss_mb()
     if last < total_steps or not world.is_main:  # stopped early (the checkpoint stays), or not the run's owner
         return report

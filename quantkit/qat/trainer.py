@@ -89,6 +89,7 @@ class QATReport:
     world_size: int = 1
     backend: str | None = None  # torch.distributed's, None for one process
     rank_tokens_per_second: list[float] = field(default_factory=list)  # each rank's share of tokens_per_second
+    rank_collective_share: list[float] = field(default_factory=list)  # of each rank's loop, in collectives
     kept_step: int = 0  # the step whose weights are written (qat.keep)
     kept_heldout_ppl: float = 0.0
     log: list[dict] = field(default_factory=list)  # one entry per step; "heldout_kl"/"heldout_ppl" where measured
@@ -298,6 +299,7 @@ def _train(model_dir: Path, recipe: Recipe, out_dir: Path, *, perplexity: Callab
     bar = tqdm(range(start_step, last), desc=f"qat {recipe.name}", unit="step", disable=not progress,
                initial=start_step, total=total_steps)
     started = time.perf_counter()
+    collectives_before = world.in_collectives.seconds
     for step in bar:
         lr = wsd_learning_rate(step, total_steps, settings["learning_rate"] * rate_factor, settings["warmup"],
                                settings["decay"], settings["final_lr"])
@@ -357,6 +359,7 @@ def _train(model_dir: Path, recipe: Recipe, out_dir: Path, *, perplexity: Callab
     report.tokens = last * settings["batch_tokens"]
     report.train_seconds = round(time.perf_counter() - started, 3)
     trained = (last - start_step) * settings["batch_tokens"]
-    report.tokens_per_second, report.rank_tokens_per_second = throughput(world, trained, report.train_seconds)
+    report.tokens_per_second, report.rank_tokens_per_second, report.rank_collective_share = throughput(
+        world, trained, report.train_seconds, world.in_collectives.seconds - collectives_before)
     report.peak_rss_mb = peak_rss_mb()
     return TrainedModel(model, grids, report, run, data.described, qconfig, world)

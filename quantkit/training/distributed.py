@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,13 @@ BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # device type -> the backend whose c
 TENSORS_ON = {backend: device for device, backend in BACKENDS.items()}  # where a backend's collectives take tensors
 
 
+@dataclass
+class Stopwatch:
+    """Seconds spent in one kind of work, summed over its stretches."""
+
+    seconds: float = 0.0
+
+
 @dataclass(frozen=True)
 class World:
     """The processes of one training job and this one's place among them. ``backend`` is None for a
@@ -41,6 +49,8 @@ class World:
     world_size: int = 1
     local_rank: int = 0
     backend: str | None = None
+    # time in collectives: moving the numbers, and waiting for the slowest rank to reach them
+    in_collectives: Stopwatch = field(default_factory=Stopwatch, compare=False, repr=False)
 
     @property
     def is_main(self) -> bool:
@@ -127,12 +137,19 @@ def begin_on_main(world: World, run: Run | None, inputs: dict, checkpoint_file: 
     return bool(continuing["continuing"])
 
 
-def throughput(world: World, tokens: int, seconds: float) -> tuple[float, list[float]]:
-    """The job's tokens per second, when its ranks together trained ``tokens`` in ``seconds``, and each
-    rank's share of it, by rank (a collective: every rank calls it)."""
+class Throughput(NamedTuple):
+    tokens_per_second: float  # the job's
+    rank_tokens_per_second: list[float]  # each rank's share of it, by rank
+    rank_collective_share: list[float]  # the share of each rank's loop spent in collectives, by rank
+
+
+def throughput(world: World, tokens: int, seconds: float, collective_seconds: float) -> Throughput:
+    """What a report gives of a training loop whose ranks together trained ``tokens`` in ``seconds``, this
+    rank ``collective_seconds`` of them in collectives (a collective: every rank calls it)."""
     if not seconds:
-        return 0.0, world.per_rank(0.0)
-    return round(tokens / seconds, 2), world.per_rank(round(tokens / world.world_size / seconds, 2))
+        return Throughput(0.0, world.per_rank(0.0), world.per_rank(0.0))
+    return Throughput(round(tokens / seconds, 2), world.per_rank(round(tokens / world.world_size / seconds, 2)),
+                      world.per_rank(round(collective_seconds / seconds, 4)))
 
 
 def timeout_seconds() -> float:
@@ -166,12 +183,16 @@ def joined(device: str) -> Iterator[World]:
 
 @contextmanager
 def _collective(world: World, what: str) -> Iterator[None]:
-    """A collective whose failure (a peer that died, or did not come within the timeout) is one line."""
+    """A collective whose failure (a peer that died, or did not come within the timeout) is one line, its
+    time added to the world's ``in_collectives``."""
+    started = time.perf_counter()
     try:
         yield
     except RuntimeError as e:  # gloo and NCCL raise RuntimeError, or torch's DistError, one of its kinds
         raise RunError(f"rank {world.rank} of {world.world_size}: {what} failed, another rank stopped or did not "
                        f"answer within {timeout_seconds():g} s ({_first_line(e)})") from e
+    finally:
+        world.in_collectives.seconds += time.perf_counter() - started
 
 
 def _first_line(error: BaseException) -> str:
