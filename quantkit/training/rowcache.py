@@ -60,8 +60,7 @@ def build(compute: Callable[[Tensor], dict[str, Tensor]], rows: Tensor, visited:
             continue
         atomic.save_safetensors(path, {name: tensor.cpu() for name, tensor in compute(rows[wanted]).items()})
     world.barrier(f"waiting for the other ranks' chunks of the {description} cache")
-    missing = next((_chunk_file(directory, start) for start in starts if not _chunk_file(directory, start).is_file()),
-                   None)
+    missing = next((path for path in (_chunk_file(directory, start) for start in starts) if not path.is_file()), None)
     if missing is not None:  # another machine's rank wrote it to a folder this one does not see
         raise RunError(f"rank {world.rank}: {missing} is missing after every rank computed its chunks of the "
                        f"{description} cache: ranks on several machines need QUANTKIT_CACHE on a filesystem "
