@@ -41,7 +41,7 @@ def windows(n_tokens: int, window: int, stride: int | None = None) -> Iterator[W
 ROWS_PER_CHUNK = 256
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: a sharded model (FSDP) reuses the buffers it gathers here when it trains
 def window_log_probs(model, tokens: torch.Tensor, w: Window) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(log-probabilities in float64, targets) of the positions scored by ``w``, ROWS_PER_CHUNK at a time."""
     yield from chunked_log_probs(model(tokens[None, w.begin:w.end]).logits[0], w.begin, tokens, w)

@@ -45,10 +45,11 @@ def settings(training_text, **more) -> dict:
             "qat.top_k": 8, "qat.full_rate_excess": 0.0, "qat.keep": "last", **more}
 
 
-def cli_qat(ranks: int, model, out, overrides: dict, *more: str, **job) -> subprocess.CompletedProcess:
-    """`quantkit qat ternary` as a user starts it under torchrun, with the tests' settings."""
+def cli_qat(ranks: int, model, out, overrides: dict, *more: str, command: str = "ternary",
+            **job) -> subprocess.CompletedProcess:
+    """`quantkit qat ternary` (or another ``command``) as a user starts it under torchrun, with the tests' settings."""
     sets = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
-    return torchrun(ranks, "-m", "quantkit.cli", "qat", "ternary", "--model", str(model), "--out", str(out),
+    return torchrun(ranks, "-m", "quantkit.cli", "qat", command, "--model", str(model), "--out", str(out),
                     "--tokens", str(STEPS * STEP_TOKENS), "--no-progress", "--json", *sets, *more, **job)
 
 
@@ -158,7 +159,7 @@ def test_two_ranks_train_as_one_rank_does(model, two_ranks, one_rank_reference):
     assert len(report["rank_tokens_per_second"]) == 2 and min(report["rank_tokens_per_second"]) > 0
     assert len(report["rank_collective_share"]) == 2 and all(0 < share < 1 for share in report["rank_collective_share"])
     assert (report["steps"], report["tokens"]) == (STEPS, STEPS * STEP_TOKENS)
-    assert not (out / "qat_checkpoint.safetensors").exists()
+    assert not (out / "qat_checkpoint").exists()
     recorded = json.loads((out / "quantkit.json").read_text())["qat"]
     assert (recorded["world_size"], recorded["backend"]) == (2, "gloo")
     recorded = json.loads((one_rank_reference / "quantkit.json").read_text())["qat"]
@@ -241,4 +242,5 @@ if __name__ == "__main__":  # a rank of worker_job's job
     torch.set_num_threads(1)
     spec = json.loads(sys.argv[1])
     train(spec["model"], load_recipe("qat-ternary-g32", spec["overrides"]), spec["out"], tokens=STEPS * STEP_TOKENS,
-          perplexity=perplexity, progress=False, stop_after_steps=spec["stop_after_steps"])
+          perplexity=perplexity, progress=False, stop_after_steps=spec["stop_after_steps"],
+          shard_state=spec.get("shard_state", "auto"))

@@ -117,7 +117,7 @@ def test_two_ranks_train_as_one_rank_does(two_ranks, one_rank_reference):
     assert {path.name for path in out.iterdir()} == {"config.json", "model.safetensors", "draft_train.json",
                                                      "draft_report.json"}
     recorded = json.loads((out / "draft_report.json").read_text())
-    assert (recorded["world_size"], recorded["backend"]) == (2, "gloo")
+    assert (recorded["world_size"], recorded["backend"], recorded["sharded"]) == (2, "gloo", False)
     recorded = json.loads((one_rank_reference / "draft_report.json").read_text())
     assert (recorded["world_size"], recorded["backend"], recorded["rank_tokens_per_second"],
             recorded["rank_collective_share"]) == (1, None, [recorded["tokens_per_second"]], [0.0])
@@ -140,10 +140,33 @@ def test_the_same_two_rank_run_gives_the_same_bytes(target, run, two_ranks, tmp_
 def test_two_ranks_stopped_resume_on_one(target, run, one_rank_reference, tmp_path):
     out = tmp_path / "head"
     torchrun(2, __file__, json.dumps({"target": str(target), "out": str(out), "run": run}))
-    assert not out.exists() and (tmp_path / "head.partial" / "draft_checkpoint.safetensors").is_file()
+    assert not out.exists() and (tmp_path / "head.partial" / "draft_checkpoint" / "checkpoint.json").is_file()
     report = one_rank(target, out, run, resume=True)
     assert report.resumed_from_step == STOP and report.world_size == 1
     assert_trains_alike(out, one_rank_reference)
+
+
+def test_a_sharded_head_trains_as_the_unsharded_one(target, run, two_ranks, tmp_path):
+    """--shard on: each module of the head a unit of its own, its parameters, gradients and moments split over
+    the ranks; the same steps as the 2-rank data-parallel run, within the tolerance."""
+    out = tmp_path / "head"
+    report = json.loads(cli_train(2, target, out, run, "--shard", "on").stdout)
+    assert report["sharded"] is True and two_ranks[1]["sharded"] is False
+    assert_trains_alike(out, two_ranks[0])
+    assert {path.name for path in out.iterdir()} == {"config.json", "model.safetensors", "draft_train.json",
+                                                     "draft_report.json"}
+
+
+def test_a_sharded_checkpoint_of_a_w4_head_resumes_in_one_process(target, run, tmp_path):
+    """The W4 head (fake-quantized linears, whose grid weight a sharded forward rounds anew each time): stopped
+    sharded on 2 ranks, finished by one process, as one process trains it uninterrupted."""
+    out, reference = tmp_path / "head", tmp_path / "reference"
+    w4 = {**run, "w4": "gptq"}
+    torchrun(2, __file__, json.dumps({"target": str(target), "out": str(out), "run": w4, "shard_state": "on"}))
+    report = one_rank(target, out, w4, resume=True)
+    assert report.resumed_from_step == STOP and (report.world_size, report.sharded) == (1, False)
+    one_rank(target, reference, w4)
+    assert_trains_alike(out, reference)
 
 
 def test_a_world_size_that_does_not_divide_a_step_is_refused_on_every_rank(target, run, tmp_path):
@@ -166,4 +189,5 @@ if __name__ == "__main__":  # a rank of test_two_ranks_stopped_resume_on_one's j
 
     torch.set_num_threads(1)
     spec = json.loads(sys.argv[1])
-    train_head(spec["target"], spec["out"], settings(spec["run"]), progress=False, stop_after_steps=STOP)
+    train_head(spec["target"], spec["out"], settings(spec["run"]), progress=False, stop_after_steps=STOP,
+               shard_state=spec.get("shard_state", "auto"))

@@ -17,12 +17,13 @@ from quantkit.eval.ppl import perplexity
 from quantkit.formats.mlx import mlx_grid
 from quantkit.loading import load_model
 from quantkit.qat import run_qat
-from quantkit.qat.trainer import CHECKPOINT_FILE, train
+from quantkit.qat.trainer import CHECKPOINT_DIR, train
 from quantkit.qat.write import write_outputs
 from quantkit.reader import ArtifactReader
 from quantkit.recipe import RecipeError, load_recipe
 from quantkit.run import RunError
 from quantkit.tokenizer import load_tokenizer
+from quantkit.training import state
 from quantkit.training.fake_quant import AffineLinear, grid_weight, quantized_record
 
 from helpers import small_recipe
@@ -155,7 +156,7 @@ def test_resumed_run_ends_with_the_uninterrupted_bytes(model, training_text, uni
     settings = dwq_recipe(training_text)
     train(model, settings, out, perplexity=perplexity, tokens=STEPS * STEP_TOKENS, stop_after_steps=7,
           progress=False)
-    assert load_file(out.with_name("out.partial") / CHECKPOINT_FILE)
+    assert state.record(out.with_name("out.partial") / CHECKPOINT_DIR)["step"] == 7
     report = run_qat(model, settings, out, perplexity=perplexity, tokens=STEPS * STEP_TOKENS, resume=True,
                      progress=False)
     assert report.resumed_from_step == 7

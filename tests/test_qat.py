@@ -1,6 +1,7 @@
 """Quantization-aware training (quantkit.qat) on tiny random MiniCPMs: the quantizer, the loop, resumption,
 bad input, and what it writes."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from quantkit.atomic import OutputExistsError, staging_dir
 from quantkit.engine import quantize
 from quantkit.eval.ppl import perplexity
 from quantkit.qat import run_qat
-from quantkit.qat.trainer import CHECKPOINT_FILE, train
+from quantkit.qat.trainer import CHECKPOINT_DIR, train
 from quantkit.qat.write import FAKE_QUANT_MANIFEST, write_outputs
 from quantkit.quant import QuantConfig
 from quantkit.reader import ArtifactReader
@@ -110,14 +111,14 @@ def test_loss_falls_within_a_dozen_steps(uninterrupted):
     assert perplexities[-1] < perplexities[0]
     assert json.loads((out / "qat_log.json").read_text()) == report.log
     assert (out / "qat_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert not (out / CHECKPOINT_FILE).exists() and not staging_dir(out).exists()
+    assert not (out / CHECKPOINT_DIR).exists() and not staging_dir(out).exists()
 
 
 def test_resumed_run_ends_with_the_uninterrupted_weights(model, training_text, uninterrupted, tmp_path):
     out = tmp_path / "out"
     settings = recipe(training_text)
     train(model, settings, out, tokens=12 * STEP_TOKENS, stop_after_steps=7, perplexity=perplexity, progress=False)
-    assert load_file(staging_dir(out) / CHECKPOINT_FILE)  # the checkpoint at the stop
+    assert state.record(staging_dir(out) / CHECKPOINT_DIR)["step"] == 7  # the checkpoint at the stop
     report = run_qat(model, settings, out, tokens=12 * STEP_TOKENS, resume=True, perplexity=perplexity, progress=False)
     assert report.resumed_from_step == 7
     reference, resumed = uninterrupted[0], out
@@ -130,18 +131,24 @@ def test_interrupted_checkpoint_write_keeps_the_previous_one(model, training_tex
     out = tmp_path / "out"
     settings = recipe(training_text, **{"qat.checkpoint_interval": 2, "qat.distill_weight": 0.0})
     train(model, settings, out, tokens=6 * STEP_TOKENS, stop_after_steps=2, perplexity=perplexity, progress=False)
-    checkpoint = staging_dir(out) / CHECKPOINT_FILE
-    before = checkpoint.read_bytes()
+    checkpoint = staging_dir(out) / CHECKPOINT_DIR
+    before = {path.relative_to(checkpoint): path.read_bytes() for path in checkpoint.rglob("*") if path.is_file()}
+    assert sorted(map(str, before)) == ["checkpoint.json", "step-00000002/shard-00001-model-00001-of-00001.safetensors"]
 
-    def dies_mid_write(path, tensors, metadata=None):
-        with open(str(path) + ".tmp-crash", "wb") as partial:
-            partial.write(b"half a file")
+    def dies_mid_write(state_dict, storage_writer, **kwargs):
+        folder = Path(storage_writer.path)
+        folder.mkdir(parents=True)
+        (folder / "shard-00001-model-00001-of-00001.safetensors").write_bytes(b"half a file")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(state.atomic, "save_safetensors", dies_mid_write)
+    monkeypatch.setattr(state.dcp, "save", dies_mid_write)
     with pytest.raises(KeyboardInterrupt):
         train(model, settings, out, tokens=6 * STEP_TOKENS, resume=True, perplexity=perplexity, progress=False)
-    assert checkpoint.read_bytes() == before
+    for name, data in before.items():
+        assert (checkpoint / name).read_bytes() == data, name
+    monkeypatch.undo()  # the next run continues from step 2, and writes over the half-written step 4
+    report = run_qat(model, settings, out, tokens=6 * STEP_TOKENS, resume=True, perplexity=perplexity, progress=False)
+    assert report.resumed_from_step == 2 and report.steps == 6
 
 
 def test_non_finite_loss_stops_with_a_clear_message_and_keeps_the_checkpoint(model, training_text, tmp_path,
@@ -158,10 +165,7 @@ def test_non_finite_loss_stops_with_a_clear_message_and_keeps_the_checkpoint(mod
     monkeypatch.setattr(torch.nn.functional, "cross_entropy", nan_from_step_four)
     with pytest.raises(RunError, match=r"not finite .* at step 4; the last good checkpoint \(step 3\)"):
         train(model, settings, out, tokens=8 * STEP_TOKENS, perplexity=perplexity, progress=False)
-    from safetensors import safe_open
-
-    with safe_open(str(staging_dir(out) / CHECKPOINT_FILE), "pt") as f:
-        assert json.loads(f.metadata()["loop"])["step"] == 3
+    assert state.record(staging_dir(out) / CHECKPOINT_DIR)["step"] == 3
 
 
 def test_int4_grid_trains_with_the_same_trainer(model, training_text, tmp_path):
@@ -315,14 +319,19 @@ def test_resume_continues_from_a_checkpoint_and_starts_over_without_one(tmp_path
     """A run killed before its first checkpoint leaves a staging folder with none: --resume starts it over
     (as `quantize --resume` does before its first layer), instead of refusing what a user cannot fix."""
     out, staging, inputs = tmp_path / "out", staging_dir(tmp_path / "out"), {"model": "m", "tokens": 1}
-    assert Run(out, resume=True).begin(inputs, CHECKPOINT_FILE) is False  # nothing there
+    progress = state.progress_file(CHECKPOINT_DIR)
+    assert Run(out, resume=True).begin(inputs, progress) is False  # nothing there
     with pytest.raises(RunError, match="interrupted run: pass --resume"):
         Run(out, resume=False)
-    assert Run(out, resume=True).begin(inputs, CHECKPOINT_FILE) is False  # killed early
-    (staging / CHECKPOINT_FILE).write_bytes(b"")
-    assert Run(out, resume=True).begin(inputs, CHECKPOINT_FILE) is True
+    assert Run(out, resume=True).begin(inputs, progress) is False  # killed early
+    (staging / CHECKPOINT_DIR / "step-00000001").mkdir(parents=True)
+    assert Run(out, resume=True).begin(inputs, progress) is False  # killed before the first record: starts over
+    assert not (staging / CHECKPOINT_DIR).exists()
+    (staging / CHECKPOINT_DIR).mkdir()
+    (staging / progress).write_text("{}")
+    assert Run(out, resume=True).begin(inputs, progress) is True
     with pytest.raises(RunError, match="started with a different model or tokens"):
-        Run(out, resume=True).begin({**inputs, "tokens": 2}, CHECKPOINT_FILE)
+        Run(out, resume=True).begin({**inputs, "tokens": 2}, progress)
     out.mkdir()
     with pytest.raises(OutputExistsError, match="already exists"):
         Run(out, resume=True)

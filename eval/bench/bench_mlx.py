@@ -43,8 +43,10 @@ def _failure(message: str) -> str:
 
 
 def _variants(model: Path, out: Path, bits: int, group_size: int, n_samples: int, seq_len: int) -> list[Variant]:
-    from quantkit.qat.trainer import CHECKPOINT_FILE
+    from quantkit.qat.trainer import CHECKPOINT_DIR
+    from quantkit.training.state import progress_file
 
+    checkpoint = progress_file(CHECKPOINT_DIR)  # what a training run leaves to --resume from
     peer = [sys.executable, "-m", "quantkit.eval.interop.mlx_lm_quantize", str(model)]
     sizes = ["--bits", str(bits), "--group-size", str(group_size), "--nsamples", str(n_samples),
              "--seqlen", str(seq_len)]
@@ -62,7 +64,7 @@ def _variants(model: Path, out: Path, bits: int, group_size: int, n_samples: int
         Variant(DWQ_RECIPE, f"quantkit {DWQ_RECIPE} (from {DWQ_INIT})",
                 [sys.executable, "-m", "quantkit.cli", "qat", "dwq", "--model", str(model), "--out",
                  str(out / DWQ_RECIPE), "--recipe", DWQ_RECIPE, "--init", str(out / DWQ_INIT), "--no-progress",
-                 *(arg for setting in grid[:2] for arg in ("--set", setting))], checkpoint=CHECKPOINT_FILE),
+                 *(arg for setting in grid[:2] for arg in ("--set", setting))], checkpoint=checkpoint),
     ]
 
 

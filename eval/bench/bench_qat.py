@@ -204,10 +204,12 @@ def main(model, out, tokens, max_tokens, with_init, init_recipe, data, reuse, qa
 
     from quantkit import calib
     from quantkit.eval.bench.bench_runtime import bench_quantkit
-    from quantkit.qat.trainer import CHECKPOINT_FILE, HELDOUT, LOG_FILE
+    from quantkit.qat.trainer import CHECKPOINT_DIR, HELDOUT, LOG_FILE
     from quantkit.recipe import load_recipe, parse_override
+    from quantkit.training.state import progress_file
     from quantkit.zoo import resolve_model
 
+    checkpoint = progress_file(CHECKPOINT_DIR)  # what a training run leaves to --resume from
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
     model_dir = resolve_model(model)
@@ -223,9 +225,9 @@ def main(model, out, tokens, max_tokens, with_init, init_recipe, data, reuse, qa
         Variant("gptq-w2g32", "GPTQ W2 g32", quantize_command(W2[0], model_dir, out / "gptq-w2g32", W2[1])),
         Variant("qat-ce", "QAT ternary g32, CE only",
                 _qat_command(model_dir, out / "qat-ce", tokens, (*qat_settings, "qat.distill_weight=0.0")),
-                checkpoint=CHECKPOINT_FILE),
+                checkpoint=checkpoint),
         Variant("qat-distill", "QAT ternary g32, distilled",
-                _qat_command(model_dir, out / "qat-distill", tokens, qat_settings), checkpoint=CHECKPOINT_FILE),
+                _qat_command(model_dir, out / "qat-distill", tokens, qat_settings), checkpoint=checkpoint),
     ]
     if with_init:
         if init_recipe not in {variant.key for variant in variants}:
@@ -233,7 +235,7 @@ def main(model, out, tokens, max_tokens, with_init, init_recipe, data, reuse, qa
             variants.append(Variant(init_recipe, init_recipe, start))
         variants.append(Variant("qat-distill-init", f"QAT ternary g32, distilled, from {init_recipe}",
                                 _qat_command(model_dir, out / "qat-distill-init", tokens, qat_settings,
-                                             init=out / init_recipe), checkpoint=CHECKPOINT_FILE))
+                                             init=out / init_recipe), checkpoint=checkpoint))
     variants.append(Variant("gptq-w4g128", "GPTQ W4 g128", quantize_command("gptq-w4g128", model_dir,
                                                                              out / "gptq-w4g128")))
     made = {}

@@ -244,13 +244,15 @@ def main(model, out, head_data, head_tokens, tune_data, tune_tokens, tune_passes
     from transformers import AutoTokenizer
 
     from quantkit import calib
-    from quantkit.draft.trainer import CHECKPOINT_FILE
+    from quantkit.draft.trainer import CHECKPOINT_DIR
     from quantkit.eval.accept import acceptance, prompt_rows
     from quantkit.eval.bench.bench_runtime import bench_llamacpp
     from quantkit.kernels.generate import load_text_generator
     from quantkit.kernels.speculative import TreeShape
+    from quantkit.training.state import progress_file
     from quantkit.zoo import resolve_model
 
+    checkpoint = progress_file(CHECKPOINT_DIR)  # what a head's training leaves to --resume from
     torch.set_num_threads(threads)
     tree_shape = TreeShape.parse(tree)
     model_dir = resolve_model(model)
@@ -272,17 +274,17 @@ def main(model, out, head_data, head_tokens, tune_data, tune_tokens, tune_passes
     stage_keys = ["head-fp-base", *(f"head-fp-pass{number}" for number in range(1, passes)), "head-fp"][-(passes + 1):]
     head = made(Variant(stage_keys[0], "FP head" if passes == 0 else "FP head, first stage",
                         _draft_command(model_dir, out / stage_keys[0], head_tokens, training(head_data)),
-                        CHECKPOINT_FILE))
+                        checkpoint))
     tuning = training(tune_data if passes else head_data)
     for number, key in enumerate(stage_keys[1:], start=1):
         later = ("--seed", str(number - 1), "--learning-rate", str(LATER_PASS_LEARNING_RATE)) if number > 1 else ()
         head = made(Variant(key, f"FP head, pass {number} over {tune_data}",
-                            _draft_command(model_dir, out / key, tune_tokens, tuning, head, *later), CHECKPOINT_FILE))
+                            _draft_command(model_dir, out / key, tune_tokens, tuning, head, *later), checkpoint))
     w4_head = made(Variant("head-gptq-w4g128", "GPTQ W4 head", [
         sys.executable, "-m", "quantkit.cli", "draft", "quantize", "--head", str(head), "--target", str(model_dir),
         "--recipe", "gptq-w4g128", "--out", str(out / "head-gptq-w4g128"), "--no-progress"]))
     qat_command = _draft_command(model_dir, out / "head-qat-w4", realign_tokens, tuning, head, "--w4", "gptq")
-    qat_head = made(Variant("head-qat-w4", "QAT W4 head", qat_command, CHECKPOINT_FILE))
+    qat_head = made(Variant("head-qat-w4", "QAT W4 head", qat_command, checkpoint))
     targets = {"FP": model_dir}
     for key, recipe, settings, label in QUANTIZED_TARGETS:
         targets[label] = made(Variant(key, label, quantize_command(recipe, model_dir, out / key, settings)))
@@ -293,7 +295,7 @@ def main(model, out, head_data, head_tokens, tune_data, tune_tokens, tune_passes
         key = f"head-realigned-{target.name}"
         realigned[label] = made(Variant(key, f"head re-aligned to {label}",
                                         _draft_command(target, out / key, realign_tokens, tuning, head),
-                                        CHECKPOINT_FILE))
+                                        checkpoint))
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     heldout = calib.heldout_tokens(tokenizer, max_tokens=prompts * prompt_tokens + speed_prompts * speed_prompt_tokens)

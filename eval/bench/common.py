@@ -202,7 +202,7 @@ class Variant:
     key: str  # its directory and file names in the benchmark's --out
     label: str
     command: list[str]
-    checkpoint: str | None = None  # a training run's checkpoint file: its --resume needs it in <key>.partial
+    checkpoint: str | None = None  # a training run's checkpoint (its record): its --resume needs it in <key>.partial
 
 
 def _same_command(made: list[str], wanted: list[str]) -> bool:

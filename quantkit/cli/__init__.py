@@ -84,12 +84,13 @@ def emit(as_json: bool, payload: dict, text: str) -> None:
     click.echo(json.dumps(payload, indent=2, sort_keys=True) if as_json else text)
 
 
-def ranks_text(report) -> str:
-    """What a training report adds when a torchrun job of several ranks made it: their number, backend
-    and each rank's tokens/s and share of its loop in collectives (nothing for one process)."""
+def ranks_text(report, sharded: bool = False) -> str:
+    """What a training report adds when a torchrun job of several ranks made it: their number, backend (and
+    whether the training state was ``sharded``), each rank's tokens/s and share of its loop in collectives
+    (nothing for one process)."""
     if report.world_size == 1:
         return ""
-    return (f"\n{report.world_size} ranks ({report.backend}), tok/s per rank: "
+    return (f"\n{report.world_size} ranks ({report.backend}{', sharded' if sharded else ''}), tok/s per rank: "
             + ", ".join(f"{rate:.0f}" for rate in report.rank_tokens_per_second)
             + "; in collectives: " + ", ".join(f"{share:.0%}" for share in report.rank_collective_share))
 
@@ -117,6 +118,10 @@ sparse_config_option = click.option(
     "--sparse-config", "sparse_config", default=None, metavar="JSON",
     help='Override sparse_config keys, e.g. \'{"dense_len": 1024, "window_size": 256}\'. '
          "`quantkit eval` commands: with --runtime.")
+shard_option = click.option(
+    "--shard", "shard_state", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+    help="Under torchrun: split the weights, gradients and optimizer state over the ranks (FSDP2) instead of "
+         "a whole copy on each; auto does when the unsharded state would take over half a device's free memory.")
 progress_option = click.option("--progress/--no-progress", default=True, show_default=True)
 out_dir_option = click.option("--out", required=True, type=click.Path(path_type=Path),
                               help="Output directory (must not exist).")

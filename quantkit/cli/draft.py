@@ -15,6 +15,7 @@ from quantkit.cli import (
     ranks_text,
     revision_option,
     seed_option,
+    shard_option,
 )
 from quantkit.draft.settings import DraftSettings
 from quantkit.table import format_table
@@ -57,11 +58,12 @@ def draft_group():
 @seed_option("the data order and the head's initialisation", DRAFT_DEFAULTS.seed)
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its last checkpoint.")
 @device_option
+@shard_option
 @progress_option
 @json_option
 @friendly_errors
 def draft_train(target, revision, out, tokens, draft_vocab, ttt_steps, learning_rate, seq_len, batch_rows, aux_states,
-                data, own_text_after, init, w4, seed, resume, device, progress, as_json):
+                data, own_text_after, init, w4, seed, resume, device, shard_state, progress, as_json):
     """Train an EAGLE-3 head for TARGET (training-time test, FR-Spec vocabulary, distilled from TARGET's
     own distribution); writes the head in the official layout and a JSON log. Under torchrun, data-parallel
     (docs/distributed.md)."""
@@ -74,7 +76,7 @@ def draft_train(target, revision, out, tokens, draft_vocab, ttt_steps, learning_
                        learning_rate=learning_rate, seq_len=seq_len, batch_rows=batch_rows, aux_states=aux_states,
                        data=data, own_text_after=own_text_after, w4=w4, seed=seed)
     report = train_head(resolve_model(target, revision=revision), out, settings, init=init, resume=resume,
-                        device=device, progress=progress)
+                        device=device, shard_state=shard_state, progress=progress)
     if report is None:  # another rank of a torchrun job: rank 0 reports the run
         return
     measured = [e for e in report.log if "heldout_loss" in e]
@@ -87,7 +89,8 @@ def draft_train(target, revision, out, tokens, draft_vocab, ttt_steps, learning_
              f"at {report.tokens_per_second:.0f} tok/s (target features {report.features_seconds:.0f} s, training "
              f"{report.train_seconds:.0f} s) on {report.device}, peak RSS {report.peak_rss_mb:.0f} MB"
              + (f" (resumed at step {report.resumed_from_step})" if report.resumed_from_step else "")
-             + ranks_text(report) + f"\nmeasure its acceptance: quantkit eval accept --target {target} --draft {out}")
+             + ranks_text(report, report.sharded)
+             + f"\nmeasure its acceptance: quantkit eval accept --target {target} --draft {out}")
     emit(as_json, report.to_dict(), text)
 
 

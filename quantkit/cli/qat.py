@@ -15,6 +15,7 @@ from quantkit.cli import (
     progress_option,
     ranks_text,
     revision_option,
+    shard_option,
     stack,
 )
 from quantkit.table import format_table
@@ -26,8 +27,8 @@ def qat_group():
     scales and biases of fixed codes (mlx-lm's DWQ)."""
 
 
-def _run_qat(model, revision, out, recipe, overrides, tokens, init, fake_quant, resume, device, progress, as_json,
-             refuse):
+def _run_qat(model, revision, out, recipe, overrides, tokens, init, fake_quant, resume, device, shard_state, progress,
+             as_json, refuse):
     """What every `quantkit qat` command does: load the recipe, refuse it if ``refuse(recipe)`` says why,
     train, and report the measured points."""
     from quantkit.eval.ppl import perplexity
@@ -41,7 +42,8 @@ def _run_qat(model, revision, out, recipe, overrides, tokens, init, fake_quant, 
     if refusal:
         raise click.ClickException(f"recipe {loaded.name} {refusal}")
     report = run_qat(resolve_model(model, revision=revision), loaded, out, perplexity=perplexity, tokens=tokens,
-                     init=init, resume=resume, fake_quant=fake_quant, device=device, progress=progress)
+                     init=init, resume=resume, fake_quant=fake_quant, device=device, shard_state=shard_state,
+                     progress=progress)
     if report is None:  # another rank of a torchrun job: rank 0 reports the run
         return
     measured = [e for e in report.log if "heldout_ppl" in e]
@@ -56,7 +58,7 @@ def _run_qat(model, revision, out, recipe, overrides, tokens, init, fake_quant, 
              f"(teacher {report.teacher_seconds:.0f} s, training {report.train_seconds:.0f} s), "
              f"peak RSS {report.peak_rss_mb:.0f} MB" + (f" (resumed at step {report.resumed_from_step})"
                                                        if report.resumed_from_step else ""))
-    emit(as_json, report.to_dict(), text + ranks_text(report))
+    emit(as_json, report.to_dict(), text + ranks_text(report, report.sharded))
 
 
 def _qat_command(name, recipe_default, recipe_help, set_example, init_help):
@@ -76,6 +78,7 @@ def _qat_command(name, recipe_default, recipe_help, set_example, init_help):
                      help=init_help),
         click.option("--resume", is_flag=True, help="Continue an interrupted run from its last checkpoint."),
         device_option,
+        shard_option,
         progress_option,
         json_option,
         friendly_errors,
@@ -89,7 +92,8 @@ def _qat_command(name, recipe_default, recipe_help, set_example, init_help):
 @click.option("--format", "out_format", type=click.Choice(["artifact", "fake-quant"]), default="artifact",
               show_default=True, help="artifact: the recipe's packed format (runtime, eval, GGUF export); "
                                       "fake-quant: a plain checkpoint whose linears hold t·s, as BitCPM4 ships.")
-def qat_ternary(model, revision, out, recipe, overrides, tokens, init, resume, device, progress, as_json, out_format):
+def qat_ternary(model, revision, out, recipe, overrides, tokens, init, resume, device, shard_state, progress, as_json,
+                out_format):
     """Train MODEL to ternary weights (BitCPM4): straight-through estimator, WSD schedule, distillation from
     MODEL itself; writes the ternary artifact, a loss/perplexity curve and a JSON log."""
     def refuse(loaded):
@@ -98,14 +102,14 @@ def qat_ternary(model, revision, out, recipe, overrides, tokens, init, resume, d
         return None
 
     _run_qat(model, revision, out, recipe, overrides, tokens, init, out_format == "fake-quant", resume, device,
-             progress, as_json, refuse)
+             shard_state, progress, as_json, refuse)
 
 
 @_qat_command("dwq", "mlx-dwq-w4g64",
               "DWQ recipe: mlx-dwq-w4g64, or a YAML file whose 'qat' section sets trains: scales.",
               "--set qat.learning_rate=3e-5 --set qat.top_k=64",
               "Keep this MLX artifact's codes (e.g. an mlx-s-p-gptq-w4g64 one) instead of RTN's.")
-def qat_dwq(model, revision, out, recipe, overrides, tokens, init, resume, device, progress, as_json):
+def qat_dwq(model, revision, out, recipe, overrides, tokens, init, resume, device, shard_state, progress, as_json):
     """Distilled scales and biases (mlx-lm's DWQ): keep every decoder linear's codes (RTN's, or --init's) and
     train only each group's scale and bias toward MODEL's own output distribution; writes the MLX artifact,
     a loss/perplexity curve and a JSON log."""
@@ -116,4 +120,5 @@ def qat_dwq(model, revision, out, recipe, overrides, tokens, init, resume, devic
                     "use mlx-dwq-w4g64, or `quantkit qat ternary` for weight QAT")
         return None
 
-    _run_qat(model, revision, out, recipe, overrides, tokens, init, False, resume, device, progress, as_json, refuse)
+    _run_qat(model, revision, out, recipe, overrides, tokens, init, False, resume, device, shard_state, progress,
+             as_json, refuse)

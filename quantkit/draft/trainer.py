@@ -24,6 +24,7 @@ size.
 """
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -59,9 +60,10 @@ from quantkit.training.distributed import SINGLE, World, begin_on_main, joined, 
 from quantkit.training.fake_quant import FakeQuantLinear, quantized_record, wrap_linears
 from quantkit.training.own_text import own_text
 from quantkit.training.schedule import wsd_learning_rate
+from quantkit.training.sharding import clip_gradients, gathered, shard, sharded, state_bytes
 from quantkit.version import __version__
 
-CHECKPOINT_FILE = "draft_checkpoint.safetensors"
+CHECKPOINT_DIR = "draft_checkpoint"
 LOG_FILE = "draft_train.json"  # what was trained: the same bytes for the same inputs, resumed or not
 REPORT_FILE = "draft_report.json"  # how this run went: timings, memory, where it resumed
 HELDOUT = "austen"
@@ -84,6 +86,7 @@ class DraftReport:
     threads: int = field(default_factory=torch.get_num_threads)  # per rank
     world_size: int = 1
     backend: str | None = None  # torch.distributed's, None for one process
+    sharded: bool = False  # FSDP: each rank held a share of the head, its gradients and optimizer state
     rank_tokens_per_second: list[float] = field(default_factory=list)  # each rank's share of tokens_per_second
     rank_collective_share: list[float] = field(default_factory=list)  # of each rank's loop, in collectives
     log: list[dict] = field(default_factory=list)
@@ -155,27 +158,29 @@ def _starting_head(init: Path, target, settings: DraftSettings) -> Eagle3Head:
 
 
 def train_head(target_dir: str | Path, out_dir: str | Path, settings: DraftSettings = DraftSettings(), *,
-               init: str | Path | None = None, resume: bool = False, device: str = "auto", progress: bool = True,
-               stop_after_steps: int | None = None) -> DraftReport | None:
+               init: str | Path | None = None, resume: bool = False, device: str = "auto", shard_state: str = "auto",
+               progress: bool = True, stop_after_steps: int | None = None) -> DraftReport | None:
     """Train a head for the checkpoint or artifact ``target_dir`` (from scratch, or from the head ``init``)
     on ``device`` (cpu, cuda, or auto: ``resolve_device``) and write it to ``out_dir`` (official layout,
     plus ``draft_train.json``). ``stop_after_steps`` leaves the run as an interruption would (tests).
-    Under torchrun, this process's rank of the job's data-parallel run: rank 0 writes and returns the
-    report, the other ranks None."""
+    Under torchrun, this process's rank of the job's data-parallel run, the head sharded as ``shard_state``
+    says (auto, on or off: ``sharding.sharded``): rank 0 writes and returns the report, the other ranks None."""
     device = resolve_device(device)
     with joined(device) as world:
         report = _train_head(Path(target_dir), Path(out_dir), settings, init=init, resume=resume, device=device,
-                             progress=progress and world.is_main, stop_after_steps=stop_after_steps, world=world)
+                             shard_state=shard_state, progress=progress and world.is_main,
+                             stop_after_steps=stop_after_steps, world=world)
         return report if world.is_main else None
 
 
 def _train_head(target_dir: Path, out_dir: Path, settings: DraftSettings, *, init: str | Path | None, resume: bool,
-                device: str, progress: bool, stop_after_steps: int | None, world: World) -> DraftReport:
+                device: str, shard_state: str, progress: bool, stop_after_steps: int | None,
+                world: World) -> DraftReport:
     from quantkit.tokenizer import load_tokenizer
 
     world.refuse_uneven(settings.batch_rows, f"draft train: a step's {settings.batch_rows} rows (--batch-rows)",
                         "--batch-rows")
-    run = Run(out_dir, resume=resume) if world.is_main else None
+    run = world.made_on_main(lambda: Run(out_dir, resume=resume))
     staging = atomic.staging_dir(out_dir)
     target = load_model(target_dir, torch.float32).to(device)
     target.requires_grad_(False)
@@ -186,7 +191,7 @@ def _train_head(target_dir: Path, out_dir: Path, settings: DraftSettings, *, ini
     init_fingerprint = None if init is None else CheckpointReader(init).fingerprint()
     continuing = begin_on_main(world, run, {"target": target_fingerprint, "data": data.fingerprint,
                                             "settings": asdict(settings), "init": init_fingerprint,
-                                            "quantkit": __version__}, CHECKPOINT_FILE)
+                                            "quantkit": __version__}, state.progress_file(CHECKPOINT_DIR))
     total_steps = settings.tokens // (settings.batch_rows * settings.seq_len)
     visited = list(dict.fromkeys(data.row_ids(0, total_steps * settings.batch_rows)))
     if settings.own_text_after:
@@ -216,12 +221,17 @@ def _train_head(target_dir: Path, out_dir: Path, settings: DraftSettings, *, ini
             FORMATS[settings.w4].check(W4_GRID, module.in_features, module.out_features, False, name)
         wrap_linears(head, dict.fromkeys(linears, W4_GRID))
     embedding = target.model.embed_tokens
+    report.sharded = sharded(shard_state, world, state_bytes(head, dict(head.named_parameters())), device)
+    unsharded = None  # what rank 0 writes a sharded head into: a copy made before it was sharded, on the host
+    if report.sharded:  # every module holding parameters a unit: the training-time test calls them one by one
+        unsharded = copy.deepcopy(head).cpu() if world.is_main else None
+        shard([module for module in head.modules() if next(module.parameters(recurse=False), None) is not None])
     trainable = {name: parameter for name, parameter in head.named_parameters()}
     optimizer = torch.optim.AdamW(list(trainable.values()), lr=settings.learning_rate, betas=settings.betas,
                                   weight_decay=settings.weight_decay)
     start_step = 0
     if continuing:
-        loop = state.load(staging / CHECKPOINT_FILE, trainable, optimizer)
+        loop = state.load(staging / CHECKPOINT_DIR, trainable, optimizer, world)
         start_step, report.log = loop["step"], loop["log"]
         report.resumed_from_step = start_step
 
@@ -251,8 +261,9 @@ def _train_head(target_dir: Path, out_dir: Path, settings: DraftSettings, *, ini
             raise RunError(f"draft train: the loss is not finite at step {step + 1}; the last checkpoint "
                            f"is kept in {staging}. Lower the learning rate and start again")
         loss.backward()
-        world.sum_([param.grad for param in trainable.values() if param.grad is not None])
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(list(trainable.values()), settings.grad_clip))
+        if not report.sharded:  # (sharded, the backward reduce-scattered them)
+            world.sum_([param.grad for param in trainable.values() if param.grad is not None])
+        grad_norm = clip_gradients(list(trainable.values()), settings.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         for module in head.modules():
@@ -265,8 +276,8 @@ def _train_head(target_dir: Path, out_dir: Path, settings: DraftSettings, *, ini
         if (step + 1) % settings.checkpoint_interval == 0 or step + 1 == last:
             entry["checkpoint"] = True
         report.log.append(entry)
-        if entry.get("checkpoint") and world.is_main:
-            state.save(staging / CHECKPOINT_FILE, trainable, optimizer, {"step": step + 1, "log": report.log})
+        if entry.get("checkpoint"):
+            state.save(staging / CHECKPOINT_DIR, trainable, optimizer, {"step": step + 1, "log": report.log}, world)
         done = (step + 1 - start_step) * settings.batch_rows * settings.seq_len
         bar.set_postfix(loss=f"{value:.3f}", top1=f"{agreement[0]:.2f}", lr=f"{lr:.2e}",
                         tok_s=f"{done / (time.perf_counter() - started):.0f}")
@@ -277,6 +288,13 @@ def _train_head(target_dir: Path, out_dir: Path, settings: DraftSettings, *, ini
     report.tokens_per_second, report.rank_tokens_per_second, report.rank_collective_share = throughput(
         world, trained, report.train_seconds, world.in_collectives.seconds - collectives_before)
     report.peak_rss_mb = peak_rss_mb()
+    if report.sharded and last == total_steps:
+        whole = gathered(trainable, world)
+        if world.is_main:
+            head = unsharded
+            with torch.no_grad():
+                for name, param in head.named_parameters():
+                    param.copy_(whole[name])
     if last < total_steps or not world.is_main:  # stopped early (the checkpoint stays), or not the run's owner
         return report
     head.cpu()  # the writer works on the host

@@ -12,7 +12,7 @@
 
 
 def run_qat(model_dir, recipe, out_dir, *, perplexity, tokens=None, init=None, resume=False, fake_quant=False,
-            device="cpu", progress=True):
+            device="cpu", shard_state="auto", progress=True):
     """Train, then write the result to ``out_dir``; returns the run's ``QATReport``. ``perplexity`` is
     ``quantkit.eval.ppl.perplexity``, passed in by the entry points (a pipeline does not import scoring).
     Under torchrun every rank trains and rank 0 alone writes and returns the report (None on the others)."""
@@ -22,7 +22,7 @@ def run_qat(model_dir, recipe, out_dir, *, perplexity, tokens=None, init=None, r
     from quantkit.qat.write import write_outputs
 
     trained = train(model_dir, recipe, out_dir, perplexity=perplexity, tokens=tokens, init=init, resume=resume,
-                    device=device, progress=progress)
+                    device=device, shard_state=shard_state, progress=progress)
     if not trained.world.is_main:
         return None
     write_outputs(trained, Path(model_dir), recipe, fake_quant=fake_quant, init=None if init is None else str(init))

@@ -24,10 +24,13 @@ Under torchrun the run is data-parallel (``quantkit.training.distributed``; docs
 step's micro-batches are dealt to the ranks (rank r takes micro-batches r, r + W, ...) and their
 gradients summed over the ranks, so that a step, its learning rate and its batch mean what they mean in
 one process, and the update is one process's up to the order of float additions. Each rank computes a
-share of the teacher cache's chunks. Rank 0 alone owns the run (its lock, staging, checkpoints, log,
-best weights and output) and measures the held-out text, sending the numbers to the others so that
-every rank takes the same decisions. The checkpoint holds the whole trainable state: a run resumes at
-any world size.
+share of the teacher cache's chunks. Where the training state does not fit a device, or ``--shard on``
+says so, the run is fully sharded instead (``quantkit.training.sharding``: FSDP2, each rank holding its
+share of the weights, gradients and AdamW's moments). Rank 0 alone owns the run (its lock, staging, log and
+output) and measures the held-out text (every rank does, sharded: a sharded forward is a collective),
+sending the numbers to the others so that every rank takes the same decisions. Every rank writes its part of
+the checkpoints and of the best weights (``state``: torch.distributed.checkpoint), which a run reads at any
+world size, sharded or not.
 
 The held-out perplexity comes from the caller (``perplexity``: ``quantkit.eval.ppl.perplexity``, which
 the entry points pass in): a pipeline does not import the scoring layer.
@@ -41,7 +44,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from quantkit import atomic, calib
@@ -56,7 +58,7 @@ from quantkit.qat.teacher import build_cache, cache_key, heldout_kl, heldout_tar
 from quantkit.quant import QuantConfig
 from quantkit.reader import ArtifactReader, linear_shapes
 from quantkit.recipe import Recipe
-from quantkit.run import Run, RunError, peak_rss_mb
+from quantkit.run import RUN_DIR, Run, RunError, peak_rss_mb
 from quantkit.run.checks import validate_checkpoint
 from quantkit.stats import compute_dtype
 from quantkit.training import state
@@ -65,10 +67,11 @@ from quantkit.training.distill import distillation_loss
 from quantkit.training.distributed import World, begin_on_main, joined, throughput
 from quantkit.training.fake_quant import TRAINS, FakeQuantLinear, Trains, check_groups, wrap_linears
 from quantkit.training.schedule import start_rate_factor, wsd_learning_rate
+from quantkit.training.sharding import clip_gradients, gathered, shard, sharded, state_bytes, syncing_gradients
 from quantkit.version import __version__
 
-CHECKPOINT_FILE = "qat_checkpoint.safetensors"
-BEST_FILE = "qat_best.safetensors"  # the trainable weights of the lowest held-out KL measured so far
+CHECKPOINT_DIR = "qat_checkpoint"
+BEST_DIR = "qat_best"  # the trainable weights of the lowest held-out KL measured so far (in the run's own folder)
 LOG_FILE = "qat_log.json"
 HELDOUT = "austen"
 NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -88,6 +91,7 @@ class QATReport:
     threads: int = field(default_factory=torch.get_num_threads)  # per rank
     world_size: int = 1
     backend: str | None = None  # torch.distributed's, None for one process
+    sharded: bool = False  # FSDP: each rank held a share of the weights, gradients and optimizer state
     rank_tokens_per_second: list[float] = field(default_factory=list)  # each rank's share of tokens_per_second
     rank_collective_share: list[float] = field(default_factory=list)  # of each rank's loop, in collectives
     kept_step: int = 0  # the step whose weights are written (qat.keep)
@@ -161,41 +165,34 @@ def _best_measured(log: list[dict]) -> dict:
     return min((entry for entry in log if "heldout_kl" in entry), key=lambda entry: entry["heldout_kl"])
 
 
-def _save_best(path: Path, trainable: dict[str, torch.nn.Parameter], step: int) -> None:
-    atomic.save_safetensors(path, {name: param.detach().cpu() for name, param in trainable.items()},
-                            metadata={"step": str(step)})
-
-
-def _restore_best(path: Path, trainable: dict[str, torch.nn.Parameter], step: int) -> None:
+def _restore_best(folder: Path, trainable: dict[str, torch.nn.Parameter], step: int, world: World) -> None:
     """Put the weights saved at ``step`` back into ``trainable``."""
-    with safe_open(str(path), framework="pt") as f:
-        saved = int(f.metadata()["step"])
-        if saved != step:
-            raise RunError(f"{path} holds the weights of step {saved}, the log's lowest held-out KL is "
-                           f"step {step}'s: the run's files disagree; start it again without --resume")
-        with torch.no_grad():
-            for name, param in trainable.items():
-                param.copy_(f.get_tensor(name))
+    saved = state.record(folder)["step"]
+    if saved != step:
+        raise RunError(f"{folder} holds the weights of step {saved}, the log's lowest held-out KL is "
+                       f"step {step}'s: the run's files disagree; start it again without --resume")
+    state.load(folder, trainable, None, world)
 
 
 def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, perplexity: Callable,
           tokens: int | None = None, init: str | Path | None = None, resume: bool = False, device: str = "auto",
-          progress: bool = True, stop_after_steps: int | None = None) -> TrainedModel:
+          shard_state: str = "auto", progress: bool = True, stop_after_steps: int | None = None) -> TrainedModel:
     """Train ``model_dir`` (or the artifact ``init``, e.g. a GPTQ ternary one, as the starting weights)
     toward ``recipe``'s grid, logging the held-out ``perplexity`` (``quantkit.eval.ppl.perplexity``).
     ``stop_after_steps`` ends the run early, leaving its checkpoint as an interruption would (tests use
-    it to prove resumption). Under torchrun, this process's rank of the job's data-parallel run."""
+    it to prove resumption). Under torchrun, this process's rank of the job's data-parallel run, sharded as
+    ``shard_state`` says (auto, on or off: ``sharding.sharded``)."""
     device = resolve_device(device)
     with joined(device) as world:
         return _train(Path(model_dir), recipe, Path(out_dir), perplexity=perplexity, tokens=tokens, init=init,
-                      resume=resume, device=device, progress=progress and world.is_main,
+                      resume=resume, device=device, shard_state=shard_state, progress=progress and world.is_main,
                       stop_after_steps=stop_after_steps, world=world)
 
 
 def _train(model_dir: Path, recipe: Recipe, out_dir: Path, *, perplexity: Callable, tokens: int | None,
-           init: str | Path | None, resume: bool, device: str, progress: bool, stop_after_steps: int | None,
-           world: World) -> TrainedModel:
-    run = Run(out_dir, resume=resume) if world.is_main else None
+           init: str | Path | None, resume: bool, device: str, shard_state: str, progress: bool,
+           stop_after_steps: int | None, world: World) -> TrainedModel:
+    run = world.made_on_main(lambda: Run(out_dir, resume=resume))
     staging = atomic.staging_dir(out_dir)
     if "qat" not in recipe.values:
         raise RunError(f"recipe {recipe.name} has no 'qat' section: it is a post-training recipe "
@@ -236,19 +233,25 @@ def _train(model_dir: Path, recipe: Recipe, out_dir: Path, *, perplexity: Callab
     model_fingerprint = reader.fingerprint()
     inputs = {"model": model_fingerprint, "init": init_fingerprint, "recipe": recipe.fingerprint(),
               "data": data.fingerprint, "tokens": total_tokens, "quantkit": __version__}
-    continuing = begin_on_main(world, run, inputs, CHECKPOINT_FILE)
+    continuing = begin_on_main(world, run, inputs, state.progress_file(CHECKPOINT_DIR))
 
     report = QATReport(out_dir=str(out_dir), recipe=recipe.name, **world.described)
     heldout = heldout.to(device)
     weight, temperature = settings["distill_weight"], settings["temperature"]
     # the teacher's distribution on the held-out rows, for the KL measured there (by rank 0)
     measures_kl = weight > 0 or settings["keep"] == "best" or settings["full_rate_excess"] > 0
+    grids = {f"{layer_prefix(index)}{linear}": fmt.target(qconfig, linear, index, config, shape)
+             for index in range(config.num_hidden_layers) for linear, shape in linear_shapes(config).items()}
+    # built on the host, and moved to the device once the teacher has gone: whole, or sharded unit by unit
+    model, trainable = _student(Path(init) if init is not None else model_dir, config, grids, trains, outside)
+    report.sharded = sharded(shard_state, world, state_bytes(model, trainable), device)
+    measures_here = measures_kl and (world.is_main or report.sharded)  # a sharded forward needs every rank
     cache, targets = None, None
-    if weight > 0 or (measures_kl and world.is_main):
+    if weight > 0 or measures_here:
         started = time.perf_counter()
         dtype = compute_dtype(recipe["compute_dtype"])
         teacher = load_model(model_dir, torch.float32).to(device)  # in float32, as the student is measured
-        if measures_kl and world.is_main:
+        if measures_here:
             targets = heldout_targets(teacher, heldout, settings["seq_len"])
         if weight > 0:
             key = cache_key(model_fingerprint, data.fingerprint, settings["top_k"], dtype)
@@ -257,17 +260,19 @@ def _train(model_dir: Path, recipe: Recipe, out_dir: Path, *, perplexity: Callab
                                 cache_root() / "qat-teacher" / key, progress, world)
         del teacher
         report.teacher_seconds = round(time.perf_counter() - started, 3)
+    if report.sharded:  # each unit moved to the device as it is sharded: the whole model is never there
+        shard([*model.model.layers, model])
+        trainable = {name: model.get_parameter(name) for name in trainable}  # now the ranks' shards
+    else:
+        model.to(device)
 
-    grids = {f"{layer_prefix(index)}{linear}": fmt.target(qconfig, linear, index, config, shape)
-             for index in range(config.num_hidden_layers) for linear, shape in linear_shapes(config).items()}
-    model, trainable = _student(Path(init) if init is not None else model_dir, config, grids, trains, outside)
-    model.to(device)
     optimizer = torch.optim.AdamW(list(trainable.values()), lr=settings["learning_rate"],
                                   betas=tuple(settings["betas"]), eps=settings["eps"],
                                   weight_decay=settings["weight_decay"])
+    best_dir = staging / RUN_DIR / BEST_DIR
     start_step = 0
     if continuing:
-        loop = state.load(staging / CHECKPOINT_FILE, trainable, optimizer)
+        loop = state.load(staging / CHECKPOINT_DIR, trainable, optimizer, world)
         start_step, report.log = loop["step"], loop["log"]
         report.resumed_from_step = start_step
     _refresh(model)
@@ -282,15 +287,16 @@ def _train(model_dir: Path, recipe: Recipe, out_dir: Path, *, perplexity: Callab
 
     def measured() -> dict:
         """``on_heldout`` as rank 0 (which alone holds the targets) measures it, on every rank."""
-        return world.from_main(on_heldout, ("heldout_ppl", "heldout_kl") if measures_kl else ("heldout_ppl",))
+        return world.from_main(on_heldout, ("heldout_ppl", "heldout_kl") if measures_kl else ("heldout_ppl",),
+                               computed_by_all=report.sharded)
 
     if start_step == 0:
         start = {"step": 0, "tokens": 0, **measured(), "rate_factor": 1.0}
         if measures_kl:
             start["rate_factor"] = start_rate_factor(start["heldout_kl"], settings["full_rate_excess"])
         report.log.append(start)
-        if settings["keep"] == "best" and world.is_main:
-            _save_best(run.private / BEST_FILE, trainable, 0)
+        if settings["keep"] == "best":
+            state.save(best_dir, trainable, None, {"step": 0}, world)
     rate_factor = report.log[0]["rate_factor"]
 
     autocast = compute_dtype(recipe["compute_dtype"]) == torch.bfloat16
@@ -305,8 +311,10 @@ def _train(model_dir: Path, recipe: Recipe, out_dir: Path, *, perplexity: Callab
                                settings["decay"], settings["final_lr"])
         for group in optimizer.param_groups:
             group["lr"] = lr
-        losses = []
-        for micro in world.share(micro_batches):
+        losses, mine = [], world.share(micro_batches)
+        for micro in mine:
+            if report.sharded:  # reduce-scatter once, after this rank's last micro-batch of the step
+                syncing_gradients(model, micro == mine[-1])
             rows = data.micro_batch(step, micro, rows_per_step, settings["micro_batch"])
             ids = data.rows[rows].to(device)
             with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
@@ -319,7 +327,8 @@ def _train(model_dir: Path, recipe: Recipe, out_dir: Path, *, perplexity: Callab
                 loss = (1 - weight) * loss + weight * distill
             (loss / micro_batches).backward()  # a share of the step's mean over every rank's micro-batches
             losses.append(loss.item())
-        world.sum_([param.grad for param in trainable.values() if param.grad is not None])
+        if not report.sharded:  # (sharded, the backward of the last micro-batch summed them)
+            world.sum_([param.grad for param in trainable.values() if param.grad is not None])
         losses = world.unshared(losses)  # every micro-batch's, in order: the step loss one process computes
         step_loss = sum(losses) / len(losses)
         if not math.isfinite(step_loss) or step_loss > settings["max_loss_growth"] * best:
@@ -329,7 +338,7 @@ def _train(model_dir: Path, recipe: Recipe, out_dir: Path, *, perplexity: Callab
                            f"(step {saved}) is kept in {staging}. Lower qat.learning_rate or raise qat.warmup "
                            "and start again")
         best = min(best, step_loss)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(list(trainable.values()), settings["grad_clip"]))
+        grad_norm = clip_gradients(list(trainable.values()), settings["grad_clip"])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         _refresh(model)
@@ -337,23 +346,31 @@ def _train(model_dir: Path, recipe: Recipe, out_dir: Path, *, perplexity: Callab
                  "lr": lr, "grad_norm": grad_norm}
         if (step + 1) % settings["eval_interval"] == 0 or step + 1 == total_steps:
             entry.update(measured())
-            if (settings["keep"] == "best" and world.is_main
-                    and entry["heldout_kl"] < _best_measured(report.log)["heldout_kl"]):
-                _save_best(run.private / BEST_FILE, trainable, step + 1)
+            if settings["keep"] == "best" and entry["heldout_kl"] < _best_measured(report.log)["heldout_kl"]:
+                state.save(best_dir, trainable, None, {"step": step + 1}, world)
         if (step + 1) % settings["checkpoint_interval"] == 0 or step + 1 == last:
             entry["checkpoint"] = True
         report.log.append(entry)
-        if entry.get("checkpoint") and world.is_main:
-            state.save(staging / CHECKPOINT_FILE, trainable, optimizer, {"step": step + 1, "log": report.log})
-            atomic.write_json(staging / LOG_FILE, report.log)
+        if entry.get("checkpoint"):
+            state.save(staging / CHECKPOINT_DIR, trainable, optimizer, {"step": step + 1, "log": report.log}, world)
+            if world.is_main:
+                atomic.write_json(staging / LOG_FILE, report.log)
         elapsed = time.perf_counter() - started
         done = (step + 1 - start_step) * settings["batch_tokens"]
         bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{done / elapsed:.0f}")
 
     kept = _best_measured(report.log) if settings["keep"] == "best" else report.log[-1]
-    if last == total_steps and kept["step"] != last and world.is_main:
-        _restore_best(run.private / BEST_FILE, trainable, kept["step"])
+    if last == total_steps and kept["step"] != last:
+        _restore_best(best_dir, trainable, kept["step"], world)
         _refresh(model)
+    if report.sharded:  # rank 0's writer gets the student unsharded: built again, its trained weights put back
+        whole = gathered(trainable, world)
+        if world.is_main:
+            model, trainable = _student(Path(init) if init is not None else model_dir, config, grids, trains, outside)
+            with torch.no_grad():
+                for name, param in trainable.items():
+                    param.copy_(whole[name])
+            _refresh(model)
     report.kept_step, report.kept_heldout_ppl = kept["step"], kept.get("heldout_ppl", 0.0)
     report.steps = last
     report.tokens = last * settings["batch_tokens"]

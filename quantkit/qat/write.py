@@ -47,7 +47,7 @@ def _manifest(trained: TrainedModel, recipe: Recipe, fmt_name: str, model_finger
             "fingerprints": {"model": model_fingerprint, "recipe": recipe.fingerprint(),
                              "run": trained.run.fingerprint},
             "qat": {"data": trained.data, "tokens": trained.report.tokens, "steps": trained.report.steps,
-                    "init": init, "threads": trained.report.threads,
+                    "init": init, "threads": trained.report.threads, "sharded": trained.report.sharded,
                     **trained.world.described},
             "layer_errors": []}
 

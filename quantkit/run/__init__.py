@@ -97,7 +97,8 @@ class Run:
 
     def begin(self, inputs: dict, progress_file: str) -> bool:
         """Tie the staging to the run's ``inputs`` (their ``fingerprint``) and make it; return whether the
-        run continues an interrupted one, which left ``progress_file`` (its checkpoint) in the staging.
+        run continues an interrupted one, which left ``progress_file`` (its checkpoint, or the record of its
+        checkpoint folder: ``folder/record``, the folder leaving with it when the run publishes) in the staging.
         A continued run must have the inputs it started with: ``RunError`` names those that count."""
         self.fingerprint = fingerprint(inputs)
         self._progress_file = progress_file
@@ -128,6 +129,9 @@ class Run:
             self._make_staging()  # a run without checkpoints (never resumed) makes its staging here
         else:  # so that a kill after this leaves a run that starts over
             (self.staging / self._progress_file).unlink(missing_ok=True)
+            folder = Path(self._progress_file).parent
+            if folder != Path("."):  # the record of a checkpoint folder: the folder's files go with it
+                atomic.remove_tree(self.staging / folder.parts[0])
         yield self.staging
         parked = parked_record(self.staging)
         atomic.remove_tree(parked)

@@ -20,17 +20,23 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from quantkit.errors import QuantkitError
 from quantkit.run import Run, RunError
 
 TIMEOUT_ENV = "QUANTKIT_DISTRIBUTED_TIMEOUT"  # seconds
 DEFAULT_TIMEOUT_SECONDS = 600  # torch's own default for NCCL
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # device type -> the backend whose collectives run there
 TENSORS_ON = {backend: device for device, backend in BACKENDS.items()}  # where a backend's collectives take tensors
+# the process group each device's ranks make: on GPUs gloo beside NCCL, so that the ranks can compare their
+# devices on the host before any collective on a device (ranks of mixed devices would make mixed backends)
+GROUP_BACKENDS = {"cpu": "gloo", "cuda": "cpu:gloo,cuda:nccl"}
+DEVICES = tuple(BACKENDS)
+Made = TypeVar("Made")
 
 
 @dataclass
@@ -97,16 +103,55 @@ class World:
             return [value]
         return [row[0] for row in self._gathered([value])]
 
-    def from_main(self, compute: Callable[[], dict[str, float]], names: Sequence[str]) -> dict[str, float]:
+    def from_main(self, compute: Callable[[], dict[str, float]], names: Sequence[str], *,
+                  computed_by_all: bool = False) -> dict[str, float]:
         """``compute()``'s values on rank 0, the others receiving them: numbers only rank 0 measures (it
-        alone holds what they need), that every rank must act on alike. ``names``: the keys it returns."""
+        alone holds what they need), that every rank must act on alike. ``names``: the keys it returns.
+        ``computed_by_all``: every rank calls ``compute`` (it runs collectives itself, as a sharded model's
+        forward does), and rank 0's values are still the ones every rank takes."""
         if self.world_size == 1:
             return compute()
-        computed = compute() if self.is_main else dict.fromkeys(names, 0.0)
+        computed = compute() if self.is_main or computed_by_all else dict.fromkeys(names, 0.0)
         values = torch.tensor([computed[name] for name in names], dtype=torch.float64, device=self._device)
         with _collective(self, "waiting for rank 0's numbers"):
             dist.broadcast(values, src=0)
         return dict(zip(names, values.tolist()))
+
+    def made_on_main(self, make: Callable[[], Made]) -> Made | None:
+        """``make()`` on rank 0 (None on the others), its refusal raised on every rank in rank 0's words: a
+        check only rank 0 can make (an existing output, a staging started with other inputs) stops the whole
+        job with one line on each rank, not rank 0's line and the others' lost peer."""
+        if self.world_size == 1:
+            return make()
+        made, refusal = None, None
+        if self.is_main:
+            try:
+                made = make()
+            except QuantkitError as e:
+                refusal = e
+        message = self._from_main_text("" if refusal is None else str(refusal))
+        if refusal is not None:
+            raise refusal
+        if message:
+            raise RunError(message)
+        return made
+
+    def refuse_mixed_devices(self, device: str) -> None:
+        """Refuse, on every rank, a job whose ranks run on different devices (``device``: this rank's
+        type, "cpu" or "cuda"): their collectives would take tensors on different devices, of different
+        backends. Compared over gloo, which every rank's group has."""
+        if self.world_size == 1:
+            return
+        mine = torch.tensor([DEVICES.index(device)])
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        with _collective(self, "comparing the ranks' devices"):
+            dist.all_gather(gathered, mine)
+        devices = [DEVICES[int(code)] for code in gathered]
+        if len(set(devices)) > 1:
+            listed = ", ".join(f"rank {rank} {device}" for rank, device in enumerate(devices))
+            raise RunError(f"rank {self.rank} of {self.world_size}: the ranks run on different devices ({listed}), "
+                           "whose collectives need different backends (gloo on CPUs, NCCL on GPUs): give every "
+                           "rank the same --device")
 
     def barrier(self, what: str) -> None:
         """Wait until every rank has reached this point (``what``: the point, for the error's message)."""
@@ -122,6 +167,18 @@ class World:
             dist.all_gather(gathered, mine)
         return [row.tolist() for row in gathered]
 
+    def _from_main_text(self, text: str) -> str:
+        """Rank 0's ``text`` on every rank, as UTF-8: its length, then its bytes."""
+        encoded = torch.tensor(list(text.encode()), dtype=torch.uint8, device=self._device)
+        length = torch.tensor([encoded.numel()], dtype=torch.int64, device=self._device)
+        with _collective(self, "waiting for rank 0 to start the run"):
+            dist.broadcast(length, src=0)
+            if not self.is_main:
+                encoded = torch.empty(int(length.item()), dtype=torch.uint8, device=self._device)
+            if encoded.numel():
+                dist.broadcast(encoded, src=0)
+        return bytes(encoded.tolist()).decode()
+
     @property
     def _device(self) -> str:
         return TENSORS_ON[self.backend]
@@ -133,8 +190,8 @@ SINGLE = World()
 def begin_on_main(world: World, run: Run | None, inputs: dict, checkpoint_file: str) -> bool:
     """Whether the run continues an interrupted one: rank 0 begins ``run`` (it alone owns the run; None on
     the other ranks), and the others continue with it, from its checkpoint."""
-    continuing = world.from_main(lambda: {"continuing": run.begin(inputs, checkpoint_file)}, ("continuing",))
-    return bool(continuing["continuing"])
+    continuing = world.made_on_main(lambda: run.begin(inputs, checkpoint_file))
+    return bool(world.from_main(lambda: {"continuing": float(continuing)}, ("continuing",))["continuing"])
 
 
 class Throughput(NamedTuple):
@@ -170,12 +227,18 @@ def joined(device: str) -> Iterator[World]:
         torch.cuda.set_device(world.local_rank)  # one GPU per process: the local rank's
     timeout = timeout_seconds()
     try:
-        dist.init_process_group(world.backend, timeout=datetime.timedelta(seconds=timeout))
+        store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout)))
+        # torchrun keeps one store for every attempt of a job it restarts (--max-restarts): unprefixed, a restarted
+        # rank can read a dead peer's address from the attempt before, and its connection is refused (torch 2.13)
+        attempt = dist.PrefixStore(f"quantkit-attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group(GROUP_BACKENDS[device], store=attempt, rank=world.rank, world_size=world.world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
     except (dist.DistError, ValueError) as e:  # no rendezvous: no peer came, or no address to meet at
         raise RunError(f"rank {world.rank} of {world.world_size}: no rendezvous with the other ranks at "
                        f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} within {timeout:g} s "
                        f"({_first_line(e)}); start every rank with torchrun, or raise {TIMEOUT_ENV}") from e
     try:
+        world.refuse_mixed_devices(device)
         yield world
     finally:
         dist.destroy_process_group()

@@ -96,8 +96,10 @@ def straight_through(latent: Tensor, on_grid: Tensor) -> Tensor:
 
 class FakeQuantLinear(torch.nn.Linear):
     """A linear whose forward multiplies by its weight on the grid. The grid weight is computed once per
-    optimizer step (``refresh``), not once per micro-batch: the latent weight changes only at a step.
-    A ``start`` record (an artifact's) sets the latent weight to one its grid rounds back to that record."""
+    optimizer step (``refresh``), not once per micro-batch: the latent weight changes only at a step. A
+    sharded weight (FSDP, ``quantkit.training.sharding``) is whole only inside the forward, and keeping its
+    grid weight between steps would keep the whole layer: each forward rounds it anew, and ``refresh`` keeps
+    nothing. A ``start`` record (an artifact's) sets the latent weight to one its grid rounds back to it."""
 
     def __init__(self, linear: torch.nn.Linear, config: QuantConfig, start: QuantizedTensor | None = None):
         super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None,
@@ -114,15 +116,16 @@ class FakeQuantLinear(torch.nn.Linear):
         """Any artifact can start: its weights are rounded onto ``config``'s grid."""
 
     def refresh(self) -> None:
-        self._on_grid = grid_weight(self.weight, self.config)
+        from torch.distributed.tensor import DTensor
+
+        self._on_grid = None if isinstance(self.weight, DTensor) else grid_weight(self.weight, self.config)
 
     def record(self) -> QuantizedTensor:
         return quantized_record(self.weight, self.config)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self._on_grid is None:
-            self.refresh()
-        return torch.nn.functional.linear(x, straight_through(self.weight, self._on_grid), self.bias)
+        on_grid = self._on_grid if self._on_grid is not None else grid_weight(self.weight, self.config)
+        return torch.nn.functional.linear(x, straight_through(self.weight, on_grid), self.bias)
 
 
 class AffineLinear(torch.nn.Module):
