@@ -7,6 +7,11 @@ its quantization run recorded, and on request task scores (``quantkit.eval.tasks
 speculative acceptance length τ of the variant as target with a given draft (``accept``).
 Written as ``report.json`` (with seeds, data hash and package
 versions), ``report.md``, and two PNG plots: KL against bits per parameter, and error per layer.
+
+Under torchrun the variants are spread over the ranks (``quantkit.distributed``): rank 0 computes the
+reference cache while the others wait, then rank r scores variants r, r + W, ... (the reference counted
+first) against it, whole, and every rank receives every result in the order one process lists them; the
+caller's rank 0 writes the report. A variant's numbers are those one process computes for it.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from quantkit.distributed import SINGLE, World
 from quantkit.table import format_table
 
 PACKAGES = ("quantkit", "torch", "transformers", "numpy", "safetensors", "gguf")
@@ -77,18 +83,24 @@ def _task_scores(path: Path, extras: Extras, progress: bool, device: str = "cpu"
 
 def evaluate(reference_dir: Path, variants: list[Path], tokens: torch.Tensor, window: int, stride: int | None,
              top_k: int, cache_dir: Path, progress: bool = False, extras: Extras = Extras(),
-             device: str = "cpu") -> tuple[list[VariantResult], Path]:
+             device: str = "cpu", world: World = SINGLE) -> tuple[list[VariantResult], Path]:
     """Every variant's result (the reference first) and the reference cache's path. The models run on
-    ``device`` (task scores too); ``tokens`` stay on the host for the cache key."""
+    ``device`` (task scores too); ``tokens`` stay on the host for the cache key. In a torchrun job
+    (``world``), each rank scores its share of the variants and every rank returns them all."""
     from quantkit.eval.accept import acceptance, prompt_rows
     from quantkit.eval.refcache import cached_reference, kl_against_reference
     from quantkit.kernels.generate import load_text_generator
     from quantkit.loading import load_model
 
+    if not world.is_main:  # rank 0 computes the cache; the others read it once it is written
+        world.barrier("waiting for rank 0's reference cache")
     reference, cache_path = cached_reference(reference_dir, tokens, window, stride, top_k, cache_dir, progress,
                                              device=device)
+    if world.is_main:
+        world.barrier("waiting for the ranks to start scoring")
+    paths = [reference_dir, *variants]
     results = []
-    for path in [reference_dir, *variants]:
+    for path in (paths[index] for index in world.share(len(paths))):
         model = load_model(path).to(device)
         parameters = sum(t.numel() for t in model.state_dict().values()) - (
             model.lm_head.weight.numel() if model.config.tie_word_embeddings else 0)
@@ -105,7 +117,7 @@ def evaluate(reference_dir: Path, variants: list[Path], tokens: torch.Tensor, wi
             8 * size / parameters, kl.perplexity, 100 * (kl.perplexity / kl.reference_perplexity - 1), kl.mean_kl,
             kl.top1_agreement, layer_errors(path),
             _task_scores(path, extras, progress, device) if extras.tasks else {}, tau))
-    return results, cache_path
+    return [VariantResult(**record) for record in world.unshared_records([asdict(r) for r in results])], cache_path
 
 
 def setup_record(reference_dir: Path, data: str, tokens: torch.Tensor, window: int, stride: int | None,

@@ -21,7 +21,7 @@ LAYERS = {
     "leaves": ("quantkit.version", "quantkit.errors", "quantkit.quant", "quantkit.stats", "quantkit.device",
                "quantkit.memory", "quantkit.atomic", "quantkit.lock", "quantkit.table", "quantkit.cpu_ops",
                "quantkit.rdata", "quantkit.recipes", "quantkit.calib_data", "quantkit.activation_quant",
-               "quantkit.fp8"),
+               "quantkit.fp8", "quantkit.distributed"),
     "io": ("quantkit.json_files", "quantkit.checkpoint", "quantkit.file_hashes", "quantkit.artifact",
            "quantkit.inspect", "quantkit.cache", "quantkit.corpora", "quantkit.calib", "quantkit.chat_template",
            "quantkit.tokenizer"),

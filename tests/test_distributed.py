@@ -1,4 +1,4 @@
-"""Data-parallel QAT under torchrun (quantkit.training.distributed), proven with real 2-rank gloo jobs on the
+"""Data-parallel QAT under torchrun (quantkit.distributed), proven with real 2-rank gloo jobs on the
 CPU, one thread per rank, on a tiny random MiniCPM: a 2-rank run trains as one rank does, gives the same
 bytes twice, resumes at another world size, and refuses a world size that does not divide a step.
 
@@ -117,8 +117,8 @@ def test_each_step_deals_every_row_once_over_the_ranks():
     process takes in that step, each once, as many on each rank; over an epoch, the data, each row once."""
     import torch
 
+    from quantkit.distributed import World
     from quantkit.training.data import TrainingData
-    from quantkit.training.distributed import World
 
     data = TrainingData(torch.zeros(24, 8, dtype=torch.long), seed=3, fingerprint="", described={})
     rows_per_step, size, micro_batches = 8, 2, 4  # 3 steps an epoch

@@ -1,4 +1,4 @@
-"""Data-parallel draft-head training under torchrun (quantkit.training.distributed), proven with real 2-rank
+"""Data-parallel draft-head training under torchrun (quantkit.distributed), proven with real 2-rank
 gloo jobs on the CPU, one thread per rank, on tests/test_draft.py's tiny random target: a 2-rank run trains
 as one rank does, gives the same bytes twice, resumes on one rank, and refuses a world size that does not
 divide a step.

@@ -206,12 +206,11 @@ def test_ranks_on_mixed_devices_are_refused_on_every_rank(tmp_path):
 
 
 if __name__ == "__main__":  # a rank of test_ranks_on_mixed_devices_are_refused_on_every_rank's job
-    from quantkit.run import RunError
-    from quantkit.training.distributed import joined
+    from quantkit.distributed import DistributedError, joined
 
     with joined("cpu") as world:  # the group every rank makes (gloo); then each compares the device it names
         try:
             world.refuse_mixed_devices("cuda" if world.rank == 1 else "cpu")
-        except RunError as e:
+        except DistributedError as e:
             print(e, file=sys.stderr)
             sys.exit(1)

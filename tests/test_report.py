@@ -100,3 +100,32 @@ def test_report_scores_every_variant_and_repeats_exactly(tiny_checkpoint, tmp_pa
     assert "rtn" in markdown and "Δ family" in markdown
     again = runner.invoke(main, [*args, "--out", str(tmp_path / "a")])
     assert again.exit_code != 0 and "already exists" in again.output
+
+
+def test_a_report_spread_over_two_ranks_is_the_one_process_report(tiny_checkpoint, tmp_path):
+    """Under torchrun, rank 0 fills the reference cache, each rank scores its share of the 3 models (the
+    reference and two artifacts: 2 on rank 0, 1 on rank 1) and rank 0 writes the report: every number is the
+    one process's, bit for bit (each variant is scored whole, on one thread either way)."""
+    from quantkit.cli import main
+    from quantkit.device import torch_threads
+
+    from helpers import torchrun
+
+    runner = CliRunner()
+    artifacts = []
+    for recipe in ("rtn-w4g128", "rtn-ternary-g32"):
+        artifacts.append(tmp_path / recipe)
+        assert runner.invoke(main, ["quantize", "--recipe", recipe, "--model", str(tiny_checkpoint), "--out",
+                                    str(artifacts[-1]), "--no-progress", "--set", "calibration.n_samples=4"]
+                             ).exit_code == 0
+    args = ["eval", "report", "--ref", str(tiny_checkpoint), "--variants", ",".join(map(str, artifacts)),
+            "--max-tokens", "300", "--window", "128", "--cache-dir", str(tmp_path / "cache"), "--json"]
+    torchrun(2, "-m", "quantkit.cli", *args, "--out", str(tmp_path / "two-ranks"))
+    with torch_threads(1):
+        assert runner.invoke(main, [*args, "--out", str(tmp_path / "one")]).exit_code == 0
+    spread, alone = (json.loads((tmp_path / name / "report.json").read_text()) for name in ("two-ranks", "one"))
+    names = [f"{tiny_checkpoint.name} (reference)", "rtn-w4g128", "rtn-ternary-g32"]
+    assert [variant["name"] for variant in spread["variants"]] == names
+    assert spread["variants"] == alone["variants"]
+    assert (spread["setup"]["world_size"], spread["setup"]["backend"]) == (2, "gloo")
+    assert (alone["setup"]["world_size"], alone["setup"]["backend"]) == (1, None)

@@ -148,25 +148,31 @@ def eval_kld(model, revision, ref, data, max_tokens, window, stride, device, as_
 def eval_report(ref, variants, out, top_k, cache_dir, task_names, task_limit, draft, accept_k, data, max_tokens,
                 window, stride, device, as_json):
     """Score every variant against the reference in one run: report.json, report.md and PNG plots.
-    --device places the reference, perplexity, KL, tau and task (--tasks) runs."""
+    --device places the reference, perplexity, KL, tau and task (--tasks) runs. Under torchrun the variants
+    are spread over the ranks, rank 0 writing the report (docs/distributed.md)."""
     from quantkit.atomic import refuse_existing
     from quantkit.device import resolve_device
+    from quantkit.distributed import joined
     from quantkit.eval import report
     from quantkit.eval.refcache import DEFAULT_DIR
     from quantkit.eval.tasks.registry import parse_task_names
     from quantkit.zoo import resolve_model
 
-    refuse_existing(out)
     device = resolve_device(device)
-    ref_dir = resolve_model(ref)
-    variant_dirs = [resolve_model(v.strip()) for v in variants.split(",") if v.strip()]
-    extras = report.Extras(tuple(parse_task_names(task_names)) if task_names else (), task_limit,
-                           resolve_model(draft) if draft else None, accept_k)
-    tokens = heldout_tokens(ref_dir, data, max_tokens)
-    results, cache = report.evaluate(ref_dir, variant_dirs, tokens, window, stride, top_k, cache_dir or DEFAULT_DIR,
-                                     progress=not as_json, extras=extras, device=device)
+    with joined(device) as world:  # under torchrun, the variants are spread over the ranks; rank 0 writes
+        world.made_on_main(lambda: refuse_existing(out))
+        ref_dir = resolve_model(ref)
+        variant_dirs = [resolve_model(v.strip()) for v in variants.split(",") if v.strip()]
+        extras = report.Extras(tuple(parse_task_names(task_names)) if task_names else (), task_limit,
+                               resolve_model(draft) if draft else None, accept_k)
+        tokens = heldout_tokens(ref_dir, data, max_tokens)
+        results, cache = report.evaluate(ref_dir, variant_dirs, tokens, window, stride, top_k,
+                                         cache_dir or DEFAULT_DIR, progress=not as_json and world.is_main,
+                                         extras=extras, device=device, world=world)
+        if not world.is_main:
+            return
     setup = {**report.setup_record(ref_dir, data, tokens, window, stride, top_k, extras),
-             "device": device, "reference_cache": str(cache)}
+             "device": device, "reference_cache": str(cache), **world.described}
     report.write(out, results, setup)
     emit(as_json, {"setup": setup, "variants": [asdict(r) for r in results], "out": str(out)},
           report.markdown(results, setup))

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from quantkit.distributed import SINGLE, World
 from quantkit.models.eagle3 import Eagle3Head, entering_states
 from quantkit.training import rowcache
-from quantkit.training.distributed import SINGLE, World
 
 
 def features_key(target_fingerprint: str, data_fingerprint: str, head: Eagle3Head, top_k: int) -> str:

@@ -13,7 +13,7 @@ The target, the head, the features of the step's rows and the optimizer's state 
 device (a CUDA GPU or the CPU, the same torch code on either); the text, the feature cache's files
 and the written head stay on the host.
 
-Under torchrun the run is data-parallel, as QAT's (``quantkit.training.distributed``; docs/distributed.md):
+Under torchrun the run is data-parallel, as QAT's (``quantkit.distributed``; docs/distributed.md):
 rank r of W takes rows r, r + W, ... of each step's ``batch_rows``; each step's loss is a mean over the
 positions of all the step's rows, so each rank divides its positions' sum by the step's count over every
 rank, and the ranks' losses and gradients, summed, are the step's, one process's up to the order of float
@@ -37,6 +37,7 @@ from quantkit import atomic, calib
 from quantkit.cache import cache_root
 from quantkit.checkpoint import CheckpointReader
 from quantkit.device import resolve_device
+from quantkit.distributed import SINGLE, World, joined, throughput
 from quantkit.draft.features import build_features, features_key, row_features
 from quantkit.draft.head_files import save_quantized_head
 from quantkit.draft.settings import DraftSettings
@@ -52,11 +53,10 @@ from quantkit.models.eagle3 import (
 )
 from quantkit.quant import QuantConfig
 from quantkit.reader import load_head
-from quantkit.run import Run, RunError, peak_rss_mb
+from quantkit.run import Run, RunError, begin_on_main, peak_rss_mb
 from quantkit.training import state
 from quantkit.training.data import training_data
 from quantkit.training.distill import distillation_loss
-from quantkit.training.distributed import SINGLE, World, begin_on_main, joined, throughput
 from quantkit.training.fake_quant import FakeQuantLinear, quantized_record, wrap_linears
 from quantkit.training.own_text import own_text
 from quantkit.training.schedule import wsd_learning_rate

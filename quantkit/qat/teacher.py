@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from quantkit.distributed import SINGLE, World
 from quantkit.training import rowcache
-from quantkit.training.distributed import SINGLE, World
 
 
 def cache_key(model_fingerprint: str, data_fingerprint: str, top_k: int, dtype: torch.dtype) -> str:

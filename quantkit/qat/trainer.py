@@ -20,7 +20,7 @@ that a run can only end at least as close to the FP model on that text as it sta
 learning rate (``qat.full_rate_excess``: a start close to the FP model, such as a GPTQ, block-reconstructed
 or int4 one, takes proportionally smaller steps; ``schedule.start_rate_factor``).
 
-Under torchrun the run is data-parallel (``quantkit.training.distributed``; docs/distributed.md): each
+Under torchrun the run is data-parallel (``quantkit.distributed``; docs/distributed.md): each
 step's micro-batches are dealt to the ranks (rank r takes micro-batches r, r + W, ...) and their
 gradients summed over the ranks, so that a step, its learning rate and its batch mean what they mean in
 one process, and the update is one process's up to the order of float additions. Each rank computes a
@@ -50,6 +50,7 @@ from quantkit import atomic, calib
 from quantkit.cache import cache_root
 from quantkit.checkpoint import CheckpointReader
 from quantkit.device import resolve_device
+from quantkit.distributed import World, joined, throughput
 from quantkit.formats import FORMATS
 from quantkit.loading import load_model
 from quantkit.models import MiniCPMConfig
@@ -58,13 +59,12 @@ from quantkit.qat.teacher import build_cache, cache_key, heldout_kl, heldout_tar
 from quantkit.quant import QuantConfig
 from quantkit.reader import ArtifactReader, linear_shapes
 from quantkit.recipe import Recipe
-from quantkit.run import RUN_DIR, Run, RunError, peak_rss_mb
+from quantkit.run import RUN_DIR, Run, RunError, begin_on_main, peak_rss_mb
 from quantkit.run.checks import validate_checkpoint
 from quantkit.stats import compute_dtype
 from quantkit.training import state
 from quantkit.training.data import training_data
 from quantkit.training.distill import distillation_loss
-from quantkit.training.distributed import World, begin_on_main, joined, throughput
 from quantkit.training.fake_quant import TRAINS, FakeQuantLinear, Trains, check_groups, wrap_linears
 from quantkit.training.schedule import start_rate_factor, wsd_learning_rate
 from quantkit.training.sharding import clip_gradients, gathered, shard, sharded, state_bytes, syncing_gradients

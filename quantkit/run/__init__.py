@@ -31,11 +31,14 @@ import resource
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from quantkit import atomic
 from quantkit.errors import QuantkitError
 from quantkit.lock import OutputLock
+
+if TYPE_CHECKING:
+    from quantkit.distributed import World
 
 # In the staging, the run's own folder: the record of the inputs it started with (their fingerprint). A
 # folder, so that a manifest, which lists the staging's files, leaves it out. Just before the rename it
@@ -149,6 +152,13 @@ class Run:
     def elapsed(self) -> float:
         """Seconds since the run was made."""
         return time.perf_counter() - self._started
+
+
+def begin_on_main(world: World, run: Run | None, inputs: dict, progress_file: str) -> bool:
+    """``run.begin`` for a torchrun job, whose rank 0 alone owns the run (``run`` is None on the other ranks):
+    whether it continues an interrupted one, on every rank, and its refusal raised on every rank."""
+    continuing = world.made_on_main(lambda: run.begin(inputs, progress_file))
+    return bool(world.from_main(lambda: {"continuing": float(continuing)}, ("continuing",))["continuing"])
 
 
 def parked_record(staging: Path) -> Path:

@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicCache
 
+from quantkit.distributed import SINGLE, World
 from quantkit.training import rowcache
 from quantkit.training.data import TrainingData
-from quantkit.training.distributed import SINGLE, World
 
 
 @torch.no_grad()

@@ -25,8 +25,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from quantkit import atomic
+from quantkit.distributed import SINGLE, World
 from quantkit.run import RunError
-from quantkit.training.distributed import SINGLE, World
 
 CHUNK_ROWS = 16  # rows per cache file: what an interruption can lose
 

@@ -7,7 +7,7 @@ just before its forward (and again for its backward) and freed after it, so a ra
 parameter, of every gradient and of AdamW's moments (which the optimizer makes in the parameters' sharded
 layout), plus one or two whole units at a time. The student's embedding, final norm and LM head are its root
 unit's. Where the data
-parallelism of ``quantkit.training.distributed`` sums a step's gradients over the ranks with one
+parallelism of ``quantkit.distributed`` sums a step's gradients over the ranks with one
 ``all_reduce``, FSDP reduce-scatters them: each rank receives the sum of its own shard only. Both sum (each
 rank's gradient is already its share of the step's mean; FSDP's default would average them again), and both
 reduce once a step, after a rank's last micro-batch, so the sums are added in the same order.
@@ -22,9 +22,9 @@ from typing import Sequence
 
 import torch
 
+from quantkit.distributed import World
 from quantkit.memory import device_available_bytes
 from quantkit.run import RunError
-from quantkit.training.distributed import World
 
 # the share of a device's free memory the training state may take unsharded: activations, the teacher (while
 # it fills its cache) and the allocator's slack need the rest

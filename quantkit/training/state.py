@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
 from quantkit import atomic
-from quantkit.training.distributed import World
+from quantkit.distributed import World
 
 RECORD = "checkpoint.json"  # the committed checkpoint: which folder, and the loop's position
 _STEP_FOLDER = "step-{:08d}"

@@ -1,4 +1,5 @@
-"""A training process's place in a torchrun job, and the few collectives data-parallel training needs.
+"""A process's place in a torchrun job, and the few collectives quantkit's data-parallel work needs (training,
+and ``eval report`` spreading its variants).
 
 torchrun (alone, or under SLURM as ``srun torchrun``) starts one process per device and tells each its
 place through the environment: RANK, WORLD_SIZE, LOCAL_RANK, and where to meet (MASTER_ADDR,
@@ -9,13 +10,14 @@ computes exactly what it did before data parallelism existed.
 
 Every operation is one of torch.distributed's own collectives, bounded by the group's timeout
 (``TIMEOUT_ENV``): a rendezvous that never completes, or a peer that died, ends the run with one line
-naming this rank (``RunError``), never a hang. A collective waits for the slowest rank, so the timeout
+naming this rank (``DistributedError``), never a hang. A collective waits for the slowest rank, so the timeout
 must exceed the longest stretch one rank works alone: rank 0's held-out measurement, the last chunk of
 a row cache (the teacher's, the target features).
 """
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import time
 from contextlib import contextmanager
@@ -26,7 +28,6 @@ import torch
 import torch.distributed as dist
 
 from quantkit.errors import QuantkitError
-from quantkit.run import Run, RunError
 
 TIMEOUT_ENV = "QUANTKIT_DISTRIBUTED_TIMEOUT"  # seconds
 DEFAULT_TIMEOUT_SECONDS = 600  # torch's own default for NCCL
@@ -37,6 +38,10 @@ TENSORS_ON = {backend: device for device, backend in BACKENDS.items()}  # where 
 GROUP_BACKENDS = {"cpu": "gloo", "cuda": "cpu:gloo,cuda:nccl"}
 DEVICES = tuple(BACKENDS)
 Made = TypeVar("Made")
+
+
+class DistributedError(QuantkitError, RuntimeError):
+    """A job whose ranks cannot meet, agree or go on together."""
 
 
 @dataclass
@@ -73,8 +78,8 @@ class World:
         a step's ``count`` items (``items``: what they are, as the message names them; ``change``: the settings
         that make them): with fewer on some ranks, a step would not mean what it means in one process."""
         if count % self.world_size:
-            raise RunError(f"{items} cannot be dealt evenly to {self.world_size} ranks: run a number of ranks that "
-                           f"divides {count}, or change {change}")
+            raise DistributedError(f"{items} cannot be dealt evenly to {self.world_size} ranks: run a number of "
+                                   f"ranks that divides {count}, or change {change}")
 
     def share(self, count: int) -> range:
         """This rank's items of ``count`` (a step's micro-batches, a cache's chunks): every
@@ -96,6 +101,14 @@ class World:
             return list(mine)
         per_rank, size = self._gathered(mine), self.world_size
         return [per_rank[item % size][item // size] for item in range(len(mine) * size)]
+
+    def unshared_records(self, mine: Sequence) -> list:
+        """``unshared`` for JSON values (a report's rows): every item's, in item order, on every rank."""
+        if self.world_size == 1:
+            return list(mine)
+        per_rank = [json.loads(text) for text in self._gathered_texts(json.dumps(list(mine)))]
+        return [per_rank[item % self.world_size][item // self.world_size]
+                for item in range(sum(len(records) for records in per_rank))]
 
     def per_rank(self, value: float) -> list[float]:
         """Every rank's ``value``, by rank."""
@@ -133,7 +146,7 @@ class World:
         if refusal is not None:
             raise refusal
         if message:
-            raise RunError(message)
+            raise DistributedError(message)
         return made
 
     def refuse_mixed_devices(self, device: str) -> None:
@@ -149,9 +162,9 @@ class World:
         devices = [DEVICES[int(code)] for code in gathered]
         if len(set(devices)) > 1:
             listed = ", ".join(f"rank {rank} {device}" for rank, device in enumerate(devices))
-            raise RunError(f"rank {self.rank} of {self.world_size}: the ranks run on different devices ({listed}), "
-                           "whose collectives need different backends (gloo on CPUs, NCCL on GPUs): give every "
-                           "rank the same --device")
+            raise DistributedError(f"rank {self.rank} of {self.world_size}: the ranks run on different devices "
+                                   f"({listed}), whose collectives need different backends (gloo on CPUs, NCCL on "
+                                   "GPUs): give every rank the same --device")
 
     def barrier(self, what: str) -> None:
         """Wait until every rank has reached this point (``what``: the point, for the error's message)."""
@@ -166,6 +179,20 @@ class World:
         with _collective(self, "gathering the ranks' numbers"):
             dist.all_gather(gathered, mine)
         return [row.tolist() for row in gathered]
+
+    def _gathered_texts(self, text: str) -> list[str]:
+        """Every rank's ``text``, by rank, as UTF-8: the lengths, then the bytes padded to the longest."""
+        encoded = torch.tensor(list(text.encode()), dtype=torch.uint8, device=self._device)
+        length = torch.tensor([encoded.numel()], dtype=torch.int64, device=self._device)
+        lengths = [torch.empty_like(length) for _ in range(self.world_size)]
+        with _collective(self, "gathering the ranks' results"):
+            dist.all_gather(lengths, length)
+            longest = max(int(n.item()) for n in lengths)
+            padded = torch.zeros(longest, dtype=torch.uint8, device=self._device)
+            padded[:encoded.numel()] = encoded
+            gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
+            dist.all_gather(gathered, padded)
+        return [bytes(row[:int(n.item())].tolist()).decode() for row, n in zip(gathered, lengths)]
 
     def _from_main_text(self, text: str) -> str:
         """Rank 0's ``text`` on every rank, as UTF-8: its length, then its bytes."""
@@ -185,13 +212,6 @@ class World:
 
 
 SINGLE = World()
-
-
-def begin_on_main(world: World, run: Run | None, inputs: dict, checkpoint_file: str) -> bool:
-    """Whether the run continues an interrupted one: rank 0 begins ``run`` (it alone owns the run; None on
-    the other ranks), and the others continue with it, from its checkpoint."""
-    continuing = world.made_on_main(lambda: run.begin(inputs, checkpoint_file))
-    return bool(world.from_main(lambda: {"continuing": float(continuing)}, ("continuing",))["continuing"])
 
 
 class Throughput(NamedTuple):
@@ -234,9 +254,9 @@ def joined(device: str) -> Iterator[World]:
         dist.init_process_group(GROUP_BACKENDS[device], store=attempt, rank=world.rank, world_size=world.world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
     except (dist.DistError, ValueError) as e:  # no rendezvous: no peer came, or no address to meet at
-        raise RunError(f"rank {world.rank} of {world.world_size}: no rendezvous with the other ranks at "
-                       f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} within {timeout:g} s "
-                       f"({_first_line(e)}); start every rank with torchrun, or raise {TIMEOUT_ENV}") from e
+        raise DistributedError(f"rank {world.rank} of {world.world_size}: no rendezvous with the other ranks at "
+                               f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} within {timeout:g} "
+                               f"s ({_first_line(e)}); start every rank with torchrun, or raise {TIMEOUT_ENV}") from e
     try:
         world.refuse_mixed_devices(device)
         yield world
@@ -252,8 +272,8 @@ def _collective(world: World, what: str) -> Iterator[None]:
     try:
         yield
     except RuntimeError as e:  # gloo and NCCL raise RuntimeError, or torch's DistError, one of its kinds
-        raise RunError(f"rank {world.rank} of {world.world_size}: {what} failed, another rank stopped or did not "
-                       f"answer within {timeout_seconds():g} s ({_first_line(e)})") from e
+        raise DistributedError(f"rank {world.rank} of {world.world_size}: {what} failed, another rank stopped or "
+                               f"did not answer within {timeout_seconds():g} s ({_first_line(e)})") from e
     finally:
         world.in_collectives.seconds += time.perf_counter() - started
 
