@@ -64,7 +64,7 @@ help:
 	@echo "make bench-scale  the marlin recipe on an 8B-shaped random MiniCPM4.1 checkpoint: time, memory, projection"
 	@echo "make bench-8b   an 8B layer quantized with 128 x 2048 tokens vs its floor; quantkit's runtime vs llama.cpp Q4_0/Q4_K_M on an 8B-shaped random checkpoint: decode, prefill, InfLLM v2 at 32K/64K, ternary; CPU classes below this one emulated, beside llama.cpp built for them (hours; BENCH_8B_ARGS='--layers 2')"
 	@echo "make bench-8b-reconstruct  block reconstruction on one 8B layer: a step vs its float32 floor, a layer at the defaults projected (minutes)"
-	@echo "make bench-distributed  qat ternary and draft train on MODEL: 2 gloo ranks x 1 thread vs 1 process x 1 and x 2 threads, scaling efficiency, time in collectives (about 30 minutes)"
+	@echo "make bench-distributed  qat ternary and draft train on MODEL: 2 gloo ranks x 1 thread (data-parallel, sharded) vs 1 process x 1 and x 2 threads, scaling efficiency, time in collectives, step losses (about 40 minutes)"
 	@echo "make bench-hessian  the Hessian update of bf16 activations at 8B widths: compiled kernel (AMX / AVX-512 BF16) vs PyTorch (minutes)"
 	@echo "make bench-qat  ternary QAT (CE only, distilled) vs RTN/GPTQ ternary, GPTQ W2 g32 and W4 on the default model: curve, cost, targets (hours; BENCH_QAT_ARGS='--reuse --with-init')"
 	@echo "make bench-spec EAGLE-3 heads on the default model: tau over FP/W4 targets x FP/re-aligned heads, decode speed-up (about 5 hours; BENCH_SPEC_ARGS='--reuse' continues an interrupted run)"

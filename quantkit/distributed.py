@@ -217,7 +217,9 @@ SINGLE = World()
 class Throughput(NamedTuple):
     tokens_per_second: float  # the job's
     rank_tokens_per_second: list[float]  # each rank's share of it, by rank
-    rank_collective_share: list[float]  # the share of each rank's loop spent in collectives, by rank
+    # the share of each rank's loop spent in this module's collectives, by rank (FSDP's, inside a sharded
+    # forward and backward, are not among them)
+    rank_collective_share: list[float]
 
 
 def throughput(world: World, tokens: int, seconds: float, collective_seconds: float) -> Throughput:

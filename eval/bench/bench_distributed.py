@@ -1,6 +1,6 @@
-"""`make bench-distributed`: data-parallel training on the CPU, 2 gloo ranks of one thread against one
-process of one thread and one process of two, for `quantkit qat ternary` and `quantkit draft train` on the
-same model, steps and rows.
+"""`make bench-distributed`: training on the CPU under torchrun, 2 gloo ranks of one thread (data-parallel,
+and sharded with FSDP2) against one process of one thread and one process of two, for `quantkit qat ternary`
+and `quantkit draft train` on the same model, steps and rows.
 
 Each run is the command a user types (under ``torchrun --standalone --nproc-per-node 2`` for the ranks),
 with ``OMP_NUM_THREADS`` setting the threads, in a fresh output each time; its ``--json`` report gives the
@@ -8,7 +8,10 @@ training loop's tokens/s (the teacher's or the target's per-row cache is built b
 first run, and read by every later one, whatever its world size) and the share of each rank's loop spent
 in collectives (moving the gradients and waiting for the other rank). The scaling efficiency is the
 2-rank tokens/s over twice the 1-rank, 1-thread tokens/s; 2 ranks of one thread against one process of
-two threads says which way of using the same two cores trains faster. Median of ``--repeats`` runs.
+two threads says which way of using the same two cores trains faster. Every configuration's step losses are
+compared with the one-process, one-thread run's (the largest relative difference over the steps), and QAT's
+held-out KL at the last step, which the written artifact has: the ranks train the same steps, up to the order
+of float additions. Median of ``--repeats`` runs.
 
     python -m quantkit.eval.bench.bench_distributed --out out/bench-distributed
 """
@@ -30,8 +33,11 @@ from quantkit.table import format_table
 
 TARGET_EFFICIENCY = 0.85  # of linear, for 2 ranks
 
-# configuration -> (ranks, threads per rank)
-CONFIGURATIONS = {"1 rank x 1 thread": (1, 1), "1 rank x 2 threads": (1, 2), "2 ranks x 1 thread": (2, 1)}
+# configuration -> (ranks, threads per rank, its options)
+CONFIGURATIONS = {"1 rank x 1 thread": (1, 1, ()), "1 rank x 2 threads": (1, 2, ()),
+                  "2 ranks x 1 thread": (2, 1, ("--shard", "off")),
+                  "2 ranks x 1 thread, sharded": (2, 1, ("--shard", "on"))}
+SINGLE, RANKS = "1 rank x 1 thread", "2 ranks x 1 thread"
 
 
 def workloads(model: str, steps: int) -> dict[str, list[str]]:
@@ -52,6 +58,8 @@ class Row:
     tokens_per_second: float  # median of the repeats
     collective_share: float  # rank 0's loop, median of the repeats (0 for one process)
     runs: list[float]  # tokens/s of each repeat
+    losses: list[float]  # each step's loss (the first repeat's)
+    heldout_kl: float | None  # QAT: the held-out KL to the FP model at the last step (the first repeat's)
 
 
 def run_once(command: list[str], ranks: int, threads: int, out: Path) -> dict:
@@ -70,11 +78,18 @@ def run_once(command: list[str], ranks: int, threads: int, out: Path) -> dict:
 
 
 def measure(workload: str, command: list[str], configuration: str, repeats: int, out: Path) -> Row:
-    ranks, threads = CONFIGURATIONS[configuration]
-    reports = [run_once(command, ranks, threads, out / "run") for _ in range(repeats)]
+    ranks, threads, options = CONFIGURATIONS[configuration]
+    reports = [run_once([*command, *options], ranks, threads, out / "run") for _ in range(repeats)]
     return Row(workload, configuration, statistics.median(r["tokens_per_second"] for r in reports),
                statistics.median(r["rank_collective_share"][0] for r in reports),
-               [r["tokens_per_second"] for r in reports])
+               [r["tokens_per_second"] for r in reports],
+               [entry["loss"] for entry in reports[0]["log"] if "loss" in entry],
+               reports[0]["log"][-1].get("heldout_kl"))
+
+
+def loss_difference(row: Row, reference: Row) -> float:
+    """The largest relative difference of a step's loss from the reference run's."""
+    return max(abs(ours - theirs) / abs(theirs) for ours, theirs in zip(row.losses, reference.losses, strict=True))
 
 
 @click.command()
@@ -100,19 +115,26 @@ def main(model, steps, repeats, chosen, out):
     table, notes = [], []
     for name in names:
         by = {row.configuration: row for row in rows if row.workload == name}
-        single, two_threads, ranks = by["1 rank x 1 thread"], by["1 rank x 2 threads"], by["2 ranks x 1 thread"]
-        efficiency = ranks.tokens_per_second / (2 * single.tokens_per_second)
+        single, two_threads = by[SINGLE], by["1 rank x 2 threads"]
         for row in by.values():
+            # a sharded step's gathers and reduce-scatters run inside FSDP's forward and backward, untimed
+            share = "not timed" if row.configuration.endswith("sharded") else f"{row.collective_share:.1%}"
             table.append([name, row.configuration, f"{row.tokens_per_second:.1f}",
-                          f"{row.tokens_per_second / single.tokens_per_second:.2f}x", f"{row.collective_share:.1%}",
+                          f"{row.tokens_per_second / single.tokens_per_second:.2f}x", share,
+                          f"{loss_difference(row, single):.1e}",
+                          "" if row.heldout_kl is None else f"{row.heldout_kl - single.heldout_kl:+.1e}",
                           " ".join(f"{rate:.1f}" for rate in row.runs)])
-        notes.append(f"{name}: 2 ranks at {efficiency:.2f} of linear (target >= {TARGET_EFFICIENCY}: "
-                     f"{'met' if efficiency >= TARGET_EFFICIENCY else 'missed'}); against one process of 2 "
-                     f"threads {ranks.tokens_per_second / two_threads.tokens_per_second:.2f}x")
+        for configuration in (RANKS, f"{RANKS}, sharded"):
+            ranks = by[configuration]
+            efficiency = ranks.tokens_per_second / (2 * single.tokens_per_second)
+            notes.append(f"{name}, {configuration}: {efficiency:.2f} of linear (target >= {TARGET_EFFICIENCY}: "
+                         f"{'met' if efficiency >= TARGET_EFFICIENCY else 'missed'}); against one process of 2 "
+                         f"threads {ranks.tokens_per_second / two_threads.tokens_per_second:.2f}x")
     setup = (f"{model}, {steps} steps a run, median of {repeats}; {machine()}; gloo, torchrun --standalone; "
              "the per-row caches built before the timed loops")
-    report(setup, format_table(["workload", "configuration", "tok/s", "vs 1x1", "in collectives (rank 0)",
-                                "runs tok/s"], table), rows, json_path=out / "bench.json",
+    columns = ["workload", "configuration", "tok/s", "vs 1x1", "in collectives (rank 0)", "step loss vs 1x1 (rel.)",
+               "held-out KL vs 1x1", "runs tok/s"]
+    report(setup, format_table(columns, table), rows, json_path=out / "bench.json",
            markdown_path=out / "bench.md", notes="\n".join(notes),
            extra={"efficiency_target": TARGET_EFFICIENCY})
 
