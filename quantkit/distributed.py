@@ -99,16 +99,13 @@ class World:
         in item order, as one process computing them all would have listed them."""
         if self.world_size == 1:
             return list(mine)
-        per_rank, size = self._gathered(mine), self.world_size
-        return [per_rank[item % size][item // size] for item in range(len(mine) * size)]
+        return self._interleaved(self._gathered(mine))
 
     def unshared_records(self, mine: Sequence) -> list:
         """``unshared`` for JSON values (a report's rows): every item's, in item order, on every rank."""
         if self.world_size == 1:
             return list(mine)
-        per_rank = [json.loads(text) for text in self._gathered_texts(json.dumps(list(mine)))]
-        return [per_rank[item % self.world_size][item // self.world_size]
-                for item in range(sum(len(records) for records in per_rank))]
+        return self._interleaved([json.loads(text) for text in self._gathered_texts(json.dumps(list(mine)))])
 
     def per_rank(self, value: float) -> list[float]:
         """Every rank's ``value``, by rank."""
@@ -171,6 +168,11 @@ class World:
         if self.world_size > 1:
             with _collective(self, what):
                 dist.barrier()
+
+    def _interleaved(self, per_rank: list[list]) -> list:
+        """Each rank's share of the items (``share``), by rank, put back in item order."""
+        total = sum(len(items) for items in per_rank)
+        return [per_rank[item % self.world_size][item // self.world_size] for item in range(total)]
 
     def _gathered(self, values: Sequence[float]) -> list[list[float]]:
         """Every rank's ``values`` (as many on each), by rank; float64 holds a Python float exactly."""

@@ -60,7 +60,7 @@ from quantkit.training.distill import distillation_loss
 from quantkit.training.fake_quant import FakeQuantLinear, quantized_record, wrap_linears
 from quantkit.training.own_text import own_text
 from quantkit.training.schedule import wsd_learning_rate
-from quantkit.training.sharding import clip_gradients, gathered, shard, sharded, state_bytes
+from quantkit.training.sharding import clip_gradients, gather_into, shard, sharded, state_bytes
 from quantkit.version import __version__
 
 CHECKPOINT_DIR = "draft_checkpoint"
@@ -289,12 +289,9 @@ def _train_head(target_dir: Path, out_dir: Path, settings: DraftSettings, *, ini
         world, trained, report.train_seconds, world.in_collectives.seconds - collectives_before)
     report.peak_rss_mb = peak_rss_mb()
     if report.sharded and last == total_steps:
-        whole = gathered(trainable, world)
-        if world.is_main:
+        gather_into(trainable, None if unsharded is None else dict(unsharded.named_parameters()), world)
+        if world.is_main:  # the writer's head: the unsharded copy, now holding the trained weights
             head = unsharded
-            with torch.no_grad():
-                for name, param in head.named_parameters():
-                    param.copy_(whole[name])
     if last < total_steps or not world.is_main:  # stopped early (the checkpoint stays), or not the run's owner
         return report
     head.cpu()  # the writer works on the host

@@ -67,7 +67,7 @@ from quantkit.training.data import training_data
 from quantkit.training.distill import distillation_loss
 from quantkit.training.fake_quant import TRAINS, FakeQuantLinear, Trains, check_groups, wrap_linears
 from quantkit.training.schedule import start_rate_factor, wsd_learning_rate
-from quantkit.training.sharding import clip_gradients, gathered, shard, sharded, state_bytes, syncing_gradients
+from quantkit.training.sharding import clip_gradients, gather_into, shard, sharded, state_bytes, syncing_gradients
 from quantkit.version import __version__
 
 CHECKPOINT_DIR = "qat_checkpoint"
@@ -364,13 +364,11 @@ def _train(model_dir: Path, recipe: Recipe, out_dir: Path, *, perplexity: Callab
         _restore_best(best_dir, trainable, kept["step"], world)
         _refresh(model)
     if report.sharded:  # rank 0's writer gets the student unsharded: built again, its trained weights put back
-        whole = gathered(trainable, world)
+        unsharded = None
         if world.is_main:
-            model, trainable = _student(Path(init) if init is not None else model_dir, config, grids, trains, outside)
-            with torch.no_grad():
-                for name, param in trainable.items():
-                    param.copy_(whole[name])
-            _refresh(model)
+            model, unsharded = _student(Path(init) if init is not None else model_dir, config, grids, trains, outside)
+        gather_into(trainable, unsharded, world)
+        _refresh(model)
     report.kept_step, report.kept_heldout_ppl = kept["step"], kept.get("heldout_ppl", 0.0)
     report.steps = last
     report.tokens = last * settings["batch_tokens"]

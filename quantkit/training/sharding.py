@@ -78,12 +78,13 @@ def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float) -> flo
     return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
 
-def gathered(parameters: dict[str, torch.nn.Parameter], world: World) -> dict[str, torch.Tensor]:
-    """Each of the sharded ``parameters`` whole, on the host, on rank 0 ({} on the others): what the writer,
-    which rank 0 alone runs, puts into an unsharded copy of the model. A collective: every rank calls it."""
-    whole = {}
-    for name, param in parameters.items():
-        tensor = param.full_tensor().detach().cpu()
-        if world.is_main:
-            whole[name] = tensor
-    return whole
+def gather_into(parameters: dict[str, torch.nn.Parameter], unsharded: dict[str, torch.nn.Parameter] | None,
+                world: World) -> None:
+    """Copy each of the sharded ``parameters`` whole into the same-named parameter of ``unsharded`` (an unsharded
+    copy of the model, for the writer, which rank 0 alone runs; None on the other ranks). A collective: every
+    rank calls it."""
+    with torch.no_grad():
+        for name, param in parameters.items():
+            whole = param.full_tensor()
+            if unsharded is not None:
+                unsharded[name].copy_(whole)
