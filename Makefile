@@ -37,7 +37,7 @@ AUTOROUND_PEER = AutoRound=$(AUTOROUND_BIN)/python -m quantkit.eval.interop.auto
 AUTOROUND_BEST_PEER = AutoRound-best=$(AUTOROUND_BIN)/python -m quantkit.eval.interop.autoround_quantize {model} \
 	{out} --best --bits {bits} --group-size {group_size} --seqlen {seq_len} --seed {seed} --dtype {dtype}
 
-.PHONY: install demo demo-marlin publish-demo test test-fast lint default-model bench-gptq bench-awq bench-ct bench-gguf bench-gguf-speed bench-gptq-transfer bench-budget bench-lowbit llama-tools bench-mlx bench-scale bench-8b bench-8b-reconstruct bench-distributed bench-hessian bench-runtime bench-qat bench-spec eval-sparse test-reliability interop interop-peer clean help \
+.PHONY: install demo demo-marlin publish-demo test test-fast lint default-model bench-gptq bench-awq bench-ct bench-gguf bench-gguf-speed bench-gptq-transfer bench-budget bench-lowbit llama-tools bench-mlx bench-scale bench-8b bench-8b-reconstruct bench-distributed bench-hessian bench-runtime bench-qat bench-spec bench-spec-llamacpp bench-spec-8b eval-sparse test-reliability interop interop-peer clean help \
 	eval-ppl eval-kld eval-report eval-niah eval-tasks eval-accept
 
 help:
@@ -68,6 +68,8 @@ help:
 	@echo "make bench-hessian  the Hessian update of bf16 activations at 8B widths: compiled kernel (AMX / AVX-512 BF16) vs PyTorch (minutes)"
 	@echo "make bench-qat  ternary QAT (CE only, distilled) vs RTN/GPTQ ternary, GPTQ W2 g32 and W4 on the default model: curve, cost, targets (hours; BENCH_QAT_ARGS='--reuse --with-init')"
 	@echo "make bench-spec EAGLE-3 heads on the default model: tau over FP/W4 targets x FP/re-aligned heads, decode speed-up (about 5 hours; BENCH_SPEC_ARGS='--reuse' continues an interrupted run)"
+	@echo "make bench-spec-8b  a speculative round's cost at MiniCPM4.1-8B's shape (random 4-layer slice projected to 32): propose/verify/observe in plain steps, W4 and bf16 targets, chain 3 and trees, contexts 512/8K (BENCH_SPEC_8B_ARGS)"
+	@echo "make bench-spec-llamacpp  a quantkit EAGLE-3 head drafting in llama.cpp's own speculative decoding (llama-speculative-simple, built once): greedy text = plain, tau vs quantkit eval accept (~1 h with its head's training; BENCH_SPEC_LLAMACPP_ARGS='--reuse')"
 	@echo "make interop    GPTQModel (own venv, ~6 GB) reads quantkit GPTQ checkpoints, sym and asym: weights bit-exact, logits"
 	@echo "make interop-peer  GPTQModel quantizes the default model on quantkit's calibration rows, then its KL"
 	@echo "make default-model  fetch and convert the default model into the cache"
@@ -267,6 +269,12 @@ bench-qat: $(INSTALLED)
 
 bench-spec: $(TEST_INSTALLED)
 	$(BIN)/python -m quantkit.eval.bench.bench_spec --model $(MODEL) --out $(OUT)/bench-spec $(BENCH_SPEC_ARGS)
+
+bench-spec-8b: $(TEST_INSTALLED)
+	$(BIN)/python -m quantkit.eval.bench.bench_spec_8b --out $(OUT)/bench-spec-8b $(BENCH_SPEC_8B_ARGS)
+
+bench-spec-llamacpp: $(TEST_INSTALLED)
+	$(BIN)/python -m quantkit.eval.bench.bench_spec_llamacpp --out $(OUT)/bench-spec-llamacpp $(BENCH_SPEC_LLAMACPP_ARGS)
 
 $(INTEROP_INSTALLED): pyproject.toml
 	test -x $(INTEROP_BIN)/python || $(PYTHON) -m venv $(INTEROP_VENV)

@@ -58,9 +58,10 @@ class LlamaCppModel:
 
 
 def llama_quantize(source: str | Path, out: str | Path, file_type: int, threads: int = 2,
-                   imatrix: Imatrix | None = None) -> float:
+                   imatrix: Imatrix | None = None, requantize: bool = False) -> float:
     """llama.cpp's own quantizer (``llama_model_quantize``) from ``source`` into ``out``, with ``imatrix``'s
-    entries as ``llama-quantize --imatrix`` passes them; wall seconds."""
+    entries as ``llama-quantize --imatrix`` passes them (``requantize``: a quantized ``source`` is dequantized
+    first, ``--allow-requantize``); wall seconds."""
     import ctypes
 
     import llama_cpp
@@ -68,6 +69,7 @@ def llama_quantize(source: str | Path, out: str | Path, file_type: int, threads:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = int(file_type)
     params.nthread = threads
+    params.allow_requantize = requantize
     if imatrix is not None:
         names = sorted(imatrix.sums)
         values = [np.ascontiguousarray(imatrix.importance(name)) for name in names]  # alive through the call

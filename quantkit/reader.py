@@ -26,12 +26,12 @@ from quantkit.models import MiniCPMSettings
 from quantkit.models.decoder import weight_shapes
 from quantkit.models.eagle3 import (
     CONFIG_FILE,
-    HEAD_LINEAR_GROUPS,
     MIDLAYER,
     WEIGHTS_FILE,
     DraftHeadError,
     Eagle3Config,
     Eagle3Head,
+    head_linear_shapes,
 )
 from quantkit.models.layers import LINEARS, layer_prefix
 from quantkit.models.settings import checked_values
@@ -181,19 +181,21 @@ def _head_format(names: set[str]) -> str:
     return "gptq" if "fc.qzeros" in names else "marlin"
 
 
-def _dequantized_head_linears(tensors: Mapping[str, Tensor], quantization_config: dict,
-                              head: Eagle3Head) -> dict[str, Tensor]:
-    """``{linear}.weight`` of every quantized linear of a head in a gptq, marlin or cpmcu layout."""
+def read_head_records(directory: str | Path, config: Eagle3Config) -> dict[str, QuantizedTensor]:
+    """The record of every quantized linear of the head at ``directory`` (gptq, marlin or cpmcu layout) by
+    linear name (``fc``, ``midlayer.self_attn.q_proj``, ...); none for an FP head."""
+    quantization_config = json.loads((Path(directory) / CONFIG_FILE).read_text()).get("quantization_config")
+    if quantization_config is None:
+        return {}
+    tensors = _ReadOnAccess(CheckpointReader(directory), {})
+    shapes = head_linear_shapes(config)
     fmt = _head_format(set(tensors))
-    config = FORMATS[fmt].parse_config(quantization_config)
-    shapes = {name: (head.get_submodule(name).out_features, head.get_submodule(name).in_features)
-              for group in HEAD_LINEAR_GROUPS for name in group}
-    midlayer = FORMATS[fmt].read_layer(tensors, MIDLAYER, config, {name.removeprefix(MIDLAYER): shape
-                                                                     for name, shape in shapes.items()
-                                                                     if name.startswith(MIDLAYER)})
-    fc = FORMATS[FORMATS[fmt].draft_head_fc].read_layer(tensors, "", config, {"fc": shapes["fc"]})
-    records = {**{MIDLAYER + name: record for name, record in midlayer.items()}, **fc}
-    return {f"{name}.weight": record.dequantize() for name, record in records.items()}
+    grid = FORMATS[fmt].parse_config(quantization_config)
+    midlayer = FORMATS[fmt].read_layer(tensors, MIDLAYER, grid, {name.removeprefix(MIDLAYER): shape
+                                                                   for name, shape in shapes.items()
+                                                                   if name.startswith(MIDLAYER)})
+    fc = FORMATS[FORMATS[fmt].draft_head_fc].read_layer(tensors, "", grid, {"fc": shapes["fc"]})
+    return {**{MIDLAYER + name: record for name, record in midlayer.items()}, **fc}
 
 
 def load_head(directory: str | Path, target: MiniCPMSettings, dtype: torch.dtype = torch.float32) -> Eagle3Head:
@@ -201,7 +203,6 @@ def load_head(directory: str | Path, target: MiniCPMSettings, dtype: torch.dtype
     dequantized), checked against ``target`` before any weight is read."""
     directory = Path(directory)
     config = Eagle3Config.from_pretrained(directory)
-    quantization_config = json.loads((directory / CONFIG_FILE).read_text()).get("quantization_config")
     with torch.device("meta"):
         head = Eagle3Head(config, target)
     expected = {name: tuple(tensor.shape) for name, tensor in head.state_dict().items()}
@@ -209,7 +210,7 @@ def load_head(directory: str | Path, target: MiniCPMSettings, dtype: torch.dtype
     if not path.is_file():
         raise DraftHeadError(f"{directory} has no {WEIGHTS_FILE}")
     stored = _ReadOnAccess(CheckpointReader(directory), {})
-    linears = {} if quantization_config is None else _dequantized_head_linears(stored, quantization_config, head)
+    linears = {f"{name}.weight": record.dequantize() for name, record in read_head_records(directory, config).items()}
     missing = sorted(set(expected) - set(stored) - set(linears) - {"t2d"})
     if missing:
         raise DraftHeadError(f"{path} lacks {', '.join(missing)}"

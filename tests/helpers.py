@@ -110,6 +110,14 @@ def run_without(blocked: set[str], code: str, *args: str, env: dict | None = Non
 
 
 TIMEOUT = 240  # seconds for one torchrun job: a hang fails its test instead of stalling the suite
+# every rank on one thread; a rank that dies of a signal (SIGABRT, SIGSEGV) prints each of its threads' Python
+# stack (faulthandler) before the job's own report of the failure
+JOB_ENV = {"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+
+
+def job_failure(stderr: str) -> str:
+    """What a failed job printed: the ranks' own lines first (a crashed rank's stacks), torchrun's report last."""
+    return stderr if len(stderr) <= 8000 else f"{stderr[:5000]}\n[...]\n{stderr[-3000:]}"
 
 
 def torchrun(ranks: int, *args: str, check: bool = True, logs: Path | None = None):
@@ -121,10 +129,10 @@ def torchrun(ranks: int, *args: str, check: bool = True, logs: Path | None = Non
 
     own_logs = ["--log-dir", str(logs), "--redirects", "2"] if logs else []
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-                           *own_logs, *args], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                           *own_logs, *args], env={**os.environ, **JOB_ENV}, capture_output=True,
                           text=True, timeout=TIMEOUT)
     if check:
-        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.returncode == 0, job_failure(done.stderr)
     return done
 
 

@@ -336,3 +336,55 @@ def test_gptq_transfer_bench_refuses_a_shrink_outside_zero_to_one(shrink):
 
     result = CliRunner().invoke(main, ["--model", "nonexistent", "--shrink", shrink])
     assert result.exit_code == 2 and "--shrink" in result.output and "Traceback" not in result.output
+
+
+def test_bench_spec_llamacpp_reads_what_llama_speculative_simple_prints(tmp_path):
+    """The generated text is what follows the echoed prompt on stdout; the statistics come from stderr's
+    timestamped INFO lines (as llama.cpp 0.3.36's common log prints them); τ = committed / target forwards."""
+    import click
+
+    from quantkit.eval.bench.bench_spec_llamacpp import run_speculative
+
+    program = tmp_path / "llama-speculative-simple"
+    program.write_text("#!/bin/sh\nprintf '\\n\\n\\nOnce upon a time, there was\\n\\n\\n\\n\\n'\n"
+                       "printf '0.01.002.003 I decoded   17 tokens in    0.250 seconds, speed:   68.000 t/s\\n"
+                       "0.01.002.004 I n_draft   = 3\\n0.01.002.005 I n_predict = 17\\n"
+                       "0.01.002.006 I n_drafted = 24\\n0.01.002.007 I n_accept  = 9\\n' >&2\n")
+    program.chmod(0o755)
+    run = run_speculative(program, tmp_path / "t.gguf", tmp_path / "h.gguf", "\nOnce upon", "\nOnce upon", 16, 3, 2)
+    assert (run.text, run.n_predict, run.n_drafted, run.n_accept) == (" a time, there was\n", 17, 24, 9)
+    assert (run.rounds, run.tau, run.decode_seconds) == (8, 17 / 8, 0.25)
+    with pytest.raises(click.ClickException, match="did not echo the prompt"):
+        run_speculative(program, tmp_path / "t.gguf", tmp_path / "h.gguf", "Once upon", "Once upon", 16, 3, 2)
+    program.write_text("#!/bin/sh\nprintf 'Once upon'\n")
+    with pytest.raises(click.ClickException, match="printed no statistics"):
+        run_speculative(program, tmp_path / "t.gguf", tmp_path / "h.gguf", "Once upon", "Once upon", 16, 3, 2)
+
+
+def test_bench_spec_8b_times_each_part_of_a_round_and_puts_the_caches_back(tiny_checkpoint_factory, tmp_path):
+    """On a 4-layer tiny target and a random head: a row per draft shape, the round's cost the sum of its parts
+    in plain steps, the chain's speed-up at the official tau; after every part the target's cache is back at
+    the context and the head drafts from it again."""
+    from quantkit.eval.bench.bench_spec_8b import OFFICIAL_TAU, Round, _shapes, projected, round_costs
+    from quantkit.kernels.generate import load_text_generator
+    from quantkit.synthetic import write_tiny_eagle3_head
+
+    target = tiny_checkpoint_factory(num_hidden_layers=4)
+    generator = load_text_generator(target, draft=write_tiny_eagle3_head(tmp_path / "head", target))
+    assert projected(10.0, 2.0, 4) == 2.0 + 8.0 * 32 / 4
+    shapes = _shapes(3, "3x2x6")
+    rows = round_costs("bf16", generator, 40, shapes, repeats=1, seed=0)
+    assert [(row.draft, row.verify_rows) for row in rows] == [("chain 3", 4), ("tree 3x2x6", 7)]
+    for row in rows:
+        assert min(row.plain_ms, row.propose_ms, row.verify_ms) > 0 and row.observe_ms >= 0
+        assert row.round_steps == pytest.approx((row.propose_ms + row.verify_ms + row.observe_ms) / row.plain_ms)
+        assert row.tau_for_target == pytest.approx(1.6 * row.round_steps)
+    assert rows[0].speedup == pytest.approx(OFFICIAL_TAU / rows[0].round_steps) and rows[1].speedup is None
+
+    measuring = Round(generator, 40, seed=1)
+    for shape in shapes.values():
+        work, rows, verification = measuring.draft(shape)
+        for call in (measuring.drafter_call(work), measuring.target(rows, verification),
+                     measuring.drafter_call(measuring.observe(2))):
+            assert call() > 0 and measuring.cache.length == 40
+    assert len(generator.drafter.propose(3, measuring.sampler)[0]) == 3

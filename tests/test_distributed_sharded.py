@@ -6,6 +6,7 @@ leaves no artifact and torchrun's restart finishes the run as if uninterrupted, 
 make stop every rank in one line."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from test_distributed import (
     stopped_job,
 )
 
-from helpers import TIMEOUT, torchrun
+from helpers import JOB_ENV, TIMEOUT, torchrun
 
 pytestmark = pytest.mark.usefixtures("private_cache")
 
@@ -38,9 +39,10 @@ def weights(out: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def unsharded(model, training_text, tmp_path_factory):  # noqa: F811
-    """A 2-rank data-parallel run (--shard off), its --json report."""
+    """A 2-rank data-parallel run left to choose (--shard auto, the default: the tiny model fits, so it does not
+    shard), its --json report."""
     out = tmp_path_factory.mktemp("unsharded") / "out"
-    return out, json.loads(cli_qat(2, model, out, settings(training_text), "--shard", "off").stdout)
+    return out, json.loads(cli_qat(2, model, out, settings(training_text)).stdout)
 
 
 @pytest.fixture(scope="module")
@@ -69,15 +71,26 @@ def test_dwq_trains_sharded_as_unsharded(model, training_text, tmp_path):  # noq
     assert_trains_alike(tmp_path / "on", tmp_path / "off")
 
 
-def test_auto_does_not_shard_what_fits(model, training_text, tmp_path):  # noqa: F811
-    report = json.loads(cli_qat(2, model, tmp_path / "out", settings(training_text)).stdout)
-    assert report["sharded"] is False
+def test_auto_does_not_shard_what_fits(unsharded):
+    assert unsharded[1]["sharded"] is False and unsharded[1]["world_size"] == 2
 
 
-def test_each_rank_writes_half_of_every_tensor(model, training_text, tmp_path):  # noqa: F811
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def stopped_sharded(model, training_text, tmp_path_factory):  # noqa: F811
+    """A sharded 2-rank run stopped after STOP steps: its output path, the interrupted run's files beside it."""
+    out = tmp_path_factory.mktemp("stopped-sharded") / "out"
     stopped_job(2, model=model, overrides=settings(training_text), out=out, stop_after_steps=STOP, shard_state="on")
-    checkpoint = Path(f"{out}.partial") / "qat_checkpoint"
+    return out
+
+
+def resumable_copy(stopped: Path, out: Path) -> Path:
+    """``out`` with a copy of the interrupted run at ``stopped``, for a test that resumes (and so consumes) it."""
+    shutil.copytree(f"{stopped}.partial", f"{out}.partial")
+    return out
+
+
+def test_each_rank_writes_half_of_every_tensor(stopped_sharded):
+    checkpoint = Path(f"{stopped_sharded}.partial") / "qat_checkpoint"
     record = json.loads((checkpoint / "checkpoint.json").read_text())
     assert record["step"] == STOP
     files = sorted((checkpoint / record["folder"]).glob("*.safetensors"))
@@ -92,13 +105,12 @@ def test_each_rank_writes_half_of_every_tensor(model, training_text, tmp_path): 
     assert rows and all(len(parts) == 2 and parts[0] == parts[1] for parts in rows.values()), rows
 
 
-def test_a_sharded_checkpoint_resumes_in_one_process(model, training_text, tmp_path):  # noqa: F811
-    out, reference = tmp_path / "out", tmp_path / "reference"
-    stopped_job(2, model=model, overrides=settings(training_text), out=out, stop_after_steps=STOP, shard_state="on")
+def test_a_sharded_checkpoint_resumes_in_one_process(model, training_text, stopped_sharded, unsharded,  # noqa: F811
+                                                     tmp_path):
+    out = resumable_copy(stopped_sharded, tmp_path / "out")
     report = one_rank(model, out, settings(training_text), resume=True)
     assert report.resumed_from_step == STOP and (report.world_size, report.sharded) == (1, False)
-    one_rank(model, reference, settings(training_text))
-    assert_trains_alike(out, reference)
+    assert_trains_alike(out, unsharded[0])
 
 
 def test_a_one_process_checkpoint_resumes_sharded(model, training_text, sharded, tmp_path):  # noqa: F811
@@ -142,7 +154,7 @@ def killed_after_a_checkpoint(model, training_text, out: Path, restarts: int) ->
          f"--max-restarts={restarts}", "--log-dir", str(out.parent / "logs"), "--redirects", "2",
          "-m", "quantkit.cli", "qat", "ternary", "--model", str(model), "--out",
          str(out), "--tokens", str(4 * STEPS * STEP_TOKENS), "--no-progress", "--json", "--shard", "on", "--resume",
-         *sets], env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         *sets], env={**os.environ, **JOB_ENV}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + TIMEOUT
     while not record.is_file() and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -200,9 +212,9 @@ def test_an_existing_output_is_refused_on_every_rank(model, training_text, tmp_p
     assert "already exists" in lines[0][0]
 
 
-def test_a_checkpoint_of_other_inputs_is_refused_on_every_rank(model, training_text, tmp_path):  # noqa: F811
-    out = tmp_path / "out"
-    stopped_job(2, model=model, overrides=settings(training_text), out=out, stop_after_steps=STOP)
+def test_a_checkpoint_of_other_inputs_is_refused_on_every_rank(model, training_text, stopped_sharded,  # noqa: F811
+                                                               tmp_path):
+    out = resumable_copy(stopped_sharded, tmp_path / "out")
     other = settings(training_text, **{"qat.learning_rate": 2e-3})
     done = cli_qat(2, model, out, other, "--resume", check=False, logs=tmp_path / "logs")
     assert done.returncode != 0

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from quantkit.cli import main
-from quantkit.gguf.eagle3_head import OUTTYPES, export_head_gguf
+from quantkit.gguf.eagle3_head import OUTTYPES, TENSOR_NAMES, export_head_gguf
 from quantkit.gguf.reader import open_gguf
 from quantkit.models import MiniCPMForCausalLM
 from quantkit.models.eagle3 import AUX_STATES, entering_states
@@ -242,7 +242,6 @@ def _copy_with_config(folder: Path, where: Path, **changes) -> Path:
     ("target-vocab", "the head's vocabulary has 1216 tokens, the target's 2000"),
     ("outtype", "unknown --outtype 'q4_k'; choose from f32, f16, bf16, q8_0"),
     ("exists", "already exists; choose another --out or remove it"),
-    ("quantized-head", "a quantized head cannot be exported to GGUF; export the FP head it was made from"),
     ("aux-layers", "eagle_aux_hidden_state_layer_ids [1, 2, 3] are not the layers its aux_states 'cpmcu' reads"),
 ])
 def test_bad_input_is_refused_in_one_line_before_any_work(head, llama_target, tmp_path, bad, message, monkeypatch):
@@ -258,8 +257,6 @@ def test_bad_input_is_refused_in_one_line_before_any_work(head, llama_target, tm
         outtype = "q4_k"
     elif bad == "exists":
         out.write_bytes(b"mine")
-    elif bad == "quantized-head":
-        head_dir = _copy_with_config(head, tmp_path / "h", quantization_config={"quant_method": "gptq"})
     else:
         head_dir = _copy_with_config(head, tmp_path / "h", eagle_aux_hidden_state_layer_ids=[1, 2, 3])
     result = CliRunner().invoke(main, ["export", "gguf-head", "--head", str(head_dir), "--target", str(target),
@@ -267,6 +264,65 @@ def test_bad_input_is_refused_in_one_line_before_any_work(head, llama_target, tm
     assert result.exit_code == 1, result.output
     assert result.output.count("\n") == 1 and message in result.output, result.output
     assert out.read_bytes() == b"mine" if bad == "exists" else not out.exists()
+
+
+def _quantized_head(head: Path, target: Path, tmp_path: Path, recipe: str, **changes) -> Path:
+    from quantkit.draft.quantize import quantize_head
+
+    from helpers import small_recipe
+
+    out = tmp_path / recipe
+    quantize_head(head, target, small_recipe(recipe, tmp_path, **changes), out, progress=False)
+    return out
+
+
+@pytest.mark.parametrize("bits, block_type", [(4, "q4_0"), (8, "q8_0")])
+def test_a_quantized_head_is_written_as_its_solvers_own_blocks(head, minicpm_target, tmp_path, bits, block_type):
+    """A GPTQ-solved head (symmetric, groups of 32 here) keeps its codes: each quantized matrix is Q4_0 (Q8_0)
+    blocks that ggml decodes to the head's dequantized weight, q/k rows permuted; exactly where nothing is
+    folded, and within one fp16 rounding of each scaled group scale (2^-11 relative) where a MiniCPM scale is;
+    the other matrices are in --outtype, the file type is the blocks'."""
+    from quantkit.gguf.mixes import FILE_TYPES
+    from quantkit.gguf.names import permute_rows
+    from quantkit.gguf.types import TYPES
+
+    quantized = _quantized_head(head, minicpm_target, tmp_path, "gptq-w4g128", quant={"bits": bits, "group_size": 32})
+    path = tmp_path / "head.gguf"
+    report = export_head_gguf(quantized, minicpm_target, path, "f16")
+    target = MiniCPMForCausalLM.from_pretrained(minicpm_target).config
+    expected = load_head(quantized, target).state_dict()
+    linears = 1 + 7  # fc, q/k/v/o, gate/up/down
+    assert report.tensors_by_type[block_type] == linears and report.tensors_by_type["f16"] == 1  # lm_head
+    reader = open_gguf(path)
+    assert reader.fields["general.file_type"].contents() == FILE_TYPES[block_type]
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    config = json.loads((quantized / "config.json").read_text())
+    heads = {"blk.0.attn_q.weight": config["num_attention_heads"], "blk.0.attn_k.weight": config["num_key_value_heads"]}
+    compared = 0
+    for source, name in TENSOR_NAMES.items():
+        if name not in tensors or tensors[name].tensor_type.name.lower() != block_type:
+            continue
+        compared += 1
+        weight = expected[source] * report.folded.get(source, 1.0)
+        if name in heads:
+            weight = permute_rows(weight, heads[name])
+        decoded = torch.from_numpy(TYPES[block_type].dequantize(np.array(tensors[name].data), weight.shape[1]))
+        if source in report.folded:
+            torch.testing.assert_close(decoded, weight, rtol=2 ** -11, atol=0)
+        else:
+            assert torch.equal(decoded, weight), name
+    assert compared == linears
+
+
+def test_a_quantized_head_off_the_block_grids_is_refused(head, minicpm_target, tmp_path):
+    quantized = _quantized_head(head, minicpm_target, tmp_path, "rtn-w4g128", quant={"sym": False, "group_size": 32})
+    out = tmp_path / "head.gguf"
+    result = CliRunner().invoke(main, ["export", "gguf-head", "--head", str(quantized), "--target", str(minicpm_target),
+                                       "--out", str(out)])
+    assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
+    assert ("the head's fc.weight is 4-bit asym in groups of 32: no llama.cpp block type holds that grid"
+            in result.output)
+    assert not out.exists()
 
 
 def test_cli_writes_the_file_and_notes_what_llama_cpp_lacks_for_minicpm(head, minicpm_target, tmp_path):

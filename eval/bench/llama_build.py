@@ -14,10 +14,10 @@ import sys
 import tarfile
 from pathlib import Path
 
-# CPU only, static, no network code, no examples or server
+# CPU only, static, no network code, no server; the examples (llama-speculative-simple) only when asked for
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_OPENSSL=OFF",
-               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
-               "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_TOOLS=ON")
+               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF",
+               "-DLLAMA_BUILD_TOOLS=ON")
 NATIVE = ("-DGGML_NATIVE=ON",)  # every instruction set of this CPU
 
 
@@ -57,9 +57,10 @@ def llama_cpp_source() -> Path:
 
 
 def llama_cpp_programs(name: str, programs: tuple[str, ...], instruction_sets: tuple[str, ...], build: bool = True,
-                       jobs: int = 1) -> Path | None:
+                       jobs: int = 1, examples: bool = False) -> Path | None:
     """The bin directory of the build ``name`` holding ``programs``, compiled with ``instruction_sets`` (cmake
-    GGML_* flags); built on first use, or None if absent and ``build`` is off."""
+    GGML_* flags), with llama.cpp's examples/ configured if ``examples``; built on first use, or None if absent
+    and ``build`` is off."""
     root = llama_cpp_dir()
     bin_dir = root / name / "bin"
     if all((bin_dir / program).exists() for program in programs):
@@ -67,7 +68,8 @@ def llama_cpp_programs(name: str, programs: tuple[str, ...], instruction_sets: t
     if not build:
         return None
     src, build_dir = llama_cpp_source(), root / name / "build"
-    subprocess.run(["cmake", "-S", str(src), "-B", str(build_dir), *CMAKE_FLAGS, *instruction_sets], check=True)
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build_dir), *CMAKE_FLAGS,
+                    f"-DLLAMA_BUILD_EXAMPLES={'ON' if examples else 'OFF'}", *instruction_sets], check=True)
     subprocess.run(["cmake", "--build", str(build_dir), "--config", "Release", "-j", str(jobs), "--target",
                     *programs], check=True)
     bin_dir.mkdir(parents=True, exist_ok=True)

@@ -59,7 +59,8 @@ def export_gguf(model, revision, file_type, out, tokenizer_pre, imatrix, progres
 
 @export_group.command("gguf-head")
 @click.option("--head", required=True, type=click.Path(path_type=Path),
-              help="EAGLE-3 head folder in quantkit's layout (`quantkit draft train`), FP.")
+              help="EAGLE-3 head folder in quantkit's layout: FP (`quantkit draft train`) or quantized (`quantkit "
+                   "draft quantize`, symmetric 4 or 8 bits: written as Q4_0 / Q8_0 blocks of its own codes).")
 @click.option("--target", required=True,
               help="The model the head drafts for (folder, `default` or Hub id): its config.json and tokenizer "
                    "go into the file, as llama.cpp's converter takes them from --target-model-dir.")
@@ -67,7 +68,8 @@ def export_gguf(model, revision, file_type, out, tokenizer_pre, imatrix, progres
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Output .gguf file (must not exist).")
 # the choices are quantkit.gguf.eagle3_head.OUTTYPES, which imports torch: checked there, in one line
 @click.option("--outtype", default="f16", show_default=True, metavar="TYPE",
-              help="Type of the matrices, as the converter's --outtype: f32, f16, bf16 or q8_0 (norms stay F32).")
+              help="Type of the matrices, as the converter's --outtype: f32, f16, bf16 or q8_0 (norms stay F32; a "
+                   "quantized head's quantized linears keep their blocks).")
 @click.option("--tokenizer-pre", default=None, help="llama.cpp pre-tokenizer name, if it cannot be recognised.")
 @json_option
 @friendly_errors

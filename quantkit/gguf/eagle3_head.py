@@ -13,6 +13,11 @@ head by ``draft_vocab_size`` and one layer and switches to the ``eagle3`` archit
   matrices in the requested type (F16 where a Q8_0 row is not whole blocks), q/k rows permuted for
   GGML's rope; ``t2d`` dropped; ``d2t`` last, as absolute target ids in I64.
 
+A quantized head (`quantkit draft quantize`: GPTQ, Marlin or CPM.cu layout) has no converter to compare
+with: its quantized linears are written as the block type that holds their grid exactly
+(``quantkit.gguf.exact``: symmetric 4-bit groups of a multiple of 32 are Q4_0 blocks, 8-bit ones Q8_0), the
+solver's codes copied, the rest as for an FP head.
+
 llama.cpp's ``eagle3`` graph (``src/models/eagle3.cpp``) is the plain EAGLE-3 layer. quantkit's MiniCPM
 head scales what that graph does not: both residual branches by ``scale_depth/sqrt(L+1)``, and, for
 ``aux_states = cpmcu``, fc's input by ``scale_depth/sqrt(L)``. Those factors are folded into the weights
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -33,14 +38,17 @@ import torch
 
 from quantkit.atomic import atomic_path, refuse_existing
 from quantkit.checkpoint import CheckpointReader
+from quantkit.gguf.exact import EXACT, exact_blocks, holds_exactly
 from quantkit.gguf.export import PackedWriter
 from quantkit.gguf.mixes import FILE_TYPES, Model, choose_type
 from quantkit.gguf.names import permute_rows
-from quantkit.gguf.types import TensorType
+from quantkit.gguf.types import TYPES, TensorType
 from quantkit.gguf.vocab import read_vocab
 from quantkit.json_files import read_config_json
 from quantkit.lock import OutputLock
 from quantkit.models.eagle3 import DraftHeadError, Eagle3Config, check_pairing
+from quantkit.quant import QuantizedTensor
+from quantkit.reader import read_head_records
 
 ARCH = "eagle3"
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # the converter's --outtype choices for a dense head
@@ -103,6 +111,7 @@ class _Planned:
     tensor_type: TensorType
     permute_heads: int | None  # q/k: rows permuted for GGML's rope over this many heads
     factor: float = 1.0  # folded into the weight (MINICPM_FOLDS)
+    record: QuantizedTensor | None = None  # a quantized linear's, written as its exact blocks
 
     @property
     def nbytes(self) -> int:
@@ -157,8 +166,6 @@ def _folds(config: Eagle3Config, target_values: dict) -> dict[str, float]:
 
 
 def _check_head(raw_head: dict, names: list[str]) -> None:
-    if raw_head.get("quantization_config"):
-        raise DraftHeadError("a quantized head cannot be exported to GGUF; export the FP head it was made from")
     flags = [key for key in ("norm_before_fc", "norm_before_residual") if raw_head.get(key)]
     if flags or raw_head.get("rope_scaling"):
         raise DraftHeadError(f"{', '.join(flags) or 'rope_scaling'} is set in the head's config.json: quantkit's "
@@ -168,6 +175,18 @@ def _check_head(raw_head: dict, names: list[str]) -> None:
         raise DraftHeadError(f"the head holds {unknown[0]}, which an EAGLE-3 head has no place for")
     if D2T not in names:
         raise DraftHeadError(f"the head lacks {D2T}: llama.cpp maps draft ids to target ids with it")
+
+
+def _exact_type(name: str, record: QuantizedTensor) -> TensorType:
+    """The GGUF type whose blocks hold a quantized linear's grid exactly; refused if none does."""
+    for type_name in EXACT:
+        if holds_exactly(record, type_name):
+            return TYPES[type_name]
+    config = record.config
+    raise DraftHeadError(f"the head's {name} is {config.bits}-bit {'sym' if config.sym else 'asym'} in groups of "
+                         f"{config.group_size}: no llama.cpp block type holds that grid exactly (Q4_0 and Q8_0 "
+                         "take symmetric 4- and 8-bit groups of a multiple of 32 in natural order); export the FP "
+                         "head it was made from")
 
 
 def _target_ids(d2t, target: TargetShape) -> np.ndarray:
@@ -192,6 +211,7 @@ class _Export:
     reader: CheckpointReader  # the head's tensors
     planned: list[_Planned]
     target_ids: np.ndarray
+    file_type: str  # general.file_type: outtype, or a quantized head's block type
 
 
 def check_outtype(outtype: str) -> None:
@@ -214,20 +234,28 @@ def plan_head_export(head_dir: str | Path, target_dir: str | Path, outtype: str)
         raise DraftHeadError(f"the head's eagle_aux_hidden_state_layer_ids {layers} are not the layers its aux_states "
                              f"{config.aux_states!r} reads ({list(config.aux_layers(target))})")
     reader = CheckpointReader(head_dir)
-    _check_head(raw_head, reader.names)
+    linears = read_head_records(head_dir, config)
+    records = {f"{linear}.weight": record for linear, record in linears.items()}
+    # a quantized linear's stored tensors (qweight, scales, ...; CPM.cu fuses q/k/v) sit under its parent module
+    parts = tuple(sorted({linear.rpartition(".")[0] + "." if "." in linear else linear + "." for linear in linears}))
+    stored = {name for name in reader.names if name in TENSOR_NAMES or not (parts and name.startswith(parts))}
+    _check_head(raw_head, sorted(stored | set(records)))
     folds = _folds(config, target_values)
     model = Model(1, config.num_attention_heads // config.num_key_value_heads, tied_embeddings=False)
     planned = []
-    for source in reader.names:  # the converter's order: by name (gguf-py's SafetensorsLocal sorts them)
+    # the converter's order: by name (gguf-py's SafetensorsLocal sorts them)
+    for source in sorted(stored | set(records)):
         if source in DROPPED or source == D2T:
             continue
-        name, shape = TENSOR_NAMES[source], reader.shape(source)
+        name, record = TENSOR_NAMES[source], records.get(source)
+        shape = record.shape if record is not None else reader.shape(source)
         # norms are vectors, F32 either way; every matrix takes the type, F16 where its rows are not whole blocks
+        tensor_type = _exact_type(source, record) if record is not None else choose_type(outtype, name, shape, model)
         heads = ROPE_PERMUTED[name](config) if name in ROPE_PERMUTED else None
-        planned.append(_Planned(source, name, shape, choose_type(outtype, name, shape, model), heads,
-                                folds.get(source, 1.0)))
+        planned.append(_Planned(source, name, shape, tensor_type, heads, folds.get(source, 1.0), record))
+    quantized_types = [item.tensor_type.name for item in planned if item.record is not None]
     return _Export(head_dir, target_dir, config, target, layers, outtype, reader, planned,
-                   _target_ids(reader.get(D2T), target))
+                   _target_ids(reader.get(D2T), target), quantized_types[0] if quantized_types else outtype)
 
 
 def _add_eagle3_keys(writer: gguf.GGUFWriter, plan: _Export) -> None:
@@ -263,7 +291,7 @@ def _add_shape(writer: gguf.GGUFWriter, plan: _Export) -> None:
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    writer.add_file_type(FILE_TYPES[plan.outtype])
+    writer.add_file_type(FILE_TYPES[plan.file_type])
     writer.add_vocab_size(config.vocab_size)
     writer.add_rope_dimension_count(config.head_dim)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -309,7 +337,13 @@ def _add_tokenizer(writer: gguf.GGUFWriter, plan: _Export, tokenizer_pre: str | 
 
 def _tensor_bytes(item: _Planned, reader: CheckpointReader) -> np.ndarray:
     """The tensor's GGUF bytes: widened to float32 (as the converter widens all but F16/F32), the folded
-    factor applied, q/k rows permuted, then converted to its type."""
+    factor applied, q/k rows permuted, then converted to its type. A quantized linear's own codes become its
+    blocks, the factor multiplied into each group's fp16 scale (one rounding to fp16: ≤ 2⁻¹¹ relative)."""
+    if item.record is not None:
+        record = item.record if item.factor == 1.0 else replace(
+            item.record, scales=(item.record.scales.float() * item.factor).to(item.record.scales.dtype))
+        rows = torch.from_numpy(exact_blocks(record, item.tensor_type.name))
+        return (permute_rows(rows, item.permute_heads) if item.permute_heads else rows).numpy()
     value = reader.get(item.source).to(torch.float32)
     if item.factor != 1.0:
         value = value * item.factor

@@ -187,6 +187,19 @@ class Eagle3MidLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden)) * self.residual_scale
 
 
+def head_linear_shapes(config: Eagle3Config) -> dict[str, tuple[int, int]]:
+    """[out, in] of each quantizable linear of a head of ``config`` (HEAD_LINEAR_GROUPS' names), whatever
+    its target: fc reads the three target states side by side."""
+    with torch.device("meta"):
+        midlayer = Eagle3MidLayer(config, 1.0)
+    shapes = {"fc": (config.hidden_size, 3 * config.target_hidden_size)}
+    for group in HEAD_LINEAR_GROUPS[1:]:
+        for name in group:
+            linear = midlayer.get_submodule(name.removeprefix(MIDLAYER))
+            shapes[name] = (linear.out_features, linear.in_features)
+    return shapes
+
+
 class Eagle3Head(nn.Module):
     """The head for one target. ``draft`` runs one drafting step over a sequence; the caller supplies
     the target's embedding of the tokens (``embed``) and, at the first step, its aux states (``project``)."""
