@@ -17,6 +17,7 @@ a row cache (the teacher's, the target features).
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import time
@@ -265,7 +266,22 @@ def joined(device: str) -> Iterator[World]:
         world.refuse_mixed_devices(device)
         yield world
     finally:
-        dist.destroy_process_group()
+        _destroy_process_group()
+
+
+def _destroy_process_group() -> None:
+    """Destroy the job's process group so that its gloo threads are joined now. Left alive until the interpreter
+    exits, the group is destroyed while Python tears down, and a rank can abort there ("terminate called without an
+    active exception", torch 2.13) after its work is done. Two kinds of references outlive the run: FSDP's modules
+    hold the group in reference cycles (collected here), and DTensor's caches (sharding propagation, mesh
+    topology) keep the device meshes FSDP made for the life of the process, each holding its groups by name."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    gc.collect()
+    dist.destroy_process_group()
+    # by type, not isinstance: DeviceMesh's metaclass would ask every object its __class__, and a deprecated one warns
+    for mesh in (obj for obj in gc.get_objects() if type(obj) is DeviceMesh):
+        mesh._pg_registry.clear()
 
 
 @contextmanager

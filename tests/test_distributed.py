@@ -53,10 +53,12 @@ def cli_qat(ranks: int, model, out, overrides: dict, *more: str, command: str = 
                     "--tokens", str(STEPS * STEP_TOKENS), "--no-progress", "--json", *sets, *more, **job)
 
 
-def stopped_job(ranks: int, **spec) -> None:
+def stopped_job(ranks: int, **spec) -> list[list[str]]:
     """A run of ``ranks`` processes stopped after ``spec["stop_after_steps"]``, its checkpoint left as an
-    interruption leaves it: ``train(**spec)`` on every rank, by this file's ``__main__``."""
-    torchrun(ranks, __file__, json.dumps(spec, default=str))
+    interruption leaves it: ``train(**spec)`` on every rank, by this file's ``__main__``. Returns each rank's
+    threads still running once ``train`` has returned (their names, in any order of ranks)."""
+    done = torchrun(ranks, __file__, json.dumps(spec, default=str))
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
 
 
 def one_rank(model, out, overrides: dict, **kwargs):
@@ -244,3 +246,5 @@ if __name__ == "__main__":  # a rank of worker_job's job
     train(spec["model"], load_recipe("qat-ternary-g32", spec["overrides"]), spec["out"], tokens=STEPS * STEP_TOKENS,
           perplexity=perplexity, progress=False, stop_after_steps=spec["stop_after_steps"],
           shard_state=spec.get("shard_state", "auto"))
+    tasks = Path("/proc/self/task")
+    print(json.dumps([(tasks / task / "comm").read_text().strip() for task in os.listdir(tasks)]), flush=True)

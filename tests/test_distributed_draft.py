@@ -25,6 +25,11 @@ from helpers import torchrun
 # gradients not summed over the ranks (each rank stepping on its half) move the second step's loss by
 # 1.7e-2 relative.
 LOSS_TOLERANCE = 1e-5  # relative
+# A W4 head's linears are fake-quantized: a weight whose latent value differs in its last bits can round to the
+# next code, a whole grid step. Over 8 steps the losses of a sharded-then-resumed W4 run differ from one process's
+# by up to 1.1e-5 relative (step 7, on an AVX-512 EPYC; below 1e-5 on AVX2 ones): the bound leaves 9x, and a
+# real fault (1.7e-2) stays 170x outside it.
+W4_LOSS_TOLERANCE = 1e-4  # relative
 SEQ_LEN, BATCH_ROWS = 64, 4  # 2 rows a step for each of 2 ranks
 STEPS = 8  # 32 rows: the target features' cache is 2 chunks of 16 rows, one computed by each rank
 STOP = 3
@@ -64,14 +69,14 @@ def logged(out: Path, key: str) -> list[float]:
     return [entry[key] for entry in json.loads((out / "draft_train.json").read_text())["log"] if key in entry]
 
 
-def assert_trains_alike(out: Path, reference: Path) -> None:
-    """Every step's loss and every held-out loss measured (the start's and the last step's) agree within the
-    tolerance."""
+def assert_trains_alike(out: Path, reference: Path, tolerance: float = LOSS_TOLERANCE) -> None:
+    """Every step's loss and every held-out loss measured (the start's and the last step's) agree within
+    ``tolerance`` (relative)."""
     ours, theirs = logged(out, "loss"), logged(reference, "loss")
     assert len(ours) == len(theirs) == STEPS
-    assert ours == pytest.approx(theirs, rel=LOSS_TOLERANCE, abs=0)
+    assert ours == pytest.approx(theirs, rel=tolerance, abs=0)
     assert len(logged(out, "heldout_loss")) == 2
-    assert logged(out, "heldout_loss") == pytest.approx(logged(reference, "heldout_loss"), rel=LOSS_TOLERANCE, abs=0)
+    assert logged(out, "heldout_loss") == pytest.approx(logged(reference, "heldout_loss"), rel=tolerance, abs=0)
 
 
 def feature_chunks() -> dict[str, int]:
@@ -166,7 +171,7 @@ def test_a_sharded_checkpoint_of_a_w4_head_resumes_in_one_process(target, run, t
     report = one_rank(target, out, w4, resume=True)
     assert report.resumed_from_step == STOP and (report.world_size, report.sharded) == (1, False)
     one_rank(target, reference, w4)
-    assert_trains_alike(out, reference)
+    assert_trains_alike(out, reference, W4_LOSS_TOLERANCE)
 
 
 def test_a_world_size_that_does_not_divide_a_step_is_refused_on_every_rank(target, run, tmp_path):

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from safetensors import safe_open
@@ -75,12 +76,25 @@ def test_auto_does_not_shard_what_fits(unsharded):
     assert unsharded[1]["sharded"] is False and unsharded[1]["world_size"] == 2
 
 
+class Stopped(NamedTuple):
+    out: Path  # the interrupted run's files beside it
+    threads: list[list[str]]  # each rank's threads still running once the run was over
+
+
 @pytest.fixture(scope="module")
-def stopped_sharded(model, training_text, tmp_path_factory):  # noqa: F811
-    """A sharded 2-rank run stopped after STOP steps: its output path, the interrupted run's files beside it."""
+def stopped_sharded(model, training_text, tmp_path_factory) -> Stopped:  # noqa: F811
+    """A sharded 2-rank run stopped after STOP steps."""
     out = tmp_path_factory.mktemp("stopped-sharded") / "out"
-    stopped_job(2, model=model, overrides=settings(training_text), out=out, stop_after_steps=STOP, shard_state="on")
-    return out
+    return Stopped(out, stopped_job(2, model=model, overrides=settings(training_text), out=out, stop_after_steps=STOP,
+                                    shard_state="on"))
+
+
+def test_a_sharded_run_leaves_no_thread_of_its_process_group(stopped_sharded):
+    """FSDP's modules and DTensor's caches hold the group; had its gloo threads (gloo_tcp_loop, pt_gloo_runloop)
+    lived on, the interpreter would destroy them at its exit, where a rank can abort after its work is done."""
+    assert len(stopped_sharded.threads) == 2
+    assert not [name for threads in stopped_sharded.threads for name in threads if "gloo" in name], \
+        stopped_sharded.threads
 
 
 def resumable_copy(stopped: Path, out: Path) -> Path:
@@ -90,7 +104,7 @@ def resumable_copy(stopped: Path, out: Path) -> Path:
 
 
 def test_each_rank_writes_half_of_every_tensor(stopped_sharded):
-    checkpoint = Path(f"{stopped_sharded}.partial") / "qat_checkpoint"
+    checkpoint = Path(f"{stopped_sharded.out}.partial") / "qat_checkpoint"
     record = json.loads((checkpoint / "checkpoint.json").read_text())
     assert record["step"] == STOP
     files = sorted((checkpoint / record["folder"]).glob("*.safetensors"))
@@ -107,7 +121,7 @@ def test_each_rank_writes_half_of_every_tensor(stopped_sharded):
 
 def test_a_sharded_checkpoint_resumes_in_one_process(model, training_text, stopped_sharded, unsharded,  # noqa: F811
                                                      tmp_path):
-    out = resumable_copy(stopped_sharded, tmp_path / "out")
+    out = resumable_copy(stopped_sharded.out, tmp_path / "out")
     report = one_rank(model, out, settings(training_text), resume=True)
     assert report.resumed_from_step == STOP and (report.world_size, report.sharded) == (1, False)
     assert_trains_alike(out, unsharded[0])
@@ -214,7 +228,7 @@ def test_an_existing_output_is_refused_on_every_rank(model, training_text, tmp_p
 
 def test_a_checkpoint_of_other_inputs_is_refused_on_every_rank(model, training_text, stopped_sharded,  # noqa: F811
                                                                tmp_path):
-    out = resumable_copy(stopped_sharded, tmp_path / "out")
+    out = resumable_copy(stopped_sharded.out, tmp_path / "out")
     other = settings(training_text, **{"qat.learning_rate": 2e-3})
     done = cli_qat(2, model, out, other, "--resume", check=False, logs=tmp_path / "logs")
     assert done.returncode != 0

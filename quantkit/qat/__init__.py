@@ -23,7 +23,7 @@ def run_qat(model_dir, recipe, out_dir, *, perplexity, tokens=None, init=None, r
 
     trained = train(model_dir, recipe, out_dir, perplexity=perplexity, tokens=tokens, init=init, resume=resume,
                     device=device, shard_state=shard_state, progress=progress)
-    if not trained.world.is_main:
+    if trained is None:  # a rank of a torchrun job other than 0
         return None
     write_outputs(trained, Path(model_dir), recipe, fake_quant=fake_quant, init=None if init is None else str(init))
     return trained.report

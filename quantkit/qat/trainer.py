@@ -176,12 +176,13 @@ def _restore_best(folder: Path, trainable: dict[str, torch.nn.Parameter], step: 
 
 def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, perplexity: Callable,
           tokens: int | None = None, init: str | Path | None = None, resume: bool = False, device: str = "auto",
-          shard_state: str = "auto", progress: bool = True, stop_after_steps: int | None = None) -> TrainedModel:
+          shard_state: str = "auto", progress: bool = True, stop_after_steps: int | None = None) -> TrainedModel | None:
     """Train ``model_dir`` (or the artifact ``init``, e.g. a GPTQ ternary one, as the starting weights)
     toward ``recipe``'s grid, logging the held-out ``perplexity`` (``quantkit.eval.ppl.perplexity``).
     ``stop_after_steps`` ends the run early, leaving its checkpoint as an interruption would (tests use
     it to prove resumption). Under torchrun, this process's rank of the job's data-parallel run, sharded as
-    ``shard_state`` says (auto, on or off: ``sharding.sharded``)."""
+    ``shard_state`` says (auto, on or off: ``sharding.sharded``): rank 0 gets what it writes, the other ranks
+    None (their student, sharded, holds the process group, which must go with the block)."""
     device = resolve_device(device)
     with joined(device) as world:
         return _train(Path(model_dir), recipe, Path(out_dir), perplexity=perplexity, tokens=tokens, init=init,
@@ -191,7 +192,7 @@ def train(model_dir: str | Path, recipe: Recipe, out_dir: str | Path, *, perplex
 
 def _train(model_dir: Path, recipe: Recipe, out_dir: Path, *, perplexity: Callable, tokens: int | None,
            init: str | Path | None, resume: bool, device: str, shard_state: str, progress: bool,
-           stop_after_steps: int | None, world: World) -> TrainedModel:
+           stop_after_steps: int | None, world: World) -> TrainedModel | None:
     run = world.made_on_main(lambda: Run(out_dir, resume=resume))
     staging = atomic.staging_dir(out_dir)
     if "qat" not in recipe.values:
@@ -377,4 +378,4 @@ def _train(model_dir: Path, recipe: Recipe, out_dir: Path, *, perplexity: Callab
     report.tokens_per_second, report.rank_tokens_per_second, report.rank_collective_share = throughput(
         world, trained, report.train_seconds, world.in_collectives.seconds - collectives_before)
     report.peak_rss_mb = peak_rss_mb()
-    return TrainedModel(model, grids, report, run, data.described, qconfig, world)
+    return TrainedModel(model, grids, report, run, data.described, qconfig, world) if world.is_main else None
