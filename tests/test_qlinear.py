@@ -10,9 +10,10 @@ import torch
 
 from quantkit import cpu_ops
 from quantkit.engine import quantize
-from quantkit.kernels.linear import int4, int8, load_linears
+from quantkit.kernels.linear import int4, int8, load_linears, panel
 from quantkit.kernels.linear.int4 import Int4Linear
 from quantkit.kernels.linear.int8 import Int8Linear
+from quantkit.kernels.linear.packed import DECODE_ROWS
 from quantkit.kernels.linear.panel import PANEL, pack_group_size
 from quantkit.kernels.linear.ternary import TernaryLinear
 from quantkit.kernels.model import fuse_linears
@@ -112,11 +113,12 @@ def test_int8_lm_head_error_is_half_a_step_per_group(k):
     step = head.scale_offset_bf16[:, :n, 0].float().T.repeat_interleave(head.group_size, 1)[:, :k]
     assert ((dequantized - weight).abs() <= step / 2).all()
     assert (head.scale_offset_bf16[..., 1] == 0).all()
-    for rows in (1, 3, 9):  # the integer kernel (int8 activations) up to DECODE_ROWS, then the bf16 weight
+    for rows in (1, 3, 9):  # the integer kernel (int8 activations) up to DECODE_ROWS, then where prefill runs it
         x = torch.randn(rows, k).bfloat16()
         exact = x.double() @ dequantized.double().T
         grouped = torch.nn.functional.pad(x.double(), (0, head.padded_in - k)).view(rows, -1, head.group_size)
-        half_steps = grouped.abs().amax(-1) / 127 / 2 * (rows <= 4)
+        integer = rows <= DECODE_ROWS or panel.prefill_kernel() == "int8"
+        half_steps = grouped.abs().amax(-1) / 127 / 2 * integer
         weight_sums = torch.nn.functional.pad(dequantized.double().abs(), (0, head.padded_in - k))
         # plus the bf16 roundings (of the dense path's weight, of the output): each under 2^-8 of sum |x w|
         rounding = 2 ** -7 * (x.double().abs() @ dequantized.double().abs().T)
@@ -134,9 +136,9 @@ def test_int8_layout_puts_each_code_where_the_kernel_reads_it():
     packed = int8_layout(codes)
     assert packed.numel() == 128 * k
     padded = torch.nn.functional.pad(codes, (0, 0, 0, 128 - n), value=128)
-    for panel, run, half, row, c in ((0, 0, 0, 0, 0), (0, 2, 1, 63, 3), (1, 1, 0, 5, 2), (1, 2, 1, 40, 1)):
-        byte = int(packed[(panel * k // 8 + run) * 512 + half * 256 + 4 * row + c])
-        assert byte == int(padded[64 * panel + row, 8 * run + 4 * half + c])
+    for index, run, half, row, c in ((0, 0, 0, 0, 0), (0, 2, 1, 63, 3), (1, 1, 0, 5, 2), (1, 2, 1, 40, 1)):
+        byte = int(packed[(index * k // 8 + run) * 512 + half * 256 + 4 * row + c])
+        assert byte == int(padded[64 * index + row, 8 * run + 4 * half + c])
     assert torch.equal(codes_of_int8_layout(packed, 128, k), padded)
 
 
@@ -228,9 +230,9 @@ def test_int4_layout_puts_each_code_where_the_kernels_read_it():
     packed = int4.int4_layout(codes)
     assert packed.numel() == 128 * k // 2
     padded = torch.nn.functional.pad(codes, (0, 0, 0, 128 - n), value=8)
-    for panel, run, row, c in ((0, 0, 0, 0), (0, 2, 63, 3), (1, 1, 5, 2), (1, 2, 40, 1)):
-        byte = int(packed[(panel * k // 8 + run) * 256 + 4 * row + c])
-        code_row = padded[64 * panel + row]
+    for index, run, row, c in ((0, 0, 0, 0), (0, 2, 63, 3), (1, 1, 5, 2), (1, 2, 40, 1)):
+        byte = int(packed[(index * k // 8 + run) * 256 + 4 * row + c])
+        code_row = padded[64 * index + row]
         assert (byte & 15, byte >> 4) == (int(code_row[8 * run + c]), int(code_row[8 * run + c + 4]))
     assert torch.equal(int4.codes_of_layout(packed, 128, k), padded)
 
@@ -307,14 +309,15 @@ def test_int8_product_error_is_within_half_an_activation_step():
 
 def test_prefill_kernel_follows_amx_and_the_override(monkeypatch):
     """Held below AMX, oneDNN's bf16 is slow and prefill goes to integer dot products; the override wins
-    both ways and is checked; an Int4Linear's prefill rows then run the kernel and keep no bf16 copy."""
+    both ways and is checked; an Int4Linear's prefill rows and the int8 LM head's rows beyond the decode
+    rows then run the kernel and keep no bf16 copy."""
     def choice(**env):
-        for name in ("ONEDNN_MAX_CPU_ISA", int4.PREFILL_OVERRIDE):
+        for name in ("ONEDNN_MAX_CPU_ISA", panel.PREFILL_OVERRIDE):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)
-        int4.prefill_kernel.cache_clear()
-        return int4.prefill_kernel()
+        panel.prefill_kernel.cache_clear()
+        return panel.prefill_kernel()
 
     try:
         assert cpu_ops.load().int4_int8_isa() != "scalar"  # an x86-64 build has AVX2 at least
@@ -329,10 +332,14 @@ def test_prefill_kernel_follows_amx_and_the_override(monkeypatch):
         x = torch.randn(20, 256, generator=generator).bfloat16()
         expected = cpu_ops.load().int4_int8_matmul(x, module.packed, module.scale_offset_bf16, 192, 256, 128)
         assert torch.equal(module(x), expected) and module._kept is None
+        head = Int8Linear(torch.randn(192, 256, generator=generator))  # a draft tree's 13 rows through the LM head
+        rows = x[:13].contiguous()
+        expected = cpu_ops.load().int8_int8_matmul(rows, head.packed, head.scale_offset_bf16, 192, 256, 128)
+        assert torch.equal(head(rows), expected) and head._kept is None
         with pytest.raises(ValueError, match="QUANTKIT_CPU_PREFILL"):
             choice(QUANTKIT_CPU_PREFILL="vnni")
     finally:
-        int4.prefill_kernel.cache_clear()
+        panel.prefill_kernel.cache_clear()
 
 
 @pytest.mark.parametrize("march,isa,k,group", [("haswell", "avx2", 512, 128), ("haswell", "avx2", 480, 24),
@@ -380,7 +387,7 @@ def test_int8_product_built_for_another_cpu_computes_the_same(tmp_path, march, i
 def test_a_weight_rebuilt_per_call_reuses_one_buffer_and_computes_the_same(monkeypatch):
     """A model that keeps no dequantized weight rebuilds each one into this thread's buffer (for prefill
     by the bf16 weight, what a CPU with AMX runs)."""
-    monkeypatch.setattr(int4, "prefill_kernel", lambda: "bf16")
+    monkeypatch.setattr(panel, "prefill_kernel", lambda: "bf16")
     generator = torch.Generator().manual_seed(1)
     modules = [Int4Linear(torch.randint(0, 16, (n, 256), generator=generator, dtype=torch.uint8),
                           torch.rand(2, n, generator=generator) * 0.01, torch.rand(2, n, generator=generator) * 0.01,

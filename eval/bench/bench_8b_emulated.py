@@ -117,7 +117,7 @@ def main(artifact, layers, prompt_tokens, new_tokens, repeats, threads, llama_be
     from quantkit.eval.bench.bench_8b import as_full_model, random_prompt
     from quantkit.eval.bench.bench_runtime import greedy_steps
     from quantkit.kernels.generate import load_text_generator
-    from quantkit.kernels.linear.int4 import prefill_kernel
+    from quantkit.kernels.linear.panel import prefill_kernel
 
     if (llama_bench is None) != (gguf is None):
         raise click.UsageError("--llama-bench and --gguf go together")

@@ -11,7 +11,7 @@ kernel, which it replaced; four rows (a speculative chain's verification) cost w
 for AVX2 (``QUANTKIT_CPU_MARCH=haswell``) 6.0 ms against PyTorch's AVX2 kernel's 11.6 ms. Its error
 against the exact product is bounded (each activation is off by at most alpha / 2; tests/test_qlinear.py).
 
-Prefill (more rows than ``PackedLinear``'s decode rows): ``prefill_kernel`` chooses. With AMX a bf16
+Prefill (more rows than ``PackedLinear``'s decode rows): ``panel.prefill_kernel`` chooses. With AMX a bf16
 matmul is faster (oneDNN: 350-590 GMAC/s for 512 x 4096 by 4096 x 4096 here), so prefill multiplies
 by the dequantized weight (kept when ``keep_dequantized``, else rebuilt on each call by the compiled
 ``int4_dequantize_t``, quantkit/cpu_ops/int4_ops.cpp, into a buffer each thread reuses; without the
@@ -25,8 +25,6 @@ monotonic) becomes a column permutation applied to the input; a ragged last grou
 """
 from __future__ import annotations
 
-import functools
-import os
 import threading
 
 import torch
@@ -72,35 +70,6 @@ def _workspace(numel: int, dtype: torch.dtype) -> torch.Tensor:
         buffer = _scratch.buffer = None  # free the old one before allocating
         buffer = _scratch.buffer = torch.empty(numel, dtype=dtype)
     return buffer[:numel]
-
-
-PREFILL_KERNELS = ("bf16", "int8")
-PREFILL_OVERRIDE = "QUANTKIT_CPU_PREFILL"  # bf16 | int8; unset or "auto": prefill_kernel() chooses
-
-
-def onednn_uses_amx() -> bool:
-    """Whether oneDNN runs bf16 matmuls on AMX here: the CPU has AMX tiles and ONEDNN_MAX_CPU_ISA (if set)
-    does not hold oneDNN below its AMX instruction sets."""
-    limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
-    return bool(torch.cpu._is_amx_tile_supported()) and (limit in ("ALL", "DEFAULT") or "AMX" in limit)
-
-
-@functools.cache
-def prefill_kernel() -> str:
-    """How an int4 linear multiplies more rows than its decode rows: "bf16" (the bf16 weight on oneDNN)
-    where oneDNN has AMX, else "int8" (``int4_int8_matmul``) when the compiled operators have vector
-    integer dot products, else "bf16". ``QUANTKIT_CPU_PREFILL`` overrides the choice."""
-    chosen = os.environ.get(PREFILL_OVERRIDE, "auto")
-    if chosen not in ("auto", *PREFILL_KERNELS):
-        raise ValueError(f"{PREFILL_OVERRIDE} must be auto, bf16 or int8, got {chosen!r}")
-    ops = cpu_ops.load()
-    if chosen == "int8" and ops is None:
-        raise RuntimeError(f"{PREFILL_OVERRIDE}=int8 needs the compiled CPU operators, which did not build")
-    if chosen != "auto":
-        return chosen
-    if onednn_uses_amx() or ops is None or ops.int4_int8_isa() == "scalar":
-        return "bf16"
-    return "int8"
 
 
 class Int4Linear(PanelLinear):
@@ -183,12 +152,6 @@ class Int4Linear(PanelLinear):
 
     def prepare(self, x: torch.Tensor) -> torch.Tensor:
         return super().prepare(x if self.perm is None else x.index_select(-1, self.perm))
-
-    def _dense(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows beyond the decode rows: on integer dot products when ``prefill_kernel`` says so, else by the
-        bf16 weight."""
-        out = self._integer_product(rows) if prefill_kernel() == "int8" else None
-        return super()._dense(rows) if out is None else out
 
     @classmethod
     def fuse(cls, modules: list["Int4Linear"]) -> "Int4Linear | None":

@@ -5,7 +5,9 @@ The head is the largest single matrix a decode step reads (49152 x 576 on the de
 73448 x 4096 on MiniCPM4.1-8B) and quantizing it is what llama.cpp does too (its Q4_0 files store
 ``output.weight`` as Q6_K). Decode multiplies int8 activations by the codes on integer dot products,
 ``int8_int8_matmul`` (quantkit/cpu_ops/int4_int8_ops.cpp, the int4 linears' kernel on 8-bit codes, stored
-in the order it reads them: ``int8_layout``); more rows multiply by the bf16 dequantized weight. At
+in the order it reads them: ``int8_layout``); more rows (a draft tree's verification) stay on it where the
+int4 linears' prefill does (no AMX: ``panel.prefill_kernel``), else multiply by the bf16 dequantized weight,
+kept. At
 the 8B head, 2 threads, this project's AMD EPYC: 9.7-11.7 ms a row against 11.9-13.8 ms for PyTorch's
 int8 weight-only kernel, which it replaced (docs/results/runtime.md, "CPU linears at MiniCPM4.1-8B's shapes").
 """

@@ -5,7 +5,9 @@ multiplied by the codes on integer dot products.
 """
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,33 @@ from quantkit.kernels.linear.packed import PackedLinear
 
 PACK_GROUP_SIZES = (256, 128, 64, 32)  # the groups a module packs, largest first
 PANEL = 64  # output rows per panel of the codes' layout
+PREFILL_KERNELS = ("bf16", "int8")
+PREFILL_OVERRIDE = "QUANTKIT_CPU_PREFILL"  # bf16 | int8; unset or "auto": prefill_kernel() chooses
+
+
+def onednn_uses_amx() -> bool:
+    """Whether oneDNN runs bf16 matmuls on AMX here: the CPU has AMX tiles and ONEDNN_MAX_CPU_ISA (if set)
+    does not hold oneDNN below its AMX instruction sets."""
+    limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    return bool(torch.cpu._is_amx_tile_supported()) and (limit in ("ALL", "DEFAULT") or "AMX" in limit)
+
+
+@functools.cache
+def prefill_kernel() -> str:
+    """How a panel linear (int4, the int8 head, W8A8) multiplies more rows than its decode rows: "bf16" (the
+    bf16 weight on oneDNN) where oneDNN has AMX, else "int8" (its integer kernel) when the compiled operators
+    have vector integer dot products, else "bf16". ``QUANTKIT_CPU_PREFILL`` overrides the choice."""
+    chosen = os.environ.get(PREFILL_OVERRIDE, "auto")
+    if chosen not in ("auto", *PREFILL_KERNELS):
+        raise ValueError(f"{PREFILL_OVERRIDE} must be auto, bf16 or int8, got {chosen!r}")
+    ops = cpu_ops.load()
+    if chosen == "int8" and ops is None:
+        raise RuntimeError(f"{PREFILL_OVERRIDE}=int8 needs the compiled CPU operators, which did not build")
+    if chosen != "auto":
+        return chosen
+    if onednn_uses_amx() or ops is None or ops.int4_int8_isa() == "scalar":
+        return "bf16"
+    return "int8"
 
 
 def pack_group_size(group_size: int, in_features: int) -> int:
@@ -59,3 +88,9 @@ class PanelLinear(PackedLinear):
 
     def decode(self, rows: torch.Tensor) -> torch.Tensor | None:
         return self._integer_product(rows)
+
+    def _dense(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows beyond the decode rows: on integer dot products where ``prefill_kernel`` says so (no AMX),
+        else by the dequantized weight."""
+        out = self._integer_product(rows) if prefill_kernel() == "int8" else None
+        return super()._dense(rows) if out is None else out

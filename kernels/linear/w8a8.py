@@ -20,7 +20,6 @@ import torch.nn.functional as F
 
 from quantkit import cpu_ops
 from quantkit.activation_quant import ActivationGrid
-from quantkit.kernels.linear.int4 import prefill_kernel
 from quantkit.kernels.linear.int8 import CENTRE, codes_of_int8_layout, int8_layout
 from quantkit.kernels.linear.packed import fused_bias
 from quantkit.kernels.linear.panel import PANEL, PanelLinear
@@ -97,12 +96,6 @@ class W8A8Linear(PanelLinear):
         out = ops.int8_int8_matmul(rows.float().contiguous(), self.packed, self.scale_offset_bf16, self.out_features,
                                    self.padded_in, self.group_size)
         return (out * self.row_scales).to(rows.dtype)
-
-    def _dense(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows beyond the decode rows: on integer dot products where the int4 linears' prefill is (no
-        AMX), else by the dequantized weight."""
-        out = self._integer_product(rows) if prefill_kernel() == "int8" else None
-        return super()._dense(rows) if out is None else out
 
     @classmethod
     def fuse(cls, modules: list[W8A8Linear]) -> W8A8Linear | None:
