@@ -347,11 +347,11 @@ def test_prefill_kernel_follows_amx_and_the_override(monkeypatch):
                          ids=["avx2-16-steps", "avx2-3-steps", "avx2-5-steps", "scalar"])
 def test_int8_product_built_for_another_cpu_computes_the_same(tmp_path, march, isa, k, group):
     """The AVX2 path (no AVX-512, no VNNI: many desktops) built with QUANTKIT_CPU_MARCH=haswell and run in
-    a process of its own gives the reference's results to float32 rounding: 11 rows (a tile of 8, whose
-    8-column steps add in int16 two at a time, and one of 3, four at a time) and one row alone (the
-    whole panel, two steps at a time), on groups whose steps divide evenly and groups that leave steps
-    over (3 and 5 steps a group); and 8-bit codes, whose products are taken signed (codes - 128), on the
-    same rows and groups. So does the plain loops' path of a CPU without AVX2 (x86-64)."""
+    a process of its own gives the reference's results to float32 rounding: 11 rows (a tile of 8 and one
+    of 3, whose 8-column steps add in int16 two at a time), 5 rows alone (a verification: one row at a
+    time) and one row alone (the whole panel, two steps at a time), on groups whose steps divide evenly and
+    groups that leave steps over (3 and 5 steps a group); and 8-bit codes, whose products are taken signed
+    (codes - 128), on the same rows and groups. So does the plain loops' path of a CPU without AVX2 (x86-64)."""
     import subprocess
     import sys
 
@@ -373,13 +373,13 @@ def test_int8_product_built_for_another_cpu_computes_the_same(tmp_path, march, i
               f"assert ops.int4_int8_isa() == {isa!r}, ops.int4_int8_isa(); "
               f"save_file({{f'y{{bits}}_{{m}}': getattr(ops, kernel)(t['x'][:m].contiguous(), t[f'packed{{bits}}'], "
               f"t[f'pairs{{bits}}'], {n}, {k}, {group}) for bits, kernel in {kernels!r}.items() "
-              f"for m in (11, 1)}}, {str(tmp_path / 'y.safetensors')!r})")
+              f"for m in (11, 5, 1)}}, {str(tmp_path / 'y.safetensors')!r})")
     done = subprocess.run([sys.executable, "-c", script], env={**os.environ, cpu_ops.MARCH_OVERRIDE: march},
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     got = load_file(tmp_path / "y.safetensors")
     for bits in CODE_KERNELS:
-        for m in (11, 1):
+        for m in (11, 5, 1):
             reference = expected[bits][:m]
             assert (got[f"y{bits}_{m}"].double() - reference).abs().max() <= 1e-6 * reference.abs().max()
 

@@ -56,6 +56,7 @@ inline FloatVec fmadd(FloatVec a, FloatVec b, FloatVec c) { return _mm512_fmadd_
 inline FloatVec mul(FloatVec a, FloatVec b) { return _mm512_mul_ps(a, b); }
 inline void store_float(float* p, FloatVec v) { _mm512_storeu_ps(p, v); }
 constexpr int kRowsPerTile = 4;  // 4 rows x 4 accumulators, 8 broadcasts, 3 for the codes
+constexpr bool kPartialTilesByRow = false;  // a tile of any rows covers the whole panel
 template <int Rows>
 constexpr int kVectors = 4;      // accumulators per row of a tile of Rows rows
 template <int Rows>
@@ -73,6 +74,7 @@ inline IntVec broadcast_word(const int8_t* p) { int32_t w; std::memcpy(&w, p, 4)
 #define INT4_INT8_DPBUSD 1
 inline IntVec dpbusd(IntVec acc, IntVec codes, IntVec a) { return _mm256_dpbusd_avx_epi32(acc, codes, a); }
 constexpr int kRowsPerTile = 2;  // half a panel at a time: 2 rows x 4 accumulators, 4 broadcasts, 3 for the codes
+constexpr bool kPartialTilesByRow = false;
 template <int Rows>
 constexpr int kVectors = Rows == 1 ? 8 : 4;  // one row: the whole panel in one pass (see tile)
 template <int Rows>
@@ -112,15 +114,23 @@ inline IntVec dot_add(IntVec acc, const IntVec* low, const IntVec* high, const i
 // Tiles of 8 rows x 1 accumulator: each split code vector serves 8 rows (the splitting, 3 instructions
 // per code vector, is 0.75 per 128 products and row) and each broadcast is used once, so none holds
 // one of the 16 registers. Paired in one process against 4-row tiles of two steps (gate_up [32768,
-// 4096], 2 threads): 8-12 % faster at 512 rows, bit-identical. A verification's 2-4 rows keep 4 / Rows
-// independent accumulators each and add four steps in int16 before widening, which their registers
-// allow; a decode step's one row covers the whole panel in one pass (see tile) two steps at a
-// time (four spill registers: 1.2-1.6x slower, paired runs).
+// 4096], 2 threads): 8-12 % faster at 512 rows, bit-identical. A decode step's one row covers the whole
+// panel in one pass (see tile), two steps at a time (four spill registers: 1.2-1.6x slower, paired runs).
+// An x of fewer rows than a tile (a speculative verification's 2-7) runs as that many decode rows, one after
+// another over each group's codes, which the first row brings into L1: a narrower tile's slices would read
+// the codes from memory in a strided stream (see tile), which at 2-7 rows costs more than splitting the codes
+// again for every row. Built for AVX2, 2 threads, an AMD EPYC, paired in one process against the tiles of
+// 2-7 rows this replaced (4 / Rows accumulators and four steps per widening up to 4 rows): MiniCPM4.1-8B's
+// gate_up and down_proj (W4 g128) 1.5-1.7x as fast at 2 rows, 1.5-1.6x at 4, 1.2-1.35x at 5, 1.1x at 7;
+// its int8 LM head 2.4x, 1.95x, 1.35x and 1.0x. A partial tile after whole ones (a 13-row tree's last 5)
+// finds the codes in L1 and stays a tile: one row at a time it ran 0.93-0.97x as fast. AVX-512 VNNI's tiles
+// cover the whole panel at any row count, and there one row at a time ran 0.6-1.0x as fast.
 constexpr int kRowsPerTile = 8;
+constexpr bool kPartialTilesByRow = true;
 template <int Rows>
-constexpr int kVectors = Rows == 1 ? 8 : Rows >= 4 ? 1 : 4 / Rows;
+constexpr int kVectors = Rows == 1 ? 8 : 1;
 template <int Rows>
-constexpr int kSteps = Rows == 1 || Rows > 4 ? 2 : 4;
+constexpr int kSteps = 2;
 #endif
 inline FloatVec low_bf16(IntVec v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
 inline FloatVec high_bf16(IntVec v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(kHighHalf)))); }
@@ -238,11 +248,12 @@ inline void multiply_steps(IntVec (&acc)[Rows][kVectors<Rows>], const uint8_t* s
   }
 }
 
-// ``Rows`` (<= kRowsPerTile) activation rows from ``m0`` times group g of a panel (``codes``: the group's
-// bytes in the panel), added to ``out`` [Rows][64] float32; ``scale`` and ``shift`` [64]: the group's.
+// ``Rows`` (<= kRowsPerTile) activation rows times group g of a panel (``codes``: the group's bytes in the
+// panel), added to ``out`` [Rows][64] float32; ``a``: the first row's int8 values of the group (the next
+// rows' follow, group_size apart), ``row`` its index in x; ``scale`` and ``shift`` [64]: the group's.
 template <int Bits, int Rows>
-void tile(const Activations& x, int64_t m0, int64_t g, const uint8_t* codes, const float* scale, const float* shift,
-          float* out) {
+void tile(const Activations& x, const int8_t* a, int64_t row, int64_t g, const uint8_t* codes, const float* scale,
+          const float* shift, float* out) {
   constexpr int kSlice = kVectors<Rows> * kLanes;  // panel rows the accumulators cover
   // A slice narrower than the panel reads part of every step's cache lines on each pass over the group,
   // a strided stream the hardware prefetchers follow badly: a decode row's slice is the whole panel on
@@ -257,14 +268,13 @@ void tile(const Activations& x, int64_t m0, int64_t g, const uint8_t* codes, con
     for (int r = 0; r < Rows; ++r)
       for (int v = 0; v < kVectors<Rows>; ++v) acc[r][v] = zero_int();
     const uint8_t* slice = codes + first * 4;
-    const int8_t* a = x.tile_group(m0, Rows, g);
     const int64_t steps = x.group_size / 8;
     int64_t q = 0;
     for (; q + kSteps<Rows> <= steps; q += kSteps<Rows>)
       multiply_steps<Bits, Rows, kSteps<Rows>>(acc, slice + q * kStepBytes, a + 8 * q, x.group_size);
     for (; q < steps; ++q) multiply_steps<Bits, Rows, 1>(acc, slice + q * kStepBytes, a + 8 * q, x.group_size);
     for (int r = 0; r < Rows; ++r) {
-      const int64_t at = (m0 + r) * x.groups + g;
+      const int64_t at = (row + r) * x.groups + g;
       const FloatVec alpha = broadcast_float(x.alpha[at]);
       const FloatVec offset = broadcast_float(x.alpha[at] * static_cast<float>(x.sums[at]));
       for (int v = 0; v < kVectors<Rows>; ++v) {
@@ -278,12 +288,13 @@ void tile(const Activations& x, int64_t m0, int64_t g, const uint8_t* codes, con
 }
 #else  // no vector extension: the same sums in plain loops
 constexpr int kRowsPerTile = 1;
+constexpr bool kPartialTilesByRow = false;
 template <int Bits, int Rows>
-void tile(const Activations& x, int64_t m0, int64_t g, const uint8_t* codes, const float* scale, const float* shift,
-          float* out) {
+void tile(const Activations& x, const int8_t* first, int64_t row, int64_t g, const uint8_t* codes, const float* scale,
+          const float* shift, float* out) {
   for (int r = 0; r < Rows; ++r) {
-    const int64_t at = (m0 + r) * x.groups + g;
-    const int8_t* a = x.tile_group(m0, Rows, g) + r * x.group_size;
+    const int64_t at = (row + r) * x.groups + g;
+    const int8_t* a = first + r * x.group_size;
     for (int64_t lane = 0; lane < kPanel; ++lane) {
       int32_t dot = 0;
       for (int64_t c = 0; c < x.group_size; ++c)
@@ -295,13 +306,23 @@ void tile(const Activations& x, int64_t m0, int64_t g, const uint8_t* codes, con
 }
 #endif
 
+// The tile of ``rows`` (<= Rows) rows from m0 times group g of a panel: one tile of its size, or, where
+// kPartialTilesByRow and it is all of x, its rows one at a time.
 template <int Bits, int Rows>
 void tile_rows(int rows, const Activations& x, int64_t m0, int64_t g, const uint8_t* codes, const float* scale,
                const float* shift, float* out) {
+  const int8_t* a = x.tile_group(m0, rows, g);
   if constexpr (Rows > 1) {
-    if (rows < Rows) return tile_rows<Bits, Rows - 1>(rows, x, m0, g, codes, scale, shift, out);
+    if (rows < Rows) {
+      if (kPartialTilesByRow && m0 == 0) {
+        for (int r = 0; r < rows; ++r)
+          tile<Bits, 1>(x, a + r * x.group_size, r, g, codes, scale, shift, out + r * kPanel);
+        return;
+      }
+      return tile_rows<Bits, Rows - 1>(rows, x, m0, g, codes, scale, shift, out);
+    }
   }
-  tile<Bits, Rows>(x, m0, g, codes, scale, shift, out);
+  tile<Bits, Rows>(x, a, m0, g, codes, scale, shift, out);
 }
 
 // y = x W^T for x bf16 or float32 [M, columns]; W's Bits-bit codes in the layout above for ``padded``
