@@ -346,11 +346,12 @@ def test_bad_sparse_configs_are_refused(bad, message):
         SparseAttentionConfig.from_dict({"topK": 3})
 
 
-@pytest.mark.parametrize("start,dense_len", [(700, -1), (765, -1), (766, 768), (830, -1), (700, 800)])
+@pytest.mark.parametrize("start,dense_len", [(700, -1), (765, -1), (766, 768), (830, -1), (700, 800), (8000, -1)])
 def test_a_tree_attends_as_each_branch_would_decoded_alone(start, dense_len):
     """Every node of a draft tree gets the reference's output for its branch (the context, then its
     lineage) decoded as one sequence: windows ending on the branch (767 ends a fine and a coarse one),
-    a block boundary inside the tree (768, 832), and nodes on both sides of dense_len."""
+    a block boundary inside the tree (768, 832), and nodes on both sides of dense_len. Up to 830 the
+    blocks the nodes chose are most of the context, attended in place; at 8000, 32 of 125, gathered."""
     from quantkit.kernels.infllm import sparse_tree_attention
     from quantkit.kernels.speculative import DraftTree
 

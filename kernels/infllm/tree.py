@@ -104,16 +104,37 @@ def sparse_tree_attention(q, k, v, config: SparseAttentionConfig, cache: Compres
         return out.transpose(1, 2).reshape(q_heads, rows, dim)
     score_q, score_k = (q_nope, k_nope) if config.use_nope else (q, k)
     blocks = _select(score_q, score_k, context, extra, positions, config, cache)
-    size = config.block_size
-    tokens = (blocks[..., None] * size + torch.arange(size, device=q.device)).flatten(2)  # [Hkv, T, k*size]
-    context_allowed = (blocks >= 0).repeat_interleave(size, -1) & (tokens < context)
-    extra_blocks = (context + extra.cumsum(1) - 1).to(q.device) // size  # the block of each extra slot's position
-    chosen_extra = (blocks[..., None] == extra_blocks[None, :, None, :]).any(-2)  # [Hkv, T, S - context]
-    chosen = blocks.clamp(min=0)
-    keys, values = (torch.cat([cpu.gather_blocks(x[:, :context], chosen, size),
-                               x[:, None, context:].expand(-1, rows, -1, -1)], 2) for x in (k, v))
-    allowed = torch.cat([context_allowed, extra[None] & chosen_extra], -1)[:, :, None, :]
     sparse = ~dense
-    out[:, sparse] = F.scaled_dot_product_attention(queries[:, sparse], keys[:, sparse], values[:, sparse],
-                                                    attn_mask=allowed[:, sparse])
+    keys, values, allowed = _union_of_chosen(k, v, blocks[:, sparse], context, extra[sparse], config.block_size)
+    # each KV head's sparse rows and query heads as the rows of one problem: [Hkv, Ts * G, d]
+    heads_per_kv, sparse_rows = q_heads // kv_heads, int(sparse.sum())
+    folded = queries[:, sparse].reshape(kv_heads, sparse_rows * heads_per_kv, dim)
+    mask = allowed[:, :, None, :].expand(-1, -1, heads_per_kv, -1).reshape(kv_heads, sparse_rows * heads_per_kv, -1)
+    out[:, sparse] = F.scaled_dot_product_attention(folded[None], keys[None], values[None], attn_mask=mask[None]).view(
+        kv_heads, sparse_rows, heads_per_kv, dim)  # 4-D: SDPA's flash kernel (3-D runs its math path)
     return out.transpose(1, 2).reshape(q_heads, rows, dim)
+
+
+def _union_of_chosen(k, v, blocks, context: int, extra, size: int):
+    """The keys and values every sparse row of every KV head may attend: the context blocks any of them chose
+    (ascending), gathered once, then the slots after the context, or, where those blocks are most of the
+    context, the whole cache in place; and which of them each row attends [Hkv, T, L] (its own chosen blocks'
+    context positions, and its branch's slots whose block it chose).
+    Gathering each row's blocks apart copied the cache once per row: at MiniCPM4.1-8B's shape and 8K of context,
+    a chain's 4 rows spent more on those copies than on the attention."""
+    union = torch.unique(blocks[blocks >= 0])  # sorted
+    extra_blocks = (context + extra.cumsum(1) - 1).to(k.device) // size  # the block of each extra slot's position
+    chosen_extra = (blocks[..., None] == extra_blocks[None, :, None, :]).any(-2)  # [Hkv, T, S - context]
+    extra_allowed = extra[None] & chosen_extra
+    if len(union) * size * 2 >= context:  # most of the context: attended in place, the rest masked, nothing copied
+        columns = max(-(-context // size), int(blocks.max()) + 1) + 1  # blocks past the context's: the branch's
+        chose = torch.zeros(*blocks.shape[:2], columns, dtype=torch.bool, device=k.device)
+        chose.scatter_(-1, blocks.clamp(min=-1) + 1, True)  # -1 (no block) lands in column 0, dropped
+        context_allowed = chose[..., 1:].repeat_interleave(size, -1)[..., :context]
+        return k, v, torch.cat([context_allowed, extra_allowed], -1)
+    tokens = (union[:, None] * size + torch.arange(size, device=k.device)).flatten()
+    slots = tokens.clamp(max=context - 1)  # a partial last block's positions past the context: masked below
+    chose = (blocks[..., None] == union).any(-2)  # [Hkv, T, U]
+    context_allowed = chose.repeat_interleave(size, -1) & (tokens < context)
+    keys, values = (torch.cat([x[:, slots], x[:, context:]], 1) for x in (k, v))
+    return keys, values, torch.cat([context_allowed, extra_allowed], -1)
