@@ -123,18 +123,17 @@ def _union_of_chosen(k, v, blocks, context: int, extra, size: int):
     Gathering each row's blocks apart copied the cache once per row: at MiniCPM4.1-8B's shape and 8K of context,
     a chain's 4 rows spent more on those copies than on the attention."""
     union = torch.unique(blocks[blocks >= 0])  # sorted
+    in_place = len(union) * size * 2 >= context  # most of the context: all of it, attended in place
+    if in_place:
+        union = torch.arange(-(-context // size), device=k.device)
+    tokens = (union[:, None] * size + torch.arange(size, device=k.device)).flatten()
+    chose = (blocks[..., None] == union).any(-2)  # [Hkv, T, U]
+    context_allowed = chose.repeat_interleave(size, -1) & (tokens < context)  # a partial last block's tail: masked
     extra_blocks = (context + extra.cumsum(1) - 1).to(k.device) // size  # the block of each extra slot's position
     chosen_extra = (blocks[..., None] == extra_blocks[None, :, None, :]).any(-2)  # [Hkv, T, S - context]
     extra_allowed = extra[None] & chosen_extra
-    if len(union) * size * 2 >= context:  # most of the context: attended in place, the rest masked, nothing copied
-        columns = max(-(-context // size), int(blocks.max()) + 1) + 1  # blocks past the context's: the branch's
-        chose = torch.zeros(*blocks.shape[:2], columns, dtype=torch.bool, device=k.device)
-        chose.scatter_(-1, blocks.clamp(min=-1) + 1, True)  # -1 (no block) lands in column 0, dropped
-        context_allowed = chose[..., 1:].repeat_interleave(size, -1)[..., :context]
-        return k, v, torch.cat([context_allowed, extra_allowed], -1)
-    tokens = (union[:, None] * size + torch.arange(size, device=k.device)).flatten()
-    slots = tokens.clamp(max=context - 1)  # a partial last block's positions past the context: masked below
-    chose = (blocks[..., None] == union).any(-2)  # [Hkv, T, U]
-    context_allowed = chose.repeat_interleave(size, -1) & (tokens < context)
+    if in_place:
+        return k, v, torch.cat([context_allowed[..., :context], extra_allowed], -1)
+    slots = tokens.clamp(max=context - 1)
     keys, values = (torch.cat([x[:, slots], x[:, context:]], 1) for x in (k, v))
     return keys, values, torch.cat([context_allowed, extra_allowed], -1)
