@@ -368,3 +368,31 @@ def test_a_tree_attends_as_each_branch_would_decoded_alone(start, dense_len):
         assert (got[:, row:row + 1] - want).abs().max() < FP32_TOL, row
     all_dense = config.is_dense(start + 4)  # the deepest node's branch
     assert cache.num_keys == (start - 40 if all_dense else start + 1)  # pooled: the context only, when sparse
+
+
+@pytest.mark.parametrize("start,dense_len,sparse_rows", [(8000, -1, 4), (2000, 2003, 2), (8061, -1, 4)])
+def test_a_chain_over_bf16_caches_runs_each_sparse_row_as_its_decode_step(start, dense_len, sparse_rows, monkeypatch):
+    """A chain's verification over bf16 caches, where the block kernel is built with AVX-512: each row is the
+    decode step at its position, bit for bit: the fused one past dense_len (all four rows, or the last two),
+    dense attention before it (8061: a fine and a coarse window end on the chain, at 8063); built without it,
+    the rows' blocks are attended in one call. Either way within bf16 rounding of the reference decoding
+    each row's prefix."""
+    from quantkit.kernels.infllm import sparse_tree_attention
+    from quantkit.kernels.speculative import chain_verification
+
+    as_decode_steps = cpu.block_kernel_beats_sdpa(built_cpu_ops())
+    decode, decoded = cpu.fused_decode, []
+    monkeypatch.setattr(cpu, "fused_decode", lambda ops, q, *rest: decoded.append(q.shape[1]) or decode(ops, q, *rest))
+    config = SparseAttentionConfig(window_size=128, topk=4, dense_len=dense_len)
+    _, mask = chain_verification(start, 3)
+    q, k, v = (t.bfloat16() for t in qkv(4, 2, start + 4, 32, seed=11))
+    cache = CompressedKeyCache(config)
+    got = sparse_tree_attention(q[:, start:], k, v, config, cache, mask)
+    assert decoded == [1] * sparse_rows * as_decode_steps
+    assert cache.num_keys == start + 1  # the chain is not pooled into the cache
+    for row in range(4):
+        end = start + row + 1
+        step = sparse_attention(q[:, end - 1:end], k[:, :end], v[:, :end], config, CompressedKeyCache(config))
+        assert torch.equal(got[:, row:row + 1], step) or not as_decode_steps, row
+        want = sparse_attention_reference(q[:, end - 1:end], k[:, :end], v[:, :end], config).float()
+        assert (got[:, row:row + 1].float() - want).abs().max() < 2e-2, row
