@@ -21,7 +21,17 @@ from quantkit.kernels.attention import make_attention, sparse_config_for
 from quantkit.kernels.kv_cache import KVCache
 from quantkit.kernels.model import RuntimeModel
 from quantkit.kernels.sampling import Sampler, Sampling
-from quantkit.kernels.speculative import Acceptance, Drafter, ModelDrafter, TreeShape, speculative_tokens
+from quantkit.kernels.speculative import (
+    AUTO,
+    AUTO_LONGEST,
+    Acceptance,
+    AutoChain,
+    Drafter,
+    FixedChain,
+    ModelDrafter,
+    TreeShape,
+    speculative_tokens,
+)
 from quantkit.kernels.tokenizer_process import RuntimeTokenizer, TokenizerProcess
 
 DEFAULT_PREFILL_CHUNK = 512
@@ -89,13 +99,14 @@ class TextStream:
 class TextGenerator:
     def __init__(self, runtime: RuntimeModel, tokenizer, stop_tokens: set[int],
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, drafter: Drafter | None = None,
-                 draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft_tree: TreeShape | None = None):
-        """``drafter``: decode speculatively, ``draft_tokens`` drafts a round, or a ``draft_tree`` when
-        greedy (``kernels/speculative.py``)."""
+                 draft_tokens: int | str = DEFAULT_DRAFT_TOKENS, draft_tree: TreeShape | None = None):
+        """``drafter``: decode speculatively, ``draft_tokens`` drafts a round (``"auto"``: the chain length
+        each round that commits the most tokens a second, ``AutoChain``), or a ``draft_tree``
+        (``kernels/speculative.py``)."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        if draft_tokens < 1:
-            raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
+        if draft_tokens != AUTO and (not isinstance(draft_tokens, int) or draft_tokens < 1):
+            raise ValueError(f"draft_tokens must be >= 1 or {AUTO!r}, got {draft_tokens!r}")
         self.runtime = runtime
         self.tokenizer = tokenizer
         self.stop_tokens = stop_tokens
@@ -173,11 +184,15 @@ class TextGenerator:
     def _speculative(self, prompt: list[int], max_new_tokens: int, sampler: Sampler, cache: KVCache,
                      timings: dict) -> Iterator[int]:
         """``tokens`` with the drafter; the prefill's time is the first token's (it ends in it)."""
-        tree = self.draft_tree
-        acceptance = timings["acceptance"] = Acceptance(tree.depth if tree is not None else self.draft_tokens)
+        tree, auto = self.draft_tree, self.draft_tokens == AUTO
+        longest = tree.depth if tree is not None else AUTO_LONGEST if auto else self.draft_tokens
+        acceptance = timings["acceptance"] = Acceptance(longest)
+        chain = AutoChain(acceptance) if auto else FixedChain(self.draft_tokens)
+        if auto:
+            timings["chain_lengths"] = chain.chosen
         start, first = time.perf_counter(), True
         steps = speculative_tokens(self.runtime, self.drafter, prompt, max_new_tokens, sampler, cache,
-                                   self.draft_tokens, self.stop_tokens, self.prefill_chunk, acceptance, tree)
+                                   chain, self.stop_tokens, self.prefill_chunk, acceptance, tree)
         try:
             while True:
                 token = next(steps)
@@ -202,9 +217,11 @@ class TextGenerator:
         prompt_ids = self.encode(prompt)
         new = list(self.tokens(prompt_ids, timings=timings, **kwargs))
         acceptance = timings.get("acceptance")
+        speculative = None if acceptance is None else acceptance.to_dict()
+        if "chain_lengths" in timings:  # --draft-tokens auto: how many rounds drafted each length (0: plain steps)
+            speculative["rounds_per_chain_length"] = dict(sorted(timings["chain_lengths"].items()))
         return Generation(self.tokenizer.decode(new, skip_special_tokens=True), new, len(prompt_ids),
-                          timings["stop_reason"], timings["prefill_seconds"], timings["decode_seconds"],
-                          None if acceptance is None else acceptance.to_dict())
+                          timings["stop_reason"], timings["prefill_seconds"], timings["decode_seconds"], speculative)
 
 
 class TextGeneratorLM:
@@ -246,7 +263,7 @@ def stop_tokens_of(model_dir: Path, tokenizer: RuntimeTokenizer, config) -> set[
 def load_text_generator(model_dir: str | Path, *, sparse: str = "auto", sparse_overrides: dict | None = None,
                         device: str = "cpu", dtype: torch.dtype = torch.bfloat16, linear_backend: str = "cpu",
                         lm_head: str = "auto", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                        draft: str | Path | None = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+                        draft: str | Path | None = None, draft_tokens: int | str = DEFAULT_DRAFT_TOKENS,
                         draft_tree: TreeShape | None = None, draft_window: int | None = None,
                         tokenizer: RuntimeTokenizer | TokenizerProcess | None = None) -> TextGenerator:
     """A text generator for any checkpoint quantkit reads: unquantized, or an artifact it wrote; with ``draft``

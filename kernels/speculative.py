@@ -34,6 +34,9 @@ as the EAGLE papers and vLLM report it.
 """
 from __future__ import annotations
 
+import statistics
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
@@ -383,12 +386,86 @@ def verify_sampled(drafts: list[int], draft_probs: list[torch.Tensor], logits: t
     return len(drafts), sampler(logits[len(drafts)])
 
 
+AUTO = "auto"  # --draft-tokens auto: ``AutoChain``
+AUTO_LONGEST = 5  # the longest chain AutoChain drafts
+# P(draft i kept | every draft before it was) of MiniCPM4.1's EAGLE-3 head, from OpenBMB's per-position
+# acceptance (0.58, 0.34, 0.22 of the rounds keep drafts 1, 2, 3); the last holds further on. A generation's
+# own counts outweigh this prior after a few rounds.
+PRIOR_RATES = (0.58, 0.34 / 0.58, 0.22 / 0.34)
+PRIOR_ROUNDS = 4
+RECENT_ROUNDS = 8  # round times kept per chain length: their median is its cost
+RETIME_EVERY = 16  # rounds between re-timing the length timed longest ago (costs grow with the context)
+
+
+@dataclass
+class FixedChain:
+    """``length`` drafts every round (fewer only where the generation ends sooner)."""
+
+    length: int
+
+    def next(self, budget: int) -> int:
+        return min(self.length, budget)
+
+    def record(self, drafted: int, kept: int, seconds: float) -> None:
+        pass
+
+
+class AutoChain:
+    """``--draft-tokens auto``: each round drafts the chain, 0 (a plain step, the head still observing) to
+    ``acceptance.draft_tokens`` long, that is expected to commit the most tokens a second on this machine,
+    target and text: a chain of k commits 1 + sum over j <= k of r_1 ... r_j tokens on average, r_i this
+    generation's acceptance at position i (``acceptance``'s counts, with ``PRIOR_RATES`` as a prior), and
+    costs the median time of its recent rounds, each length timed once before the first choice and re-timed
+    in turn. Verification's cost is not linear in the rows (the integer kernels change tiling past a few
+    rows), so every length is timed rather than fitted."""
+
+    def __init__(self, acceptance: Acceptance):
+        self.acceptance = acceptance
+        self.longest = acceptance.draft_tokens
+        self.seconds: dict[int, list[float]] = {}
+        self.timed_at: dict[int, int] = {}
+        self.chosen: Counter[int] = Counter()
+
+    def rates(self) -> list[float]:
+        prior = [PRIOR_RATES[min(i, len(PRIOR_RATES) - 1)] for i in range(self.longest)]
+        return [(kept + rate * PRIOR_ROUNDS) / (reached + PRIOR_ROUNDS)
+                for kept, reached, rate in zip(self.acceptance.accepted_at, self.acceptance.reached, prior)]
+
+    def expected_tokens(self, length: int) -> float:
+        total = reach = 1.0
+        for rate in self.rates()[:length]:
+            reach *= rate
+            total += reach
+        return total
+
+    def tokens_per_second(self, length: int) -> float:
+        return self.expected_tokens(length) / statistics.median(self.seconds[length])
+
+    def next(self, budget: int) -> int:
+        lengths = range(self.longest + 1)
+        untimed = [length for length in lengths if length not in self.seconds]
+        rounds = sum(self.chosen.values())
+        if untimed:
+            length = untimed[0]
+        elif rounds % RETIME_EVERY == RETIME_EVERY - 1:
+            length = min(lengths, key=self.timed_at.__getitem__)
+        else:
+            length = max(lengths, key=self.tokens_per_second)
+        return min(length, budget)
+
+    def record(self, drafted: int, kept: int, seconds: float) -> None:
+        """A round of ``drafted`` drafts (``acceptance`` has counted what it kept) took ``seconds``."""
+        self.chosen[drafted] += 1
+        self.seconds[drafted] = [*self.seconds.get(drafted, [])[1 - RECENT_ROUNDS:], seconds]
+        self.timed_at[drafted] = sum(self.chosen.values())
+
+
 def speculative_tokens(runtime: RuntimeModel, drafter: Drafter, prompt: list[int], max_new_tokens: int,
-                       sampler: Sampler, cache: KVCache, draft_tokens: int, stop_tokens: set[int],
+                       sampler: Sampler, cache: KVCache, chain: FixedChain | AutoChain, stop_tokens: set[int],
                        prefill_chunk: int, acceptance: Acceptance, tree: TreeShape | None = None) -> Iterator[int]:
-    """New tokens until a stop token (not yielded) or ``max_new_tokens``, drafting ``draft_tokens`` a
-    round (or, with ``tree``, a tree); ``acceptance`` collects each round's count. Returns
-    (``yield from``) the stop reason."""
+    """New tokens until a stop token (not yielded) or ``max_new_tokens``, drafting a chain of the length
+    ``chain`` gives each round (or, with ``tree``, a tree); ``acceptance`` collects each round's count.
+    Returns (``yield from``) the stop reason."""
     if not prompt:
         raise ValueError("the prompt is empty")
     layers = drafter.aux_layers
@@ -424,7 +501,8 @@ def speculative_tokens(runtime: RuntimeModel, drafter: Drafter, prompt: list[int
             drafter.observe(block[rows], {layer: state[rows] for layer, state in states.items()},
                             torch.tensor(committed))
             continue
-        drafts, draft_probs = drafter.propose(min(draft_tokens, budget), sampler)
+        started = time.perf_counter()
+        drafts, draft_probs = drafter.propose(chain.next(budget), sampler)
         block = torch.tensor([token, *drafts], dtype=torch.long)
         # verified as a one-branch tree: each row then attends as a decode step at its position would,
         # also where InfLLM v2 would run a whole forward crossing dense_len sparse
@@ -439,3 +517,4 @@ def speculative_tokens(runtime: RuntimeModel, drafter: Drafter, prompt: list[int
         committed = [*drafts[:kept], after]
         drafter.observe(block[:kept + 1], {layer: state[:kept + 1] for layer, state in states.items()},
                         torch.tensor(committed))
+        chain.record(len(drafts), kept, time.perf_counter() - started)

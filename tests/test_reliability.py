@@ -672,6 +672,8 @@ RUNTIME_CASES = {
     "prefill_chunk 0": ["--prompt", "Hi", "--prefill-chunk", "0"],
     "bad sparse config": ["--prompt", "Hi", "--sparse-config", "{not json"],
     "draft of another vocabulary": ["--prompt", "Hi", "--draft", "<other-vocabulary>"],
+    "draft tokens 0": ["--prompt", "Hi", "--draft-tokens", "0"],
+    "draft tokens neither a count nor auto": ["--prompt", "Hi", "--draft-tokens", "many"],
 }
 
 

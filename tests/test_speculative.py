@@ -18,6 +18,9 @@ from quantkit.kernels.load import load_runtime_model
 from quantkit.kernels.model import RuntimeModel
 from quantkit.kernels.sampling import Sampler, Sampling
 from quantkit.kernels.speculative import (
+    RETIME_EVERY,
+    Acceptance,
+    AutoChain,
     DraftTree,
     ModelDrafter,
     TreeShape,
@@ -75,6 +78,76 @@ def test_an_oracle_draft_is_always_accepted(target_dir, draft_tokens):
     acceptance = timings["acceptance"]
     assert acceptance.rounds == 4 and acceptance.tau == draft_tokens + 1
     assert acceptance.position_rates == [1.0] * draft_tokens
+
+
+def _simulated_rounds(rate: float, seconds_of, rounds: int = 160, seed: int = 0) -> AutoChain:
+    """AutoChain driven by rounds of a simulated target: each draft kept with probability ``rate`` while
+    those before it were, a round of k drafts taking ``seconds_of(k)``."""
+    import random
+
+    draws, chain = random.Random(seed), AutoChain(Acceptance(5))
+    for _ in range(rounds):
+        drafted = chain.next(budget=100)
+        kept = 0
+        while kept < drafted and draws.random() < rate:
+            kept += 1
+        if drafted:
+            chain.acceptance.add_round(drafted, kept)
+        chain.record(drafted, kept, seconds_of(drafted))
+    return chain
+
+
+def _tokens_a_second(rate: float, seconds_of, length: int) -> float:
+    return sum(rate ** j for j in range(length + 1)) / seconds_of(length)
+
+
+@pytest.mark.parametrize("rate, seconds_of", [
+    (1.0, lambda k: 1 + 0.1 * k),   # every draft kept, verification cheap: the longest chain
+    (0.0, lambda k: 1 + 0.1 * k),   # nothing kept: plain steps
+    (0.8, lambda k: 1 + 0.5 * k),   # 1, 1.2, 1.22, 1.18, 1.12, 1.05 tokens a second for k = 0..5: a flat top
+    (0.8, lambda k: 1.0 if k <= 3 else 4.0),  # the cost jumps past 4 rows, not a line: 3
+    (0.5, lambda k: 1 + 0.05 * k),  # 1, 1.43, 1.59, 1.63, 1.60, 1.57
+])
+def test_auto_chain_drafts_the_length_that_commits_the_most_tokens_a_second(rate, seconds_of):
+    """The rounds' lengths give, on average, at least 95 % of the best length's expected tokens a second
+    (timing every length, re-timing each in turn, and learning the acceptance included; near the top the
+    curve is flat, so neighbours of the best are fair choices); a fixed chain of 3 would give 77 % with
+    nothing accepted and with everything."""
+    chain = _simulated_rounds(rate, seconds_of)
+    rates = [_tokens_a_second(rate, seconds_of, length) for length in range(6)]
+    achieved = sum(count * rates[length] for length, count in chain.chosen.items()) / 160
+    assert achieved >= 0.95 * max(rates), (achieved, rates, chain.chosen)
+    assert set(chain.chosen) == set(range(6))  # every length timed
+    assert sum(chain.chosen.values()) - max(chain.chosen.values()) >= 160 // RETIME_EVERY  # re-timed in turn
+
+
+def test_auto_chain_keeps_greedy_output_exact_and_times_every_length(target_dir):
+    """--draft-tokens auto with an oracle draft (the target itself): plain greedy's tokens, every chain length
+    tried once before the first choice, every drafted round fully accepted."""
+    runtime = _runtime(target_dir)
+    generator = TextGenerator(runtime, None, set(), prefill_chunk=4,
+                              drafter=ModelDrafter(runtime, runtime.config.vocab_size), draft_tokens="auto")
+    timings = {}
+    tokens = list(generator.tokens(PROMPT, max_new_tokens=40, timings=timings))
+    assert tokens == _plain_greedy(target_dir, 40)
+    assert set(timings["chain_lengths"]) >= set(range(6))
+    assert timings["acceptance"].position_rates == [1.0] * 5
+    with pytest.raises(ValueError, match="draft_tokens must be >= 1 or 'auto'"):
+        TextGenerator(runtime, None, set(), drafter=ModelDrafter(runtime, runtime.config.vocab_size), draft_tokens=0)
+
+
+def test_generate_draft_tokens_auto_reports_its_rounds_per_length(target_dir):
+    from click.testing import CliRunner
+
+    from quantkit.cli import main
+
+    run = CliRunner().invoke(main, ["generate", "--model", str(target_dir), "--draft", str(target_dir), "--raw",
+                                    "--prompt", "hello", "--max-new-tokens", "30", "--draft-tokens", "auto", "--json"])
+    assert run.exit_code == 0, run.output
+    speculative = json.loads(run.stdout)["speculative"]
+    lengths = {int(length): count for length, count in speculative["rounds_per_chain_length"].items()}
+    assert set(lengths) <= set(range(6)) and sum(lengths.values()) >= speculative["rounds"]
+    assert speculative["position_rates"][0] > 0.8  # the target drafting for itself (bf16: rows round apart)
 
 
 def test_rejected_drafts_leave_the_cache_as_a_fresh_prefill(target_dir):

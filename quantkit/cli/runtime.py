@@ -19,6 +19,15 @@ from quantkit.cli import (
 )
 from quantkit.table import format_table
 
+
+def _draft_tokens(ctx, param, value: str) -> int | str:
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise click.ClickException(f"--draft-tokens must be a count of at least 1, or auto; got {value!r}")
+    return int(value)
+
+
 # Options shared by `generate` and `chat`: the runtime and the sampler.
 runtime_options = stack(
     click.option("--model", default="default", show_default=True,
@@ -37,8 +46,10 @@ runtime_options = stack(
                  help="MiniCPM4.1's hybrid reasoning (chat template enable_thinking)."),
     click.option("--draft", default=None,
                  help="Decode speculatively with this draft: an EAGLE-3 head, or a model with the same tokenizer."),
-    click.option("--draft-tokens", default=3, show_default=True, type=click.IntRange(min=1),
-                 help="Draft tokens verified per target forward (with --draft)."),
+    click.option("--draft-tokens", default="3", show_default=True, callback=_draft_tokens, metavar="N|auto",
+                 help="Draft tokens verified per target forward (with --draft); auto: each round the chain "
+                      "length (0-5) expected to commit the most tokens a second, from this machine's timings "
+                      "and the acceptance so far."),
     click.option("--draft-tree", default=None, metavar="DEPTHxTOPKxSIZE",
                  help="Draft EAGLE-2 trees of this shape instead of chains (with --draft), e.g. 3x4x12; "
                       "sampled trees keep the target's distribution (recursive rejection sampling)."),
@@ -105,6 +116,9 @@ def generate(prompt, chat, model, revision, sparse, sparse_config, device, max_n
     click.echo()
     speculative = (f"; tau {timings['acceptance'].tau:.2f} over {timings['acceptance'].rounds} rounds"
                    if "acceptance" in timings else "")
+    if "chain_lengths" in timings:
+        speculative += "; rounds per chain length " + ", ".join(
+            f"{length}: {count}" for length, count in sorted(timings["chain_lengths"].items()))
     reason = timings["stop_reason"]
     if reason == CONTEXT_LIMIT:
         reason += f" ({generator.context} tokens, max_position_embeddings)"
