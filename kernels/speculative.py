@@ -406,7 +406,7 @@ class FixedChain:
     def next(self, budget: int) -> int:
         return min(self.length, budget)
 
-    def record(self, drafted: int, kept: int, seconds: float) -> None:
+    def record(self, drafted: int, seconds: float) -> None:
         pass
 
 
@@ -453,7 +453,7 @@ class AutoChain:
             length = max(lengths, key=self.tokens_per_second)
         return min(length, budget)
 
-    def record(self, drafted: int, kept: int, seconds: float) -> None:
+    def record(self, drafted: int, seconds: float) -> None:
         """A round of ``drafted`` drafts (``acceptance`` has counted what it kept) took ``seconds``."""
         self.chosen[drafted] += 1
         self.seconds[drafted] = [*self.seconds.get(drafted, [])[1 - RECENT_ROUNDS:], seconds]
@@ -517,4 +517,4 @@ def speculative_tokens(runtime: RuntimeModel, drafter: Drafter, prompt: list[int
         committed = [*drafts[:kept], after]
         drafter.observe(block[:kept + 1], {layer: state[:kept + 1] for layer, state in states.items()},
                         torch.tensor(committed))
-        chain.record(len(drafts), kept, time.perf_counter() - started)
+        chain.record(len(drafts), time.perf_counter() - started)

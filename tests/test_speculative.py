@@ -93,7 +93,7 @@ def _simulated_rounds(rate: float, seconds_of, rounds: int = 160, seed: int = 0)
             kept += 1
         if drafted:
             chain.acceptance.add_round(drafted, kept)
-        chain.record(drafted, kept, seconds_of(drafted))
+        chain.record(drafted, seconds_of(drafted))
     return chain
 
 

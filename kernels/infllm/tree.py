@@ -125,8 +125,6 @@ def sparse_tree_attention(q, k, v, config: SparseAttentionConfig, cache: Compres
     extra = mask[:, context:]
     positions = context - 1 + extra.sum(1).to(q.device)  # a row with no extra slot is the context's last
     dense = torch.tensor([config.is_dense(int(p) + 1) for p in positions])
-    out = q.new_empty(kv_heads, rows, q_heads // kv_heads, dim)
-    queries = q.reshape(kv_heads, q_heads // kv_heads, rows, dim).transpose(1, 2)  # [Hkv, T, G, d]
     if not dense.all():
         score_q, score_k = (q_nope, k_nope) if config.use_nope else (q, k)
         fine, coarse = _context_windows(score_k, context, config, cache)
@@ -137,6 +135,8 @@ def sparse_tree_attention(q, k, v, config: SparseAttentionConfig, cache: Compres
             # 8K keys, 2 threads: 4 rows 2.2 ms a layer against 2.7 below); built without it the block kernel
             # is plain loops, and one masked SDPA over the rows' blocks is cheaper (6.0 against 8.5 ms)
             return _chain_as_decode_steps(ops, q, score_q, k, v, score_k, fine, coarse, context, dense, config)
+    out = q.new_empty(kv_heads, rows, q_heads // kv_heads, dim)
+    queries = q.reshape(kv_heads, q_heads // kv_heads, rows, dim).transpose(1, 2)  # [Hkv, T, G, d]
     if dense.any():
         count = int(dense.sum())
         out[:, dense] = F.scaled_dot_product_attention(
