@@ -74,9 +74,6 @@ def describe(model_dir: str | Path) -> dict:
         budget = manifest["budget"]
         info.update({"budget": budget["budget"], "budget_file_bytes": budget["file_bytes"],
                      "budget_matrix_bpw": budget["matrix_bpw"], "budget_predicted_kl": budget["predicted_kl"]})
-        # the tensors outside the layers (GGUF's blk.N.*) here, the layers' in the per-layer table
-        info.update({f"budget {name}": entry["type"] for name, entry in budget["tensors"].items()
-                     if not name.startswith("blk.")})
     report_path = model_dir / REPORT_FILE
     if report_path.is_file():
         report = read_json_object(report_path)
@@ -84,11 +81,10 @@ def describe(model_dir: str | Path) -> dict:
     return info
 
 
-def budget_types(model_dir: str | Path) -> dict[str, str]:
-    """The type a size budget's plan gave each matrix (GGUF name -> type), from the artifact's manifest;
-    empty for an artifact made without a budget."""
+def budget_types(model_dir: str | Path) -> tuple[str, dict[str, str]]:
+    """The budget family of a size budget's plan and the grid it gave each matrix (tensor -> grid), from the
+    artifact's manifest; no grids for an artifact made without a budget."""
     manifest_path = Path(model_dir) / MANIFEST_FILE
-    if not manifest_path.is_file():
-        return {}
-    budget = read_json_object(manifest_path).get("budget") or {}
-    return {name: entry["type"] for name, entry in budget.get("tensors", {}).items()}
+    budget = (read_json_object(manifest_path).get("budget") or {}) if manifest_path.is_file() else {}
+    # plans were GGUF's alone before they recorded their family
+    return budget.get("family", "gguf"), {name: entry["type"] for name, entry in budget.get("tensors", {}).items()}

@@ -56,7 +56,7 @@ def as_float_bias(qt: QuantizedTensor | FP8Tensor, dtype: torch.dtype, name: str
     """``qt`` on MLX's grid in ``dtype``: the same codes and scales, bias = −zero · scale (exact or refused)."""
     if not isinstance(qt, QuantizedTensor):
         raise ValueError(f"{name}: its weights are FP8 (E4M3), which MLX's affine groups cannot hold: quantize the "
-                         "unquantized model for MLX (`quantkit quantize --recipe mlx-s-p-gptq-w4g64`)")
+                         "unquantized model for MLX (`quantkit quantize --recipe mlx-s-gptq-w4g64`)")
     n, k = qt.shape
     if qt.config.float_bias:
         raise ValueError(f"{name}: already on a float-bias grid")
@@ -96,7 +96,7 @@ def export_mlx(model_dir: str | Path, out: str | Path, dtype: str = "float32") -
     fmt = reader.format
     if fmt is None:
         raise ValueError(f"{model_dir} is not quantized: quantize it for MLX with `quantkit quantize --recipe "
-                         "mlx-rtn-w4g64` (or mlx-s-p-gptq-w4g64)")
+                         "mlx-rtn-w4g64` (or mlx-s-gptq-w4g64)")
     if fmt.name == "mlx" or fmt.block_types:
         raise ValueError(f"{model_dir} is format {fmt.name}: "
                          + ("already MLX" if fmt.name == "mlx" else "GGUF blocks are not one affine grid per group"))

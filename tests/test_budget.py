@@ -79,7 +79,7 @@ def test_allocation_below_the_smallest_choice_is_refused():
 def test_estimate_ranks_tensors_and_types_as_measured_kl(marlin_legal):
     """½ Σ Gᵢᵢ (ΔW H ΔWᵀ)ᵢᵢ against the KL each rounding alone causes on the same rows: measured, Spearman
     rank correlation over (linear, type) pairs 0.97 and every estimate within 2× of its measurement."""
-    from quantkit.budget.plan import rounding
+    from quantkit.budget.formats import rounding
     from quantkit.budget.sensitivity import collect, estimated_kl
     from quantkit.gguf.types import TYPES
     from quantkit.loading import load_model
@@ -112,7 +112,7 @@ def test_embedding_and_output_estimates_rank_as_measured_kl(marlin_legal):
     """The output matrix as one more linear and the input embedding as a linear over one-hot tokens
     (H = each token's share of the text): against the KL each unweighted rounding alone causes on the rows
     it was estimated on, every estimate within 25 % (measured: 2–9 %) and the types in the measured order."""
-    from quantkit.budget.plan import rounding
+    from quantkit.budget.formats import rounding
     from quantkit.budget.sensitivity import EMBEDDING, OUTPUT, collect, estimated_kl
     from quantkit.gguf.types import TYPES
     from quantkit.loading import load_model
@@ -202,6 +202,59 @@ def test_planned_artifact_meets_its_budget_and_runs_in_llama_cpp(marlin_legal, t
     assert (tmp_path / "layers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_planned_mlx_artifact_meets_its_budget_and_runs_in_mlx_lm(tiny_checkpoint_factory, tmp_path, private_cache):
+    """`quantkit quantize --recipe mlx-s-gptq-w4g64 --target-size`: the weight files mlx-lm reads are at most the
+    plan's predicted bytes (the safetensors headers bounded from above: within 1 % of the written), which are at
+    most the budget; every module is stored on the plan's grid, as the config mlx-lm reads says; and mlx-lm
+    computes quantkit's logits."""
+    import mlx.core as mx
+    from click.testing import CliRunner
+    from mlx_lm.utils import load_model as mlx_load
+
+    from quantkit.cli import main
+    from quantkit.loading import load_model
+
+    from helpers import small_recipe
+
+    checkpoint = tiny_checkpoint_factory(same_rope_factors=True, seed=3)
+    recipe = small_recipe("mlx-s-gptq-w4g64", tmp_path, smooth={"grid": 2})
+
+    def run(*args):
+        result = CliRunner().invoke(main, [*args, "--recipe", recipe.source, "--model", str(checkpoint),
+                                           "--no-progress", "--json"])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)
+
+    uniform = run("plan", "--target-bpw", "15")["mix"]["file_bytes"]  # what the recipe alone writes
+    budget = int(uniform * 0.85)
+    out = tmp_path / "planned"
+    plan = run("quantize", "--out", str(out), "--target-size", str(budget))["budget"]
+    written = sum(path.stat().st_size for path in out.glob("model*.safetensors"))
+    assert written <= plan["file_bytes"] <= budget and plan["file_bytes"] - written < 0.01 * written
+    grids = {name: entry["type"] for name, entry in plan["tensors"].items()}
+    # 0.85 of W4 g64's 4.5 bits per weight is below every 4-bit grid: some modules must get fewer bits
+    assert any(grid.startswith(("2-bit", "3-bit")) for grid in grids.values()), grids
+    stored = json.loads((out / "config.json").read_text())["quantization"]
+    for module, grid in grids.items():
+        entry = stored.get(module, {"group_size": stored["group_size"], "bits": stored["bits"], "mode": "affine"})
+        if grid == "unquantized":
+            assert entry is False, module
+        else:
+            bits, group = grid.split("-bit g")
+            assert entry == {"group_size": int(group), "bits": int(bits), "mode": "affine"}, module
+
+    ids = [1, 50, 60, 70, 80, 90, 100, 11, 12, 200]
+    with torch.no_grad():
+        expected = load_model(out)(torch.tensor([ids])).logits[0].double().numpy()
+    logits = np.array(mlx_load(out)[0](mx.array([ids]))[0].astype(mx.float32)).astype(np.float64)
+    assert np.abs(logits - expected).max() <= 1e-4
+
+    shown = CliRunner().invoke(main, ["inspect", str(out), "--plot", str(tmp_path / "layers.png")])
+    assert shown.exit_code == 0, shown.output
+    assert "budget lm_head" in shown.output and "down_proj" in shown.output
+    assert (tmp_path / "layers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.parametrize("args, message", [
     (["--target-size", "1KB"], "out of reach"),
     (["--target-bpw", "17"], "out of reach"),
@@ -229,7 +282,7 @@ def test_budget_needs_a_format_that_mixes_types(marlin_legal, tmp_path):
 
     result = CliRunner().invoke(main, ["plan", "--recipe", "gptq-w4g128", "--model", str(marlin_legal),
                                        "--target-bpw", "4", "--no-progress"])
-    assert result.exit_code == 1 and "gguf-*" in result.output, result.output
+    assert result.exit_code == 1 and "gguf-*" in result.output and "mlx-*" in result.output, result.output
 
 
 def test_tensor_types_need_a_gguf_format_and_known_names(tmp_path):

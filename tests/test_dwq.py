@@ -169,7 +169,7 @@ def test_resumed_run_ends_with_the_uninterrupted_bytes(model, training_text, uni
 
 def test_init_keeps_a_gptq_artifacts_codes(model, training_text, tmp_path):
     gptq = tmp_path / "gptq"
-    quantize(model, small_recipe("mlx-s-p-gptq-w4g64", tmp_path), gptq, progress=False)
+    quantize(model, small_recipe("mlx-s-gptq-w4g64", tmp_path), gptq, progress=False)
     settings = dwq_recipe(training_text)
     run_qat(model, settings, tmp_path / "dwq", perplexity=perplexity, tokens=2 * STEP_TOKENS, init=gptq,
             progress=False)

@@ -216,7 +216,7 @@ def one_layer(tiny_checkpoint_factory) -> Path:
 
 # One recipe per code path: GPTQ on the integer grid and the GPTQ packing; smoothing, the prefix cut and
 # Marlin's packing; the clip search, the float bias and MLX's packing; GGUF blocks; RTN; ternary.
-@pytest.mark.parametrize("recipe_name", ["gptq-w4g128", "marlin", "mlx-s-p-gptq-w4g64", "gguf-q4_k_m",
+@pytest.mark.parametrize("recipe_name", ["gptq-w4g128", "marlin", "mlx-s-gptq-w4g64", "gguf-q4_k_m",
                                          "rtn-w4g128", "gptq-ternary-g32"])
 def test_a_layers_work_names_its_device_everywhere(one_layer, recipe_name, tmp_path, monkeypatch):
     """--device cuda cannot run here, so this proves the property it needs: within a layer's work

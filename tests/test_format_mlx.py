@@ -69,7 +69,7 @@ def rtn_artifact(mlx_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gptq_artifact(mlx_checkpoint, tmp_path_factory):
-    return _quantized(mlx_checkpoint, "mlx-s-p-gptq-w4g64", tmp_path_factory, "gptq")
+    return _quantized(mlx_checkpoint, "mlx-s-gptq-w4g64", tmp_path_factory, "gptq")
 
 
 def _safetensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -158,10 +158,10 @@ def test_mixed_gptq_solves_each_linear_on_its_own_grid(eight_layers, tmp_path):
     """One solver, one grid per linear: layer 0's 4-bit q_proj is the uniform W4 run's, its 6-bit v_proj
     GPTQ's on 6 bits (far below the W4 run's error), and the 6-bit linears are exactly the predicate's."""
     runs = {}
-    for recipe in ("mlx-s-p-gptq-mixed-4-6", "mlx-s-p-gptq-w4g64"):
+    for recipe in ("mlx-s-gptq-mixed-4-6", "mlx-s-gptq-w4g64"):
         quantize(eight_layers, small_recipe(recipe, tmp_path, smooth={"grid": 2}), tmp_path / recipe, progress=False)
         runs[recipe] = ArtifactReader(tmp_path / recipe)
-    mixed, uniform = runs["mlx-s-p-gptq-mixed-4-6"], runs["mlx-s-p-gptq-w4g64"]
+    mixed, uniform = runs["mlx-s-gptq-mixed-4-6"], runs["mlx-s-gptq-w4g64"]
     records = {name: record for i in range(mixed.num_layers) for name, record in mixed.layer(i)[1].items()}
     six = sorted(name for name, record in records.items() if record.config.bits == 6)
     assert six == [f"model.layers.{i}.{linear}.weight" for i in (0, 3, 6, 7)
@@ -173,7 +173,7 @@ def test_mixed_gptq_solves_each_linear_on_its_own_grid(eight_layers, tmp_path):
     def errors(recipe):
         return json.loads((tmp_path / recipe / "quantkit.json").read_text())["layer_errors"][0]["errors"]
 
-    assert errors("mlx-s-p-gptq-mixed-4-6")["self_attn.v_proj"] < errors("mlx-s-p-gptq-w4g64")["self_attn.v_proj"] / 4
+    assert errors("mlx-s-gptq-mixed-4-6")["self_attn.v_proj"] < errors("mlx-s-gptq-w4g64")["self_attn.v_proj"] / 4
 
 
 def test_reader_round_trips_per_module_overrides():
@@ -543,7 +543,7 @@ def test_conformance_check_reads_mlx_artifacts(gptq_artifact, mlx_checkpoint_bf1
     from quantkit.eval.conformance import check_conformance
 
     bf16 = tmp_path / "bf16"
-    quantize(mlx_checkpoint_bf16, small_recipe("mlx-s-p-gptq-w4g64", tmp_path, quant={"bits": 5}), bf16, progress=False)
+    quantize(mlx_checkpoint_bf16, small_recipe("mlx-s-gptq-w4g64", tmp_path, quant={"bits": 5}), bf16, progress=False)
     for artifact in (gptq_artifact, bf16):
         report = check_conformance(artifact)
         assert report.passed and report.checks[0].linears == 14

@@ -32,9 +32,9 @@ FINGERPRINTS = {
     "fp8-w8a8": "09e49f58f0afebbf7475502ed93c25f6846906b207e70a0475f8a44d42a7b51e",
     "marlin": "9ffacaa611224ff6ace644b8b15d6dbc5272dc103c67f8df19ebceacd83860a0",
     "mlx-dwq-w4g64": "ce0c65460fdb1ee67ac492496e5487dc53f994541d39d16e869479d590e628c7",
-    "mlx-rtn-mixed-4-6": "aab0f68fab495dde29387aedadfedeb289c6277b8160e2c1299aee58c236fa0b",
-    "mlx-s-p-gptq-mixed-4-6": "a8150fb7af2f745c5742b9909afcaab952c28e6dfe1cf8faaa539cfdca711ac5",
-    "mlx-s-p-gptq-w4g64": "de85390aec9eba88593d5d8e178c7710d3346834a2c36e002fc7b7c4fd161bfc",
+    "mlx-rtn-mixed-4-6": "03132625cc3acf6ea6f21d3c9743e4abae884cc273f0a411e22014ace64415ad",
+    "mlx-s-gptq-mixed-4-6": "d22f5ba39d0f7c7ddd4d4570233f9f815c1cb4c02048a30909c295b8f6c4fc23",
+    "mlx-s-gptq-w4g64": "23b239862f76f9a1c1fbd36faae0e937b24a05a7664528fcf8522dc362870f19",
     "mlx-rtn-w4g64": "8577dee8a3900de9370ce982b832abbf085db2a7ae78d3d9a0f10a617c8c7821",
     "p-gptq-w4g128": "b5c5ebf944bd95f3565f6ad0c2de54fbdaa65b0dd2084fe2265592b80660c474",
     "qat-ternary-g256": "7c37a7e2903fb960965695ced39bf35e9fee73876496a31cd34f32ed1c896bf6",
@@ -109,7 +109,8 @@ def test_docs_has_a_section_per_builtin_recipe():
 
 
 def test_mlx_mixed_needs_format_mlx_and_its_lower_width():
-    assert load_recipe("mlx-rtn-w4g64", {"mlx.mixed": "mixed_3_6", "quant.bits": 3})["mlx"] == {"mixed": "mixed_3_6"}
+    assert load_recipe("mlx-rtn-w4g64", {"mlx.mixed": "mixed_3_6", "quant.bits": 3})["mlx"] == {"mixed": "mixed_3_6",
+                                                                                               "modules": {}}
     with pytest.raises(RecipeError, match="set quant.bits: 2"):
         load_recipe("mlx-rtn-w4g64", {"mlx.mixed": "mixed_2_6"})
     with pytest.raises(RecipeError, match="not of format 'gptq'"):
@@ -118,6 +119,21 @@ def test_mlx_mixed_needs_format_mlx_and_its_lower_width():
         load_recipe("mlx-rtn-w4g64", {"mlx.mixed": "mixed_4_8"})
     with pytest.raises(RecipeError, match="not yet by QAT or DWQ"):
         load_recipe("mlx-dwq-w4g64", {"mlx.mixed": "mixed_4_6"})
+
+
+def test_mlx_modules_name_modules_and_mlx_grids():
+    """Per-module grids (what a size budget's plan writes): decoder linears and the two matrices outside the
+    layers, on MLX's grids; only those two may stay unquantized."""
+    modules = {"model.layers.3.mlp.down_proj": {"bits": 6, "group_size": 32}, "lm_head": False,
+               "model.embed_tokens": {"bits": 8, "group_size": 128}}
+    assert load_recipe("mlx-s-gptq-w4g64", {"mlx.modules": modules})["mlx"] == {"mixed": None, "modules": modules}
+    for bad in ({"model.layers.0.mlp.down_proj": False}, {"model.norm": {"bits": 4, "group_size": 64}},
+                {"lm_head": {"bits": 7, "group_size": 64}}, {"lm_head": {"bits": 4, "group_size": 48}},
+                {"lm_head": {"bits": 4}}):
+        with pytest.raises(RecipeError, match="mlx.modules"):
+            load_recipe("mlx-s-gptq-w4g64", {"mlx.modules": bad})
+    with pytest.raises(RecipeError, match="not of format 'gptq'"):
+        load_recipe("gptq-w4g128", {"mlx.modules": {"lm_head": False}})
 
 
 def test_the_schema_is_assembled_from_the_sections_beside_their_code_in_recipe_order():

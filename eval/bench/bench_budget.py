@@ -43,7 +43,8 @@ def check_estimate(model_dir: Path, pairs: int, seed: int) -> dict:
     import numpy as np
     import torch
 
-    from quantkit.budget.plan import measure_options, plan_rows, rounding
+    from quantkit.budget.formats import budget_format, rounding
+    from quantkit.budget.plan import measure_options, plan_rows
     from quantkit.calib import heldout_tokens
     from quantkit.gguf.names import minicpm_name
     from quantkit.gguf.types import TYPES
@@ -53,7 +54,7 @@ def check_estimate(model_dir: Path, pairs: int, seed: int) -> dict:
     from quantkit.tokenizer import load_tokenizer
 
     recipe = load_recipe(RECIPE)
-    options = measure_options(model_dir, recipe)
+    options = measure_options(model_dir, recipe, budget_format(recipe))
     # the mean x² on the plan's rows, which weighted the estimate's rounding
     importance = collect(model_dir, plan_rows(model_dir, recipe).input_ids, [])
     rng = random.Random(seed)

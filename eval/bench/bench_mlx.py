@@ -2,23 +2,26 @@
 
 Rows: ``mlx_lm.convert -q`` (4 bits, group 64), mlx-lm's own learned quantizers (GPTQ, AWQ, DWQ, fed
 quantkit's calibration rows: ``quantkit.eval.interop.mlx_lm_quantize``), quantkit's MLX recipes, and
-quantkit's DWQ (``quantkit qat dwq``) started from this run's ``mlx-s-p-gptq-w4g64`` artifact, beside
+quantkit's DWQ (``quantkit qat dwq``) started from this run's ``mlx-s-gptq-w4g64`` artifact, beside
 mlx-lm's DWQ.
 Each artifact is loaded with ``mlx_lm.utils.load_model`` and run by mlx on held-out text beside the
 unquantized model, also run by mlx: KL divergence to it, perplexity and top-1 agreement, on the same
-windows. Bits per weight are mlx-lm's own count (``compute_bits_per_weight``); size is the weight
-files on disk; time is the wall time of the command that made the artifact. A row whose quantizer
-fails here keeps the reason as its note. The targets are printed under the table.
+windows of each test text (their mean over the texts is the row's figure). Bits per weight are
+mlx-lm's own count (``compute_bits_per_weight``); size is the weight files on disk; time is the wall
+time of the command that made the artifact. A row whose quantizer fails here keeps the reason as its
+note. The targets are printed under the table.
 """
 from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import fmean
 
 import click
 
+from quantkit.eval.bench.across_texts import names, text_tokens, texts_option
 from quantkit.eval.bench.common import Variant, log_tail, machine, make_variant, quantize_command, report
 
 # The issue's targets, at 4 bits, group 64
@@ -26,7 +29,7 @@ CONVERT_KL_RATIO = 0.7  # quantkit's best at most this times mlx_lm.convert's KL
 BPW_SLACK = 0.01  # "equal bits per weight": within this many bits
 
 
-DWQ_RECIPE, DWQ_INIT = "mlx-dwq-w4g64", "mlx-s-p-gptq-w4g64"  # quantkit's DWQ keeps this artifact's codes
+DWQ_RECIPE, DWQ_INIT = "mlx-dwq-w4g64", "mlx-s-gptq-w4g64"  # quantkit's DWQ keeps this artifact's codes
 
 
 # mlx_lm.convert's command line, in a process that has imported quantkit: on a LongRoPE checkpoint the
@@ -71,13 +74,20 @@ def _variants(model: Path, out: Path, bits: int, group_size: int, n_samples: int
 @dataclass
 class Row:
     method: str
-    kl: float | None = None
-    ppl: float | None = None
+    kl: float | None = None  # the mean over the texts of each text's mean KL
+    ppl: float | None = None  # the mean over the texts of each text's perplexity
     top1: float | None = None
     bits_per_weight: float | None = None
     size_mb: float | None = None
     seconds: float | None = None
     note: str = ""
+    kl_per_text: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def across(cls, method: str, per_text: dict[str, "Row"]) -> "Row":
+        rows = per_text.values()
+        return cls(method, fmean(r.kl for r in rows), fmean(r.ppl for r in rows), fmean(r.top1 for r in rows),
+                   kl_per_text={text: r.kl for text, r in per_text.items()})
 
 
 class _Scores:
@@ -107,21 +117,27 @@ def _logprobs(model, window):
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def score(model_dir: Path, artifacts: dict[str, Path], tokens: list[int], window: int) -> tuple[Row, dict[str, Row]]:
-    """mlx-lm's FP model and each artifact on the same non-overlapping windows of ``tokens``."""
+def score(model_dir: Path, artifacts: dict[str, Path], texts: dict[str, list[int]],
+          window: int) -> tuple[Row, dict[str, Row]]:
+    """mlx-lm's FP model and each artifact on the same non-overlapping windows of every text."""
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
     reference, _ = load_model(model_dir)
     models = {key: load_model(path)[0] for key, path in artifacts.items()}
-    fp, scores = _Scores(), {key: _Scores() for key in models}
-    for start in range(0, len(tokens) - window + 1, window):
-        chunk = mx.array(tokens[start:start + window])
-        fp_logprobs = _logprobs(reference, chunk)
-        fp.add(fp_logprobs, fp_logprobs, chunk[1:])
-        for key, model in models.items():
-            scores[key].add(fp_logprobs, _logprobs(model, chunk), chunk[1:])
-    return fp.row("unquantized (mlx)"), {key: s.row(key) for key, s in scores.items()}
+    fp, scores = {}, {key: {} for key in models}
+    for text, tokens in texts.items():
+        fp_text, on_text = _Scores(), {key: _Scores() for key in models}
+        for start in range(0, len(tokens) - window + 1, window):
+            chunk = mx.array(tokens[start:start + window])
+            fp_logprobs = _logprobs(reference, chunk)
+            fp_text.add(fp_logprobs, fp_logprobs, chunk[1:])
+            for key, model in models.items():
+                on_text[key].add(fp_logprobs, _logprobs(model, chunk), chunk[1:])
+        fp[text] = fp_text.row(text)
+        for key, text_scores in on_text.items():
+            scores[key][text] = text_scores.row(text)
+    return Row.across("unquantized (mlx)", fp), {key: Row.across(key, rows) for key, rows in scores.items()}
 
 
 def _size_mb(directory: Path) -> float:
@@ -163,16 +179,17 @@ def targets(rows: list[Row]) -> list[str]:
 # model), so the defaults are a calibration every row can afford, the same for every learned quantizer
 @click.option("--n-samples", default=8, show_default=True, help="Calibration rows for every learned quantizer.")
 @click.option("--seq-len", default=256, show_default=True)
-@click.option("--max-tokens", default=2048, show_default=True, help="Held-out tokens scored.")
+@texts_option("test-fiction,test-manual,test-code,test-zh")
+@click.option("--max-tokens", default=2048, show_default=True, help="Tokens scored per text.")
 @click.option("--window", default=512, show_default=True)
 @click.option("--only", default=None, help="Comma-separated variant keys to make and score (default: all).")
 @click.option("--reuse", is_flag=True, help="Keep artifacts an earlier run made with the same command.")
 @click.option("--variant-timeout", default=2400.0, show_default=True, type=float,
               help="Stop a quantizer still running after this many seconds; its row says so.")
-def main(model, out, bits, group_size, n_samples, seq_len, max_tokens, window, only, reuse, variant_timeout):
+def main(model, out, bits, group_size, n_samples, seq_len, texts, max_tokens, window, only, reuse,
+         variant_timeout):
     from transformers import AutoTokenizer
 
-    from quantkit import calib
     from quantkit.zoo import resolve_model
 
     model_dir = Path(resolve_model(model))
@@ -189,8 +206,9 @@ def main(model, out, bits, group_size, n_samples, seq_len, max_tokens, window, o
             continue
         made[variant.key] = (variant, record)
 
-    tokens = calib.heldout_tokens(AutoTokenizer.from_pretrained(model_dir), name="austen", max_tokens=max_tokens)
-    fp, scores = score(model_dir, {key: out / key for key in made}, tokens.tolist(), window)
+    tokens = {name: text.tolist() for name, text in
+              text_tokens(AutoTokenizer.from_pretrained(model_dir), names(texts), max_tokens).items()}
+    fp, scores = score(model_dir, {key: out / key for key in made}, tokens, window)
     from mlx_lm.utils import compute_bits_per_weight, load_model
 
     for key, (variant, record) in made.items():
@@ -198,22 +216,26 @@ def main(model, out, bits, group_size, n_samples, seq_len, max_tokens, window, o
         row.method, row.seconds, row.size_mb = variant.label, record["seconds"], round(_size_mb(out / key), 2)
         row.bits_per_weight = round(compute_bits_per_weight(load_model(out / key)[0]), 3)
         rows.append(row)
-    rows.insert(0, Row(fp.method, 0.0, fp.ppl, 1.0, 32.0, round(_size_mb(model_dir), 2)))
+    rows.insert(0, Row(fp.method, 0.0, fp.ppl, 1.0, 32.0, round(_size_mb(model_dir), 2),
+                       kl_per_text=dict.fromkeys(tokens, 0.0)))
 
-    header = ["method", "KL", "PPL", "top-1", "bits/w", "MB", "seconds", "note"]
-    table = [[r.method, r.kl, r.ppl, r.top1, r.bits_per_weight, r.size_mb, r.seconds, r.note] for r in rows]
+    header = ["method", "mean KL", *tokens, "PPL", "top-1", "bits/w", "MB", "seconds", "note"]
+    table = [[r.method, r.kl, *(r.kl_per_text.get(text) for text in tokens), r.ppl, r.top1, r.bits_per_weight,
+              r.size_mb, r.seconds, r.note] for r in rows]
     from quantkit.table import format_table
 
     setup = (f"bench-mlx: {model_dir.name}, W{bits} g{group_size}, {n_samples} x {seq_len} calibration tokens; "
-             f"scored by mlx-lm on held-out Austen, {fp_positions(tokens, window)} positions in windows of {window}; "
+             f"scored by mlx-lm on {', '.join(tokens)}, {fp_positions(tokens, window)} positions each in windows "
+             f"of {window} (PPL: the mean of the texts'); "
              f"machine: {machine()}")
     report(setup, format_table(header, table), rows, json_path=out / "bench-mlx.json",
            markdown_path=out / "bench-mlx.md", notes="\n".join(targets(rows)),
            extra={"targets": targets(rows), "commands": {k: v.command for k, (v, _) in made.items()}})
 
 
-def fp_positions(tokens, window: int) -> int:
-    return (len(tokens) // window) * (window - 1)
+def fp_positions(tokens: dict[str, list[int]], window: int) -> int:
+    """Positions scored per text (the shortest text's, if one is shorter than ``--max-tokens``)."""
+    return min(len(text) // window for text in tokens.values()) * (window - 1)
 
 
 if __name__ == "__main__":

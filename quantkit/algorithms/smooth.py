@@ -61,8 +61,11 @@ def smoothing_scale(abs_mean: Tensor, alpha: float) -> Tensor:
 
 
 def round_to_nearest(weight: Tensor, config: QuantConfig) -> Tensor:
-    """``quant.rtn_quantize(weight, config).dequantize()`` bit for bit (float32 [N, K]), with every
-    full-width group of every row quantized in one call instead of one call per group column."""
+    """Round to nearest on ``config``'s grid as stored (float32 [N, K]), every full-width group of every row in
+    one call instead of one call per group column: ``quant.rtn_quantize(weight, config).dequantize()`` bit for
+    bit, except on a float-bias (MLX) grid, where the codes are chosen on the stored scale and bias and
+    ``rtn_quantize`` follows ``mx.quantize``'s unrounded ones (a code differs only where a weight lies within
+    that rounding of a boundary between two codes)."""
     rows, features = weight.shape
     width = features if config.group_size == -1 else config.group_size
     full = features - features % width

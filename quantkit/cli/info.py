@@ -27,18 +27,22 @@ def inspect(model, revision, plot, as_json):
     model_dir = resolve_model(model, revision=revision)
     named = {} if Path(model) == model_dir else {"model": model}  # a name or repo id: say which, beside the path
     info = {**named, **describe(model_dir)}
-    text = format_table(["field", "value"], [[k, v] for k, v in info.items()])
-    types = budget_types(model_dir)
-    if types:
-        from quantkit.gguf.names import layer_table
+    family, types = budget_types(model_dir)
+    layer_table = None
+    if types:  # the plan's tensors outside the layers in the fields, the layers' in a table of their own
+        from quantkit.budget.formats import FAMILIES
 
+        layer_table = FAMILIES[family].layer_table
+        info.update({f"budget {name}": grid for name, grid in types.items() if not layer_table({name: grid})[1]})
+    text = format_table(["field", "value"], [[k, v] for k, v in info.items()])
+    if layer_table is not None:
         text += "\n\n" + format_table(*layer_table(types))
     if plot is not None:
         if not types:
             raise click.ClickException(f"{model_dir} has no size budget's plan to plot")
         from quantkit.cli.plan import plot_allocation
 
-        plot_allocation(types, plot, f"{model_dir.name}: bits per weight by layer")
+        plot_allocation(family, types, plot, f"{model_dir.name}: bits per weight by layer")
     emit(as_json, info, text)
 
 

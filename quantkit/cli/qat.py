@@ -108,7 +108,7 @@ def qat_ternary(model, revision, out, recipe, overrides, tokens, init, resume, d
 @_qat_command("dwq", "mlx-dwq-w4g64",
               "DWQ recipe: mlx-dwq-w4g64, or a YAML file whose 'qat' section sets trains: scales.",
               "--set qat.learning_rate=3e-5 --set qat.top_k=64",
-              "Keep this MLX artifact's codes (e.g. an mlx-s-p-gptq-w4g64 one) instead of RTN's.")
+              "Keep this MLX artifact's codes (e.g. an mlx-s-gptq-w4g64 one) instead of RTN's.")
 def qat_dwq(model, revision, out, recipe, overrides, tokens, init, resume, device, shard_state, progress, as_json):
     """Distilled scales and biases (mlx-lm's DWQ): keep every decoder linear's codes (RTN's, or --init's) and
     train only each group's scale and bias toward MODEL's own output distribution; writes the MLX artifact,

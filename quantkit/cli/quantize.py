@@ -46,9 +46,9 @@ def quantize(recipe, model, revision, out, overrides, target_size, target_bpw, r
     settings = dict(parse_override(text) for text in overrides)
     model_dir, loaded, planned = resolve_model(model, revision=revision), load_recipe(recipe, settings), None
     budget = budget_from_options(target_size, target_bpw)
-    if budget is not None:  # the plan's types become the recipe's per-tensor overrides, which the solver rounds to
-        planned = make_plan(model_dir, loaded, budget, progress=progress)
-        loaded = load_recipe(recipe, settings | {"gguf.tensor_types": planned.tensor_types})
+    if budget is not None:  # the plan's grids become the recipe's per-tensor overrides, which the solver rounds to
+        planned, chosen = make_plan(model_dir, loaded, budget, progress=progress)
+        loaded = load_recipe(recipe, settings | chosen)
     report = run(model_dir, loaded, out, resume=resume, device=device, activations=activations, progress=progress,
                  notes={"budget": planned.to_dict()} if planned else None)
     rows = []

@@ -15,10 +15,12 @@ is a whole number of groups. ``config.json`` carries ``"quantization": {"group_s
 Mixed precision (``MLXGrid.modules``): the same dict may also hold one entry per module path, that
 module's own ``{"group_size", "bits", "mode"}`` or ``false`` (left unquantized), which mlx-lm's loader
 obeys before the defaults. A recipe's ``mlx.mixed`` (the format's own recipe section, ``SETTINGS``)
-names one of mlx-lm's mixed predicates (``MIXES``), resolved per module by ``resolve``.
+names one of mlx-lm's mixed predicates (``MIXES``), and ``mlx.modules`` gives modules their own entries
+(what a size budget's plan writes), both resolved per module by ``resolve``.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
@@ -108,13 +110,22 @@ def mixed_modules(layers: int) -> dict[str, bool]:
 
 
 def resolve(config: MLXGrid, recipe: Mapping[str, Any], layers: int) -> MLXGrid:
-    """``config`` with the grid of each module of a ``layers``-layer model, as the recipe's mixed
-    predicate (``mlx.mixed``) chooses them; unchanged without one."""
-    if "mlx" not in recipe:
+    """``config`` with the grid of each module of a ``layers``-layer model: the recipe's mixed predicate
+    (``mlx.mixed``), then its per-module entries (``mlx.modules``); unchanged without either."""
+    section = recipe.get("mlx")
+    if not section:
         return config
-    low, high = MIXES[recipe["mlx"]["mixed"]]
-    grids = {more: replace(config.default(), bits=high if more else low) for more in (False, True)}
-    return replace(config, modules=tuple((path, grids[more]) for path, more in mixed_modules(layers).items()))
+    modules: dict[str, QuantConfig | None] = {}
+    if section["mixed"] is not None:
+        low, high = MIXES[section["mixed"]]
+        grids = {more: replace(config.default(), bits=high if more else low) for more in (False, True)}
+        modules = {path: grids[more] for path, more in mixed_modules(layers).items()}
+    for path, entry in section["modules"].items():
+        if (match := LAYER_MODULE.fullmatch(path)) and int(match[1]) >= layers:
+            raise ValueError(f"mlx.modules names {path}, but the model has {layers} layers")
+        modules[path] = None if entry is False else replace(config.default(), bits=entry["bits"],
+                                                            group_size=entry["group_size"])
+    return replace(config, modules=tuple(modules.items()))
 
 
 def target(config: MLXGrid, linear: str, layer: int, model, shape: tuple[int, int]) -> QuantConfig | None:
@@ -196,12 +207,12 @@ def write_outside(tensors: Mapping[str, Tensor], config: MLXGrid) -> dict[str, T
                          "model has no module for), quantized or not")
     out = dict(tensors)
     for name in QUANTIZED_OUTSIDE:
-        weight = tensors.get(name)
-        if weight is None or weight.shape[1] % config.group_size:
+        weight, module = tensors.get(name), name.removesuffix(".weight")
+        grid = config.module(module)
+        if weight is None or grid is None or weight.shape[1] % grid.group_size:
             continue
-        module = name.removesuffix(".weight")
         del out[name]
-        out |= mlx_tensors(rtn_quantize(weight, replace(config.module(module), scale_dtype=weight.dtype)), module)
+        out |= mlx_tensors(rtn_quantize(weight, replace(grid, scale_dtype=weight.dtype)), module)
     return out
 
 
@@ -284,11 +295,33 @@ def config_files(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
             TRANSFORMERS_CONFIG: for_transformers}
 
 
+# The modules ``mlx.modules`` may name: every decoder linear, and the two matrices outside the layers, which
+# alone may stay unquantized (``false``: the engine quantizes every decoder linear)
+LAYER_MODULE = re.compile(re.escape(layer_prefix(0)).replace("0", r"(\d+)", 1)
+                          + f"({'|'.join(map(re.escape, LINEARS))})")
+_OUTSIDE_MODULES = tuple(name.removesuffix(".weight") for name in QUANTIZED_OUTSIDE)
+
+
+def _valid_module_entry(path: object, entry: object) -> bool:
+    if not isinstance(path, str) or not (LAYER_MODULE.fullmatch(path) or path in _OUTSIDE_MODULES):
+        return False
+    if entry is False:
+        return path in _OUTSIDE_MODULES
+    return (isinstance(entry, dict) and set(entry) == {"bits", "group_size"} and entry["bits"] in FLOAT_BIAS_BITS
+            and type(entry["bits"]) is int and entry["group_size"] in GROUP_SIZES)
+
+
 # The recipe's ``mlx`` section: present only in recipes that state it, so the others' fingerprints do not change
 SETTINGS = Section({
-    "mixed": Field(str, required=True, choices=tuple(MIXES),
+    "mixed": Field(str, choices=tuple(MIXES),
                    help="mlx-lm's mixed predicate (`mlx_lm.convert --quant-predicate NAME`): quant.bits for "
                         "most modules, more for the LM head and some layers' v_proj and down_proj (format mlx)"),
+    "modules": Field(dict, default={}, check=lambda d: all(_valid_module_entry(p, e) for p, e in d.items()),
+                     rule=f"a mapping of module paths (model.layers.N.<linear>, {', '.join(_OUTSIDE_MODULES)}) to "
+                          f"{{bits: {'|'.join(map(str, FLOAT_BIAS_BITS))}, group_size: "
+                          f"{'|'.join(map(str, GROUP_SIZES))}}}, or false for the two outside the layers",
+                     help="per-module grids over quant and mlx.mixed, as mlx-lm's per-module quantization entries "
+                          "(what `quantkit quantize --target-size` writes; format mlx)"),
 }, optional=True)
 
 
@@ -315,16 +348,19 @@ class MLX(Format):
     config_files = staticmethod(config_files)
 
     def recipe_refusal(self, values):
-        """A mixed predicate is a per-module grid of this format, which only `quantkit quantize` applies,
-        on quant.bits for most modules."""
+        """Per-module grids belong to this format, and only `quantkit quantize` applies them; a mixed predicate
+        gives most modules quant.bits."""
         if "mlx" not in values:
             return None
-        mix = values["mlx"]["mixed"]
-        low = MIXES[mix][0]
-        rules = (
+        section = values["mlx"]
+        what = f"'mlx.mixed' = {section['mixed']!r}" if section["mixed"] is not None else "'mlx.modules'"
+        rules = [
             (values["format"] == self.name, f"is a per-module grid of format mlx, not of format '{values['format']}'"),
             ("qat" not in values, "is applied by `quantkit quantize` (RTN, GPTQ, AWQ), not yet by QAT or DWQ training"),
-            (values["quant"]["bits"] == low, f"gives most modules {low} bits: set quant.bits: {low} (the grid of "
-                                             "every other module, and the defaults of the config it writes)"),
-        )
-        return next((f"'mlx.mixed' = {mix!r} {why}" for holds, why in rules if not holds), None)
+        ]
+        if section["mixed"] is not None:
+            low = MIXES[section["mixed"]][0]
+            rules.append((values["quant"]["bits"] == low, f"gives most modules {low} bits: set quant.bits: {low} (the "
+                                                          "grid of every other module, and the defaults of the config "
+                                                          "it writes)"))
+        return next((f"{what} {why}" for holds, why in rules if not holds), None)
