@@ -58,7 +58,7 @@ help:
 	@echo "make bench-budget  quantkit quantize --target-size at the sizes of llama.cpp's q4_k_m/q3_k_m/iq2_m files against every llama.cpp mix + imatrix, scored in llama.cpp (BENCH_BUDGET_ARGS=...)"
 	@echo "make bench-lowbit  GPTQ W2 g64 / W3 g128 asym, plus block reconstruction, vs Intel AutoRound (default and best) on the same rows; GGUF Q3_K_M/Q2_K with it vs llama.cpp + imatrix (hours; BENCH_LOWBIT_ARGS=...)"
 	@echo "make llama-tools  build llama.cpp's llama-imatrix and llama-quantize once (bench-gguf's imatrix anchor; ~10 min)"
-	@echo "make bench-mlx   mlx_lm.convert, mlx-lm's GPTQ/AWQ/DWQ, quantkit's MLX recipes and DWQ at W4 g64, scored by mlx-lm (BENCH_MLX_ARGS='--reuse')"
+	@echo "make bench-mlx   mlx_lm.convert, mlx-lm's GPTQ/AWQ/DWQ, quantkit's MLX recipes and DWQ at W4 g64, mlx_lm.dynamic_quant vs quantkit's size budget at 3.5/4.5 bits/w, scored by mlx-lm on the test texts (BENCH_MLX_ARGS='--reuse')"
 	@echo "make bench-runtime  a fresh quantkit generate's first token (target 2 s); quantkit's runtime (W4) vs transformers fp32/bf16 and llama.cpp Q4_0, decode and prefill; InfLLM v2 vs dense attention"
 	@echo "make eval-sparse  InfLLM v2 on MODEL with a scaled-down SPARSE_CONFIG: perplexity vs dense, needle retrieval"
 	@echo "make bench-scale  the marlin recipe on an 8B-shaped random MiniCPM4.1 checkpoint: time, memory, projection"
@@ -207,8 +207,9 @@ LLAMA_TOOLS_JOBS ?= 2
 llama-tools: $(TEST_INSTALLED)
 	$(BIN)/python -c "from quantkit.eval.bench.bench_gguf import llama_tools; print(llama_tools(jobs=$(LLAMA_TOOLS_JOBS)))"
 
-# MLX at W4 g64 on MODEL, every row scored by mlx-lm itself (KL to the unquantized model run by mlx,
-# perplexity, top-1) with the issue's targets under the table; mlx and mlx-lm come with the test stamp.
+# MLX at W4 g64 on MODEL, and at size budgets against mlx_lm.dynamic_quant, every row scored by mlx-lm itself
+# on the test texts (KL to the unquantized model run by mlx, perplexity, top-1) with the issue's targets under
+# the table; mlx and mlx-lm come with the test stamp.
 BENCH_MLX_ARGS ?=
 bench-mlx: $(TEST_INSTALLED)
 	nice -n 10 $(BIN)/python -m quantkit.eval.bench.bench_mlx --model $(MODEL) --out $(OUT)/bench-mlx $(BENCH_MLX_ARGS)

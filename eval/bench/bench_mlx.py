@@ -3,7 +3,9 @@
 Rows: ``mlx_lm.convert -q`` (4 bits, group 64), mlx-lm's own learned quantizers (GPTQ, AWQ, DWQ, fed
 quantkit's calibration rows: ``quantkit.eval.interop.mlx_lm_quantize``), quantkit's MLX recipes, and
 quantkit's DWQ (``quantkit qat dwq``) started from this run's ``mlx-s-gptq-w4g64`` artifact, beside
-mlx-lm's DWQ.
+mlx-lm's DWQ; and at each ``--budgets`` bits per weight, ``mlx_lm.dynamic_quant`` (its bits from gradient
+sensitivities, between the two widths around the budget) beside ``mlx-s-gptq-w4g64 --target-bpw`` (quantkit's
+size budget, a little under the budget so that its count, which leaves the norms out, stays below mlx-lm's).
 Each artifact is loaded with ``mlx_lm.utils.load_model`` and run by mlx on held-out text beside the
 unquantized model, also run by mlx: KL divergence to it, perplexity and top-1 agreement, on the same
 windows of each test text (their mean over the texts is the row's figure). Bits per weight are
@@ -14,6 +16,7 @@ note. The targets are printed under the table.
 from __future__ import annotations
 
 import math
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +30,10 @@ from quantkit.eval.bench.common import Variant, log_tail, machine, make_variant,
 # The issue's targets, at 4 bits, group 64
 CONVERT_KL_RATIO = 0.7  # quantkit's best at most this times mlx_lm.convert's KL
 BPW_SLACK = 0.01  # "equal bits per weight": within this many bits
+# at a size budget: quantkit's planned artifact at most this times mlx_lm.dynamic_quant's KL at the same bits
+DYNAMIC_KL_RATIO = 0.75
+BUDGET_RECIPE = "mlx-s-gptq-w4g64"
+_AT_BUDGET = re.compile(r" at ([0-9.]+) bits/w")  # in the labels of the rows made at a size budget
 
 
 DWQ_RECIPE, DWQ_INIT = "mlx-dwq-w4g64", "mlx-s-gptq-w4g64"  # quantkit's DWQ keeps this artifact's codes
@@ -45,7 +52,8 @@ def _failure(message: str) -> str:
     return next((line for line in reversed(lines) if "Error" in line), lines[-1]).strip()[:200]
 
 
-def _variants(model: Path, out: Path, bits: int, group_size: int, n_samples: int, seq_len: int) -> list[Variant]:
+def _variants(model: Path, out: Path, bits: int, group_size: int, n_samples: int, seq_len: int,
+              budgets: list[float]) -> list[Variant]:
     from quantkit.qat.trainer import CHECKPOINT_DIR
     from quantkit.training.state import progress_file
 
@@ -68,6 +76,26 @@ def _variants(model: Path, out: Path, bits: int, group_size: int, n_samples: int
                 [sys.executable, "-m", "quantkit.cli", "qat", "dwq", "--model", str(model), "--out",
                  str(out / DWQ_RECIPE), "--recipe", DWQ_RECIPE, "--init", str(out / DWQ_INIT), "--no-progress",
                  *(arg for setting in grid[:2] for arg in ("--set", setting))], checkpoint=checkpoint),
+        *(variant for budget in budgets for variant in _budget_variants(model, out, budget, group_size, n_samples,
+                                                                         seq_len, grid[2:])),
+    ]
+
+
+def _budget_variants(model: Path, out: Path, budget: float, group_size: int, n_samples: int, seq_len: int,
+                     calibration: list[str]) -> list[Variant]:
+    """mlx_lm.dynamic_quant between the widths around ``budget`` (a group's 16-bit scale and bias add 32 /
+    group_size bits), and quantkit's plan at the same bits."""
+    low = math.floor(budget - 32 / group_size)
+    dynamic, planned = f"mlx-lm-dynamic-{budget:g}", f"quantkit-budget-{budget:g}"
+    return [
+        Variant(dynamic, f"mlx-lm dynamic_quant at {budget:g} bits/w ({low}/{low + 1} bits)",
+                [sys.executable, "-m", "quantkit.eval.interop.mlx_lm_quantize", str(model), str(out / dynamic),
+                 "--method", "dynamic", "--bits", str(low), "--high-bits", str(low + 1), "--group-size",
+                 str(group_size), "--nsamples", str(n_samples), "--seqlen", str(seq_len), "--target-bpw",
+                 f"{budget:g}"]),
+        Variant(planned, f"quantkit {BUDGET_RECIPE} at {budget:g} bits/w (--target-bpw {budget - BPW_SLACK:g})",
+                [*quantize_command(BUDGET_RECIPE, model, out / planned, calibration), "--target-bpw",
+                 f"{budget - BPW_SLACK:g}"]),
     ]
 
 
@@ -145,11 +173,12 @@ def _size_mb(directory: Path) -> float:
 
 
 def targets(rows: list[Row]) -> list[str]:
-    """The issue's two targets, each with the numbers it was decided on."""
+    """The issue's targets, each with the numbers it was decided on."""
     scored = [r for r in rows if r.kl is not None]
     convert = next((r for r in scored if r.method == "mlx_lm.convert -q"), None)
-    ours = [r for r in scored if r.method.startswith("quantkit")]
-    peers = [r for r in scored if r.method.startswith("mlx-lm ")]
+    at_budget = {r.method: float(match[1]) for r in scored if (match := _AT_BUDGET.search(r.method))}
+    ours = [r for r in scored if r.method.startswith("quantkit") and r.method not in at_budget]
+    peers = [r for r in scored if r.method.startswith("mlx-lm ") and r.method not in at_budget]
     if not ours:
         return ["targets: not decided (every quantkit row failed)"]
     best = min(ours, key=lambda r: r.kl)
@@ -167,6 +196,18 @@ def targets(rows: list[Row]) -> list[str]:
                      f"bits/weight ({peer.method}, {peer.kl:.4f}): {'MET' if best.kl <= peer.kl else 'MISSED'}")
     else:
         lines.append("target 2: not decided (no mlx-lm quantizer ran at the same bits per weight)")
+    for dynamic in (r for r in scored if r.method.startswith("mlx-lm") and r.method in at_budget):
+        budget = at_budget[dynamic.method]
+        planned = next((r for r in scored if r.method.startswith("quantkit") and at_budget.get(r.method) == budget),
+                       None)
+        if planned is None:
+            lines.append(f"budget {budget:g}: not decided (no quantkit row)")
+            continue
+        bound = DYNAMIC_KL_RATIO * dynamic.kl
+        met = planned.kl <= bound and planned.bits_per_weight <= dynamic.bits_per_weight
+        lines.append(f"budget {budget:g} bits/w: quantkit KL {planned.kl:.4f} at {planned.bits_per_weight:.3f} bits/w "
+                     f"<= {DYNAMIC_KL_RATIO} x mlx_lm.dynamic_quant's {dynamic.kl:.4f} at "
+                     f"{dynamic.bits_per_weight:.3f} = {bound:.4f}: {'MET' if met else 'MISSED'}")
     return lines
 
 
@@ -186,15 +227,18 @@ def targets(rows: list[Row]) -> list[str]:
 @click.option("--reuse", is_flag=True, help="Keep artifacts an earlier run made with the same command.")
 @click.option("--variant-timeout", default=2400.0, show_default=True, type=float,
               help="Stop a quantizer still running after this many seconds; its row says so.")
+@click.option("--budgets", default="3.5,4.5", show_default=True,
+              help="Comma-separated bits per weight at which mlx_lm.dynamic_quant and quantkit's size budget are "
+                   "compared (empty: none).")
 def main(model, out, bits, group_size, n_samples, seq_len, texts, max_tokens, window, only, reuse,
-         variant_timeout):
+         variant_timeout, budgets):
     from transformers import AutoTokenizer
 
     from quantkit.zoo import resolve_model
 
     model_dir = Path(resolve_model(model))
     out.mkdir(parents=True, exist_ok=True)
-    variants = _variants(model_dir, out, bits, group_size, n_samples, seq_len)
+    variants = _variants(model_dir, out, bits, group_size, n_samples, seq_len, [float(b) for b in names(budgets)])
     if only:
         variants = [v for v in variants if v.key in only.split(",")]
     rows, made = [], {}

@@ -1,8 +1,8 @@
 """Quantize a MiniCPM checkpoint with one of mlx-lm's own learned quantizers, as a peer for quantkit's
 MLX recipes (``make bench-mlx``)::
 
-    python -m quantkit.eval.interop.mlx_lm_quantize MODEL_DIR|default OUT --method {gptq,awq,dwq} \\
-        --bits 4 --group-size 64 --nsamples 128 --seqlen 512
+    python -m quantkit.eval.interop.mlx_lm_quantize MODEL_DIR|default OUT --method {gptq,awq,dwq,dynamic} \\
+        --bits 4 --group-size 64 --nsamples 128 --seqlen 512 [--target-bpw 4.2 --high-bits 5]
 
 The calibration rows are quantkit's (``quantkit.calib.calibration_set``), handed to mlx-lm's
 functions directly: their command lines download a calibration text instead. Everything mlx-lm
@@ -15,7 +15,10 @@ group, so that all rows of the benchmark have the same bits per weight:
   (MiniCPM's layers have llama's module names; its μP residual scales are inside the layer) when
   mlx-lm has none for MiniCPM;
 - dwq: ``mlx_lm.quant.dwq.dwq_quantize``: mlx_lm.convert's grid, then scales and biases trained to
-  the unquantized model's logits, in float32 (bfloat16 is emulated on CPUs without it).
+  the unquantized model's logits, in float32 (bfloat16 is emulated on CPUs without it);
+- dynamic: ``mlx_lm.dynamic_quant``'s steps (``estimate_sensitivities``, ``estimate_threshold``): each module
+  at ``--bits`` or, where its gradient-based sensitivity is above the threshold that meets ``--target-bpw``
+  (mlx-lm's own bits per weight), at ``--high-bits``; round to nearest, as its command does.
 
 OUT is an MLX directory mlx-lm loads, plus mlx_lm_run.json (settings, calibration, wall time).
 """
@@ -69,12 +72,33 @@ def _dwq(model, config, rows, args):
     return student, quantized["quantization"]
 
 
-METHODS = {"gptq": _gptq, "awq": _awq, "dwq": _dwq}
+def _dynamic(model, config, rows, args):
+    from mlx_lm.quant.dynamic_quant import estimate_sensitivities, estimate_threshold
+    from mlx_lm.utils import quantize_model
+
+    if args.target_bpw is None:
+        raise SystemExit("--method dynamic needs --target-bpw")
+    low, high = (args.bits, args.group_size), (args.high_bits, args.group_size)
+    sensitivities = dict(estimate_sensitivities(model, rows, *low, *high))
+    threshold = estimate_threshold(model, sensitivities, args.target_bpw, *low, *high)
+
+    def predicate(path, module):
+        if not hasattr(module, "to_quantized"):
+            return False
+        return {"bits": high[0], "group_size": high[1]} if sensitivities[path] > threshold else True
+
+    model, quantized = quantize_model(model, config, group_size=low[1], bits=low[0], quant_predicate=predicate)
+    return model, quantized["quantization"]
+
+
+METHODS = {"gptq": _gptq, "awq": _awq, "dwq": _dwq, "dynamic": _dynamic}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser: argparse.ArgumentParser = peer_parser(__doc__.splitlines()[0])
     parser.add_argument("--method", required=True, choices=sorted(METHODS))
+    parser.add_argument("--target-bpw", type=float, help="dynamic: mlx-lm's bits per weight to meet")
+    parser.add_argument("--high-bits", type=int, default=5, help="dynamic: the bits of the sensitive modules")
     args = parser.parse_args(argv)
     model_dir = model_dir_of(args)
     from mlx_lm.utils import compute_bits_per_weight, load_config, load_model, save_config, save_model
@@ -98,7 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     for name, content in files.items():
         write_json(staging / name, content)
     write_json(staging / RUN_FILE, {
-        "method": f"mlx-lm {args.method}", "settings": {"bits": args.bits, "group_size": args.group_size},
+        "method": f"mlx-lm {args.method}", "settings": {"bits": args.bits, "group_size": args.group_size,
+                                                       **({"target_bpw": args.target_bpw, "high_bits": args.high_bits}
+                                                          if args.method == "dynamic" else {})},
         "calibration": calibration.describe(), "seconds": round(seconds, 1),
         "bits_per_weight": round(compute_bits_per_weight(model), 3),
         "versions": {name: version(name) for name in ("mlx", "mlx-lm", "transformers")},
