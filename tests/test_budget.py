@@ -285,6 +285,18 @@ def test_budget_needs_a_format_that_mixes_types(marlin_legal, tmp_path):
     assert result.exit_code == 1 and "gguf-*" in result.output and "mlx-*" in result.output, result.output
 
 
+def test_an_mlx_budget_refuses_a_tied_checkpoint_before_any_work(tiny_checkpoint_factory, tmp_path):
+    from click.testing import CliRunner
+
+    from quantkit.cli import main
+
+    tied = tiny_checkpoint_factory(same_rope_factors=True, tied=True)
+    result = CliRunner().invoke(main, ["quantize", "--recipe", "mlx-s-gptq-w4g64", "--model", str(tied), "--out",
+                                       str(tmp_path / "out"), "--target-bpw", "4", "--no-progress"])
+    assert result.exit_code == 1 and "ties its LM head" in result.output, result.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_tensor_types_need_a_gguf_format_and_known_names(tmp_path):
     from quantkit.recipe import RecipeError, load_recipe
 

@@ -131,6 +131,9 @@ class MLXBudget:
 
     @staticmethod
     def tensors(config) -> dict[str, tuple[str, ...]]:
+        if config.tie_word_embeddings:  # refused before the estimates, as the MLX writer would refuse it after
+            raise BudgetError("format mlx: this checkpoint ties its LM head to the embedding, which mlx-lm's MiniCPM "
+                              "cannot load")
         return decoder_and_outside(config, lambda module: module)
 
     @staticmethod
