@@ -53,7 +53,7 @@ def _failure(message: str) -> str:
 
 
 def _variants(model: Path, out: Path, bits: int, group_size: int, n_samples: int, seq_len: int,
-              budgets: list[float]) -> list[Variant]:
+              budgets: list[float], scale_bits: int) -> list[Variant]:
     from quantkit.qat.trainer import CHECKPOINT_DIR
     from quantkit.training.state import progress_file
 
@@ -77,15 +77,16 @@ def _variants(model: Path, out: Path, bits: int, group_size: int, n_samples: int
                  str(out / DWQ_RECIPE), "--recipe", DWQ_RECIPE, "--init", str(out / DWQ_INIT), "--no-progress",
                  *(arg for setting in grid[:2] for arg in ("--set", setting))], checkpoint=checkpoint),
         *(variant for budget in budgets for variant in _budget_variants(model, out, budget, group_size, n_samples,
-                                                                         seq_len, grid[2:])),
+                                                                         seq_len, grid[2:], scale_bits)),
     ]
 
 
 def _budget_variants(model: Path, out: Path, budget: float, group_size: int, n_samples: int, seq_len: int,
-                     calibration: list[str]) -> list[Variant]:
-    """mlx_lm.dynamic_quant between the widths around ``budget`` (a group's 16-bit scale and bias add 32 /
-    group_size bits), and quantkit's plan at the same bits."""
-    low = math.floor(budget - 32 / group_size)
+                     calibration: list[str], scale_bits: int) -> list[Variant]:
+    """mlx_lm.dynamic_quant between the widths around ``budget`` (a group's scale and bias, each of
+    ``scale_bits``, the model dtype's, add 2 · scale_bits / group_size bits per weight), and quantkit's plan
+    at the same bits."""
+    low = math.floor(budget - 2 * scale_bits / group_size)
     dynamic, planned = f"mlx-lm-dynamic-{budget:g}", f"quantkit-budget-{budget:g}"
     return [
         Variant(dynamic, f"mlx-lm dynamic_quant at {budget:g} bits/w ({low}/{low + 1} bits)",
@@ -238,7 +239,12 @@ def main(model, out, bits, group_size, n_samples, seq_len, texts, max_tokens, wi
 
     model_dir = Path(resolve_model(model))
     out.mkdir(parents=True, exist_ok=True)
-    variants = _variants(model_dir, out, bits, group_size, n_samples, seq_len, [float(b) for b in names(budgets)])
+    from quantkit.checkpoint import CheckpointReader
+    from quantkit.models.layers import EMBEDDING
+
+    scale_bits = 8 * CheckpointReader(model_dir).dtype(EMBEDDING).itemsize  # MLX stores scales in the model dtype
+    variants = _variants(model_dir, out, bits, group_size, n_samples, seq_len, [float(b) for b in names(budgets)],
+                         scale_bits)
     if only:
         variants = [v for v in variants if v.key in only.split(",")]
     rows, made = [], {}
