@@ -8,6 +8,7 @@ import torch
 from quantkit import cpu_ops
 from quantkit.activation_quant import ActivationGrid
 from quantkit.formats.compressed_tensors import CompressedTensorsGrid
+from quantkit.kernels.linear import panel
 from quantkit.kernels.linear.w8a8 import W8A8Linear, runs_on_integer_kernel
 from quantkit.quant import QuantConfig, rtn_quantize
 
@@ -35,7 +36,7 @@ TOLERANCE = {torch.float32: 0.0, torch.bfloat16: 2 ** -8}
     (192, 576, 3, torch.float16, torch.float32),   # the default model's width; a float32 model's float16 scales
     (100, 1000, 17, torch.bfloat16, torch.bfloat16),  # rows not a panel multiple, K not a multiple of 8; prefill
 ])
-def test_integer_product_is_the_scheme_on_the_dequantized_weight(n, k, rows, scale_dtype, dtype):
+def test_integer_product_is_the_scheme_on_the_dequantized_weight(n, k, rows, scale_dtype, dtype, monkeypatch):
     assert cpu_ops.load() is not None, "the compiled CPU operators must build here"
     record = _record(n, k, scale_dtype)
     module = W8A8Linear.from_record(record)
@@ -47,7 +48,15 @@ def test_integer_product_is_the_scheme_on_the_dequantized_weight(n, k, rows, sca
     for given in (x, DYNAMIC.fake_quantize(x)):
         got = module._integer_product(given).float()
         assert ((got - want).abs() <= TOLERANCE[dtype] * want.abs() + 1e-5 * want.abs().max()).all()
-    assert torch.equal(module(x), module._integer_product(x))  # decode and prefill rows on the kernel here
+    # decode rows, and prefill rows where prefill_kernel() is "int8" (no AMX), run on the kernel; with AMX the
+    # prefill rows go to oneDNN on the dequantized weight, the route test_qlinear checks for every panel linear
+    monkeypatch.setattr(panel, "prefill_kernel", lambda: "int8")
+    assert torch.equal(module(x), module._integer_product(x))
+    monkeypatch.setattr(panel, "prefill_kernel", lambda: "bf16")
+    quantized = DYNAMIC.fake_quantize(x)  # what the runtime hands the module: the dense route multiplies it as given
+    sums = quantized.float().abs() @ record.dequantize(torch.float32).abs().T
+    # the dense route's bf16 roundings (of the weight, of the output): each under 2^-8 of sum |x w|
+    assert ((module(quantized).float() - want).abs() <= 2 ** -7 * sums + 1e-5 * want.abs().max()).all()
     assert torch.equal(module.dequantized(torch.float32)[:, :k], record.dequantize(torch.float32))
 
 
